@@ -1,0 +1,96 @@
+"""KVCache: the engine-neutral container every part of kvtool speaks.
+
+Per layer, keys and values are arrays ``[kv_heads, tokens, head_dim]`` (numpy or torch) of one
+sequence. Alongside them: the token ids the cache was computed for, the identity of the model
+(``model``: a JSON-safe dict with at least a ``fingerprint`` of the fields that decide KV layout)
+and a fingerprint of the tokenizer, so a reload can refuse a foreign cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvtool.kernels import Array, ops_for, to_numpy, to_torch
+
+
+@dataclass
+class KVCache:
+    keys: list[Array]
+    values: list[Array]
+    token_ids: np.ndarray | None = None
+    model: dict[str, Any] = field(default_factory=dict)
+    tokenizer_fingerprint: str | None = None
+    layer_info: list[dict[str, Any]] | None = None  # e.g. {"sliding_window": 512} per layer
+
+    def __post_init__(self) -> None:
+        self.keys, self.values = list(self.keys), list(self.values)
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"{len(self.keys)} key layers but {len(self.values)} value layers")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k.ndim != 3 or v.ndim != 3:
+                raise ValueError(f"layer {i}: keys/values must be [kv_heads, tokens, head_dim]")
+            if k.shape[:2] != v.shape[:2]:
+                raise ValueError(f"layer {i}: keys {tuple(k.shape)} and values "
+                                 f"{tuple(v.shape)} disagree on heads or tokens")
+        if self.token_ids is not None:
+            self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
+        if self.layer_info is not None and len(self.layer_info) != len(self.keys):
+            raise ValueError("layer_info must have one entry per layer")
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the longest layer (sliding-window layers may hold fewer)."""
+        return max((int(k.shape[1]) for k in self.keys), default=0)
+
+    @property
+    def dtype(self) -> str:
+        return ops_for(self.keys[0]).dtype_name(self.keys[0]) if self.keys else "float32"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (*self.keys, *self.values))
+
+    def layer(self, i: int) -> tuple[Array, Array]:
+        return self.keys[i], self.values[i]
+
+    # -- conversions ---------------------------------------------------------------------------
+    def map_arrays(self, fn) -> KVCache:
+        """A copy with ``fn`` applied to every key and value array."""
+        return replace(self, keys=[fn(k) for k in self.keys], values=[fn(v) for v in self.values])
+
+    def to_numpy(self) -> KVCache:
+        return self.map_arrays(to_numpy)
+
+    def to_torch(self, device: Any = None) -> KVCache:
+        return self.map_arrays(lambda a: to_torch(a, device))
+
+    def astype(self, dtype: str) -> KVCache:
+        return self.map_arrays(lambda a: ops_for(a).astype(a, dtype))
+
+    def prefix(self, tokens: int) -> KVCache:
+        """The cache of the first ``tokens`` tokens (full-attention layers)."""
+        if not 0 <= tokens <= self.num_tokens:
+            raise ValueError(f"prefix of {tokens} tokens from a cache of {self.num_tokens}")
+        ids = None if self.token_ids is None else self.token_ids[:tokens]
+        return replace(self, keys=[k[:, :tokens] for k in self.keys],
+                       values=[v[:, :tokens] for v in self.values], token_ids=ids)
+
+    def to_hf(self, **kwargs: Any):
+        """A transformers ``DynamicCache`` that ``model.generate`` continues from."""
+        from kvtool.engines.hf import to_dynamic_cache
+
+        return to_dynamic_cache(self, **kwargs)
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[tuple[Array, Array]], **kwargs: Any) -> KVCache:
+        return cls([k for k, _ in layers], [v for _, v in layers], **kwargs)
+

@@ -1,0 +1,124 @@
+"""The codec contract (modelled on numcodecs' ``Codec``).
+
+A codec turns an array ``x[..., tokens, head_dim]`` into an :class:`Encoded` — a small set of
+named arrays — and back. Codecs are stateless apart from their configuration, which round-trips
+through JSON via :meth:`Codec.get_config` and :func:`kvtool.codecs.get_codec`.
+
+Arrays may be numpy or torch; the backend is chosen from the input's type (see
+:mod:`kvtool.kernels`), and every backend decodes every other backend's bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvtool.errors import CodecError
+from kvtool.kernels import Array, check_finite, ops_for
+
+
+@dataclass
+class Encoded:
+    """The output of :meth:`Codec.encode`.
+
+    ``arrays`` holds the named parts (e.g. ``codes``, ``norms``); ``shape`` and ``dtype`` describe
+    the array that was encoded, so :meth:`Codec.decode` can rebuild it exactly.
+    """
+
+    arrays: dict[str, Array]
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored array, side information included."""
+        return int(sum(a.nbytes for a in self.arrays.values()))
+
+    def to_numpy(self) -> Encoded:
+        from kvtool.kernels import to_numpy
+
+        return Encoded({k: to_numpy(v) for k, v in self.arrays.items()}, self.shape, self.dtype)
+
+    def to_torch(self, device: Any = None) -> Encoded:
+        from kvtool.kernels import to_torch
+
+        arrays = {k: to_torch(v, device) for k, v in self.arrays.items()}
+        return Encoded(arrays, self.shape, self.dtype)
+
+
+class Codec(ABC):
+    """Base class of every codec.
+
+    Subclasses set ``codec_id`` (the on-disk identity) and ``codec_version`` (raised when the
+    encoded bytes change meaning) and implement ``_encode``/``_decode`` in terms of the array ops
+    namespace ``xp`` handed to them, so one implementation serves numpy and torch alike.
+    """
+
+    codec_id: ClassVar[str]
+    codec_version: ClassVar[int] = 1
+
+    # -- configuration -------------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """JSON-safe configuration; ``get_codec(codec.get_config())`` rebuilds an equal codec."""
+        return {"id": self.codec_id, "codec_version": self.codec_version, **self._params()}
+
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def for_role(self, role: str) -> Codec:
+        """The codec to use for ``role`` ("key" or "value"); KIVI, e.g., differs per role."""
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        import json
+
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({params})"
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @abstractmethod
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per input element, counting every side-info byte (norms, scales)."""
+
+    # -- encode / decode -------------------------------------------------------------------------
+    def encode(self, x: Array) -> Encoded:
+        """Encode ``x[..., head_dim]`` (fp32/fp16/bf16, numpy or torch)."""
+        xp = ops_for(x)
+        dtype = xp.dtype_name(x)
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise CodecError(f"{self.codec_id}: cannot encode dtype {dtype}; "
+                             "expected float32, float16 or bfloat16")
+        if x.ndim < 1 or x.shape[-1] == 0:
+            raise CodecError(f"{self.codec_id}: input must have a non-empty last axis (head_dim)")
+        check_finite(xp, x, self.codec_id)
+        arrays = self._encode(xp, x)
+        return Encoded(arrays, tuple(int(s) for s in x.shape), dtype)
+
+    def decode(self, enc: Encoded, dtype: str | None = None) -> Array:
+        """Rebuild x̂ with the encoded shape, in ``dtype`` (default: the original dtype)."""
+        first = next(iter(enc.arrays.values()))
+        xp = ops_for(first)
+        out = self._decode(xp, enc)
+        return xp.astype(out, dtype or enc.dtype)
+
+    def scores(self, q: Array, enc: Encoded) -> Array:
+        """``q @ k̂ᵀ`` for q[..., M, D] against the encoded keys [..., N, D] → [..., M, N].
+
+        The default decodes; codecs that can do better (turbo) override it.
+        """
+        xp = ops_for(q)
+        k = self.decode(enc, "float32")
+        return xp.matmul(xp.astype(q, "float32"), xp.swap_last(k))
+
+    @abstractmethod
+    def _encode(self, xp: Any, x: Array) -> dict[str, Array]: ...
+
+    @abstractmethod
+    def _decode(self, xp: Any, enc: Encoded) -> Array: ...

@@ -1,0 +1,136 @@
+"""Codec registry: built-ins in a lazy table, third-party codecs through entry points.
+
+A plugin distribution declares, e.g. in its pyproject::
+
+    [project.entry-points."kvtool.codecs"]
+    mycodec = "my_package.codec:MyCodec"
+
+The entry point's name must equal the class's ``codec_id``. A duplicate id (a plugin shadowing a
+built-in, or two plugins) is an error rather than a silent override.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from importlib.metadata import entry_points
+from typing import Any
+
+from kvtool.codecs.abc import Codec
+from kvtool.errors import CodecError
+
+ENTRY_POINT_GROUP = "kvtool.codecs"
+
+BUILTIN_CODECS: dict[str, str] = {
+    "raw": "kvtool.codecs.raw:RawCodec",
+    "fp8": "kvtool.codecs.fp8:Fp8Codec",
+    "int8": "kvtool.codecs.intq:Int8Codec",
+    "int4": "kvtool.codecs.intq:Int4Codec",
+    "kivi2": "kvtool.codecs.kivi:Kivi2",
+    "kivi4": "kvtool.codecs.kivi:Kivi4",
+    "turbo2": "kvtool.codecs.turbo:Turbo2",
+    "turbo3": "kvtool.codecs.turbo:Turbo3",
+    "turbo4": "kvtool.codecs.turbo:Turbo4",
+    "prism": "kvtool.codecs.prism:PrismCodec",
+}
+
+_registry: dict[str, str | type[Codec]] | None = None
+
+
+def _load_table() -> dict[str, str | type[Codec]]:
+    global _registry
+    if _registry is None:
+        table: dict[str, str | type[Codec]] = dict(BUILTIN_CODECS)
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in table:
+                dist = getattr(ep.dist, "name", "?")
+                raise CodecError(f"codec id {ep.name!r} from plugin {dist!r} is already "
+                                 "registered; uninstall one of them")
+            table[ep.name] = ep.value
+        _registry = table
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget discovered plugins (tests, or after installing a plugin at run time)."""
+    global _registry
+    _registry = None
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Register ``cls`` under ``cls.codec_id`` at run time (usable as a decorator)."""
+    table = _load_table()
+    if cls.codec_id in table:
+        raise CodecError(f"codec id {cls.codec_id!r} is already registered")
+    table[cls.codec_id] = cls
+    return cls
+
+
+def _resolve(codec_id: str) -> type[Codec]:
+    table = _load_table()
+    target = table.get(codec_id)
+    if target is None:
+        raise CodecError(f"unknown codec {codec_id!r}: not built in and no installed plugin "
+                         f"provides it (entry-point group {ENTRY_POINT_GROUP!r}); "
+                         f"known: {', '.join(sorted(table))}")
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise CodecError(f"codec {codec_id!r} could not be loaded from {target}: {e}") from e
+        if getattr(cls, "codec_id", None) != codec_id:
+            raise CodecError(f"codec {target} declares id {getattr(cls, 'codec_id', None)!r}, "
+                             f"but is registered as {codec_id!r}")
+        table[codec_id] = cls
+        target = cls
+    return target
+
+
+def parse_codec_spec(spec: str) -> dict[str, Any]:
+    """``"turbo3"``, ``"turbo3:center=true,seed=7"`` or a JSON object → a config dict."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            config = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise CodecError(f"codec config is not valid JSON: {e}") from e
+        if not isinstance(config, dict) or "id" not in config:
+            raise CodecError("codec config JSON must be an object with an 'id'")
+        return config
+    codec_id, _, rest = spec.partition(":")
+    config: dict[str, Any] = {"id": codec_id}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CodecError(f"codec option {item!r} must be key=value")
+        try:
+            config[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key.strip()] = value.strip()
+    return config
+
+
+def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
+    """The codec for an id, a spec string, a config dict (as from ``get_config()``) or a codec."""
+    if isinstance(spec, Codec):
+        return spec
+    config = parse_codec_spec(spec) if isinstance(spec, str) else dict(spec)
+    config.update(params)
+    codec_id = config.pop("id", None)
+    if not isinstance(codec_id, str):
+        raise CodecError("codec config needs a string 'id'")
+    cls = _resolve(codec_id)
+    version = config.pop("codec_version", cls.codec_version)
+    if not isinstance(version, int) or version > cls.codec_version:
+        raise CodecError(f"codec {codec_id!r} version {version} is newer than this kvtool "
+                         f"supports ({cls.codec_version}); upgrade kvtool")
+    try:
+        return cls(**config)
+    except TypeError as e:
+        raise CodecError(f"invalid options for codec {codec_id!r}: {e}") from e
+
+
+def list_codecs() -> list[str]:
+    """Every registered codec id (built-ins and plugins), sorted."""
+    return sorted(_load_table())

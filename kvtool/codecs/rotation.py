@@ -1,0 +1,93 @@
+"""Seeded random rotations shared by the rotation codecs (turbo, prism).
+
+The rotation is generated from a splitmix64 stream implemented here, not from numpy's RNG,
+so a file written today decodes identically with any future numpy.
+
+- power-of-two D: ``R = H · diag(s) / √D`` — a randomized Hadamard transform (Sylvester ``H``
+  built with the fast Walsh–Hadamard transform, seeded random signs ``s``);
+- otherwise: a dense orthogonal matrix from modified Gram–Schmidt on seeded Gaussians.
+
+Backends apply ``R`` as one matmul: for D ≤ 256 a BLAS matmul beats log2(D) butterfly passes on
+CPUs; GPU kernels may use the FWHT form, which is the same linear map.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+
+
+def splitmix64(seed: int, count: int) -> np.ndarray:
+    """``count`` uint64 values of the splitmix64 sequence started at ``seed``."""
+    state = (seed + 0x9E3779B97F4A7C15 * np.arange(1, count + 1, dtype=np.uint64)).astype(
+        np.uint64
+    )
+    with np.errstate(over="ignore"):
+        z = state
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return z
+
+
+def _uniform(seed: int, count: int) -> np.ndarray:
+    """Uniform floats in (0, 1) from the top 53 bits."""
+    return ((splitmix64(seed, count) >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53
+
+
+def random_signs(dim: int, seed: int) -> np.ndarray:
+    return np.where(splitmix64(seed, dim) >> np.uint64(63), -1.0, 1.0)
+
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """Unnormalised fast Walsh–Hadamard transform over the last axis (length a power of two)."""
+    x = np.array(x, dtype=np.float64)
+    n = x.shape[-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        x = y.reshape(*x.shape[:-1], n)
+        h *= 2
+    return x
+
+
+def _gram_schmidt(dim: int, seed: int) -> np.ndarray:
+    u1, u2 = _uniform(seed, dim * dim), _uniform(seed ^ 0x5DEECE66D, dim * dim)
+    g = (np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)).reshape(dim, dim)
+    q = np.zeros((dim, dim))
+    for i in range(dim):
+        v = g[i].copy()
+        for _ in range(2):  # re-orthogonalise once for float64 accuracy
+            for j in range(i):
+                v -= np.sum(v * q[j]) * q[j]
+        q[i] = v / np.sqrt(np.sum(v * v))
+    return q
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@cache
+def rotation_matrix(dim: int, seed: int) -> np.ndarray:
+    """Orthogonal float32 ``R`` [dim, dim]; rotate row vectors with ``x @ R.T``."""
+    if is_power_of_two(dim):
+        rot = fwht(np.diag(random_signs(dim, seed))).T / np.sqrt(dim)
+    else:
+        rot = _gram_schmidt(dim, seed)
+    rot = np.ascontiguousarray(rot.astype(np.float32))
+    rot.setflags(write=False)
+    return rot
+
+
+@cache
+def rotation_matrix_t(dim: int, seed: int) -> np.ndarray:
+    """``R.T`` contiguous, for ``x @ R.T``."""
+    rt = np.ascontiguousarray(rotation_matrix(dim, seed).T)
+    rt.setflags(write=False)
+    return rt

@@ -1,0 +1,33 @@
+"""Exception types that the CLI maps to one-line messages and exit codes."""
+
+from __future__ import annotations
+
+
+class KvtoolError(Exception):
+    """Base class of every error kvtool reports to a user."""
+
+    exit_code = 1
+
+
+class CodecError(KvtoolError):
+    """Unknown codec id, invalid codec config, or input a codec cannot encode."""
+
+    exit_code = 3
+
+
+class FormatError(KvtoolError):
+    """A .kvz file is corrupt, truncated, foreign or of an unsupported version."""
+
+    exit_code = 4
+
+
+class ModelMismatchError(KvtoolError):
+    """A cache belongs to a different model or tokenizer than the one in use."""
+
+    exit_code = 5
+
+
+class ModelNotFoundError(KvtoolError):
+    """A model name or path cannot be resolved to local weights."""
+
+    exit_code = 6

@@ -1,0 +1,193 @@
+"""torch ops namespace (CPU and CUDA): same functions and results as :mod:`numpy_ops`."""
+
+from __future__ import annotations
+
+from math import gcd
+
+import numpy as np
+import torch
+
+name = "torch"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(x: torch.Tensor) -> str:
+    return _NAMES.get(x.dtype, str(x.dtype).removeprefix("torch."))
+
+
+def astype(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    return x.to(_DTYPES[dtype])
+
+
+_CONST_CACHE: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
+
+
+def const(values: np.ndarray, like: torch.Tensor, dtype: str = "float32") -> torch.Tensor:
+    """A constant (codebook, rotation) on ``like``'s device, cached per (array, device)."""
+    key = (id(values), like.device, dtype)
+    hit = _CONST_CACHE.get(key)
+    if hit is None or hit[0] is not values:
+        tensor = torch.from_numpy(np.array(values, copy=True)).to(like.device, _DTYPES[dtype])
+        hit = _CONST_CACHE[key] = (values, tensor)  # holding ``values`` keeps its id unique
+    return hit[1]
+
+
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    import ml_dtypes
+
+    x = x.detach().cpu().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if x.dtype == torch.float8_e4m3fn:
+        return x.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return x.numpy()
+
+
+def from_numpy(a: np.ndarray, device=None) -> torch.Tensor:
+    import ml_dtypes
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    elif a.dtype == ml_dtypes.float8_e4m3fn:
+        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    else:
+        t = torch.from_numpy(a)
+    return t if device is None else t.to(device)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    return bool(torch.isfinite(x).all())
+
+
+def matmul(a, b):
+    return torch.matmul(a, b)
+
+
+def swap_last(x):
+    return x.transpose(-1, -2)
+
+
+def norm(x):
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+def amax_abs(x, axis: int):
+    return x.abs().amax(dim=axis, keepdim=True)
+
+
+def amin(x, axis: int):
+    return x.amin(dim=axis, keepdim=True)
+
+
+def amax(x, axis: int):
+    return x.amax(dim=axis, keepdim=True)
+
+
+def mean(x, axis: int):
+    return x.float().mean(dim=axis, keepdim=True)
+
+
+def where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+def round_clip(x, lo: float, hi: float, dtype: str):
+    return torch.round(x).clamp_(lo, hi).to(_DTYPES[dtype])
+
+
+def bucketize(x, boundaries):
+    # torch.bucketize(right=False) matches numpy.searchsorted(side="left")
+    return torch.bucketize(x, boundaries, right=False, out_int32=True).to(torch.uint8)
+
+
+def take(table, idx):
+    return table[idx.long()]
+
+
+def pad_last(x, pad: int, value: float = 0):
+    if pad == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, pad), value=value)
+
+
+def pad_axis(x, axis: int, pad: int):
+    if pad == 0:
+        return x
+    axis = axis % x.ndim
+    edge = x.narrow(axis, x.shape[axis] - 1, 1)
+    reps = [1] * x.ndim
+    reps[axis] = pad
+    return torch.cat([x, edge.repeat(reps)], dim=axis)
+
+
+def reshape(x, shape):
+    return x.reshape(shape)
+
+
+def view(x, dtype: str):
+    return x.view(_DTYPES[dtype])
+
+
+def atan2(y, x):
+    return torch.atan2(y, x)
+
+
+def sqrt(x):
+    return torch.sqrt(x)
+
+
+def cos(x):
+    return torch.cos(x)
+
+
+def sin(x):
+    return torch.sin(x)
+
+
+def stack_last(parts):
+    return torch.stack(parts, dim=-1)
+
+
+# -- bit packing ---------------------------------------------------------------------------------
+def _word_dtype(bits: int):
+    # int32 holds 32 bits; sign does not matter for the masks and shifts used below
+    return torch.int32 if (8 // gcd(8, bits)) * bits <= 31 else torch.int64
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    n = codes.shape[-1]
+    group = 8 // gcd(8, bits)
+    group_bytes = group * bits // 8
+    word_t = _word_dtype(bits)
+    c = pad_last(codes, (-n) % group).to(word_t).reshape(*codes.shape[:-1], -1, group)
+    shifts = torch.arange(group, device=codes.device, dtype=word_t) * bits
+    word = (c << shifts).sum(dim=-1, dtype=word_t)  # disjoint bit ranges: sum == or
+    byte_shifts = torch.arange(group_bytes, device=codes.device, dtype=word_t) * 8
+    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)
+    return out.reshape(*codes.shape[:-1], -1)[..., : (n * bits + 7) // 8]
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    group = 8 // gcd(8, bits)
+    group_bytes = group * bits // 8
+    word_t = _word_dtype(bits)
+    ngroups = -(-n // group)
+    p = pad_last(packed, ngroups * group_bytes - packed.shape[-1]).to(word_t)
+    p = p.reshape(*packed.shape[:-1], ngroups, group_bytes)
+    byte_shifts = torch.arange(group_bytes, device=packed.device, dtype=word_t) * 8
+    word = (p << byte_shifts).sum(dim=-1, dtype=word_t)
+    shifts = torch.arange(group, device=packed.device, dtype=word_t) * bits
+    codes = ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
