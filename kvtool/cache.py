@@ -30,7 +30,7 @@ class KVCache:
         self.keys, self.values = list(self.keys), list(self.values)
         if len(self.keys) != len(self.values):
             raise ValueError(f"{len(self.keys)} key layers but {len(self.values)} value layers")
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k.ndim != 3 or v.ndim != 3:
                 raise ValueError(f"layer {i}: keys/values must be [kv_heads, tokens, head_dim]")
             if k.shape[:2] != v.shape[:2]:

@@ -28,7 +28,7 @@ def debug_enabled() -> bool:
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn known errors into one line on stderr and their exit code (traceback with KVTOOL_DEBUG=1)."""
+    """Known errors → one stderr line and their exit code; traceback only with KVTOOL_DEBUG=1."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
