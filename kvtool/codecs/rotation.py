@@ -3,8 +3,9 @@
 The rotation is generated from a splitmix64 stream implemented here, not from numpy's RNG,
 so a file written today decodes identically with any future numpy.
 
-- power-of-two D: ``R = H · diag(s) / √D`` — a randomized Hadamard transform (Sylvester ``H``
-  built with the fast Walsh–Hadamard transform, seeded random signs ``s``);
+- power-of-two D: ``R = (H · diag(s₂) / √D) · (H · diag(s₁) / √D)`` — two rounds of randomized
+  Hadamard transform (Sylvester ``H`` built with the fast Walsh–Hadamard transform, seeded random
+  signs); a single round leaves inputs dominated by one channel badly quantised;
 - otherwise: a dense orthogonal matrix from modified Gram–Schmidt on seeded Gaussians.
 
 Backends apply ``R`` as one matmul: for D ≤ 256 a BLAS matmul beats log2(D) butterfly passes on
@@ -77,7 +78,11 @@ def is_power_of_two(n: int) -> bool:
 def rotation_matrix(dim: int, seed: int) -> np.ndarray:
     """Orthogonal float32 ``R`` [dim, dim]; rotate row vectors with ``x @ R.T``."""
     if is_power_of_two(dim):
-        rot = fwht(np.diag(random_signs(dim, seed))).T / np.sqrt(dim)
+        # two rounds of randomized Hadamard: one round maps a basis vector (a single dominant
+        # channel) to ±1/√D in every coordinate, far from the sphere-marginal the codebook assumes
+        first = fwht(np.diag(random_signs(dim, seed))).T / np.sqrt(dim)
+        second = fwht(np.diag(random_signs(dim, seed ^ 0xA5A5A5A5))).T / np.sqrt(dim)
+        rot = second @ first
     else:
         rot = _gram_schmidt(dim, seed)
     rot = np.ascontiguousarray(rot.astype(np.float32))

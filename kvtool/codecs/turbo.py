@@ -60,9 +60,10 @@ class TurboCodec(Codec):
         norms = xp.norm(x)
         if not bool((norms <= FP16_MAX).all()):
             raise CodecError(f"{self.codec_id}: vector norm exceeds the fp16 range")
-        unit = x / xp.where(norms > 0, norms, norms + 1)
-        rotated = xp.matmul(unit, xp.const(rotation_matrix_t(dim, self.seed), x))
-        codes = xp.bucketize(rotated, xp.const(cb.boundaries, x))
+        # rotate first, normalise after: the rotation is linear and keeps norms
+        rotated = xp.matmul(x, xp.const(rotation_matrix_t(dim, self.seed), x))
+        rotated *= 1 / xp.where(norms > 0, norms, norms + 1)
+        codes = xp.bucketize(rotated, cb.boundaries)
         arrays["codes"] = xp.pack_bits(codes, self.bits)
         arrays["norms"] = xp.astype(norms[..., 0], "float16")
         return arrays

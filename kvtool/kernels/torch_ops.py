@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from math import gcd
+import sys
 
 import numpy as np
 import torch
@@ -107,13 +107,20 @@ def round_clip(x, lo: float, hi: float, dtype: str):
     return torch.round(x).clamp_(lo, hi).to(_DTYPES[dtype])
 
 
+def clip(x, lo: float, hi: float):
+    return torch.clamp(x, lo, hi)
+
+
 def bucketize(x, boundaries):
-    # torch.bucketize(right=False) matches numpy.searchsorted(side="left")
-    return torch.bucketize(x, boundaries, right=False, out_int32=True).to(torch.uint8)
+    """Same as numpy_ops.bucketize (compare-and-add beats torch.bucketize here too)."""
+    codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for b in boundaries.tolist():
+        codes += x > b
+    return codes
 
 
 def take(table, idx):
-    return table[idx.long()]
+    return table.index_select(0, idx.reshape(-1).to(torch.int32)).reshape(idx.shape)
 
 
 def pad_last(x, pad: int, value: float = 0):
@@ -140,6 +147,11 @@ def view(x, dtype: str):
     return x.view(_DTYPES[dtype])
 
 
+def copy(x):
+    """A contiguous copy that shares no memory with ``x``."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def atan2(y, x):
     return torch.atan2(y, x)
 
@@ -160,34 +172,14 @@ def stack_last(parts):
     return torch.stack(parts, dim=-1)
 
 
-# -- bit packing ---------------------------------------------------------------------------------
-def _word_dtype(bits: int):
-    # int32 holds 32 bits; sign does not matter for the masks and shifts used below
-    return torch.int32 if (8 // gcd(8, bits)) * bits <= 31 else torch.int64
+# -- bit packing (one implementation for every backend: kvtool.kernels.bitpack) ---------------
+def pack_bits(codes, bits: int):
+    from kvtool.kernels import bitpack
+
+    return bitpack.pack_bits(sys.modules[__name__], codes, bits)
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    n = codes.shape[-1]
-    group = 8 // gcd(8, bits)
-    group_bytes = group * bits // 8
-    word_t = _word_dtype(bits)
-    c = pad_last(codes, (-n) % group).to(word_t).reshape(*codes.shape[:-1], -1, group)
-    shifts = torch.arange(group, device=codes.device, dtype=word_t) * bits
-    word = (c << shifts).sum(dim=-1, dtype=word_t)  # disjoint bit ranges: sum == or
-    byte_shifts = torch.arange(group_bytes, device=codes.device, dtype=word_t) * 8
-    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)
-    return out.reshape(*codes.shape[:-1], -1)[..., : (n * bits + 7) // 8]
+def unpack_bits(packed, bits: int, n: int):
+    from kvtool.kernels import bitpack
 
-
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    group = 8 // gcd(8, bits)
-    group_bytes = group * bits // 8
-    word_t = _word_dtype(bits)
-    ngroups = -(-n // group)
-    p = pad_last(packed, ngroups * group_bytes - packed.shape[-1]).to(word_t)
-    p = p.reshape(*packed.shape[:-1], ngroups, group_bytes)
-    byte_shifts = torch.arange(group_bytes, device=packed.device, dtype=word_t) * 8
-    word = (p << byte_shifts).sum(dim=-1, dtype=word_t)
-    shifts = torch.arange(group, device=packed.device, dtype=word_t) * bits
-    codes = ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    return bitpack.unpack_bits(sys.modules[__name__], packed, bits, n)

@@ -1,0 +1,102 @@
+"""Codec benchmark: quality and speed of every codec × backend on fp16 vectors.
+
+Prints bits/element, compression ratio vs fp16, normalised MSE ‖x−x̂‖²/‖x‖², mean cosine, and
+encode/decode throughput in MB/s of fp16 input, each speed also as a ratio to a plain memory
+copy of the same array measured in the same run (the machine is shared and noisy; ratios are
+what to compare across runs).
+
+    python benchmarks/codecs.py                       # 1M vectors, D=128, every codec, both backends
+    python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kvtool.codecs import get_codec, list_codecs
+from kvtool.kernels import available_backends
+
+
+def best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memcpy_mbps(x: np.ndarray, repeats: int) -> float:
+    dst = np.empty_like(x)
+    return x.nbytes / best_seconds(lambda: np.copyto(dst, x), repeats) / 1e6
+
+
+def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict:
+    codec = get_codec(codec_spec)
+    if backend == "torch":
+        import torch
+
+        chunks = [torch.from_numpy(c) for c in chunks]
+    fp16_bytes = sum(int(c.nbytes) for c in chunks)
+    encoded = [codec.encode(c) for c in chunks]  # warm-up (codebooks, rotations, allocators)
+    t_enc = best_seconds(lambda: [codec.encode(c) for c in chunks], repeats)
+    t_dec = best_seconds(lambda: [codec.decode(e) for e in encoded], repeats)
+    err = ref = cos_sum = 0.0
+    count = 0
+    for c, e in zip(chunks, encoded, strict=True):
+        x = np.asarray(c, dtype=np.float32)
+        xh = np.asarray(codec.decode(e, "float32"), dtype=np.float32)
+        err += float(((x - xh) ** 2).sum())
+        ref += float((x**2).sum())
+        nx, nxh = np.linalg.norm(x, axis=-1), np.linalg.norm(xh, axis=-1)
+        cos_sum += float(((x * xh).sum(-1) / np.maximum(nx * nxh, 1e-30)).sum())
+        count += x.shape[0]
+    stored = sum(e.nbytes for e in encoded)
+    bits = stored * 8 / (fp16_bytes / 2)
+    return {
+        "codec": codec_spec, "backend": backend, "bits": bits, "ratio": 16 / bits,
+        "nmse": err / ref, "cosine": cos_sum / count,
+        "enc_mbps": fp16_bytes / t_enc / 1e6, "dec_mbps": fp16_bytes / t_dec / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vectors", type=int, default=1 << 20)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=1 << 16, help="vectors per encode call")
+    ap.add_argument("--codecs", default=",".join(list_codecs()))
+    ap.add_argument("--backends", default=",".join(available_backends()))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    args = ap.parse_args()
+
+    if "torch" in args.backends:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.vectors, args.head_dim), dtype=np.float32).astype(np.float16)
+    chunks = [x[i : i + args.chunk] for i in range(0, len(x), args.chunk)]
+    copy = memcpy_mbps(x, 5)
+    print(f"{args.vectors} vectors × D={args.head_dim} fp16 ({x.nbytes / 1e6:.0f} MB); "
+          f"memory copy {copy:.0f} MB/s")
+    header = (f"{'codec':<22}{'backend':<8}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
+              f"{'enc MB/s':>10}{'(×copy)':>9}{'dec MB/s':>10}{'(×copy)':>9}")
+    print(header)
+    print("-" * len(header))
+    for spec in args.codecs.split(","):
+        for backend in args.backends.split(","):
+            r = run_codec(spec, backend, chunks, args.repeats)
+            print(f"{r['codec']:<22}{r['backend']:<8}{r['bits']:>6.3f}{r['ratio']:>7.2f}"
+                  f"{r['nmse']:>9.5f}{r['cosine']:>8.4f}{r['enc_mbps']:>10.0f}"
+                  f"{r['enc_mbps'] / copy:>9.3f}{r['dec_mbps']:>10.0f}{r['dec_mbps'] / copy:>9.3f}")
+        # memory copy again, so drift over a long run shows
+    print(f"memory copy at end: {memcpy_mbps(x, 5):.0f} MB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""``raw``: lossless passthrough, optionally converting to a narrower float type.
+
+With ``dtype=None`` the input is stored as-is (a private contiguous copy, so later writes to a
+caller's cache buffer cannot change it) and decodes bit-exactly. ``dtype`` stores a converted
+copy instead ("float16" halves fp32 input; "bfloat16" keeps fp32's range at 16 bits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.groupq import FP16_MAX
+from kvtool.errors import CodecError
+from kvtool.kernels import FLOAT_DTYPES
+
+_WIDTH = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+class RawCodec(Codec):
+    codec_id = "raw"
+
+    def __init__(self, dtype: str | None = None):
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise CodecError(f"raw: dtype must be null or one of {', '.join(FLOAT_DTYPES)}, "
+                             f"got {dtype!r}")
+        self.dtype = dtype
+
+    def _params(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+    def bits_per_element(self, head_dim: int) -> float:
+        # dtype=None keeps the input's width; 16 is the nominal (fp16/bf16 KV cache) figure
+        return float(_WIDTH[self.dtype] if self.dtype else 16)
+
+    def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
+        if self.dtype is None or self.dtype == xp.dtype_name(x):
+            return {"data": xp.copy(x)}
+        if self.dtype == "float16" and not bool((abs(xp.astype(x, "float32")) <= FP16_MAX).all()):
+            raise CodecError("raw: values exceed the float16 range; use dtype bfloat16 or null")
+        return {"data": xp.copy(xp.astype(x, self.dtype))}
+
+    def _decode(self, xp: Any, enc: Encoded) -> Any:
+        return xp.reshape(xp.astype(enc.arrays["data"], "float32"), enc.shape)
