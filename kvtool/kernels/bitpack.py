@@ -46,9 +46,10 @@ def _shift(a: Any, shift: int) -> Any:
 def pack_bits(xp: ModuleType, codes: Any, bits: int) -> Any:
     """Pack uint8 ``codes[..., n]`` (values < 2**bits) into ``ceil(n*bits/8)`` bytes per row."""
     n = codes.shape[-1]
-    group, _ = group_shape(bits)
-    c = xp.pad_last(codes, (-n) % group)
-    c = c.reshape(*codes.shape[:-1], -1, group)
+    group, nbytes = group_shape(bits)
+    ngroups = -(-n // group)
+    c = xp.pad_last(codes, ngroups * group - n)
+    c = c.reshape(*codes.shape[:-1], ngroups, group)
     out_bytes = []
     for terms in _plan(bits):
         acc = None
@@ -56,7 +57,7 @@ def pack_bits(xp: ModuleType, codes: Any, bits: int) -> Any:
             t = _shift(c[..., j], shift)
             acc = t if acc is None else acc | t
         out_bytes.append(acc)
-    out = xp.stack_last(out_bytes).reshape(*codes.shape[:-1], -1)
+    out = xp.stack_last(out_bytes).reshape(*codes.shape[:-1], ngroups * nbytes)
     return out[..., : (n * bits + 7) // 8]
 
 
@@ -73,4 +74,4 @@ def unpack_bits(xp: ModuleType, packed: Any, bits: int, n: int) -> Any:
             t = _shift(p[..., k], -shift)
             per_code[j] = t if per_code[j] is None else per_code[j] | t
     codes = xp.stack_last([c & mask if bits < 8 else c for c in per_code])
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    return codes.reshape(*packed.shape[:-1], ngroups * group)[..., :n]

@@ -1,0 +1,124 @@
+"""Codec registry: built-ins, specs, errors, entry-point plugins."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvtool.codecs import Codec, get_codec, list_codecs, parse_codec_spec, reset_registry
+from kvtool.errors import CodecError
+
+BUILTINS = {"raw", "fp8", "int8", "int4", "kivi2", "kivi4", "turbo2", "turbo3", "turbo4", "prism"}
+
+
+def test_every_builtin_is_listed_and_loads():
+    assert BUILTINS <= set(list_codecs())
+    for codec_id in BUILTINS:
+        codec = get_codec(codec_id)
+        assert isinstance(codec, Codec) and codec.codec_id == codec_id
+        assert 0 < codec.bits_per_element(128) <= 32
+
+
+@pytest.mark.parametrize("codec_id", sorted(BUILTINS))
+def test_config_round_trips_through_json(codec_id):
+    codec = get_codec(codec_id)
+    config = json.loads(json.dumps(codec.get_config()))
+    assert config["id"] == codec_id and isinstance(config["codec_version"], int)
+    rebuilt = get_codec(config)
+    assert rebuilt == codec and rebuilt.get_config() == codec.get_config()
+
+
+def test_spec_strings():
+    assert parse_codec_spec("turbo3") == {"id": "turbo3"}
+    assert parse_codec_spec("turbo3:center=true,seed=5") == {"id": "turbo3", "center": True,
+                                                             "seed": 5}
+    assert parse_codec_spec('{"id": "int4", "group_size": 32}') == {"id": "int4",
+                                                                    "group_size": 32}
+    assert get_codec("turbo3:center=true").center is True
+
+
+def test_unknown_codec_names_it_and_mentions_plugins():
+    with pytest.raises(CodecError, match=r"'nope'.*plugin.*kvtool\.codecs"):
+        get_codec("nope")
+
+
+def test_bad_options_and_future_versions():
+    with pytest.raises(CodecError, match="invalid options"):
+        get_codec("turbo3", colour="red")
+    with pytest.raises(CodecError, match="newer"):
+        get_codec({"id": "turbo3", "codec_version": 99})
+    with pytest.raises(CodecError, match="JSON"):
+        get_codec("{not json")
+
+
+PLUGIN_MODULE = textwrap.dedent('''
+    from kvtool.codecs import Codec
+
+    class HalfCodec(Codec):
+        """Stores x/2 in fp16 (a test plugin)."""
+        codec_id = "{codec_id}"
+
+        def bits_per_element(self, head_dim):
+            return 16.0
+
+        def _encode(self, xp, x):
+            return {{"half": xp.astype(xp.astype(x, "float32") / 2, "float16")}}
+
+        def _decode(self, xp, enc):
+            return xp.astype(enc.arrays["half"], "float32") * 2
+''')
+
+
+def _install_fake_distribution(root, dist_name: str, codec_id: str, module: str) -> None:
+    (root / f"{module}.py").write_text(PLUGIN_MODULE.format(codec_id=codec_id))
+    info = root / f"{dist_name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[kvtool.codecs]\n{codec_id} = {module}:HalfCodec\n")
+
+
+@pytest.fixture
+def plugin_path(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reset_registry()
+    yield tmp_path
+    reset_registry()
+    for name in [m for m in sys.modules if m.startswith("kvtool_fake_plugin")]:
+        del sys.modules[name]
+
+
+def test_entry_point_plugin_is_discovered(plugin_path):
+    _install_fake_distribution(plugin_path, "kvtool_fake_plugin", "half", "kvtool_fake_plugin")
+    reset_registry()
+    assert "half" in list_codecs()
+    codec = get_codec("half")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(codec.decode(codec.encode(x)), x)
+
+
+def test_plugin_with_duplicate_id_is_an_error(plugin_path):
+    _install_fake_distribution(plugin_path, "kvtool_fake_plugin2", "turbo3",
+                               "kvtool_fake_plugin2")
+    reset_registry()
+    with pytest.raises(CodecError, match="already registered"):
+        list_codecs()
+
+
+def test_codecs_cli_lists_every_codec():
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["codecs", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    rows = {r["id"]: r for r in data["codecs"]}
+    assert BUILTINS <= set(rows)
+    assert rows["turbo3"]["bits_per_element"] == pytest.approx(3.125)
+    assert "numpy" in rows["turbo3"]["backends"]
+    text = CliRunner().invoke(cli, ["codecs"]).output
+    assert "turbo3" in text and "3.125" in text
