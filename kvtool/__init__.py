@@ -13,6 +13,7 @@ _LAZY = {
     "save": "kvtool.formats",
     "load": "kvtool.formats",
     "open_kvz": "kvtool.formats",
+    "transcode": "kvtool.formats",
 }
 
 __all__ = ["__version__", *_LAZY]

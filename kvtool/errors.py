@@ -31,3 +31,15 @@ class ModelNotFoundError(KvtoolError):
     """A model name or path cannot be resolved to local weights."""
 
     exit_code = 6
+
+
+class PrefixMismatchError(ModelMismatchError):
+    """The cached token ids are not a prefix of the prompt to continue (another document, or a
+    tokenizer that splits the text differently); ``--force`` does not apply."""
+
+
+class PatchError(KvtoolError):
+    """``kvtool patch-vllm`` cannot patch or revert safely (unsupported vLLM, files changed
+    since patching, a failed compile check); nothing was left half-patched."""
+
+    exit_code = 7

@@ -20,6 +20,7 @@ Exit codes:
   4  file format error (corrupt, truncated, foreign or unsupported .kvz)
   5  cache belongs to another model or tokenizer
   6  model not found
+  7  vLLM patch refused or rolled back (kvtool patch-vllm)
 """
 
 

@@ -1,0 +1,79 @@
+"""``kvtool compress`` / ``kvtool decompress``: re-encode a .kvz file with another policy."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from kvtool.cli._common import (
+    codec_policy_options,
+    echo_json,
+    handle_errors,
+    policy_from_options,
+)
+
+zstd_options = [
+    click.option("--zstd", is_flag=True, help="Also compress each tensor with zstd."),
+    click.option("--zstd-level", default=3, show_default=True, type=click.IntRange(1, 22),
+                 help="zstd level (with --zstd)."),
+]
+
+
+def _with_zstd_options(fn: Any) -> Any:
+    for option in reversed(zstd_options):
+        fn = option(fn)
+    return fn
+
+
+def _report(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        echo_json(report)
+        return
+    from kvtool.cli.inspect import human_bytes
+
+    click.echo(f"wrote {report['path']}: {human_bytes(report['file_bytes'])}, "
+               f"{report['ratio']:.2f}x vs fp16 "
+               f"({report['num_layers']} layers, {report['num_tokens']} tokens, "
+               f"{report['policy']})")
+
+
+@click.command("compress")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Output .kvz file (written atomically; may equal IN).")
+@codec_policy_options
+@_with_zstd_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def compress_command(src: str, output: str, zstd: bool, zstd_level: int, as_json: bool,
+                     **opts: Any) -> None:
+    """Re-encode the .kvz file IN with another codec policy."""
+    if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
+        raise click.UsageError("give --codec (or --key-codec/--value-codec)")
+    from kvtool.formats import transcode
+
+    policy = policy_from_options(opts)
+    report = transcode(src, output, policy, zstd=zstd_level if zstd else False,
+                       progress=sys.stderr.isatty())
+    _report(report, as_json)
+
+
+@click.command("decompress")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Output .kvz file (written atomically; may equal IN).")
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+              help="Store in this dtype (default: the dtype the cache was saved from).")
+@_with_zstd_options
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def decompress_command(src: str, output: str, dtype: str | None, zstd: bool, zstd_level: int,
+                       as_json: bool) -> None:
+    """Decode the .kvz file IN and store it lossless (raw codec)."""
+    from kvtool.formats import transcode
+
+    report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,
+                       zstd=zstd_level if zstd else False, progress=sys.stderr.isatty())
+    _report(report, as_json)

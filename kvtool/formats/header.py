@@ -1,0 +1,191 @@
+"""The ``kvz.header`` JSON: metadata checks (format, version, checksum) and schema validation.
+
+Validation turns any malformed header into a one-line :class:`FormatError` before a reader uses
+a number from it, and cross-checks every tensor the header names against the container entries.
+Unknown keys are ignored (forward compatibility within major version 1).
+"""
+
+from __future__ import annotations
+
+import re
+from math import prod
+from typing import Any
+
+from kvtool.errors import FormatError
+from kvtool.formats import constants as C
+from kvtool.formats.container import Entry, check_shape, crc32_hex, is_int, parse_json
+
+_VERSION_RE = re.compile(r"^(\d{1,6})(?:\.(\d{1,6}))?$")
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+_PART_RE = re.compile(r"^[a-z0-9_]+$")
+MAX_ELEMENTS_PER_BYTE = 64  # a segment decodes to at most this many elements per stored byte
+
+
+def check_part_name(part: str, codec_id: str) -> None:
+    if not isinstance(part, str) or not _PART_RE.match(part):
+        raise FormatError(f"codec {codec_id!r} produced array name {part!r}; "
+                          "names must be lower_snake_case")
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """``"1"`` → (1, 0), ``"1.2"`` → (1, 2); refuses a major version other than 1."""
+    m = _VERSION_RE.match(version)
+    if not m:
+        raise FormatError(f"invalid .kvz format version {version[:20]!r}")
+    major, minor = int(m.group(1)), int(m.group(2) or 0)
+    if major != C.FORMAT_MAJOR:
+        from kvtool import __version__
+
+        hint = "; upgrade kvtool" if major > C.FORMAT_MAJOR else ""
+        raise FormatError(f".kvz format version {version} is not supported: kvtool "
+                          f"{__version__} reads format version {C.FORMAT_MAJOR}{hint}")
+    return major, minor
+
+
+def read_metadata(metadata: dict[str, str], verify: bool) -> dict[str, Any]:
+    """Check ``kvz.format``/``kvz.format_version``/the header checksum; return the parsed header."""
+    fmt = metadata.get(C.META_FORMAT)
+    if fmt != C.FORMAT_NAME:
+        raise FormatError("not a .kvz file: safetensors metadata lacks "
+                          f"{C.META_FORMAT}={C.FORMAT_NAME!r}")
+    version = metadata.get(C.META_FORMAT_VERSION)
+    if version is None:
+        raise FormatError(f"not a .kvz file: metadata lacks {C.META_FORMAT_VERSION}")
+    parse_version(version)
+    raw = metadata.get(C.META_HEADER)
+    if raw is None:
+        raise FormatError(f"corrupt .kvz file: metadata lacks {C.META_HEADER}")
+    crc = metadata.get(C.META_HEADER_CRC32)
+    if verify and crc is None:
+        raise FormatError(f"corrupt .kvz file: metadata lacks {C.META_HEADER_CRC32}")
+    if verify and crc32_hex(raw.encode("utf-8")) != crc:
+        raise FormatError("checksum mismatch in the kvz header (file corrupted)")
+    header = parse_json(raw, "kvz header")
+    if not isinstance(header, dict):
+        raise FormatError("kvz header is not a JSON object")
+    return header
+
+
+def _get(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str,
+         optional: bool = False) -> Any:
+    value = obj.get(key)
+    if value is None and optional:
+        return None
+    if kind is int:
+        ok = is_int(value) and value >= 0
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise FormatError(f"{where}: {key!r} missing or of the wrong type")
+    return value
+
+
+def _check_tensors(table: Any, entries: dict[str, Entry]) -> None:
+    if not isinstance(table, dict):
+        raise FormatError(f"kvz header: {C.H_TENSORS!r} missing or not an object")
+    for name, t in table.items():
+        where = f"tensor {name[:60]!r}"
+        if not isinstance(t, dict):
+            raise FormatError(f"{where}: entry is not an object")
+        dtype = t.get("dtype")
+        if not isinstance(dtype, str) or dtype not in C.ITEMSIZE:
+            raise FormatError(f"{where}: unknown dtype {str(dtype)[:20]!r}")
+        shape = check_shape(t.get("shape"), where)
+        compression = t.get("compression", C.COMPRESSION_NONE)
+        if compression not in C.COMPRESSIONS:
+            raise FormatError(f"{where}: unknown compression {str(compression)[:20]!r}")
+        if not isinstance(t.get(C.CHECKSUM_ALGORITHM), str) or not _CRC_RE.match(t["crc32"]):
+            raise FormatError(f"{where}: missing or invalid crc32")
+        entry = entries.get(name)
+        if entry is None:
+            raise FormatError(f"{where} is listed in the kvz header but missing from the file")
+        nbytes = prod(shape) * C.ITEMSIZE[dtype]
+        if compression == C.COMPRESSION_NONE:
+            if entry.dtype != dtype or entry.shape != shape:
+                raise FormatError(f"{where}: stored as {entry.dtype}{list(entry.shape)} but the "
+                                  f"header says {dtype}{list(shape)}")
+        elif entry.dtype != "uint8" or len(entry.shape) != 1 or (
+                nbytes > entry.nbytes * C.MAX_ZSTD_RATIO + 4096):
+            raise FormatError(f"{where}: invalid zstd blob for {nbytes} bytes")
+
+
+def _check_role(role: Any, where: str, num_tokens: int, table: dict[str, Any]) -> None:
+    if not isinstance(role, dict):
+        raise FormatError(f"{where}: missing or not an object")
+    shape = check_shape(role.get("shape"), where)
+    dtype = role.get("dtype")
+    if len(shape) != 3 or dtype not in C.FLOAT_DTYPES:
+        raise FormatError(f"{where}: shape must be [heads, tokens, head_dim] of fp32/fp16/bf16")
+    heads, tokens, dim = shape
+    if tokens > num_tokens or not 1 <= dim <= C.MAX_HEAD_DIM:
+        raise FormatError(f"{where}: shape {list(shape)} is inconsistent with the file")
+    segments = _get(role, "segments", list, where)
+    pos = 0
+    for j, seg in enumerate(segments):
+        sw = f"{where} segment {j}"
+        if not isinstance(seg, dict):
+            raise FormatError(f"{sw}: not an object")
+        start, stop = _get(seg, "start", int, sw), _get(seg, "stop", int, sw)
+        if start != pos or stop <= start or stop > tokens:
+            raise FormatError(f"{sw}: token range [{start}, {stop}) does not continue [0, {pos})")
+        pos = stop
+        if check_shape(seg.get("shape"), sw) != (heads, stop - start, dim) or (
+                seg.get("dtype") != dtype):
+            raise FormatError(f"{sw}: shape/dtype disagree with the layer")
+        codec = _get(seg, "codec", dict, sw)
+        if not isinstance(codec.get("id"), str):
+            raise FormatError(f"{sw}: codec config lacks a string 'id'")
+        parts = _get(seg, "tensors", dict, sw)
+        if not parts:
+            raise FormatError(f"{sw}: no tensors")
+        stored = 0
+        for part, name in parts.items():
+            if not isinstance(name, str) or name not in table:
+                raise FormatError(f"{sw}: tensor for {str(part)[:40]!r} is not in the header")
+            t = table[name]
+            stored += prod(t["shape"]) * C.ITEMSIZE[t["dtype"]]
+        if heads * (stop - start) * dim > MAX_ELEMENTS_PER_BYTE * stored + 4096:
+            raise FormatError(f"{sw}: {list(seg['shape'])} is too large for its "
+                              f"{stored} stored bytes")
+    if pos != tokens:
+        raise FormatError(f"{where}: segments cover {pos} of {tokens} tokens")
+
+
+def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
+    """Validate the kvz header's schema and cross-check it with the container entries."""
+    where = "kvz header"
+    for key, kind in ((C.H_CREATOR, dict), (C.H_MODEL, dict), (C.H_TOKENIZER, dict)):
+        _get(header, key, kind, where)
+    fp = header[C.H_TOKENIZER].get("fingerprint")
+    if fp is not None and not isinstance(fp, str):
+        raise FormatError(f"{where}: tokenizer fingerprint must be a string or null")
+    num_layers = _get(header, C.H_NUM_LAYERS, int, where)
+    num_tokens = _get(header, C.H_NUM_TOKENS, int, where)
+    if num_layers > C.MAX_LAYERS:
+        raise FormatError(f"{where}: {num_layers} layers exceed the limit of {C.MAX_LAYERS}")
+    if header.get(C.H_DTYPE) not in C.FLOAT_DTYPES:
+        raise FormatError(f"{where}: 'dtype' must be float32, float16 or bfloat16")
+    _get(header, C.H_POLICY, dict, where, optional=True)
+    table = header.get(C.H_TENSORS)
+    _check_tensors(table, entries)
+    ids = _get(header, C.H_TOKEN_IDS, dict, where, optional=True)
+    if ids is not None:
+        t = table.get(ids.get("tensor")) if isinstance(ids.get("tensor"), str) else None
+        if (t is None or t["dtype"] not in C.TOKEN_DTYPES or len(t["shape"]) != 1
+                or ids.get("count") != t["shape"][0]):
+            raise FormatError(f"{where}: token_ids must name a 1-D int32/int64 tensor of "
+                              "'count' elements")
+    layers = _get(header, C.H_LAYERS, list, where)
+    if len(layers) != num_layers:
+        raise FormatError(f"{where}: {len(layers)} layers listed, num_layers is {num_layers}")
+    info = _get(header, C.H_LAYER_INFO, list, where, optional=True)
+    if info is not None and (len(info) != num_layers or not all(
+            x is None or isinstance(x, dict) for x in info)):
+        raise FormatError(f"{where}: layer_info must hold one object per layer")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise FormatError(f"layer {i}: not an object")
+        for role in C.ROLES:
+            _check_role(layer.get(role), f"layer {i} {role}", num_tokens, table)
+        if layer["key"]["shape"][:2] != layer["value"]["shape"][:2]:
+            raise FormatError(f"layer {i}: keys and values disagree on heads or tokens")

@@ -1,0 +1,283 @@
+"""Reading .kvz files: :class:`KvzFile` (mmap-based, lazy per layer) and :func:`load`.
+
+Every failure caused by the file's content is a one-line :class:`FormatError`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from kvtool.cache import KVCache
+from kvtool.codecs import Codec, Encoded, get_codec
+from kvtool.errors import CodecError, FormatError
+from kvtool.formats import constants as C
+from kvtool.formats.container import Entry, crc32_hex, np_dtype, parse_container
+from kvtool.formats.header import read_metadata, validate_header
+from kvtool.kernels import to_torch
+
+BACKENDS = ("numpy", "torch")
+
+
+class KvzFile:
+    """An open .kvz file. Reads only the bytes a call needs; use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True):
+        self.path = os.fspath(path)
+        self.verify_checksums = verify
+        self._codecs: dict[str, Codec] = {}
+        try:
+            self._file = open(self.path, "rb")  # closed by close()
+        except IsADirectoryError:
+            raise FormatError(f"{self.path}: is a directory, not a .kvz file") from None
+        try:
+            self.file_bytes = os.fstat(self._file.fileno()).st_size
+            self._mm = (mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+                        if self.file_bytes else None)
+            metadata, self._entries = parse_container(self._read_at, self.file_bytes)
+            self.metadata = metadata
+            self.header = read_metadata(metadata, verify)
+            validate_header(self.header, self._entries)
+            self.format_version = metadata[C.META_FORMAT_VERSION]
+        except FormatError as e:
+            self.close()
+            raise FormatError(f"{self.path}: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_mm", None) is not None:
+            self._mm.close()
+            self._mm = None
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> KvzFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KvzFile({self.path!r}, layers={self.num_layers}, tokens={self.num_tokens}, "
+                f"codecs={sorted(self._codec_ids())})")
+
+    # -- header views ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.header[C.H_NUM_LAYERS]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.header[C.H_NUM_TOKENS]
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.header[C.H_MODEL]
+
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        return self.header[C.H_TOKENIZER].get("fingerprint")
+
+    @property
+    def layer_info(self) -> list[dict[str, Any] | None] | None:
+        return self.header.get(C.H_LAYER_INFO)
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        ids = self.header.get(C.H_TOKEN_IDS)
+        return None if ids is None else self.read_tensor(ids["tensor"]).astype(np.int64)
+
+    def _role(self, i: int, role: str) -> dict[str, Any]:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} out of range: the file has {self.num_layers} layers")
+        if role not in C.ROLES:
+            raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+        return self.header[C.H_LAYERS][i][role]
+
+    def _codec_ids(self) -> set[str]:
+        return {seg["codec"]["id"] for layer in self.header[C.H_LAYERS] for r in C.ROLES
+                for seg in layer[r]["segments"]}
+
+    # -- raw tensor access -------------------------------------------------------------------------
+    def _read_at(self, offset: int, size: int) -> bytes:
+        if self._mm is None:
+            return b""
+        return self._mm[offset:offset + size]
+
+    def _stored(self, entry: Entry) -> np.ndarray:
+        if self._mm is None:
+            raise FormatError(f"{self.path}: file is closed")
+        return np.frombuffer(self._mm, np.uint8, entry.nbytes, entry.begin).copy()
+
+    def read_tensor(self, name: str, verify: bool | None = None) -> np.ndarray:
+        """One tensor, decompressed, checksum-verified, with its logical dtype and shape."""
+        info = self.header[C.H_TENSORS].get(name)
+        if info is None:
+            raise FormatError(f"{self.path}: no tensor {name!r}")
+        stored = self._stored(self._entries[name])
+        if self.verify_checksums if verify is None else verify:
+            if crc32_hex(stored) != info[C.CHECKSUM_ALGORITHM]:
+                raise FormatError(f"{self.path}: checksum mismatch in tensor {name!r} "
+                                  "(file corrupted)")
+        dtype, shape = np_dtype(info["dtype"]), tuple(info["shape"])
+        if info.get("compression", C.COMPRESSION_NONE) == C.COMPRESSION_ZSTD:
+            stored = _unzstd(stored, prod(shape) * dtype.itemsize, f"{self.path}: tensor {name!r}")
+        return stored.view(dtype).reshape(shape)
+
+    def codec(self, config: dict[str, Any]) -> Codec:
+        key = repr(sorted(config.items()))
+        if key not in self._codecs:
+            try:
+                self._codecs[key] = get_codec(config)
+            except CodecError as e:
+                raise FormatError(f"{self.path}: {e}") from None
+            except Exception as e:  # a plugin's constructor rejecting a corrupt config
+                raise FormatError(f"{self.path}: invalid config for codec "
+                                  f"{config.get('id')!r}: {type(e).__name__}: {e}") from None
+        return self._codecs[key]
+
+    # -- encoded and decoded layers ----------------------------------------------------------------
+    def encoded(self, i: int, role: str, *, tokens: int | None = None
+                ) -> list[tuple[dict[str, Any], Encoded]]:
+        """``(segment_info, Encoded)`` of layer ``i``'s ``role`` (segments before ``tokens``)."""
+        out = []
+        for seg in self._role(i, role)["segments"]:
+            if tokens is not None and seg["start"] >= tokens:
+                break
+            arrays = {part: self.read_tensor(name) for part, name in seg["tensors"].items()}
+            out.append((seg, Encoded(arrays, tuple(seg["shape"]), seg["dtype"])))
+        return out
+
+    def _decode_role(self, i: int, role: str, dtype: str | None, backend: str,
+                     tokens: int | None) -> Any:
+        info = self._role(i, role)
+        heads, total, dim = info["shape"]
+        n = total if tokens is None else min(tokens, total)
+        out_dtype = dtype or info["dtype"]
+        parts = []
+        for seg, enc in self.encoded(i, role, tokens=n):
+            codec = self.codec(seg["codec"])
+            if backend == "torch":
+                enc = enc.to_torch()
+            try:
+                x = codec.decode(enc, out_dtype)
+            except Exception as e:
+                raise FormatError(f"{self.path}: layer {i} {role}: codec {codec.codec_id!r} "
+                                  f"could not decode tokens {seg['start']}..{seg['stop']}: "
+                                  f"{type(e).__name__}: {str(e)[:120]}") from None
+            if tuple(x.shape) != tuple(seg["shape"]):
+                raise FormatError(f"{self.path}: layer {i} {role}: codec "
+                                  f"{codec.codec_id!r} decoded shape {tuple(x.shape)}, "
+                                  f"expected {tuple(seg['shape'])}")
+            parts.append(x[:, : n - seg["start"]] if seg["stop"] > n else x)
+        return _concat(parts, (heads, n, dim), out_dtype, backend)
+
+    def layer(self, i: int, dtype: str | None = None, backend: str = "numpy", *,
+              tokens: int | None = None) -> tuple[Any, Any]:
+        """Decoded ``(keys, values)`` of layer ``i``, reading only that layer's bytes."""
+        dtype, backend = C.normalize_dtype(dtype), _check_backend(backend)
+        return tuple(self._decode_role(i, r, dtype, backend, tokens) for r in C.ROLES)
+
+    def to_cache(self, *, layers: Iterable[int] | None = None, tokens: int | None = None,
+                 backend: str = "numpy", dtype: str | None = None,
+                 progress: bool = False) -> KVCache:
+        """Decode into a :class:`KVCache` (``layers``: a subset; ``tokens``: a prefix)."""
+        from tqdm.auto import tqdm
+
+        dtype, backend = C.normalize_dtype(dtype), _check_backend(backend)
+        index = list(range(self.num_layers)) if layers is None else [int(i) for i in layers]
+        for i in index:
+            self._role(i, "key")
+        if tokens is not None and not 0 <= tokens <= self.num_tokens:
+            raise ValueError(f"prefix of {tokens} tokens from a file of {self.num_tokens}")
+        keys, values = [], []
+        for i in tqdm(index, desc="decoding", unit="layer", disable=not progress, leave=False):
+            k, v = self.layer(i, dtype, backend, tokens=tokens)
+            keys.append(k)
+            values.append(v)
+        ids = self.token_ids
+        if ids is not None and tokens is not None:
+            ids = ids[:tokens]
+        info = self.layer_info
+        try:
+            return KVCache(keys, values, token_ids=ids, model=dict(self.model),
+                           tokenizer_fingerprint=self.tokenizer_fingerprint,
+                           layer_info=None if info is None else [info[i] for i in index])
+        except ValueError as e:
+            raise FormatError(f"{self.path}: {e}") from None
+
+    # -- checks and summaries ----------------------------------------------------------------------
+    def verify(self) -> list[str]:
+        """Check every checksum, zstd blob and codec; a list of problems (empty: all good)."""
+        from kvtool.formats.info import verify_file
+
+        return verify_file(self)
+
+    def info(self) -> dict[str, Any]:
+        """Everything ``kvtool inspect --json`` prints."""
+        from kvtool.formats.info import file_info
+
+        return file_info(self)
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def _unzstd(blob: np.ndarray, size: int, where: str) -> np.ndarray:
+    import zstandard
+
+    try:
+        params = zstandard.get_frame_parameters(blob)
+        if params.content_size != size:
+            raise FormatError(f"{where}: zstd frame holds {params.content_size} bytes, "
+                              f"expected {size}")
+        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{where}: corrupt zstd data ({e})") from None
+    if len(out) != size:
+        raise FormatError(f"{where}: zstd data decompressed to {len(out)} bytes, expected {size}")
+    return np.frombuffer(out, np.uint8).copy() if size else np.zeros(0, np.uint8)
+
+
+def _concat(parts: list[Any], shape: tuple[int, int, int], dtype: str, backend: str) -> Any:
+    if not parts:
+        empty = np.zeros(shape, np_dtype(dtype))
+        return to_torch(empty) if backend == "torch" else empty
+    if len(parts) == 1:
+        return parts[0].contiguous() if backend == "torch" else np.ascontiguousarray(parts[0])
+    if backend == "torch":
+        import torch
+
+        return torch.cat(parts, dim=1)
+    return np.concatenate(parts, axis=1)
+
+
+def open_kvz(path: str | os.PathLike, *, verify: bool = True) -> KvzFile:
+    """Open a .kvz file for lazy access (header parsed and validated; no tensor read yet)."""
+    return KvzFile(path, verify=verify)
+
+
+def load(path: str | os.PathLike, *, layers: Iterable[int] | None = None,
+         tokens: int | None = None, backend: str = "numpy", dtype: str | None = None,
+         verify: bool = True, progress: bool = False) -> KVCache:
+    """Read a .kvz file into a :class:`KVCache`.
+
+    ``layers`` selects a subset, ``tokens=N`` a prefix of N tokens (only the segments it needs
+    are read), ``backend`` "numpy" or "torch", ``dtype`` the output dtype (default: the saved one),
+    ``verify`` checks every checksum it reads.
+    """
+    with open_kvz(path, verify=verify) as f:
+        return f.to_cache(layers=layers, tokens=tokens, backend=backend, dtype=dtype,
+                          progress=progress)

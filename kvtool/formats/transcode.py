@@ -1,0 +1,31 @@
+"""Re-encode a .kvz file with another codec policy (``kvtool compress`` / ``decompress``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtool.codecs import Codec
+from kvtool.formats.reader import open_kvz
+from kvtool.formats.writer import write_kvz
+from kvtool.policy import CodecPolicy
+
+
+def transcode(src: str | os.PathLike, dst: str | os.PathLike,
+              policy: CodecPolicy | str | dict | Codec, zstd: int | bool = False,
+              progress: bool = False, *, dtype: str | None = None,
+              verify: bool = True) -> dict[str, Any]:
+    """Decode every layer of ``src`` and write it to ``dst`` encoded with ``policy``.
+
+    ``policy`` may also be a codec (id, spec or config) used for keys and values alike;
+    ``dtype`` converts the decoded arrays first (e.g. ``"float32"`` for ``decompress``).
+    Model identity, tokenizer fingerprint, token ids and layer_info are carried over.
+    ``src`` and ``dst`` may be the same path (the replacement is atomic).
+    """
+    if not isinstance(policy, CodecPolicy):
+        policy = CodecPolicy.from_options(codec=policy)
+    with open_kvz(src, verify=verify) as f:
+        layers = (f.layer(i, dtype) for i in range(f.num_layers))
+        return write_kvz(dst, layers, num_layers=f.num_layers, policy=policy, model=f.model,
+                         tokenizer_fingerprint=f.tokenizer_fingerprint, token_ids=f.token_ids,
+                         layer_info=f.layer_info, zstd=zstd, progress=progress)

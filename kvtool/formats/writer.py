@@ -1,0 +1,234 @@
+"""Writing .kvz files: encode each layer/role as the policy's token segments, then write the
+safetensors container atomically (temp file, fsync, rename) and deterministically."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from kvtool.cache import KVCache
+from kvtool.codecs import Codec
+from kvtool.errors import FormatError
+from kvtool.formats import constants as C
+from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
+from kvtool.formats.header import check_part_name
+from kvtool.kernels import Array, ops_for
+from kvtool.policy import CodecPolicy
+
+
+def resolve_policy(policy: CodecPolicy | None, codec: str | dict | Codec | None = None,
+                   key_codec: str | dict | Codec | None = None,
+                   value_codec: str | dict | Codec | None = None, protect_layers: int = 0,
+                   sink_tokens: int = 0, recent_tokens: int = 0) -> CodecPolicy:
+    """``policy`` itself, or one built from CLI-style options (default codec: raw)."""
+    options = (codec, key_codec, value_codec)
+    if policy is not None:
+        if any(o is not None for o in options) or protect_layers or sink_tokens or recent_tokens:
+            raise ValueError("pass either a policy or codec options, not both")
+        return policy
+    return CodecPolicy.from_options(codec=codec, key_codec=key_codec, value_codec=value_codec,
+                                    protect_layers=protect_layers, sink_tokens=sink_tokens,
+                                    recent_tokens=recent_tokens)
+
+
+def zstd_level(zstd: int | bool | None) -> int:
+    """0 (off) or a zstd level: ``True`` → the default level, an int in 1..22 → that level."""
+    if zstd is None or zstd is False:
+        return 0
+    if zstd is True:
+        return C.DEFAULT_ZSTD_LEVEL
+    if not isinstance(zstd, int) or not 0 <= zstd <= C.ZSTD_MAX_LEVEL:
+        raise ValueError(f"zstd must be a bool or a level in 1..{C.ZSTD_MAX_LEVEL}, got {zstd!r}")
+    return zstd
+
+
+class _Encoder:
+    """Collects blobs (in file order) and the header's tensor table."""
+
+    def __init__(self, level: int):
+        self.blobs: list[Blob] = []
+        self.table: dict[str, dict[str, Any]] = {}
+        self.cctx = None
+        if level:
+            import zstandard
+
+            self.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True,
+                                                 write_checksum=False, threads=0)
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        dtype = dtype_name(arr)
+        data: Any = as_bytes(arr)
+        entry: dict[str, Any] = {"dtype": dtype, "shape": [int(s) for s in arr.shape],
+                                 "compression": C.COMPRESSION_NONE}
+        blob = Blob(name, C.DTYPE_TO_ST[dtype], tuple(entry["shape"]), data)
+        if self.cctx is not None and data.nbytes:
+            packed = self.cctx.compress(data)
+            if len(packed) < data.nbytes:  # keep incompressible tensors (packed codes) as they are
+                entry["compression"] = C.COMPRESSION_ZSTD
+                blob = Blob(name, "U8", (len(packed),), packed)
+        entry[C.CHECKSUM_ALGORITHM] = crc32_hex(blob.data)
+        self.blobs.append(blob)
+        self.table[name] = entry
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blobs)
+
+
+def _encode_role(enc: _Encoder, x: Array, layer: int, role: str, num_layers: int,
+                 policy: CodecPolicy) -> dict[str, Any]:
+    xp = ops_for(x)
+    heads, tokens, dim = (int(s) for s in x.shape)
+    dtype = xp.dtype_name(x)
+    if dtype not in C.FLOAT_DTYPES:
+        raise ValueError(f"layer {layer} {role}: dtype {dtype} is not fp32, fp16 or bf16")
+    segments = []
+    for j, seg in enumerate(policy.segments(role, layer, num_layers, tokens)):
+        encoded = seg.codec.encode(x[:, seg.start:seg.stop]).to_numpy()
+        if tuple(encoded.shape) != (heads, seg.stop - seg.start, dim):
+            raise FormatError(f"codec {seg.codec.codec_id!r} reported shape {encoded.shape}")
+        parts = {}
+        for part in sorted(encoded.arrays):
+            check_part_name(part, seg.codec.codec_id)
+            parts[part] = name = C.tensor_name(layer, role, j, part)
+            enc.add(name, np.asarray(encoded.arrays[part]))
+        segments.append({"start": seg.start, "stop": seg.stop, "codec": seg.codec.get_config(),
+                         "shape": [heads, seg.stop - seg.start, dim], "dtype": dtype,
+                         "tensors": parts})
+    return {"shape": [heads, tokens, dim], "dtype": dtype, "segments": segments}
+
+
+def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
+              num_layers: int, policy: CodecPolicy, model: dict[str, Any] | None = None,
+              tokenizer_fingerprint: str | None = None, token_ids: Any = None,
+              layer_info: list[dict[str, Any] | None] | None = None,
+              zstd: int | bool = False, progress: bool = False) -> dict[str, Any]:
+    """Encode ``num_layers`` (keys, values) pairs with ``policy`` and write a .kvz file."""
+    from tqdm.auto import tqdm
+
+    from kvtool import __version__
+
+    enc = _Encoder(zstd_level(zstd))
+    ids_entry = None
+    if token_ids is not None:
+        ids = np.asarray(token_ids).reshape(-1).astype(np.int64)
+        small = ids.size == 0 or (ids.min() >= -(2**31) and ids.max() < 2**31)
+        enc.add(C.TOKENS_TENSOR, ids.astype(np.int32) if small else ids)
+        ids_entry = {"tensor": C.TOKENS_TENSOR, "count": int(ids.size)}
+    layer_entries: list[dict[str, Any]] = []
+    num_tokens, fp16_bytes, dtype = 0, 0, "float32"
+    with tqdm(total=num_layers, desc="encoding", unit="layer", disable=not progress,
+              leave=False) as bar:
+        for i, (k, v) in enumerate(layers):
+            if i >= num_layers:
+                raise ValueError(f"more than {num_layers} layers")
+            entry = {role: _encode_role(enc, x, i, role, num_layers, policy)
+                     for role, x in zip(C.ROLES, (k, v), strict=True)}
+            if entry["key"]["shape"][:2] != entry["value"]["shape"][:2]:
+                raise ValueError(f"layer {i}: keys and values disagree on heads or tokens")
+            dtype = dtype if i else entry["key"]["dtype"]
+            num_tokens = max(num_tokens, entry["key"]["shape"][1])
+            fp16_bytes += sum(2 * int(np.prod(entry[r]["shape"])) for r in C.ROLES)
+            layer_entries.append(entry)
+            bar.update(1)
+    if len(layer_entries) != num_layers:
+        raise ValueError(f"expected {num_layers} layers, got {len(layer_entries)}")
+    header = {
+        C.H_CREATOR: {"name": "kvtool", "version": __version__},
+        C.H_MODEL: dict(model or {}),
+        C.H_TOKENIZER: {"fingerprint": tokenizer_fingerprint},
+        C.H_NUM_LAYERS: num_layers,
+        C.H_NUM_TOKENS: num_tokens,
+        C.H_DTYPE: dtype,
+        C.H_TOKEN_IDS: ids_entry,
+        C.H_POLICY: policy.to_json(),
+        C.H_LAYER_INFO: None if layer_info is None else list(layer_info),
+        C.H_LAYERS: layer_entries,
+        C.H_TENSORS: enc.table,
+    }
+    try:
+        header_json = json.dumps(header, sort_keys=True, separators=(",", ":"),
+                                 ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model info and layer_info must be JSON-safe: {e}") from None
+    metadata = {
+        C.META_FORMAT: C.FORMAT_NAME,
+        C.META_FORMAT_VERSION: C.FORMAT_VERSION,
+        C.META_HEADER: header_json,
+        C.META_HEADER_CRC32: crc32_hex(header_json.encode("utf-8")),
+    }
+    file_bytes = atomic_write(path, lambda f: write_container(f, enc.blobs, metadata))
+    return {
+        "path": os.fspath(path),
+        "file_bytes": file_bytes,
+        "stored_bytes": enc.stored_bytes,
+        "fp16_bytes": fp16_bytes,
+        "ratio": round(fp16_bytes / file_bytes, 4) if file_bytes else 0.0,
+        "num_layers": num_layers,
+        "num_tokens": num_tokens,
+        "policy": policy.describe(),
+    }
+
+
+def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = None, *,
+         codec: str | dict | Codec | None = None, key_codec: str | dict | Codec | None = None,
+         value_codec: str | dict | Codec | None = None, protect_layers: int = 0,
+         sink_tokens: int = 0, recent_tokens: int = 0, zstd: int | bool = False,
+         progress: bool = False) -> dict[str, Any]:
+    """Encode ``cache`` and write it to ``path`` as a .kvz file.
+
+    Pass a :class:`CodecPolicy` or the options that build one (default codec: ``raw``).
+    ``zstd`` compresses each tensor (``True`` or a level 1..22) where that makes it smaller.
+    Returns a report: ``file_bytes``, ``fp16_bytes``, ``ratio`` (fp16 bytes / file bytes), ...
+    """
+    policy = resolve_policy(policy, codec, key_codec, value_codec, protect_layers,
+                            sink_tokens, recent_tokens)
+    return write_kvz(path, zip(cache.keys, cache.values, strict=True),
+                     num_layers=cache.num_layers, policy=policy, model=cache.model,
+                     tokenizer_fingerprint=cache.tokenizer_fingerprint,
+                     token_ids=cache.token_ids, layer_info=cache.layer_info, zstd=zstd,
+                     progress=progress)
+
+
+# -- atomic file replacement -----------------------------------------------------------------------
+def _file_mode(path: str) -> int:
+    with contextlib.suppress(OSError):
+        return os.stat(path).st_mode & 0o7777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int]) -> int:
+    """Run ``write(f)`` on a temp file next to ``path``, fsync it, and rename it over ``path``.
+
+    On any exception the temp file is removed and an existing ``path`` is left untouched.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            written = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return written

@@ -1,0 +1,390 @@
+"""The .kvz v1 format: round trips, lazy access, policies, safety rules, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from kvz_util import (
+    NP_DTYPES,
+    as_f32,
+    available_codecs,
+    bits,
+    codec_or_skip,
+    read_parts,
+    rewrite_header,
+    synthetic_cache,
+    write_parts,
+)
+
+from kvtool.cache import KVCache
+from kvtool.codecs import list_codecs
+from kvtool.errors import FormatError
+from kvtool.formats import KvzFile, load, open_kvz, save, transcode
+from kvtool.formats import constants as C
+from kvtool.policy import CodecPolicy
+
+torch = pytest.importorskip("torch")
+
+
+# -- round trips -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_raw_round_trip_is_bit_exact(tmp_path, dtype, backend):
+    cache = synthetic_cache(dtype=dtype, layer_info=[{"sliding_window": 8}, None, {}])
+    if backend == "torch":
+        cache = cache.to_torch()
+    report = save(cache, tmp_path / "c.kvz")
+    assert report["file_bytes"] == os.path.getsize(tmp_path / "c.kvz")
+    assert report["fp16_bytes"] == sum(2 * 2 * int(np.prod(k.shape)) for k in cache.keys)
+    out = load(tmp_path / "c.kvz", backend=backend)
+    assert out.num_layers == cache.num_layers
+    for a, b in zip(cache.keys + cache.values, out.keys + out.values, strict=True):
+        assert type(a) is type(b)
+        assert tuple(a.shape) == tuple(b.shape)
+        assert bits(a) == bits(b)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.token_ids, cache.token_ids)
+    assert out.model == cache.model
+    assert out.tokenizer_fingerprint == cache.tokenizer_fingerprint
+    assert out.layer_info == [{"sliding_window": 8}, None, {}]
+
+
+@pytest.mark.parametrize("codec_id", list_codecs())
+def test_every_codec_round_trips_through_a_file(tmp_path, codec_id):
+    codec = codec_or_skip(codec_id)
+    cache = synthetic_cache(tokens=16)
+    save(cache, tmp_path / "c.kvz", codec=codec_id)
+    out = load(tmp_path / "c.kvz")
+    out_torch = load(tmp_path / "c.kvz", backend="torch")
+    for role, xs, ys in (("key", cache.keys, out.keys), ("value", cache.values, out.values)):
+        c = codec.for_role(role)
+        for x, y, yt in zip(xs, ys, out_torch.values if role == "value" else out_torch.keys,
+                            strict=True):
+            # the file changes nothing: same values as encoding and decoding in memory
+            assert bits(y) == bits(c.decode(c.encode(x)))
+            np.testing.assert_allclose(as_f32(yt), as_f32(y), rtol=1e-2, atol=1e-2)
+            x32 = as_f32(x)
+            rel = float(((as_f32(y) - x32) ** 2).sum() / (x32**2).sum())
+            assert rel < (1e-12 if codec_id == "raw" else 0.3), (codec_id, role, rel)
+
+
+def test_policy_segments_are_stored_as_given(tmp_path):
+    policy = CodecPolicy.from_options(key_codec="turbo4", value_codec="turbo3", protect_layers=1,
+                                      sink_tokens=2, recent_tokens=3)
+    cache = synthetic_cache(layers=4, tokens=12)
+    save(cache, tmp_path / "p.kvz", policy)
+    with open_kvz(tmp_path / "p.kvz") as f:
+        for i in range(4):
+            for role in C.ROLES:
+                want = policy.segments(role, i, 4, 12)
+                got = f.encoded(i, role)
+                assert [(s["start"], s["stop"]) for s, _ in got] == \
+                    [(s.start, s.stop) for s in want]
+                assert [s["codec"] for s, _ in got] == [s.codec.get_config() for s in want]
+        assert CodecPolicy.from_json(f.header["policy"]) == policy
+    out = load(tmp_path / "p.kvz")
+    # lossless parts (protected layers, sink and recent tokens) are bit-exact
+    assert bits(out.keys[0]) == bits(cache.keys[0])
+    assert bits(out.values[3]) == bits(cache.values[3])
+    for x, y in ((cache.keys[1], out.keys[1]), (cache.values[2], out.values[2])):
+        assert bits(y[:, :2]) == bits(x[:, :2]) and bits(y[:, -3:]) == bits(x[:, -3:])
+        assert bits(y[:, 2:-3]) != bits(x[:, 2:-3])
+
+
+def test_load_dtype_layers_and_backend(tmp_path):
+    cache = synthetic_cache(layers=4, layer_info=[{"i": i} for i in range(4)])
+    save(cache, tmp_path / "c.kvz", codec="turbo3")
+    full = load(tmp_path / "c.kvz")
+    sub = load(tmp_path / "c.kvz", layers=[3, 1], dtype="fp32", backend="torch")
+    assert sub.num_layers == 2 and sub.dtype == "float32"
+    assert sub.layer_info == [{"i": 3}, {"i": 1}]
+    np.testing.assert_allclose(as_f32(sub.keys[0]), as_f32(full.keys[3]), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="dtype"):
+        load(tmp_path / "c.kvz", dtype="int8")
+    with pytest.raises(IndexError):
+        load(tmp_path / "c.kvz", layers=[4])
+
+
+def test_zstd_is_smaller_and_lossless(tmp_path):
+    cache = synthetic_cache(tokens=64, dtype="bfloat16")
+    plain = save(cache, tmp_path / "a.kvz")
+    packed = save(cache, tmp_path / "b.kvz", zstd=True)
+    assert packed["file_bytes"] < plain["file_bytes"]
+    with open_kvz(tmp_path / "b.kvz") as f:
+        assert f.info()["zstd_tensors"] > 0
+        assert f.verify() == []
+    out = load(tmp_path / "b.kvz")
+    assert all(bits(a) == bits(b) for a, b in zip(cache.keys, out.keys, strict=True))
+    save(cache, tmp_path / "c.kvz", zstd=19)
+    with pytest.raises(ValueError, match="zstd"):
+        save(cache, tmp_path / "d.kvz", zstd=99)
+
+
+def test_empty_and_sliding_window_layers(tmp_path):
+    keys = [np.ones((2, 10, 8), np.float16), np.ones((2, 4, 8), np.float16)]
+    cache = KVCache(keys, [k * 2 for k in keys], token_ids=np.arange(10),
+                    layer_info=[{}, {"sliding_window": 4}])
+    save(cache, tmp_path / "s.kvz", codec="turbo3", sink_tokens=1)
+    out = load(tmp_path / "s.kvz")
+    assert out.keys[1].shape == (2, 4, 8) and out.num_tokens == 10
+    empty = KVCache([np.zeros((2, 0, 8), np.float32)], [np.zeros((2, 0, 8), np.float32)])
+    save(empty, tmp_path / "e.kvz", codec="turbo3")
+    out = load(tmp_path / "e.kvz")
+    assert out.keys[0].shape == (2, 0, 8) and out.token_ids is None and out.dtype == "float32"
+
+
+# -- lazy access -----------------------------------------------------------------------------------
+def _spy_reads(monkeypatch) -> list[str]:
+    names: list[str] = []
+    original = KvzFile._stored
+
+    def spy(self, entry):
+        names.append(entry.name)
+        return original(self, entry)
+
+    monkeypatch.setattr(KvzFile, "_stored", spy)
+    return names
+
+
+def test_single_layer_reads_only_that_layer(tmp_path, monkeypatch):
+    cache = synthetic_cache(layers=5)
+    save(cache, tmp_path / "c.kvz", codec="turbo3", sink_tokens=2)
+    full = load(tmp_path / "c.kvz")
+    reads = _spy_reads(monkeypatch)
+    with open_kvz(tmp_path / "c.kvz") as f:
+        assert reads == []  # opening reads the header only
+        assert (f.num_layers, f.num_tokens) == (5, 12)
+        k, v = f.layer(3)
+        assert reads and all(n.startswith("layers.3.") for n in reads)
+        assert bits(k) == bits(full.keys[3]) and bits(v) == bits(full.values[3])
+        kt, _ = f.layer(3, dtype="bf16", backend="torch")
+        assert kt.dtype == torch.bfloat16
+        assert isinstance(f.to_cache(), KVCache)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 9, 12])
+def test_token_prefix_reads_only_needed_segments(tmp_path, monkeypatch, n):
+    cache = synthetic_cache(tokens=12)
+    save(cache, tmp_path / "c.kvz", codec="turbo3", sink_tokens=2, recent_tokens=3)
+    want = load(tmp_path / "c.kvz").prefix(n)
+    reads = _spy_reads(monkeypatch)
+    got = load(tmp_path / "c.kvz", tokens=n)
+    assert got.num_tokens == n and len(got.token_ids) == n
+    for a, b in zip(want.keys + want.values, got.keys + got.values, strict=True):
+        assert bits(a) == bits(b)
+    segments_read = {r.split(".")[3] for r in reads if r.startswith("layers.")}
+    expected = {"0"} if n <= 2 else {"0", "1"} if n <= 9 else {"0", "1", "2"}
+    assert segments_read == (expected if n else set())
+    with pytest.raises(ValueError):
+        load(tmp_path / "c.kvz", tokens=13)
+
+
+# -- determinism, container compatibility, transcoding ---------------------------------------------
+def test_identical_bytes_on_resave(tmp_path):
+    cache = synthetic_cache()
+    for i, opts in enumerate([{}, {"codec": "turbo3", "zstd": True},
+                              {"key_codec": "turbo4", "sink_tokens": 1}]):
+        save(cache, tmp_path / f"a{i}.kvz", **opts)
+        save(synthetic_cache(), tmp_path / f"b{i}.kvz", **opts)
+        assert (tmp_path / f"a{i}.kvz").read_bytes() == (tmp_path / f"b{i}.kvz").read_bytes()
+    save(cache.to_torch(), tmp_path / "t.kvz")
+    assert (tmp_path / "t.kvz").read_bytes() == (tmp_path / "a0.kvz").read_bytes()
+
+
+@pytest.mark.parametrize("framework", ["np", "pt"])
+def test_any_safetensors_reader_lists_and_reads_the_tensors(tmp_path, framework):
+    from safetensors import safe_open
+
+    cache = synthetic_cache(dtype="bfloat16")
+    save(cache, tmp_path / "c.kvz", key_codec="turbo3", sink_tokens=2)
+    with open_kvz(tmp_path / "c.kvz") as f:
+        table = f.header["tensors"]
+        with safe_open(str(tmp_path / "c.kvz"), framework) as st:
+            assert sorted(st.keys()) == sorted(table)
+            assert st.metadata()["kvz.format"] == "kvz"
+            assert st.metadata()["kvz.format_version"] == "1"
+            for name in st.keys():
+                assert bits(st.get_tensor(name)) == bits(f.read_tensor(name))
+            assert bits(st.get_tensor("layers.0.value.0.data")) == bits(cache.values[0])
+
+
+def test_transcode(tmp_path):
+    cache = synthetic_cache(tokens=32)
+    save(cache, tmp_path / "raw.kvz")
+    small = transcode(tmp_path / "raw.kvz", tmp_path / "t3.kvz", "turbo3")
+    assert small["ratio"] > 1.0
+    back = transcode(tmp_path / "t3.kvz", tmp_path / "f32.kvz", CodecPolicy.from_options("raw"),
+                     dtype="fp32")
+    assert back["file_bytes"] > small["file_bytes"]
+    out = load(tmp_path / "f32.kvz")
+    assert out.dtype == "float32" and out.model == cache.model
+    np.testing.assert_array_equal(out.token_ids, cache.token_ids)
+    assert bits(out.keys[1]) == bits(load(tmp_path / "t3.kvz", dtype="fp32").keys[1])
+    transcode(tmp_path / "t3.kvz", tmp_path / "t3.kvz", "raw")  # in place
+    assert load(tmp_path / "t3.kvz").dtype == "float16"
+
+
+# -- atomic writes ---------------------------------------------------------------------------------
+def _leftovers(directory) -> list[str]:
+    return sorted(p for p in os.listdir(directory) if p.endswith(".tmp"))
+
+
+def test_failed_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
+    from kvtool.formats import container
+
+    path = tmp_path / "c.kvz"
+    save(synthetic_cache(), path)
+    before = path.read_bytes()
+    calls = {"n": 0}
+    original = container.Blob.nbytes.fget
+
+    def fail_midway(self):  # the writer asks each blob's size while writing; fail in the middle
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError("disk full (simulated)")
+        return original(self)
+
+    monkeypatch.setattr(container.Blob, "nbytes", property(fail_midway))
+    with pytest.raises(OSError, match="disk full"):
+        save(synthetic_cache(seed=1), path, codec="turbo3")
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_interrupted_fsync_and_codec_error_leave_previous_file(tmp_path, monkeypatch):
+    from kvtool.formats import writer
+
+    path = tmp_path / "c.kvz"
+    save(synthetic_cache(), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(writer.os, "fsync", lambda fd: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        save(synthetic_cache(seed=2), path)
+    monkeypatch.undo()
+    bad = synthetic_cache()
+    bad.keys[1][0, 0, 0] = np.nan
+    with pytest.raises(Exception, match="NaN"):
+        save(bad, path, codec="turbo3")
+    assert path.read_bytes() == before and _leftovers(tmp_path) == []
+    assert load(path).num_layers == 3
+
+
+# -- reader safety ---------------------------------------------------------------------------------
+@pytest.fixture
+def small_file(tmp_path):
+    path = tmp_path / "small.kvz"
+    save(synthetic_cache(), path, codec="turbo3", sink_tokens=2, zstd=True)
+    return path
+
+
+def test_unknown_codec_names_the_codec_and_plugins(small_file, tmp_path):
+    def rename(h):
+        h["layers"][1]["key"]["segments"][1]["codec"]["id"] = "nosuchcodec"
+
+    rewrite_header(small_file, tmp_path / "u.kvz", rename)
+    with open_kvz(tmp_path / "u.kvz") as f:  # opening and inspecting still work
+        assert f.info()["codecs"]["nosuchcodec"] == 1
+        assert any("nosuchcodec" in p for p in f.verify())
+        f.layer(0)
+        with pytest.raises(FormatError, match="nosuchcodec.*plugin"):
+            f.layer(1)
+    with pytest.raises(FormatError, match="nosuchcodec.*plugin"):
+        load(tmp_path / "u.kvz")
+
+
+def test_future_major_version_is_refused(small_file, tmp_path):
+    metadata, blobs = read_parts(small_file)
+    for version, ok in (("2", False), ("1.7", True), ("10.0", False), ("one", False)):
+        metadata["kvz.format_version"] = version
+        write_parts(tmp_path / "v.kvz", metadata, blobs)
+        if ok:
+            load(tmp_path / "v.kvz")
+        else:
+            with pytest.raises(FormatError, match=version) as e:
+                load(tmp_path / "v.kvz")
+            assert "\n" not in str(e.value)
+
+
+def test_unknown_optional_keys_are_ignored(small_file, tmp_path):
+    def extend(h):
+        h["future_key"] = {"anything": [1, 2]}
+        h["layers"][0]["key"]["segments"][0]["future"] = True
+        h["tensors"]["tokens"]["future"] = "x"
+
+    rewrite_header(small_file, tmp_path / "x.kvz", extend)
+    metadata, blobs = read_parts(tmp_path / "x.kvz")
+    metadata["kvz.something_new"] = "1"
+    write_parts(tmp_path / "x.kvz", metadata, blobs)
+    assert load(tmp_path / "x.kvz").num_layers == 3
+
+
+def test_checksums_catch_corruption(small_file, tmp_path):
+    data = bytearray(small_file.read_bytes())
+    data[-5] ^= 0x10  # inside the last tensor
+    (tmp_path / "bad.kvz").write_bytes(bytes(data))
+    with open_kvz(tmp_path / "bad.kvz") as f:
+        problems = f.verify()
+        assert len(problems) == 1 and "checksum mismatch" in problems[0]
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        load(tmp_path / "bad.kvz")
+    load(tmp_path / "bad.kvz", verify=False)  # corrupt values, but readable on request
+
+
+def test_foreign_and_hostile_files(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"a": np.zeros(3, np.float32)}, str(tmp_path / "plain.safetensors"))
+    cases = {
+        "plain.safetensors": None,
+        "empty.kvz": b"",
+        "short.kvz": b"\x05\x00",
+        "huge_header.kvz": (2**40).to_bytes(8, "little") + b"{}",
+        "not_json.kvz": (4).to_bytes(8, "little") + b"{abc",
+        "nested.kvz": (200_000).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000,
+        "pickle.kvz": b"\x80\x04\x95" + b"\x00" * 64,
+    }
+    for name, content in cases.items():
+        if content is not None:
+            (tmp_path / name).write_bytes(content)
+        with pytest.raises(FormatError) as e:
+            load(tmp_path / name)
+        assert "\n" not in str(e.value), name
+
+
+def test_header_schema_errors_are_format_errors(small_file, tmp_path):
+    mutations = [
+        lambda h: h.pop("layers"),
+        lambda h: h.__setitem__("num_layers", 7),
+        lambda h: h["layers"][0]["key"]["segments"][0].__setitem__("stop", 1),
+        lambda h: h["layers"][0]["key"].__setitem__("shape", [2, 12, 10**6]),
+        lambda h: h["layers"][2]["value"]["segments"].pop(),
+        lambda h: h["tensors"]["tokens"].__setitem__("crc32", "zz"),
+        lambda h: h["tensors"]["tokens"].__setitem__("shape", [13]),
+        lambda h: h["tensors"].pop("layers.1.key.1.codes"),
+        lambda h: h["layers"][1]["key"]["segments"][1]["codec"].__setitem__("seed", -1),
+        lambda h: h["layers"][1]["key"]["segments"][1]["tensors"].pop("norms"),
+        lambda h: h.__setitem__("dtype", "int8"),
+        lambda h: h.__setitem__("layer_info", [1, 2, 3]),
+    ]
+    for i, mutate in enumerate(mutations):
+        rewrite_header(small_file, tmp_path / f"m{i}.kvz", mutate)
+        with pytest.raises(FormatError):
+            load(tmp_path / f"m{i}.kvz")
+
+
+def test_header_is_deterministic_json(small_file):
+    metadata, _ = read_parts(small_file)
+    raw = metadata["kvz.header"]
+    assert raw == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"))
+    header = json.loads(raw)
+    assert header["creator"]["name"] == "kvtool"
+    assert set(header["tensors"]) >= {"tokens", "layers.0.key.0.data", "layers.0.key.1.codes"}
+
+
+def test_available_codecs_helper_lists_turbo():
+    assert {"turbo2", "turbo3", "turbo4"} <= set(available_codecs())
+    assert NP_DTYPES

@@ -1,0 +1,170 @@
+"""Fuzzing the reader: truncated, bit-flipped and mutated files end in FormatError, nothing else.
+
+A damaged file may also still load (a flipped bit in a value, with ``verify=False``); what must
+never happen is another exception type, a multi-line message, a hang or a huge allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvz_util import read_parts, rewrite_header, synthetic_cache, write_parts
+
+from kvtool.errors import FormatError
+from kvtool.formats import open_kvz, save
+
+# 4 x 500 hypothesis cases by default; KVTOOL_FUZZ_EXAMPLES=20000 for a long local run
+FUZZ = settings(max_examples=int(os.environ.get("KVTOOL_FUZZ_EXAMPLES", 500)), deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+class Base:
+    """The file under test (a short repr keeps hypothesis' failure reports readable)."""
+
+    def __init__(self, path):
+        self.path, self.data = str(path), path.read_bytes()
+
+    def __repr__(self) -> str:
+        return f"Base({self.path!r}, {len(self.data)} bytes)"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Base:
+    """A small file exercising two codecs, raw sink/recent segments, zstd and token ids."""
+    path = tmp_path_factory.mktemp("fuzz") / "base.kvz"
+    cache = synthetic_cache(layers=3, heads=2, tokens=10, dim=16)
+    cache = cache.map_arrays(lambda a: (a * 4).round() / 4)  # compressible: zstd frames too
+    save(cache, path, key_codec="turbo3", value_codec="turbo2", protect_layers=1, sink_tokens=2,
+         recent_tokens=2, zstd=True)
+    with open_kvz(path) as f:
+        assert f.info()["zstd_tensors"] >= 4
+    return Base(path)
+
+
+def check(data: bytes, verify: bool) -> str:
+    """Write ``data`` to a temp file and use it every way a user could; 'ok' or 'error'."""
+    fd, path = tempfile.mkstemp(suffix=".kvz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            with open_kvz(path, verify=verify) as f:
+                f.info()
+                f.verify()
+                f.to_cache()
+        except FormatError as e:
+            assert "\n" not in str(e)
+            return "error"
+        return "ok"
+    finally:
+        os.unlink(path)
+
+
+def test_every_truncation_is_a_format_error(base):
+    data = base.data
+    step = max(1, len(data) // 1500)
+    for n in range(0, len(data), step):
+        assert check(data[:n], verify=n % 2 == 0) == "error", n
+
+
+@FUZZ
+@given(flips=st.lists(st.integers(min_value=0), min_size=1, max_size=3), verify=st.booleans())
+def test_bit_flips(base, flips, verify):
+    data = base.data
+    buf = bytearray(data)
+    for bit in flips:
+        bit %= len(buf) * 8
+        buf[bit // 8] ^= 1 << (bit % 8)
+    result = check(bytes(buf), verify)
+    if verify and bytes(buf) != data:
+        assert result == "error"  # checksums cover the header and every tensor
+
+
+@FUZZ
+@given(pos=st.integers(min_value=0), junk=st.binary(min_size=0, max_size=16),
+       cut=st.integers(min_value=0, max_value=16), verify=st.booleans())
+def test_random_byte_mutations(base, pos, junk, cut, verify):
+    data = base.data
+    pos %= len(data)
+    check(data[:pos] + junk + data[pos + cut:], verify)
+
+
+def _paths(obj, prefix=()):
+    """Every path into a JSON document."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, (*prefix, i))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, 2, -1])
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+    | st.sampled_from(["float16", "uint8", "zstd", "raw", "turbo3", "tokens", "key"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=6,
+)
+
+
+@FUZZ
+@given(choice=st.integers(min_value=0), value=json_values, delete=st.booleans(),
+       verify=st.booleans())
+def test_header_value_mutations(base, choice, value, delete, verify, tmp_path_factory):
+    """A consistent (checksummed) header with one value changed: the schema checks catch it."""
+    path = base.path
+    header = json.loads(read_parts(path)[0]["kvz.header"])
+    paths = list(_paths(header))[1:]
+    target = paths[choice % len(paths)]
+
+    def mutate(h):
+        parent = h
+        for key in target[:-1]:
+            parent = parent[key]
+        if delete:
+            del parent[target[-1]]
+        else:
+            parent[target[-1]] = value
+
+    out = tmp_path_factory.mktemp("hm") / "m.kvz"
+    rewrite_header(path, out, mutate)
+    check(out.read_bytes(), verify)
+
+
+@FUZZ
+@given(choice=st.integers(min_value=0), field=st.sampled_from(["dtype", "shape", "data_offsets"]),
+       value=json_values | st.lists(st.integers(-5, 10**6), max_size=3), verify=st.booleans())
+def test_container_entry_mutations(base, choice, field, value, verify):
+    """The safetensors entries (dtype, shape, data_offsets) of one tensor changed."""
+    import struct
+
+    data = base.data
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    names = sorted(k for k in header if k != "__metadata__")
+    header[names[choice % len(names)]][field] = value
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    check(struct.pack("<Q", len(raw)) + raw + data[8 + n:], verify)
+
+
+def test_metadata_mutations(base, tmp_path):
+    path = base.path
+    metadata, blobs = read_parts(path)
+    for key in list(metadata):
+        for value in ("", "0", "{}", "[]", "null", metadata[key][:-3]):
+            changed = {**metadata, key: value}
+            write_parts(tmp_path / "m.kvz", changed, blobs)
+            assert check((tmp_path / "m.kvz").read_bytes(), verify=True) == "error", (key, value)
+        without = {k: v for k, v in metadata.items() if k != key}
+        write_parts(tmp_path / "m.kvz", without, blobs)
+        check((tmp_path / "m.kvz").read_bytes(), verify=True)
