@@ -10,7 +10,13 @@ import click
 
 from kvtool import __version__
 from kvtool.cli._common import EXIT_CODES_HELP
+from kvtool.cli.capture import capture_command
 from kvtool.cli.codecs import codecs_command
+from kvtool.cli.eval import eval_command
+from kvtool.cli.generate import generate_command
+from kvtool.cli.inspect import inspect_command
+from kvtool.cli.patch_vllm import patch_vllm_command
+from kvtool.cli.transcode import compress_command, decompress_command
 
 
 @click.group(epilog=EXIT_CODES_HELP)
@@ -20,6 +26,13 @@ def cli() -> None:
 
 
 cli.add_command(codecs_command)
+cli.add_command(eval_command)
+cli.add_command(inspect_command)
+cli.add_command(compress_command)
+cli.add_command(decompress_command)
+cli.add_command(capture_command)
+cli.add_command(generate_command)
+cli.add_command(patch_vllm_command)
 
 
 def main() -> None:

@@ -121,4 +121,5 @@ class Codec(ABC):
     def _encode(self, xp: Any, x: Array) -> dict[str, Array]: ...
 
     @abstractmethod
-    def _decode(self, xp: Any, enc: Encoded) -> Array: ...
+    def _decode(self, xp: Any, enc: Encoded) -> Array:
+        """x̂ with ``enc.shape``, in float32 or any float dtype ``decode`` then converts."""

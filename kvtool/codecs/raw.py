@@ -41,4 +41,5 @@ class RawCodec(Codec):
         return {"data": xp.copy(xp.astype(x, self.dtype))}
 
     def _decode(self, xp: Any, enc: Encoded) -> Any:
-        return xp.reshape(xp.astype(enc.arrays["data"], "float32"), enc.shape)
+        # stored dtype as-is: Codec.decode converts once, to the requested dtype only
+        return xp.reshape(enc.arrays["data"], enc.shape)
