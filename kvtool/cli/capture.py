@@ -1,0 +1,84 @@
+"""``kvtool capture``: prefill a prompt with a model and save its KV cache as a .kvz file."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+
+MODEL_HELP = "'default' (SmolLM2-135M), a local HF model directory, or a .gguf file."
+DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
+
+
+def model_options(fn: Any) -> Any:
+    """--model, --dtype and --threads, shared by capture and generate."""
+    fn = click.option("--threads", type=click.IntRange(1), default=None,
+                      help="torch CPU threads (default: torch's choice).")(fn)
+    fn = click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True,
+                      help="Model (and cache) dtype; part of the cache's model fingerprint.")(fn)
+    return click.option("--model", "model_name", default="default", show_default=True,
+                        help=MODEL_HELP)(fn)
+
+
+def load_for_cli(model_name: str, dtype: str, threads: int | None):
+    from kvtool.models import load_model
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return load_model(model_name, dtype=dtype)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        return Path(prompt_file).read_text(encoding="utf-8")
+    return prompt or ""
+
+
+@click.command("capture")
+@model_options
+@click.option("--prompt", default=None, help="The text to prefill.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the text to prefill from a file (UTF-8).")
+@codec_policy_options
+@click.option("--zstd", is_flag=True, help="zstd-compress each stored tensor where it helps.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The .kvz file to write (atomically).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def capture_command(model_name: str, dtype: str, threads: int | None, prompt: str | None,
+                    prompt_file: str | None, zstd: bool, output: str, as_json: bool,
+                    **codec_opts: Any) -> None:
+    """Prefill a prompt and save the model's KV cache to a .kvz file."""
+    text = read_prompt(prompt, prompt_file)
+    policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
+    from kvtool.engines.hf import capture
+    from kvtool.formats import save
+
+    loaded = load_for_cli(model_name, dtype, threads)
+    start = time.perf_counter()
+    cache = capture(loaded.model, loaded.tokenizer, text, model_info=loaded.info)
+    capture_s = time.perf_counter() - start
+    start = time.perf_counter()
+    report = save(cache, output, policy, zstd=zstd)
+    save_s = time.perf_counter() - start
+    report.update(model=loaded.name, dtype=dtype, num_tokens=len(cache.token_ids),
+                  load_model_s=round(loaded.load_seconds, 4), capture_s=round(capture_s, 4),
+                  save_s=round(save_s, 4), cache_bytes=cache.nbytes)
+    if as_json:
+        echo_json(report)
+        return
+    from kvtool.cli.inspect import human_bytes
+
+    click.echo(f"captured {report['num_tokens']} tokens × {cache.num_layers} layers from "
+               f"{loaded.name} ({dtype}) in {capture_s:.2f} s")
+    click.echo(f"wrote {output}: {human_bytes(report['file_bytes'])} "
+               f"({report['ratio']:.2f}x compression vs fp16; {report['policy']}) "
+               f"in {save_s:.2f} s")

