@@ -1,0 +1,67 @@
+"""``kvtool eval``: perplexity change, cache error and bits/element of a codec policy."""
+
+from __future__ import annotations
+
+import click
+
+from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+
+
+@click.command("eval")
+@click.option("--model", "model_name", default="default", show_default=True,
+              help="'default' (SmolLM2-135M), a local HF model directory or a .gguf file.")
+@codec_policy_options
+@click.option("--text", "text_file", type=click.Path(dir_okay=False), default=None,
+              help="UTF-8 text to evaluate on (default: the bundled eval text, ~3.8K tokens).")
+@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1),
+              help="Tokens per chunk; each chunk attends to the compressed past.")
+@click.option("--max-tokens", default=None, type=click.IntRange(2),
+              help="Evaluate on the first N tokens only.")
+@click.option("--block-size", default=64, show_default=True, type=click.IntRange(1),
+              help="Tokens the runtime cache encodes together.")
+@click.option("--prompt", default=None,
+              help="Prompt for the side-by-side continuation (default: the demo document and "
+                   "a question about it).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(0),
+              help="Tokens of greedy continuation to compare (0: skip).")
+@click.option("--dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Dtype the model runs in.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens: int | None,
+                 block_size: int, prompt: str | None, max_new_tokens: int, dtype: str,
+                 as_json: bool, **policy_opts) -> None:
+    """Chunked perplexity with a compressed past against the exact cache, K/V error, bits/element
+    and a greedy continuation side by side."""
+    from kvtool.evaluate import evaluate, read_text
+    from kvtool.models import load_model
+
+    policy = policy_from_options(policy_opts)
+    text = read_text(text_file)
+    loaded = load_model(model_name, dtype=dtype)
+    report = evaluate(loaded, policy, text, chunk=chunk, block_size=block_size,
+                      max_tokens=max_tokens, prompt=prompt, max_new_tokens=max_new_tokens)
+    if as_json:
+        echo_json({"model": loaded.name, **report.to_json()})
+        return
+    m = report.metrics
+    click.echo(f"model      {loaded.name} ({dtype})")
+    click.echo(f"policy     {report.label}")
+    click.echo(f"text       {report.tokens} tokens in chunks of {report.chunk}")
+    click.echo(f"perplexity {report.ppl:.4f}  (baseline {report.baseline_ppl:.4f}, "
+               f"{report.delta_ppl_pct:+.3f}%)")
+    click.echo(f"bits/elem  {m['bits_per_element']:.3f}  (keys {m['key_bits_per_element']:.3f}, "
+               f"values {m['value_bits_per_element']:.3f})")
+    click.echo(f"keys       cosine {m['key_cosine']:.5f}  rel. MSE {m['key_rel_mse']:.5f}")
+    click.echo(f"values     cosine {m['value_cosine']:.5f}  rel. MSE {m['value_rel_mse']:.5f}")
+    if "attention_kl" in m:
+        click.echo(f"attention  KL {m['attention_kl']:.5f}  "
+                   f"top-8 overlap {m['attention_topk_overlap']:.3f}")
+    gen = report.generation
+    if gen:
+        diff = "identical" if gen["identical"] else f"first difference at token " \
+                                                    f"{gen['first_difference']}"
+        click.echo(f"\ncontinuation of a {gen['prompt_tokens']}-token prompt ({diff}):")
+        click.echo(f"  baseline:   {gen['baseline']!r}")
+        click.echo(f"  compressed: {gen['compressed']!r}")

