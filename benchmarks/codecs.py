@@ -5,7 +5,7 @@ encode/decode throughput in MB/s of fp16 input, each speed also as a ratio to a 
 copy of the same array measured in the same run (the machine is shared and noisy; ratios are
 what to compare across runs).
 
-    python benchmarks/codecs.py                       # 1M vectors, D=128, every codec, both backends
+    python benchmarks/codecs.py          # 1M vectors, D=128, every codec and backend
     python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch
 """
 

@@ -18,11 +18,11 @@ import json
 import time
 
 import torch
-from _policy import parse_policy
 
 from kvtool.codecs import list_codecs
 from kvtool.evaluate import evaluate, read_text, run_baseline
 from kvtool.models import load_model
+from kvtool.policy import CodecPolicy
 
 # K/V policies worth comparing (from a small search on this model; add more with --policy).
 # Findings: the first token is an attention sink (keeping just it halves turbo3's damage), and
@@ -71,7 +71,7 @@ def main() -> None:
           f"{'ppl':>8} {'Δppl %':>8}", flush=True)
     rows = []
     for label in labels:
-        policy = parse_policy(label)
+        policy = CodecPolicy.from_label(label)
         r = evaluate(loaded, policy, baseline=base, block_size=args.block_size)
         m = r.metrics
         rows.append({"policy": label, **r.to_json()})

@@ -22,12 +22,12 @@ import importlib.util
 import time
 
 import torch
-from _policy import parse_policy
 from transformers import DynamicCache
 
 from kvtool.cache import KVCache
 from kvtool.engines.hf_runtime import CompressedCache, cache_nbytes
 from kvtool.models import load_model
+from kvtool.policy import CodecPolicy
 
 
 def quantized_backends() -> dict[str, bool]:
@@ -98,7 +98,7 @@ def main() -> None:
     kv16 = kv.astype("bfloat16")
     del exact
 
-    policies = {f"{p} recent={args.recent}": parse_policy(p, recent_tokens=args.recent,
+    policies = {f"{p} recent={args.recent}": CodecPolicy.from_label(p, recent_tokens=args.recent,
                                                             sink_tokens=args.sinks)
                 for p in ["turbo3", "turbo4", "k=turbo3:center=true v=turbo3 sink=4",
                           *args.policy]}

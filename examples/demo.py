@@ -37,8 +37,7 @@ def main() -> None:
 
     import torch
 
-    from kvtool.engines.hf import capture, continue_generation, full_ids_for, \
-        recompute_generation
+    from kvtool.engines.hf import capture, continue_generation, full_ids_for, recompute_generation
     from kvtool.formats import load, open_kvz, save
     from kvtool.models import load_model
 

@@ -111,25 +111,6 @@ def demo_prompt(tokenizer: Any, question: int = 0) -> str:
     return f"{user}\nAnswer:"
 
 
-def policy_label(policy: CodecPolicy) -> str:
-    """Like :meth:`CodecPolicy.describe`, plus non-default codec options (``center=true``)."""
-    def spec(codec: Any, role: str) -> str:
-        try:  # the class's defaults for this role (no registry: unregistered codecs work too)
-            default = type(codec)().for_role(role).get_config()
-        except (TypeError, KvtoolError):
-            default = {"id": codec.codec_id, "codec_version": codec.codec_version}
-        opts = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
-                for k, v in codec.get_config().items() if default.get(k) != v]
-        return codec.codec_id + (":" + ",".join(opts) if opts else "")
-
-    k, v = spec(policy.key, "key"), spec(policy.value, "value")
-    parts = [k if k == v else f"k={k} v={v}"]
-    parts += [f"{name}={n}" for name, n in (("protect", policy.protect_layers),
-                                             ("sink", policy.sink_tokens),
-                                             ("recent", policy.recent_tokens)) if n]
-    return " ".join(parts)
-
-
 # -- the captured cache through a policy ------------------------------------------------------
 def _through_policy(x: torch.Tensor, policy: CodecPolicy, role: str, layer: int,
                     num_layers: int) -> tuple[torch.Tensor, int, list]:
@@ -369,7 +350,7 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     if max_new_tokens > 0:
         gen = compare_generation(loaded, policy, prompt or demo_prompt(loaded.tokenizer),
                                  max_new_tokens, block_size)
-    return EvalReport(policy.to_json(), policy_label(policy), int(base.ids.shape[1]), base.chunk,
+    return EvalReport(policy.to_json(), policy.describe(), int(base.ids.shape[1]), base.chunk,
                       ppl, base.ppl, 100 * (ppl / base.ppl - 1), metrics, gen)
 
 

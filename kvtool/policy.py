@@ -96,11 +96,43 @@ class CodecPolicy:
         )
 
     def describe(self) -> str:
-        """Short human label, e.g. ``k=turbo4 v=turbo3 protect=1 sink=4``."""
-        k, v = self.key.codec_id, self.value.codec_id
+        """Short label (``k=turbo3:center=true v=turbo3 sink=4``) that :meth:`from_label` reads."""
+        k, v = _codec_label(self.key, "key"), _codec_label(self.value, "value")
         parts = [k if k == v else f"k={k} v={v}"]
-        for name, n in (("protect", self.protect_layers), ("sink", self.sink_tokens),
-                        ("recent", self.recent_tokens)):
-            if n:
-                parts.append(f"{name}={n}")
+        parts += [f"{name}={n}" for name, n in (("protect", self.protect_layers),
+                                                 ("sink", self.sink_tokens),
+                                                 ("recent", self.recent_tokens)) if n]
         return " ".join(parts)
+
+    @classmethod
+    def from_label(cls, label: str, **defaults: Any) -> CodecPolicy:
+        """A policy from a :meth:`describe` label; ``defaults`` fill what the label omits."""
+        opts: dict[str, Any] = dict(defaults)
+        for part in label.split():
+            key, sep, value = part.partition("=")
+            if not sep or key not in _LABEL_KEYS:
+                opts["codec"] = part
+                continue
+            name = _LABEL_KEYS[key]
+            try:
+                opts[name] = value if name.endswith("codec") else int(value)
+            except ValueError:
+                raise CodecError(f"policy label {label!r}: {key}= needs an integer") from None
+        return cls.from_options(**opts)
+
+
+_LABEL_KEYS = {"k": "key_codec", "v": "value_codec", "protect": "protect_layers",
+               "sink": "sink_tokens", "recent": "recent_tokens"}
+
+
+def _codec_label(codec: Codec, role: str) -> str:
+    """``id`` plus the options that differ from the codec's defaults for ``role``."""
+    import json
+
+    try:  # the class's own defaults, so unregistered codecs work too
+        default = type(codec)().for_role(role).get_config()
+    except (TypeError, CodecError):
+        default = {"id": codec.codec_id, "codec_version": codec.codec_version}
+    opts = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in codec.get_config().items() if default.get(k) != v]
+    return codec.codec_id + (":" + ",".join(opts) if opts else "")

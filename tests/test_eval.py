@@ -17,7 +17,6 @@ from kvtool.evaluate import (  # noqa: E402
     attention_error,
     cosine,
     data_text,
-    policy_label,
     relative_mse,
     softmax_kl,
     topk_overlap,
@@ -80,13 +79,6 @@ def test_turbo_scores_path_matches_decoded_keys(rng):
     torch.testing.assert_close(_scores_hat(q, encoded), q @ k_hat.transpose(-1, -2),
                                rtol=1e-4, atol=1e-4)
     assert codec.bits_per_element(64) == 3.25
-
-
-def test_policy_label_shows_codec_options():
-    policy = CodecPolicy.from_options(key_codec="turbo3:center=true", value_codec="turbo3",
-                                      sink_tokens=4)
-    assert policy_label(policy) == "k=turbo3:center=true v=turbo3 sink=4"
-    assert policy_label(CodecPolicy.from_options("kivi2")) == "kivi2"  # per-role defaults
 
 
 # -- on the real default model ----------------------------------------------------------------
