@@ -12,6 +12,8 @@ from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, p
 
 MODEL_HELP = "'default' (SmolLM2-135M), a local HF model directory, or a .gguf file."
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
+ENGINE_CHOICE = click.Choice(["hf", "vllm"])
+ENGINE_HELP = "Engine that runs the model: Hugging Face transformers or vLLM (same .kvz files)."
 
 
 def model_options(fn: Any) -> Any:
@@ -44,6 +46,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 @click.command("capture")
 @model_options
+@click.option("--engine", type=ENGINE_CHOICE, default="hf", show_default=True, help=ENGINE_HELP)
 @click.option("--prompt", default=None, help="The text to prefill.")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read the text to prefill from a file (UTF-8).")
@@ -53,23 +56,31 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
               help="The .kvz file to write (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def capture_command(model_name: str, dtype: str, threads: int | None, prompt: str | None,
-                    prompt_file: str | None, zstd: bool, output: str, as_json: bool,
-                    **codec_opts: Any) -> None:
+def capture_command(model_name: str, dtype: str, threads: int | None, engine: str,
+                    prompt: str | None, prompt_file: str | None, zstd: bool, output: str,
+                    as_json: bool, **codec_opts: Any) -> None:
     """Prefill a prompt and save the model's KV cache to a .kvz file."""
     text = read_prompt(prompt, prompt_file)
     policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
-    from kvtool.engines.hf import capture
     from kvtool.formats import save
 
-    loaded = load_for_cli(model_name, dtype, threads)
-    start = time.perf_counter()
-    cache = capture(loaded.model, loaded.tokenizer, text, model_info=loaded.info)
+    if engine == "vllm":
+        from kvtool.engines.vllm import engine as vllm_engine
+
+        loaded = vllm_engine.load_vllm(model_name, dtype, threads=threads)
+        start = time.perf_counter()
+        cache = vllm_engine.capture(loaded, text)
+    else:
+        from kvtool.engines.hf import capture
+
+        loaded = load_for_cli(model_name, dtype, threads)
+        start = time.perf_counter()
+        cache = capture(loaded.model, loaded.tokenizer, text, model_info=loaded.info)
     capture_s = time.perf_counter() - start
     start = time.perf_counter()
     report = save(cache, output, policy, zstd=zstd)
     save_s = time.perf_counter() - start
-    report.update(model=loaded.name, dtype=dtype, num_tokens=len(cache.token_ids),
+    report.update(model=loaded.name, engine=engine, dtype=dtype, num_tokens=len(cache.token_ids),
                   load_model_s=round(loaded.load_seconds, 4), capture_s=round(capture_s, 4),
                   save_s=round(save_s, 4), cache_bytes=cache.nbytes)
     if as_json:
@@ -78,7 +89,7 @@ def capture_command(model_name: str, dtype: str, threads: int | None, prompt: st
     from kvtool.cli.inspect import human_bytes
 
     click.echo(f"captured {report['num_tokens']} tokens × {cache.num_layers} layers from "
-               f"{loaded.name} ({dtype}) in {capture_s:.2f} s")
+               f"{loaded.name} ({dtype}, {engine}) in {capture_s:.2f} s")
     click.echo(f"wrote {output}: {human_bytes(report['file_bytes'])} "
                f"({report['ratio']:.2f}x compression vs fp16; {report['policy']}) "
                f"in {save_s:.2f} s")

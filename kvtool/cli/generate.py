@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from kvtool.cli._common import echo_json, handle_errors
-from kvtool.cli.capture import load_for_cli, model_options
+from kvtool.cli.capture import ENGINE_CHOICE, ENGINE_HELP, load_for_cli, model_options
 
 
 def runtime_past_factory(spec: str | None):
@@ -39,6 +39,7 @@ def runtime_past_factory(spec: str | None):
 
 @click.command("generate")
 @model_options
+@click.option("--engine", type=ENGINE_CHOICE, default="hf", show_default=True, help=ENGINE_HELP)
 @click.option("--cache", "cache_path", type=click.Path(exists=True, dir_okay=False),
               default=None, help="A .kvz file captured from this model: the prefix to restore.")
 @click.option("--prompt", default="", help="Text that follows the cached prefix (or the whole "
@@ -52,14 +53,26 @@ def runtime_past_factory(spec: str | None):
               help="Keep the restored cache compressed with this codec while generating.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def generate_command(model_name: str, dtype: str, threads: int | None, cache_path: str | None,
-                     prompt: str, max_new_tokens: int, force: bool, no_compare: bool,
-                     runtime_codec: str | None, as_json: bool) -> None:
+def generate_command(model_name: str, dtype: str, threads: int | None, engine: str,
+                     cache_path: str | None, prompt: str, max_new_tokens: int, force: bool,
+                     no_compare: bool, runtime_codec: str | None, as_json: bool) -> None:
     """Generate greedily; with --cache, compare restore vs recompute time to first token."""
     if cache_path is None and not prompt:
         raise click.UsageError("give --prompt (and/or --cache)")
     if runtime_codec and cache_path is None:
         raise click.UsageError("--runtime-codec applies to a restored --cache")
+    if engine == "vllm":
+        if runtime_codec:
+            raise click.UsageError("--runtime-codec needs --engine hf")
+        from kvtool.engines.vllm import engine as vllm_engine
+
+        vm = vllm_engine.load_vllm(model_name, dtype, threads=threads)
+        report = vllm_engine.generate_report(vm, cache_path, prompt, max_new_tokens,
+                                             force=force, compare=not no_compare)
+        for warning in report.pop("warnings", []):
+            click.echo(f"warning: {warning}", err=True)
+        _output(report, as_json)
+        return
     past_factory = runtime_past_factory(runtime_codec)
     from kvtool.engines import hf
 

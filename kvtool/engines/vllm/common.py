@@ -1,0 +1,199 @@
+"""Shared pieces of the vLLM connector that need no vLLM: counters, the background saver,
+identity, options, and the load/save specs the scheduler half hands the worker half.
+
+The counters are per process: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor
+(what kvtool's own engine uses) the scheduler and worker halves of the connector run in one
+process, so :func:`stats` sees both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvtool.engines.vllm.store import Chunk
+
+log = logging.getLogger("kvtool.vllm")
+DEFAULT_KEY_CODEC = "kivi4"
+DEFAULT_VALUE_CODEC = "turbo3"
+DEFAULT_ZSTD = True
+MIN_CHUNK_TOKENS = 256
+COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_loaded",
+                 "tokens_saved", "chunks_saved", "bytes_saved", "captures", "invalid_files",
+                 "load_failures", "save_failures")
+_COUNTERS: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+_TIMES: dict[str, float] = {"load_seconds": 0.0, "save_seconds": 0.0, "write_seconds": 0.0}
+_SAVER: ThreadPoolExecutor | None = None
+_PENDING: set[Future] = set()
+_LOCK = threading.Lock()
+
+
+def stats() -> dict[str, Any]:
+    """This process's connector counters (scheduler and worker halves together) and the
+    seconds spent loading and saving."""
+    out: dict[str, Any] = dict(_COUNTERS)
+    out["failures"] = out["invalid_files"] + out["load_failures"] + out["save_failures"]
+    out.update(_TIMES)
+    return out
+
+
+def reset_stats() -> None:
+    for k in _COUNTERS:
+        _COUNTERS[k] = 0
+    for k in _TIMES:
+        _TIMES[k] = 0.0
+
+
+def count(name: str, n: int = 1) -> None:
+    with _LOCK:
+        _COUNTERS[name] += n
+
+
+def submit(fn: Any, *args: Any) -> Future:
+    """Run ``fn(*args)`` on the process's one saver thread (writes happen in order)."""
+    global _SAVER
+    with _LOCK:
+        if _SAVER is None:
+            _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-saver")
+        future = _SAVER.submit(fn, *args)
+        _PENDING.add(future)
+    future.add_done_callback(_PENDING.discard)
+    return future
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait until every background save of this process is written; False on timeout."""
+    pending = list(_PENDING)
+    return not wait(pending, timeout).not_done if pending else True
+
+
+def capture_name(token_ids: Any) -> str:
+    """The file stem ``capture_dir`` uses for a prompt."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+
+def add_time(name: str, seconds: float) -> None:
+    with _LOCK:
+        _TIMES[name] += seconds
+
+
+def policy_from_extra(extra: dict[str, Any]):
+    from kvtool.policy import CodecPolicy
+
+    codec = extra.get("codec")
+    return CodecPolicy.from_options(
+        codec=codec,
+        key_codec=extra.get("key_codec") or (None if codec else DEFAULT_KEY_CODEC),
+        value_codec=extra.get("value_codec") or (None if codec else DEFAULT_VALUE_CODEC),
+        protect_layers=int(extra.get("protect_layers", 0)),
+        sink_tokens=int(extra.get("sink_tokens", 0)),
+        recent_tokens=int(extra.get("recent_tokens", 0)))
+
+
+def common_prefix(a: np.ndarray, b: list[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.nonzero(a[:n] != np.asarray(b[:n], dtype=np.int64))[0]
+    return int(diff[0]) if diff.size else n
+
+
+def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
+    """A served .kvz file's token ids (empty, with a warning, when it cannot be served)."""
+    from kvtool.errors import KvtoolError
+    from kvtool.formats import open_kvz
+
+    try:
+        with open_kvz(path) as f:
+            if f.model.get("fingerprint") != fingerprint:
+                raise ValueError("it belongs to another model")
+            ids = f.token_ids
+            if ids is None:
+                raise ValueError("it stores no token ids")
+            if f.layer_info and any(f.layer_info):
+                raise ValueError("it has sliding-window layers")
+            return path, ids
+    except (KvtoolError, OSError, ValueError) as e:
+        log.warning("kvtool: not serving %s: %s", path, e)
+        count("invalid_files")
+        return path, np.zeros(0, dtype=np.int64)
+
+
+def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
+    """The model identity kvtool's HF engine would write for the model vLLM runs."""
+    from pathlib import Path
+
+    from kvtool.models import DEFAULT_MODEL_NAME, model_identity
+
+    mc = vllm_config.model_config
+    path = Path(str(mc.model))
+    if name is None:
+        converted = (path / "kvtool-conversion.json").is_file()
+        name = DEFAULT_MODEL_NAME if converted and path.name.startswith(DEFAULT_MODEL_NAME) \
+            else path.name
+    dtype = str(mc.dtype).removeprefix("torch.")
+    return model_identity(mc.hf_config, name=name, dtype=dtype)
+
+
+def tokenizer_fingerprint_of(vllm_config: Any) -> str:
+    """The kvtool tokenizer fingerprint of vLLM's tokenizer ('' when it cannot be loaded)."""
+    try:
+        from transformers import AutoTokenizer
+
+        from kvtool.models import tokenizer_fingerprint
+
+        mc = vllm_config.model_config
+        tok = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, local_files_only=True)
+        return tokenizer_fingerprint(tok)
+    except Exception as e:
+        log.warning("kvtool: no tokenizer fingerprint (%s); files will not record one", e)
+        return ""
+
+
+# -- what the scheduler half tells the worker half ----------------------------------------------
+@dataclass
+class Source:
+    """A file whose token 0 is sequence position ``start``; it covers ``[start, stop)``."""
+
+    path: str
+    start: int
+    stop: int
+    chunk: Chunk | None = None  # set for store chunks (removed when found damaged)
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    block_ids: list[int]
+    start: int  # first token to write (tokens before it are already in vLLM's cache)
+    stop: int
+    sources: list[Source]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    block_ids: list[int]
+    token_ids: list[int]
+    chunks: list[Chunk] = field(default_factory=list)
+    capture_path: str | None = None  # write the whole prompt (len(token_ids) tokens) here
+
+
+@dataclass
+class ReqState:
+    """The scheduler half's view of one request."""
+
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    next_chunk: int = 0
+    chunks: list[Chunk] | None = None
+    captured: bool = False
+    load: bool = True
+    save: bool = True
+    capture: bool = False
+    files: list[tuple[str, np.ndarray]] = field(default_factory=list)

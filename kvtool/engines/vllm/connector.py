@@ -1,0 +1,423 @@
+"""``KvtoolConnector``: a persistent, compressed prefix store for vLLM (KV connector API v1).
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvtoolConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {"store_path": "/var/cache/kvtool"}}'`` (registered through kvtool's
+``vllm.general_plugins`` entry point; or add ``"kv_connector_module_path":
+"kvtool.engines.vllm.connector"``). ``kv_role`` ``kv_both`` loads and saves, ``kv_consumer`` only
+loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys (all optional):
+
+``store_path``   the prefix store (:mod:`~kvtool.engines.vllm.store`); none: no store
+``codec``, ``key_codec``, ``value_codec``, ``protect_layers``, ``sink_tokens``, ``zstd``
+                 the codec policy of stored chunks. Default: keys ``kivi4``, values ``turbo3``,
+                 zstd on — quality first within a ≥4x budget: keys matter more than values,
+                 and KIVI's per-channel key groups absorb the outlier channels real keys carry
+                 (on SmolLM2 its first-token KL was ~2x lower than ``turbo4``'s); values lose
+                 little at 3 bits. ~3.75 bits/element, ~4.3x smaller than bf16 with zstd.
+``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
+                 chunks share finer prefixes but cost more per-file overhead on load)
+``load``, ``save`` turn reading / writing the store off (default: both on)
+``save_mode``    ``async`` (default: chunks are copied out of the paged cache in the step that
+                 computes them, then encoded and written by a background thread; see
+                 :func:`flush`) or ``sync`` (written before the step returns)
+``kvz_files``    .kvz files (e.g. from ``kvtool capture``) served read-only as prefixes
+``capture_dir``  where requests that ask for it get their whole prompt's K/V written, lossless,
+                 as ``<capture_name(ids)>.kvz`` (``capture_all``: every request)
+``model_name``, ``tokenizer_fingerprint``  identity written into the files' headers
+``on_load_error`` ``"recompute"`` (default; sets vLLM's ``kv_load_failure_policy``) or ``"fail"``
+
+Requests whose K/V the token ids alone do not determine (multimodal inputs, LoRA adapters, a
+``cache_salt``, prompt embeddings) bypass the connector. Per request,
+``SamplingParams(extra_args={"kv_transfer_params": {...}})`` may carry
+``kvtool_load``/``kvtool_save`` (false: bypass the store), ``kvtool_kvz`` (a .kvz file served to
+this request only) and ``kvtool_capture`` (true: capture its prompt).
+
+A damaged or foreign file, or a failed write (full disk), never stops the engine: the file is
+skipped (or its blocks reported to vLLM as failed, so the prefix is recomputed) with a warning,
+and :func:`stats` counts it.
+
+The scheduler-side half finds the longest stored prefix and plans loads and saves into
+:class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
+forward pass (``start_load_kv``) and gathers newly computed chunks after it (``wait_for_save``)
+through :mod:`~kvtool.engines.vllm.layout`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
+    DEFAULT_ZSTD,
+    MIN_CHUNK_TOKENS,
+    LoadSpec,
+    ReqState,
+    SaveSpec,
+    Source,
+    add_time,
+    capture_name,
+    common_prefix,
+    count,
+    flush,
+    log,
+    model_info,
+    policy_from_extra,
+    read_kvz_ids,
+    reset_stats,
+    stats,
+    submit,
+    tokenizer_fingerprint_of,
+)
+from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.store import Chunk, PrefixStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+# -- metadata (scheduler → worker) -------------------------------------------------------------
+@dataclass
+class KvtoolMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# -- the connector -------------------------------------------------------------------------------
+class KvtoolConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        chunk = int(extra.get("chunk_tokens") or MIN_CHUNK_TOKENS)
+        self.chunk_tokens = -(-chunk // self.block_size) * self.block_size
+        self.model_info = model_info(vllm_config, extra.get("model_name"))
+        self._tokenizer_fp = extra.get("tokenizer_fingerprint")
+        self.policy = policy_from_extra(extra)
+        self.zstd = extra.get("zstd", DEFAULT_ZSTD)
+        self.capture_dir = extra.get("capture_dir")
+        self.capture_all = bool(extra.get("capture_all", False))
+        self.store = None
+        if extra.get("store_path"):
+            self.store = PrefixStore(extra["store_path"], self.model_info, self.chunk_tokens,
+                                     self.policy, zstd=self.zstd)
+        kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
+        self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
+        self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
+            and kv_role != "kv_consumer"
+        self.async_save = extra.get("save_mode", "async") != "sync"
+        if extra.get("on_load_error", "recompute") == "recompute":
+            # read by vLLM's scheduler right after it creates this connector
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        # scheduler side
+        self._reqs: dict[str, ReqState] = {}
+        self._pending: dict[str, tuple[int, list[Source]]] = {}
+        self._files = [read_kvz_ids(p, self.model_info["fingerprint"])
+                       for p in extra.get("kvz_files") or []] if role == KVConnectorRole.SCHEDULER \
+            else []
+        # worker side
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layers: list[tuple[str, PagedLayout, int]] | None = None
+        self._failed_blocks: set[int] = set()
+        self._failed_reqs: set[str] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ==== scheduler side ==========================================================================
+    def on_new_request(self, request: Request) -> None:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        own = params.get("kvtool_kvz")
+        # K/V that the token ids alone do not determine: never shared through the store
+        keyed = not (getattr(request, "mm_features", None) or getattr(request, "lora_request", None)
+                     or getattr(request, "cache_salt", None)
+                     or getattr(request, "prompt_embeds", None) is not None)
+        self._reqs[request.request_id] = ReqState(
+            list(request.prompt_token_ids or []),
+            load=bool(params.get("kvtool_load", True)) and self.load_enabled and keyed,
+            save=bool(params.get("kvtool_save", True)) and keyed,
+            capture=bool(params.get("kvtool_capture", self.capture_all)) and keyed,
+            files=[read_kvz_ids(str(own), self.model_info["fingerprint"])] if own else [])
+
+    def _state(self, request: Request) -> ReqState:
+        if request.request_id not in self._reqs:
+            self.on_new_request(request)
+        return self._reqs[request.request_id]
+
+    def _match(self, req: ReqState) -> tuple[int, list[Source]]:
+        """The longest loadable prefix of the prompt (at least one token left to compute)."""
+        limit = len(req.prompt) - 1
+        best, sources = 0, []
+        if self.store is not None:
+            chunks = self.store.lookup(req.prompt, limit)
+            if chunks:
+                best = chunks[-1].stop
+                sources = [Source(c.path, c.start, c.stop, c) for c in chunks]
+        for path, ids in self._files + req.files:
+            n = min(common_prefix(ids, req.prompt), limit)
+            if n > best:
+                best, sources = n, [Source(path, 0, n)]
+        return best, sources
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        req = self._state(request)
+        if not req.load or (self.store is None and not self._files and not req.files):
+            return 0, False
+        count("lookups")
+        matched, _ = self._match(req)
+        return max(0, matched - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        req = self._state(request)
+        matched, sources = self._match(req)
+        self._pending[request.request_id] = (num_external_tokens, sources)
+        count("hits")
+        count("tokens_matched", num_external_tokens)
+        log.info("kvtool: request %s: %d prompt tokens found in the store (of %d)",
+                 request.request_id, num_external_tokens, len(req.prompt))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvtoolMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._reqs.setdefault(new.req_id, ReqState(list(new.prompt_token_ids or [])))
+            req.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, req, new.num_computed_tokens,
+                       new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                req.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                req.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i]
+            self._plan(meta, req_id, req, computed, computed + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KvtoolMetadata, req_id: str, req: ReqState, computed: int,
+              after: int) -> None:
+        """Add this step's load (if one is pending) and saves of chunks it completes."""
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            ext, sources = pending
+            meta.loads.append(LoadSpec(req_id, list(req.block_ids), computed - ext, computed,
+                                       sources))
+        done = min(after, len(req.prompt))
+        spec = SaveSpec(req_id, list(req.block_ids), [])
+        if self.save_enabled and req.save and self.store is not None:
+            if req.chunks is None:
+                req.chunks = self.store.chunks(req.prompt)
+            ready = [c for c in req.chunks[req.next_chunk:] if c.stop <= done]
+            req.next_chunk += len(ready)
+            spec.chunks = [c for c in ready if not self.store.exists(c)]
+        if self.capture_dir and req.capture and not req.captured \
+                and done >= len(req.prompt) > 0:
+            req.captured = True
+            spec.capture_path = os.path.join(self.capture_dir,
+                                             f"{capture_name(req.prompt)}.kvz")
+        if spec.chunks or spec.capture_path:
+            last = len(req.prompt) if spec.capture_path else spec.chunks[-1].stop
+            spec.token_ids = req.prompt[:last]
+            meta.saves.append(spec)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # ==== worker side =============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layers = None
+
+    def _layer_table(self) -> list[tuple[str, PagedLayout, int]]:
+        """(layer name, layout, kernel blocks per scheduler block), in model layer order."""
+        if self._layers is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            ctx = self._vllm_config.compilation_config.static_forward_context
+            num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+            table = []
+            for name in sorted(self._kv_caches, key=extract_layer_index):
+                kv, layer = self._kv_caches[name], ctx.get(name)
+                backend = layer.attn_backend.get_name() if layer is not None else None
+                head_dim = int(getattr(layer, "head_size", self.model_info["head_dim"]))
+                layout = detect_layout(kv, head_dim, backend, getattr(layer, "isa", None))
+                ratio = layout.num_blocks(kv) // num_blocks if num_blocks else 1
+                table.append((name, layout, max(1, ratio)))
+            if len(table) != self.model_info["num_layers"]:
+                raise RuntimeError(f"vLLM has {len(table)} KV cache layers, the model config "
+                                   f"says {self.model_info['num_layers']}")
+            self._layers = table
+        return self._layers
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        self._failed_reqs = set()
+        start = time.perf_counter()
+        for spec in getattr(meta, "loads", ()):
+            self._load(spec)
+        add_time("load_seconds", time.perf_counter() - start)
+
+    def _load(self, spec: LoadSpec) -> None:
+        """Scatter the sources' tokens ``[spec.start, spec.stop)`` into the request's blocks;
+        on any failure, report the blocks from there on so that vLLM recomputes them."""
+        from kvtool.formats import load
+
+        covered = spec.start
+        for src in spec.sources:
+            a, b = max(covered, src.start), min(spec.stop, src.stop)
+            if a >= b:
+                continue
+            try:
+                if src.start > covered:
+                    raise ValueError(f"no source for tokens {covered}..{src.start}")
+                cache = load(src.path, tokens=b - src.start, backend="torch")
+                self._check_cache(cache, src)
+                for i, (name, layout, ratio) in enumerate(self._layer_table()):
+                    k, v = cache.layer(i)
+                    layout.scatter(self._kv_caches[name], kernel_block_ids(spec.block_ids, ratio),
+                                   a, k[:, a - src.start:], v[:, a - src.start:])
+            except Exception as e:  # any damage: recompute from here on
+                log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
+                            src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
+                if src.chunk is not None and self.store is not None:
+                    self.store.forget(src.chunk)
+                break
+            count("tokens_loaded", b - a)
+            count("files_loaded")
+            covered = b
+        if covered < spec.stop:
+            count("load_failures")
+            first, last = covered // self.block_size, -(-spec.stop // self.block_size)
+            self._failed_blocks.update(spec.block_ids[first:last])
+            self._failed_reqs.add(spec.req_id)
+
+    def _check_cache(self, cache: Any, src: Source) -> None:
+        want = self.model_info["fingerprint"]
+        if (cache.model or {}).get("fingerprint") != want:
+            raise ValueError("the file belongs to another model")
+        if cache.num_layers != self.model_info["num_layers"]:
+            raise ValueError(f"{cache.num_layers} layers, the model has "
+                             f"{self.model_info['num_layers']}")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer synchronously
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save gathers finished chunks from the registered caches
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        start = time.perf_counter()
+        for spec in getattr(meta, "saves", ()):
+            if spec.req_id not in self._failed_reqs:
+                self._save(spec)
+        add_time("save_seconds", time.perf_counter() - start)
+
+    def _gather(self, block_ids: list[int], start: int, stop: int) -> tuple[list, list]:
+        keys, values = [], []
+        for name, layout, ratio in self._layer_table():
+            k, v = layout.gather(self._kv_caches[name], kernel_block_ids(block_ids, ratio),
+                                 start, stop)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def _save(self, spec: SaveSpec) -> None:
+        """Copy the chunks out of the paged cache now (their blocks may be reused after this
+        step); encode and write them on the saver thread unless ``save_mode`` is ``sync``."""
+        if spec.chunks and self.store.tokenizer_fingerprint is None:
+            self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
+        copies = []
+        for chunk in spec.chunks:
+            try:
+                copies.append((chunk, *self._gather(spec.block_ids, chunk.start, chunk.stop)))
+            except Exception as e:
+                self._save_failed(chunk, e)
+                break
+        if copies:
+            ids = spec.token_ids[:copies[-1][0].stop]
+            if self.async_save:
+                submit(self._write, copies, ids)
+            else:
+                self._write(copies, ids)
+        if spec.capture_path:
+            self._capture(spec)
+
+    def _write(self, copies: list, token_ids: list[int]) -> None:
+        start = time.perf_counter()
+        for chunk, keys, values in copies:
+            try:
+                written = self.store.write(chunk, keys, values, token_ids)
+            except Exception as e:  # full disk, permissions, ...: a future miss, not a crash
+                self._save_failed(chunk, e)
+                break
+            if written:
+                count("chunks_saved")
+                count("tokens_saved", chunk.stop - chunk.start)
+                count("bytes_saved", written)
+        add_time("write_seconds", time.perf_counter() - start)
+
+    def _save_failed(self, chunk: Chunk, e: Exception) -> None:
+        log.warning("kvtool: cannot write %s (%s: %s); the prefix stays unstored",
+                    chunk.path, type(e).__name__, str(e)[:200])
+        count("save_failures")
+
+    def shutdown(self) -> None:
+        flush()
+
+    def _capture(self, spec: SaveSpec) -> None:
+        from kvtool.cache import KVCache
+        from kvtool.formats import save
+
+        try:
+            keys, values = self._gather(spec.block_ids, 0, len(spec.token_ids))
+            cache = KVCache(keys, values, token_ids=np.asarray(spec.token_ids),
+                            model=self.model_info,
+                            tokenizer_fingerprint=self._tokenizer_fingerprint())
+            os.makedirs(self.capture_dir, exist_ok=True)
+            save(cache, spec.capture_path, codec="raw")  # lossless; callers re-encode
+            count("captures")
+        except Exception as e:
+            log.warning("kvtool: cannot capture %s (%s: %s)", spec.capture_path,
+                        type(e).__name__, str(e)[:200])
+            count("save_failures")
+
+    def _tokenizer_fingerprint(self) -> str | None:
+        if self._tokenizer_fp is None:
+            self._tokenizer_fp = tokenizer_fingerprint_of(self._vllm_config)
+        return self._tokenizer_fp or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

@@ -1,0 +1,157 @@
+"""Paged KV layouts: gather one sequence's keys/values from vLLM's paged cache, or scatter them in.
+
+A paged cache holds every layer's K/V in fixed-size blocks; a sequence owns a list of block ids,
+and token ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``.
+What differs between attention backends is the layout *inside* the per-layer tensor:
+
+``cpu``   vLLM's CPU backend (``cpu_attn.py``): ``[num_blocks, kv_heads, block_size, 2*head_dim]``
+          where each (block, head) row of ``block_size * 2 * head_dim`` elements holds K first,
+          **transposed** as ``[head_dim, block_size]``, then V as ``[block_size, head_dim]``
+          (``cpu_attn_reshape_and_cache``, ISAs ``vec`` and ``vec16``).
+``split`` vLLM ≥ 0.2x's standardized per-layer view ``[num_blocks, kv_heads, block_size,
+          2*head_dim]`` (FlashAttention, Triton, FlashInfer): ``[..., :D]`` is K, ``[..., D:]`` V;
+          the view's strides hide whether memory is NHD or HND.
+``flash`` the classic FlashAttention tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+
+Every function takes and returns K/V as ``[kv_heads, tokens, head_dim]`` (kvtool's
+:class:`~kvtool.cache.KVCache` convention). Only torch is needed here, never vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("cpu", "split", "flash")
+
+
+class UnsupportedLayoutError(ValueError):
+    """A paged KV tensor whose layout kvtool does not know."""
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """One of :data:`LAYOUTS` plus the head_dim that splits K from V."""
+
+    name: str
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise UnsupportedLayoutError(f"unknown paged layout {self.name!r}; "
+                                         f"known: {', '.join(LAYOUTS)}")
+
+    # -- geometry -------------------------------------------------------------------------------
+    def block_size(self, kv: torch.Tensor) -> int:
+        return int(kv.shape[2])
+
+    def num_blocks(self, kv: torch.Tensor) -> int:
+        return int(kv.shape[1] if self.name == "flash" else kv.shape[0])
+
+    def num_heads(self, kv: torch.Tensor) -> int:
+        return int(kv.shape[3] if self.name == "flash" else kv.shape[1])
+
+    def check(self, kv: torch.Tensor) -> None:
+        """Raise :class:`UnsupportedLayoutError` when ``kv`` is not shaped like this layout."""
+        d = self.head_dim
+        ok = (kv.ndim == 5 and kv.shape[0] == 2 and kv.shape[4] == d if self.name == "flash"
+              else kv.ndim == 4 and kv.shape[3] == 2 * d)
+        if not ok:
+            raise UnsupportedLayoutError(f"a paged KV tensor of shape {tuple(kv.shape)} is not "
+                                         f"the {self.name!r} layout with head_dim {d}")
+
+    # -- the two views everything goes through ------------------------------------------------
+    def _views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(key view, value view, keys transposed?) — views, so writes land in ``kv``.
+
+        Non-transposed views are indexed ``[block, offset, head, dim]``-wise through
+        :func:`_index`; the CPU key view is ``[block, head, dim, offset]``.
+        """
+        d = self.head_dim
+        if self.name == "flash":
+            return kv[0], kv[1], False  # [B, N, H, D]
+        if self.name == "split":
+            return kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2), False
+        b, h, n, _ = kv.shape
+        try:  # each (block, head) row of 2*N*D elements must be contiguous
+            rows = kv.view(b, h, 2 * n * d)
+        except RuntimeError:
+            raise UnsupportedLayoutError("the CPU paged KV tensor is not contiguous per "
+                                         "(block, head)") from None
+        keys = rows[:, :, : n * d].unflatten(2, (d, n))  # [B, H, D, N]
+        values = rows[:, :, n * d:].unflatten(2, (n, d)).transpose(1, 2)  # [B, N, H, D]
+        return keys, values, True
+
+    # -- gather / scatter -----------------------------------------------------------------------
+    def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+               stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V ``[kv_heads, stop-start, head_dim]`` for tokens ``[start, stop)``."""
+        self.check(kv)
+        blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device)
+        kview, vview, k_transposed = self._views(kv)
+        k = kview[blk, :, :, off] if k_transposed else kview[blk, off]  # [T, H, D]
+        v = vview[blk, off]
+        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+    def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+                keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write K/V ``[kv_heads, T, head_dim]`` into tokens ``[start, start+T)`` of the blocks."""
+        self.check(kv)
+        if keys.shape != values.shape or keys.ndim != 3:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must "
+                             "both be [kv_heads, tokens, head_dim]")
+        heads, tokens, dim = (int(s) for s in keys.shape)
+        if heads != self.num_heads(kv) or dim != self.head_dim:
+            raise ValueError(f"cannot write {heads} heads × head_dim {dim} into a paged cache "
+                             f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
+        blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device)
+        kview, vview, k_transposed = self._views(kv)
+        k = keys.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
+        v = values.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)
+        if k_transposed:
+            kview[blk, :, :, off] = k
+        else:
+            kview[blk, off] = k
+        vview[blk, off] = v
+
+
+def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,
+          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(block id, offset) index tensors of tokens ``[start, stop)``."""
+    if not 0 <= start <= stop:
+        raise ValueError(f"bad token range [{start}, {stop})")
+    if stop > len(block_ids) * block_size:
+        raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks of "
+                         f"{block_size}, the sequence has {len(block_ids)}")
+    pos = torch.arange(start, stop)
+    table = torch.as_tensor(list(block_ids), dtype=torch.long)
+    return table[pos // block_size].to(device), (pos % block_size).to(device)
+
+
+def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
+    """Scheduler block ids → the kernel block ids when each block is split into ``ratio``."""
+    if ratio == 1:
+        return list(block_ids)
+    return [b * ratio + j for b in block_ids for j in range(ratio)]
+
+
+def detect_layout(kv: torch.Tensor, head_dim: int, backend: str | None = None,
+                  isa: str | None = None) -> PagedLayout:
+    """The layout of a per-layer paged tensor, from the backend name and its shape."""
+    name = (backend or "").upper()
+    if name.startswith("CPU"):
+        if isa not in (None, "vec", "vec16"):
+            raise UnsupportedLayoutError(f"the CPU attention ISA {isa!r} packs its paged cache "
+                                         "in a layout kvtool does not know (vec, vec16 only)")
+        layout = PagedLayout("cpu", head_dim)
+    elif kv.ndim == 5 and kv.shape[0] == 2:
+        layout = PagedLayout("flash", head_dim)
+    elif kv.ndim == 4 and kv.shape[-1] == 2 * head_dim:
+        layout = PagedLayout("split", head_dim)
+    else:
+        raise UnsupportedLayoutError(f"unknown paged KV tensor {tuple(kv.shape)} "
+                                     f"(backend {backend!r}, head_dim {head_dim})")
+    layout.check(kv)
+    return layout

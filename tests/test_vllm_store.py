@@ -1,0 +1,107 @@
+"""The connector's on-disk prefix store (kvtool.engines.vllm.store) without vLLM: hash-chain keys,
+longest-prefix lookup, header validation, and a write/read round trip with the default policy."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtool.cache import KVCache  # noqa: E402
+from kvtool.engines.vllm.common import policy_from_extra, stats  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.formats import save  # noqa: E402
+
+MODEL = {"fingerprint": "f" * 64, "name": "tiny"}
+CHUNK = 16
+
+
+def kv(tokens: int, seed: int = 0) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(seed)
+    return ([torch.randn(2, tokens, 32, generator=gen) for _ in range(3)],
+            [torch.randn(2, tokens, 32, generator=gen) for _ in range(3)])
+
+
+@pytest.fixture
+def store(tmp_path) -> PrefixStore:
+    return PrefixStore(tmp_path, MODEL, CHUNK, policy_from_extra({"codec": "raw"}))
+
+
+def test_chain_keys(store, tmp_path):
+    a, b = list(range(50)), list(range(40)) + [999] * 10
+    ka, kb = store.chunks(a), store.chunks(b)
+    assert [(c.start, c.stop) for c in ka] == [(0, 16), (16, 32), (32, 48)]
+    assert [c.key for c in ka[:2]] == [c.key for c in kb[:2]]  # shared prefix, shared keys
+    assert ka[2].key != kb[2].key
+    assert len(store.chunks(a, limit=47)) == 2
+    other = PrefixStore(tmp_path, {"fingerprint": "0" * 64}, CHUNK, store.policy)
+    assert other.chunks(a)[0].key != ka[0].key  # the model is part of every key
+    bigger = PrefixStore(tmp_path, MODEL, 2 * CHUNK, store.policy)
+    assert bigger.chunks(a)[0].key != ka[0].key
+
+
+def test_longest_prefix_and_roundtrip(store):
+    ids = list(range(100, 160))
+    chunks = store.chunks(ids)
+    keys, values = kv(64)
+    for c in chunks[:2]:
+        ks = [k[:, c.start:c.stop] for k in keys]
+        vs = [v[:, c.start:c.stop] for v in values]
+        assert store.write(c, ks, vs, ids) > 0
+    assert store.write(chunks[0], keys, values, ids) == 0  # existing chunks are kept
+    found = store.lookup(ids)
+    assert [c.key for c in found] == [c.key for c in chunks[:2]]
+    assert store.lookup(ids[:20] + [1] * 40) == found[:1]
+    got = store.read(found[1])
+    assert list(got.token_ids) == ids[16:32]
+    assert torch.equal(got.keys[2], keys[2][:, 16:32])
+    assert store.size_bytes() > 0
+
+
+def test_invalid_files_are_ignored(store, caplog):
+    ids = list(range(64))
+    c0, c1, c2 = store.chunks(ids)[:3]
+    keys, values = kv(16)
+    store.write(c0, keys, values, ids)
+    save(KVCache(keys, values, token_ids=ids[16:32], model={"fingerprint": "other"}),
+         _mk(c1.path))
+    save(KVCache(keys, values, token_ids=[7] * 16, model=MODEL), _mk(c2.path))
+    before = stats()["invalid_files"]
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert store.lookup(ids) == [c0]
+        assert not store.is_valid(c2, ids)
+    assert "another model" in caplog.text and "other token ids" in caplog.text
+    assert stats()["invalid_files"] == before + 2
+    open(c0.path, "wb").write(b"garbage")
+    assert store.lookup(ids) == []
+    store.forget(c0)
+    assert not store.exists(c0)
+
+
+def _mk(path: str) -> str:
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+def test_default_policy_roundtrip(tmp_path):
+    policy = policy_from_extra({})
+    assert (policy.key.codec_id, policy.value.codec_id) == ("kivi4", "turbo3")
+    s = PrefixStore(tmp_path, MODEL, 128, policy, zstd=True)
+    keys, values = kv(128, seed=3)
+    keys = [k.to(torch.bfloat16) for k in keys]
+    values = [v.to(torch.bfloat16) for v in values]
+    ids = list(range(128))
+    c = s.chunks(ids)[0]
+    size = s.write(c, keys, values, ids)
+    assert size < 2 * sum(k.numel() for k in keys + values) / 3  # header included (small)
+    got = s.read(c)
+    assert got.keys[0].dtype == torch.bfloat16
+    for a, b in zip(got.keys + got.values, keys + values, strict=True):
+        a, b = a.float(), b.float()
+        assert ((a - b) ** 2).sum() / (b**2).sum() < 0.05
+    assert policy_from_extra({"codec": "turbo4"}).value.codec_id == "turbo4"
+    assert policy_from_extra({"value_codec": "int8"}).key.codec_id == "kivi4"
