@@ -57,6 +57,9 @@ class Codec(ABC):
 
     codec_id: ClassVar[str]
     codec_version: ClassVar[int] = 1
+    #: set by codecs whose own first pass exposes NaN/Inf (turbo: the vector norms) and that call
+    #: :func:`~kvtool.kernels.check_finite` themselves then, saving a separate pass over the input
+    checks_finite: ClassVar[bool] = False
 
     # -- configuration -------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -97,7 +100,8 @@ class Codec(ABC):
                              "expected float32, float16 or bfloat16")
         if x.ndim < 1 or x.shape[-1] == 0:
             raise CodecError(f"{self.codec_id}: input must have a non-empty last axis (head_dim)")
-        check_finite(xp, x, self.codec_id)
+        if not self.checks_finite:
+            check_finite(xp, x, self.codec_id)
         arrays = self._encode(xp, x)
         return Encoded(arrays, tuple(int(s) for s in x.shape), dtype)
 
@@ -105,8 +109,7 @@ class Codec(ABC):
         """Rebuild x̂ with the encoded shape, in ``dtype`` (default: the original dtype)."""
         first = next(iter(enc.arrays.values()))
         xp = ops_for(first)
-        out = self._decode(xp, enc)
-        return xp.astype(out, dtype or enc.dtype)
+        return self._decode_as(xp, enc, dtype or enc.dtype)
 
     def scores(self, q: Array, enc: Encoded) -> Array:
         """``q @ k̂ᵀ`` for q[..., M, D] against the encoded keys [..., N, D] → [..., M, N].
@@ -123,3 +126,8 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, xp: Any, enc: Encoded) -> Array:
         """x̂ with ``enc.shape``, in float32 or any float dtype ``decode`` then converts."""
+
+    def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Array:
+        """x̂ in ``dtype``. Codecs able to write ``dtype`` directly override this (it saves a
+        float32 copy of the whole output)."""
+        return xp.astype(self._decode(xp, enc), dtype)

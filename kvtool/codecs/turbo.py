@@ -12,12 +12,14 @@ leading index as fp16): real keys carry large per-channel offsets that otherwise
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any, ClassVar
 
 from kvtool.codecs.abc import Codec, Encoded
 from kvtool.codecs.lloyd_max import Codebook, sphere_marginal_codebook
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError
+from kvtool.kernels import check_finite, row_blocks
 
 DEFAULT_SEED = 0x6B76  # "kv"
 FP16_MAX = 65504.0
@@ -25,6 +27,7 @@ FP16_MAX = 65504.0
 
 class TurboCodec(Codec):
     bits: ClassVar[int]
+    checks_finite = True  # a NaN or ±inf anywhere in a vector makes its norm NaN or inf
 
     def __init__(self, seed: int = DEFAULT_SEED, center: bool = False):
         if not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -50,37 +53,75 @@ class TurboCodec(Codec):
         dim = x.shape[-1]
         if dim < 2:
             raise CodecError(f"{self.codec_id}: head_dim must be at least 2")
-        cb = self.codebook(dim)
-        x = xp.astype(x, "float32")
+        given = x
         arrays: dict[str, Any] = {}
         if self.center:
+            x = xp.astype(x, "float32")
             mean = xp.astype(xp.mean(x, -2 if x.ndim > 1 else -1), "float16")
             arrays["mean"] = mean
             x = x - xp.astype(mean, "float32")
+        arrays["codes"], arrays["norms"] = self._encode_blocks(xp, x, given)
+        return arrays
+
+    def _encode_blocks(self, xp: Any, x: Any, given: Any) -> tuple[Any, Any]:
+        """:meth:`_encode_rows` over row blocks (:func:`~kvtool.kernels.row_blocks`).
+
+        A strided input is encoded whole, as given: flattening would copy it, and numpy
+        multiplies strided matrices without BLAS, so its rows would round (and encode) apart.
+        """
+        dim, lead = x.shape[-1], tuple(x.shape[:-1])
+        blocks = row_blocks(xp, x, prod(lead), dim)
+        if len(blocks) == 1 or not xp.is_contiguous(x):
+            return self._encode_rows(xp, x, given)
+        x = xp.reshape(x, (-1, dim))
+        codes = xp.empty((x.shape[0], (dim * self.bits + 7) // 8), "uint8", x)
+        norms = xp.empty((x.shape[0],), "float16", x)
+        for block in blocks:
+            codes[block], norms[block] = self._encode_rows(xp, x[block], given)
+        return xp.reshape(codes, (*lead, codes.shape[-1])), xp.reshape(norms, lead)
+
+    def _encode_rows(self, xp: Any, x: Any, given: Any) -> tuple[Any, Any]:
+        """(packed codes, fp16 norms) of the vectors ``x[..., dim]``; ``given``: the input."""
+        dim = x.shape[-1]
+        x = xp.astype(x, "float32")
         norms = xp.norm(x)
         if not bool((norms <= FP16_MAX).all()):
+            if not xp.all_finite(norms):
+                check_finite(xp, given, self.codec_id)  # NaN/Inf input (else: overflow)
             raise CodecError(f"{self.codec_id}: vector norm exceeds the fp16 range")
         # rotate first, normalise after: the rotation is linear and keeps norms
         rotated = xp.matmul(x, xp.const(rotation_matrix_t(dim, self.seed), x))
         rotated *= 1 / xp.where(norms > 0, norms, norms + 1)
-        codes = xp.bucketize(rotated, cb.boundaries)
-        arrays["codes"] = xp.pack_bits(codes, self.bits)
-        arrays["norms"] = xp.astype(norms[..., 0], "float16")
-        return arrays
+        codes = xp.bucketize(rotated, self.codebook(dim).boundaries)
+        return xp.pack_bits(codes, self.bits), xp.astype(norms[..., 0], "float16")
 
-    def _rotated_centroids(self, xp: Any, enc: Encoded, like: Any) -> Any:
-        dim = enc.shape[-1]
-        codes = xp.unpack_bits(enc.arrays["codes"], self.bits, dim)
-        return xp.take(xp.const(self.codebook(dim).centroids, like), codes)
+    def _rotated_centroids(self, xp: Any, codes: Any, dim: int) -> Any:
+        """The centroid of every packed code (float32), straight from the packed bytes."""
+        return xp.unpack_lookup(codes, self.bits, dim, self.codebook(dim).centroids)
 
     def _decode(self, xp: Any, enc: Encoded) -> Any:
+        return self._decode_as(xp, enc, "float32")
+
+    def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Any:
+        """Decode block by block (:func:`~kvtool.kernels.row_blocks`) into the output dtype."""
         dim = enc.shape[-1]
-        norms = xp.astype(enc.arrays["norms"], "float32")[..., None]
-        y = self._rotated_centroids(xp, enc, norms)
-        x = xp.matmul(y, xp.const(rotation_matrix(dim, self.seed), norms)) * norms
-        if "mean" in enc.arrays:
-            x = x + xp.astype(enc.arrays["mean"], "float32")
-        return xp.reshape(x, enc.shape)
+        codes = enc.arrays["codes"]
+        codes = xp.reshape(codes, (-1, codes.shape[-1]))
+        norms = xp.reshape(xp.astype(enc.arrays["norms"], "float32"), (-1, 1))
+        centered = "mean" in enc.arrays  # the mean is added in float32, after every block
+        out = xp.empty((codes.shape[0], dim), "float32" if centered else dtype, norms)
+        direct = xp.dtype_name(out) == "float32"  # the matmul can write straight into ``out``
+        rotation = xp.const(rotation_matrix(dim, self.seed), norms)
+        for rows in row_blocks(xp, norms, codes.shape[0], dim):
+            y = self._rotated_centroids(xp, codes[rows], dim)
+            x = xp.matmul(y, rotation, out=out[rows] if direct else None)
+            x *= norms[rows]
+            if not direct:
+                out[rows] = x
+        out = xp.reshape(out, enc.shape)
+        if centered:
+            out += xp.astype(enc.arrays["mean"], "float32")
+        return xp.astype(out, dtype)
 
     def scores(self, q: Any, enc: Encoded) -> Any:
         """q·k̂ for every stored key without materialising k̂: rotate q once, gather centroids."""
@@ -91,7 +132,7 @@ class TurboCodec(Codec):
         q = xp.astype(q, "float32")
         norms = xp.astype(enc.arrays["norms"], "float32")
         q_rot = xp.matmul(q, xp.const(rotation_matrix_t(dim, self.seed), q))
-        y = self._rotated_centroids(xp, enc, q)
+        y = self._rotated_centroids(xp, enc.arrays["codes"], dim)
         s = xp.matmul(q_rot, xp.swap_last(y)) * norms[..., None, :]
         if "mean" in enc.arrays:
             s = s + xp.matmul(q, xp.swap_last(xp.astype(enc.arrays["mean"], "float32")))

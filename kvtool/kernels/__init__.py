@@ -70,3 +70,13 @@ def check_finite(xp: ModuleType, x: Array, who: str) -> None:
     """Raise :class:`CodecError` if ``x`` holds NaN or Inf."""
     if not xp.all_finite(x):
         raise CodecError(f"{who}: input contains NaN or Inf values; refusing to encode")
+
+
+def row_blocks(xp: ModuleType, like: Array, rows: int, width: int) -> list[slice]:
+    """``rows`` split into near-equal blocks of at most ``xp.block_rows(like, width)`` rows.
+
+    Equal blocks leave no small remainder: BLAS rounds a matmul of a few rows differently from
+    a large one, and each row should come out as it would from one whole-array matmul.
+    """
+    count = max(1, -(-rows // xp.block_rows(like, width)))
+    return [slice(i * rows // count, (i + 1) * rows // count) for i in range(count)]

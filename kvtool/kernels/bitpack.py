@@ -8,14 +8,19 @@ Packing works on whole groups of ``g = 8 / gcd(8, bits)`` codes (``g * bits / 8`
 output byte is the OR of a few shifted uint8 columns, given by a static plan. That keeps every
 operation on uint8 at 1/g of the data size, which is several times faster than widening to
 integers, and the same code serves numpy and torch (their uint8 shifts truncate alike).
+
+Codecs that only need each code's table value (turbo's centroids) use :func:`unpack_lookup`,
+which goes from packed bytes to values without an array of codes.
 """
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, lru_cache
 from math import gcd
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 
 @cache
@@ -75,3 +80,76 @@ def unpack_bits(xp: ModuleType, packed: Any, bits: int, n: int) -> Any:
             per_code[j] = t if per_code[j] is None else per_code[j] | t
     codes = xp.stack_last([c & mask if bits < 8 else c for c in per_code])
     return codes.reshape(*packed.shape[:-1], ngroups * group)[..., :n]
+
+
+# -- fused unpack + table lookup ----------------------------------------------------------------
+# Decoding codes straight to their table values (centroids) skips the uint8 code array and the
+# per-code gather: each group's bits are cut into chunks of ``c`` codes (``c * bits`` ≤ 12 bits),
+# and one gather per chunk from a ``2**(c*bits)``-row table returns all ``c`` values at once as a
+# single wide item (float32, float64 or complex128 holding 1, 2 or 4 float32 values).
+
+_WIDE = {1: "float32", 2: "float64", 4: "complex128"}  # item holding c float32 values
+
+
+@cache
+def _chunk_plan(bits: int) -> tuple[int, tuple[int, ...]]:
+    """(codes per chunk, bit offset of each chunk in its group): the fewest chunks whose tables
+    stay small (≤ 4096 rows, cache resident) and whose values fit one wide item."""
+    codes, _ = group_shape(bits)
+    per_chunk = next(c for c in (4, 2, 1) if codes % c == 0 and c * bits <= 12)
+    return per_chunk, tuple(range(0, codes * bits, per_chunk * bits))
+
+
+@lru_cache(maxsize=64)
+def _chunk_table(bits: int, values: bytes) -> np.ndarray:
+    """Row r: the float32 values of the codes packed in chunk r, viewed as one wide item per row.
+
+    Keyed by the value bytes, so a codec hands the same (cached) array to ``xp.const`` each call.
+    """
+    per_chunk, _ = _chunk_plan(bits)
+    vals = np.frombuffer(values, dtype=np.float32)
+    rows = np.arange(1 << (per_chunk * bits))[:, None]
+    table = vals[(rows >> (bits * np.arange(per_chunk))) & ((1 << bits) - 1)]
+    table = np.ascontiguousarray(table).view(_WIDE[per_chunk]).reshape(-1)
+    table.setflags(write=False)
+    return table
+
+
+def _chunk_indices(xp: ModuleType, p: Any, bits: int) -> Any:
+    """Integer chunk indices ``[..., groups, chunks]`` of whole-group packed bytes ``p``.
+
+    Every chunk lies within 16 bits starting at a byte boundary, so it is a shift and a mask of
+    one little-endian byte pair (``xp.byte_pairs``).
+    """
+    per_chunk, offsets = _chunk_plan(bits)
+    _, nbytes = group_shape(bits)
+    width = per_chunk * bits
+    if width == 8:  # 2, 4 and 8 bits: the chunk is the byte
+        return p[..., None]
+    pairs = xp.byte_pairs(p, nbytes, [o // 8 for o in offsets])
+    chunks = []
+    for pair, shift in zip(pairs, (o % 8 for o in offsets), strict=True):
+        c = pair >> shift if shift else pair
+        chunks.append(c & ((1 << width) - 1) if shift + width < 16 else c)
+    return xp.stack_last(chunks)
+
+
+def unpack_lookup(xp: ModuleType, packed: Any, bits: int, n: int, values: Any) -> Any:
+    """``values[unpack_bits(packed, bits, n)]`` as float32, without materialising the codes.
+
+    ``values`` is a numpy array of ``2**bits`` table entries (e.g. a codebook's centroids).
+    """
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.shape != (1 << bits,):
+        raise ValueError(f"need {1 << bits} table values for {bits}-bit codes, got {values.shape}")
+    codes, nbytes = group_shape(bits)
+    per_chunk, _ = _chunk_plan(bits)
+    ngroups = -(-n // codes)
+    lead = tuple(packed.shape[:-1])
+    p = xp.pad_last(packed, ngroups * nbytes - packed.shape[-1])
+    idx = _chunk_indices(xp, p, bits)
+    table = xp.const(_chunk_table(bits, values.tobytes()), packed, _WIDE[per_chunk])
+    rows = xp.take(table, idx)  # [..., groups, chunks] wide items
+    out = xp.reshape(xp.view(rows, "float32"), (*lead, ngroups * codes))
+    # contiguous, as a gather returns it: numpy multiplies strided matrices without BLAS
+    return out if ngroups * codes == n else xp.copy(out[..., :n])

@@ -18,6 +18,8 @@ _DTYPES = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float64": np.dtype(np.float64),  # also the 8-byte items of packed lookup tables
+    "complex128": np.dtype(np.complex128),  # 16-byte items of packed lookup tables
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -32,16 +34,42 @@ def astype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def const(values: np.ndarray, like: np.ndarray, dtype: str = "float32") -> np.ndarray:
-    """A constant (codebook, rotation) on the same backend/device as ``like``."""
-    return np.asarray(values).astype(_DTYPES[dtype])
+    """A constant (codebook, rotation) on the same backend/device as ``like``.
+
+    Read-only arrays of the right dtype (cached rotations, lookup tables) are returned as they
+    are; anything else is copied, so no caller can alter a cached constant through the result.
+    """
+    values = np.asarray(values)
+    if values.dtype == _DTYPES[dtype] and not values.flags.writeable:
+        return values
+    return values.astype(_DTYPES[dtype])
+
+
+def empty(shape, dtype: str, like: np.ndarray) -> np.ndarray:
+    return np.empty(shape, dtype=_DTYPES[dtype])
+
+
+def block_rows(like: np.ndarray, width: int) -> int:
+    """Rows per block for codecs that walk a ``[rows, width]`` array in blocks.
+
+    ~256K values (1 MiB of float32): each block's temporaries stay in cache and are recycled by
+    the allocator, where whole-array temporaries of a few MB are fresh pages on every call.
+    """
+    return max(1, (1 << 18) // max(width, 1))
+
+
+def is_contiguous(x: np.ndarray) -> bool:
+    return bool(x.flags.c_contiguous)
 
 
 def all_finite(x: np.ndarray) -> bool:
-    return bool(np.isfinite(x.astype(np.float32, copy=False)).all())
+    if x.dtype.kind != "f":  # ml_dtypes' bfloat16: checked through float32
+        x = x.astype(np.float32)
+    return bool(np.isfinite(x).all())
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.matmul(a, b)
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    return np.matmul(a, b, out=out)
 
 
 def swap_last(x: np.ndarray) -> np.ndarray:
@@ -88,14 +116,17 @@ def bucketize(x: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
     Equals ``searchsorted(side="left")``; a compare-and-add per boundary is several times faster
     than a binary search for the ≤ 15 boundaries codebooks have.
     """
-    codes = np.zeros(x.shape, dtype=np.uint8)
-    for b in boundaries.tolist():
+    bounds = boundaries.tolist()
+    if not bounds:
+        return np.zeros(x.shape, dtype=np.uint8)
+    codes = (x > bounds[0]).view(np.uint8)
+    for b in bounds[1:]:
         codes += (x > b).view(np.uint8)
     return codes
 
 
 def take(table: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    return table[idx]
+    return np.take(table, idx)  # same as table[idx], with less per-call work
 
 
 def pad_last(x: np.ndarray, pad: int, value: float = 0) -> np.ndarray:
@@ -157,3 +188,23 @@ def unpack_bits(packed, bits: int, n: int):
     from kvtool.kernels import bitpack
 
     return bitpack.unpack_bits(sys.modules[__name__], packed, bits, n)
+
+
+def unpack_lookup(packed, bits: int, n: int, values: np.ndarray):
+    from kvtool.kernels import bitpack
+
+    return bitpack.unpack_lookup(sys.modules[__name__], packed, bits, n, values)
+
+
+def byte_pairs(p: np.ndarray, nbytes: int, starts) -> list[np.ndarray]:
+    """For each start ``b``: uint16 ``[..., groups]``, bytes ``b`` and ``b + 1`` of every
+    ``nbytes``-byte group of uint8 ``p`` read little-endian (a byte past the end reads as 0).
+
+    Unaligned strided views (numpy allows them) of one padded copy: no shifting or ORing.
+    """
+    flat = np.empty(p.size + nbytes + 1, dtype=np.uint8)  # slack: reads may overrun the end
+    flat[: p.size] = p.reshape(-1)
+    flat[p.size :] = 0
+    groups = p.size // nbytes
+    return [np.ndarray((groups,), dtype="<u2", buffer=flat, offset=b, strides=(nbytes,))
+            .reshape(*p.shape[:-1], p.shape[-1] // nbytes) for b in starts]
