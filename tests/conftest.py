@@ -16,3 +16,14 @@ def relative_mse(x, x_hat) -> float:
     x = np.asarray(x, dtype=np.float64)
     x_hat = np.asarray(x_hat, dtype=np.float64)
     return float(((x - x_hat) ** 2).sum() / (x**2).sum())
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """The default model (SmolLM2-135M-Instruct, float32), loaded once for the whole session."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvtool.models import load_model
+
+    torch.set_num_threads(1)  # small model: 1 thread is fastest on a shared 2-core box
+    return load_model("default", dtype="float32")

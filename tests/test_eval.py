@@ -106,14 +106,6 @@ class ZeroCodec(Codec):
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from kvtool.models import load_model
-
-    torch.set_num_threads(1)
-    return load_model("default", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def baseline(loaded):
     from kvtool.evaluate import run_baseline
 

@@ -35,12 +35,6 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    torch.set_num_threads(1)  # small model: 1 thread is fastest on a shared 2-core box
-    return load_model("default", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def doc_cache(loaded) -> KVCache:
     return hf.capture(loaded.model, loaded.tokenizer, DOC, model_info=loaded.info)
 

@@ -19,16 +19,9 @@ from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache, cache_nbytes  # noqa: E402
 from kvtool.errors import KvtoolError  # noqa: E402
 from kvtool.evaluate import data_text  # noqa: E402
-from kvtool.models import load_model  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    torch.set_num_threads(1)  # small model: 1 thread is fastest on a shared 2-core box
-    return load_model("default", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -191,10 +191,8 @@ def test_full_disk_degrades_to_unstored(vm, monkeypatch, caplog):
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from kvtool.models import load_model
-
-    return load_model("default", dtype="float32")
+def hf_model(loaded):
+    return loaded
 
 
 def test_vllm_capture_matches_hf(vm, hf_model):
