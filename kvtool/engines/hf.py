@@ -267,14 +267,19 @@ def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
                             restore, ttft, total, first)
 
 
-def recompute_generation(loaded: Any, input_ids: Any = None, max_new_tokens: int = 32, *,
-                         prompt: str | None = None) -> GenerationResult:
-    """Greedy generation from scratch (the baseline a restore is compared with)."""
+def recompute_ids(tokenizer: Any, input_ids: Any = None, prompt: str | None = None) -> list[int]:
+    """The ids a recompute baseline runs: ``input_ids``, else ``prompt`` tokenized fresh."""
     if input_ids is None:
         if prompt is None:
             raise KvtoolError("recompute_generation needs input_ids or prompt")
-        input_ids = encode_text(loaded.tokenizer, prompt)
-    ids = [int(t) for t in input_ids]
+        input_ids = encode_text(tokenizer, prompt)
+    return [int(t) for t in input_ids]
+
+
+def recompute_generation(loaded: Any, input_ids: Any = None, max_new_tokens: int = 32, *,
+                         prompt: str | None = None) -> GenerationResult:
+    """Greedy generation from scratch (the baseline a restore is compared with)."""
+    ids = recompute_ids(loaded.tokenizer, input_ids, prompt)
     from transformers import DynamicCache
 
     start = time.perf_counter()

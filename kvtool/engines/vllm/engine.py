@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.cache import KVCache
-from kvtool.engines.hf import GenerationResult, encode_text
+from kvtool.engines.hf import GenerationResult, encode_text, recompute_ids
 from kvtool.errors import KvtoolError
 
 CONNECTOR = "KvtoolConnector"
@@ -192,11 +192,7 @@ def continue_generation(vm: VllmModel, cache_path: str | os.PathLike, prompt: st
 def recompute_generation(vm: VllmModel, input_ids: Any = None, max_new_tokens: int = 32, *,
                          prompt: str | None = None) -> GenerationResult:
     """Greedy generation with the connector bypassed (the baseline a restore is compared with)."""
-    if input_ids is None:
-        if prompt is None:
-            raise KvtoolError("recompute_generation needs input_ids or prompt")
-        input_ids = encode_text(vm.tokenizer, prompt)
-    ids = [int(t) for t in input_ids]
+    ids = recompute_ids(vm.tokenizer, input_ids, prompt)
     out, total = run(vm, ids, max_new_tokens, kvtool_load=False, kvtool_save=False)
     return GenerationResult(out.outputs[0].text, list(out.outputs[0].token_ids), len(ids), 0,
                             0.0, _first_token_s(out, total), total)
