@@ -15,10 +15,19 @@ class CodecError(KvtoolError):
     exit_code = 3
 
 
+class CodecVersionError(CodecError):
+    """A codec config names a ``codec_version`` newer than the installed codec implements."""
+
+
 class FormatError(KvtoolError):
     """A .kvz file is corrupt, truncated, foreign or of an unsupported version."""
 
     exit_code = 4
+
+
+class NewerVersionError(FormatError):
+    """A file (or a codec config inside it) was written by a newer kvtool: a reader skips it and
+    leaves it alone; it is not damaged."""
 
 
 class ModelMismatchError(KvtoolError):

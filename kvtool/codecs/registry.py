@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvtool.codecs.abc import Codec
-from kvtool.errors import CodecError
+from kvtool.errors import CodecError, CodecVersionError
 
 ENTRY_POINT_GROUP = "kvtool.codecs"
 
@@ -123,7 +123,7 @@ def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
     cls = _resolve(codec_id)
     version = config.pop("codec_version", cls.codec_version)
     if not isinstance(version, int) or version > cls.codec_version:
-        raise CodecError(f"codec {codec_id!r} version {version} is newer than this kvtool "
+        raise CodecVersionError(f"codec {codec_id!r} version {version} is newer than this kvtool "
                          f"supports ({cls.codec_version}); upgrade kvtool")
     try:
         return cls(**config)

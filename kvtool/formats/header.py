@@ -11,7 +11,7 @@ import re
 from math import prod
 from typing import Any
 
-from kvtool.errors import FormatError
+from kvtool.errors import FormatError, NewerVersionError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, check_shape, crc32_hex, is_int, parse_json
 
@@ -36,9 +36,11 @@ def parse_version(version: str) -> tuple[int, int]:
     if major != C.FORMAT_MAJOR:
         from kvtool import __version__
 
-        hint = "; upgrade kvtool" if major > C.FORMAT_MAJOR else ""
-        raise FormatError(f".kvz format version {version} is not supported: kvtool "
-                          f"{__version__} reads format version {C.FORMAT_MAJOR}{hint}")
+        newer = major > C.FORMAT_MAJOR
+        error = NewerVersionError if newer else FormatError
+        raise error(f".kvz format version {version} is not supported: kvtool "
+                    f"{__version__} reads format version {C.FORMAT_MAJOR}"
+                    f"{'; upgrade kvtool' if newer else ''}")
     return major, minor
 
 

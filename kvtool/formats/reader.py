@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.codecs import Codec, Encoded, get_codec
-from kvtool.errors import CodecError, FormatError
+from kvtool.errors import CodecError, CodecVersionError, FormatError, NewerVersionError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, crc32_hex, np_dtype, parse_container
 from kvtool.formats.header import read_metadata, validate_header
@@ -46,7 +46,7 @@ class KvzFile:
             self.format_version = metadata[C.META_FORMAT_VERSION]
         except FormatError as e:
             self.close()
-            raise FormatError(f"{self.path}: {e}") from None
+            raise type(e)(f"{self.path}: {e}") from None
         except BaseException:
             self.close()
             raise
@@ -138,6 +138,8 @@ class KvzFile:
         if key not in self._codecs:
             try:
                 self._codecs[key] = get_codec(config)
+            except CodecVersionError as e:
+                raise NewerVersionError(f"{self.path}: {e}") from None
             except CodecError as e:
                 raise FormatError(f"{self.path}: {e}") from None
             except Exception as e:  # a plugin's constructor rejecting a corrupt config

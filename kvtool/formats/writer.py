@@ -3,12 +3,10 @@ safetensors container atomically (temp file, fsync, rename) and deterministicall
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
-from collections.abc import Callable, Iterable
-from typing import Any, BinaryIO
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +15,7 @@ from kvtool.codecs import Codec
 from kvtool.errors import FormatError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
+from kvtool.fileio import atomic_write
 from kvtool.formats.header import check_part_name
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
@@ -194,41 +193,3 @@ def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = N
                      tokenizer_fingerprint=cache.tokenizer_fingerprint,
                      token_ids=cache.token_ids, layer_info=cache.layer_info, zstd=zstd,
                      progress=progress)
-
-
-# -- atomic file replacement -----------------------------------------------------------------------
-def _file_mode(path: str) -> int:
-    with contextlib.suppress(OSError):
-        return os.stat(path).st_mode & 0o7777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int]) -> int:
-    """Run ``write(f)`` on a temp file next to ``path``, fsync it, and rename it over ``path``.
-
-    On any exception the temp file is removed and an existing ``path`` is left untouched.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            written = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    return written
