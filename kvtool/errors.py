@@ -15,6 +15,10 @@ class CodecError(KvtoolError):
     exit_code = 3
 
 
+class UnknownCodecError(CodecError):
+    """No installed codec (built in or plugin) has the requested id."""
+
+
 class CodecVersionError(CodecError):
     """A codec config names a ``codec_version`` newer than the installed codec implements."""
 

@@ -47,7 +47,7 @@ def test_unknown_codec_names_it_and_mentions_plugins():
 
 
 def test_bad_options_and_future_versions():
-    with pytest.raises(CodecError, match="invalid options"):
+    with pytest.raises(CodecError, match="no option 'colour'"):
         get_codec("turbo3", colour="red")
     with pytest.raises(CodecError, match="newer"):
         get_codec({"id": "turbo3", "codec_version": 99})
@@ -70,6 +70,11 @@ PLUGIN_MODULE = textwrap.dedent('''
 
         def _decode(self, xp, enc):
             return xp.astype(enc.arrays["half"], "float32") * 2
+
+        def expected_arrays(self, shape, dtype):
+            from kvtool.codecs.abc import ArraySpec
+
+            return {{"half": ArraySpec(tuple(shape), "float16")}}
 ''')
 
 
@@ -98,6 +103,17 @@ def test_entry_point_plugin_is_discovered(plugin_path):
     codec = get_codec("half")
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(codec.decode(codec.encode(x)), x)
+
+
+def test_plugin_without_expected_arrays_is_refused(plugin_path):
+    """The reader checks stored arrays against expected_arrays: a plugin must declare them."""
+    _install_fake_distribution(plugin_path, "kvtool_fake_plugin3", "half3", "kvtool_fake_plugin3")
+    module = plugin_path / "kvtool_fake_plugin3.py"
+    text = module.read_text()
+    module.write_text(text[:text.index("    def expected_arrays")])
+    reset_registry()
+    with pytest.raises(CodecError, match="half3.*does not implement expected_arrays"):
+        get_codec("half3")
 
 
 def test_plugin_with_duplicate_id_is_an_error(plugin_path):

@@ -18,6 +18,20 @@ from kvtool.errors import CodecError
 from kvtool.kernels import Array, check_finite, ops_for
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array a codec writes: exact shape and dtype, and the value range every writer keeps.
+
+    ``low``/``high`` bound the values (e.g. norms and scales are >= 0, int8 codes >= -127);
+    float arrays are always finite. Readers refuse stored arrays that break any of this.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    low: float | None = None
+    high: float | None = None
+
+
 @dataclass
 class Encoded:
     """The output of :meth:`Codec.encode`.
@@ -89,6 +103,15 @@ class Codec(ABC):
     @abstractmethod
     def bits_per_element(self, head_dim: int) -> float:
         """Stored bits per input element, counting every side-info byte (norms, scales)."""
+
+    @abstractmethod
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        """The arrays :meth:`encode` produces for an input of ``shape`` and ``dtype``.
+
+        Readers check every stored segment against this before decoding, so a file whose arrays
+        a writer could not have produced (shrunk, relabelled, reshaped) is refused rather than
+        decoded into garbage through broadcasting.
+        """
 
     # -- encode / decode -------------------------------------------------------------------------
     def encode(self, x: Array) -> Encoded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import nonzero, to_fp16
 
 E4M3_MAX = 448.0
@@ -20,6 +20,10 @@ class Fp8Codec(Codec):
 
     def bits_per_element(self, head_dim: int) -> float:
         return 8 + 16 / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        return {"codes": ArraySpec(tuple(shape), "uint8"),
+                "scale": ArraySpec(tuple(shape[:-1]), "float16", low=0.0)}
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         x = xp.astype(x, "float32")

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import dequantize_groups, nonzero, quantize_groups, to_fp16
-from kvtool.errors import CodecError
+from kvtool.codecs.params import GROUP_MAX, check_int
 
 
 def check_group_size(who: str, group_size: Any) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise CodecError(f"{who}: group_size must be a positive integer, got {group_size!r}")
-    return group_size
+    return check_int(who, "group_size", group_size, 1, GROUP_MAX)
+
+
+def group_specs(lead: tuple[int, ...], groups: int) -> dict[str, ArraySpec]:
+    """fp16 ``scale`` and ``min`` of shape ``(*lead, groups)``. A scale can be a hair below 0
+    (the fp16-rounded minimum of a constant group lies above its maximum), so no range."""
+    return {"scale": ArraySpec((*lead, groups), "float16"),
+            "min": ArraySpec((*lead, groups), "float16")}
 
 
 class Int8Codec(Codec):
@@ -25,6 +30,10 @@ class Int8Codec(Codec):
 
     def bits_per_element(self, head_dim: int) -> float:
         return 8 + 16 / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        return {"codes": ArraySpec(tuple(shape), "int8", low=-127, high=127),
+                "scale": ArraySpec(tuple(shape[:-1]), "float16", low=0.0)}
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         x = xp.astype(x, "float32")
@@ -50,6 +59,12 @@ class Int4Codec(Codec):
     def bits_per_element(self, head_dim: int) -> float:
         groups = -(-head_dim // min(self.group_size, head_dim))
         return ((head_dim * self.bits + 7) // 8 * 8 + 32 * groups) / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        lead, dim = tuple(shape[:-1]), shape[-1]
+        groups = -(-dim // min(self.group_size, dim))
+        return {"codes": ArraySpec((*lead, (dim * self.bits + 7) // 8), "uint8"),
+                **group_specs(lead, groups)}
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         group = min(self.group_size, x.shape[-1])

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import dequantize_groups, quantize_groups
-from kvtool.codecs.intq import check_group_size
+from kvtool.codecs.intq import check_group_size, group_specs
+from kvtool.codecs.params import check_choice
 from kvtool.errors import CodecError
 
 AXES = ("channel", "token")
@@ -32,9 +33,7 @@ class KiviCodec(Codec):
     bits: ClassVar[int]
 
     def __init__(self, axis: str = "channel", group_size: int = 128):
-        if axis not in AXES:
-            raise CodecError(f"{self.codec_id}: axis must be 'channel' or 'token', got {axis!r}")
-        self.axis = axis
+        self.axis = check_choice(self.codec_id, "axis", axis, AXES)
         self.group_size = check_group_size(self.codec_id, group_size)
 
     def _params(self) -> dict[str, Any]:
@@ -53,6 +52,17 @@ class KiviCodec(Codec):
             return code_bits + 32 / self.group_size
         groups = -(-head_dim // min(self.group_size, head_dim))
         return code_bits + 32 * groups / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        shape = tuple(shape) if len(shape) > 1 else (1, *shape)  # a 1-D input is one token
+        dim = shape[-1]
+        codes = ArraySpec((*shape[:-1], (dim * self.bits + 7) // 8), "uint8")
+        group, _ = self._layout(dim)
+        if self.axis == "channel":  # one row per token group, one column per channel
+            specs = group_specs((*shape[:-2], -(-shape[-2] // group)), dim)
+        else:
+            specs = group_specs(shape[:-1], -(-dim // group))
+        return {"codes": codes, **specs}
 
     def _layout(self, dim: int) -> tuple[int, int]:
         """(group, axis) for a given head_dim."""

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import FP16_MAX
 from kvtool.codecs.lloyd_max import planar_radius_codebook, sphere_marginal_codebook
+from kvtool.codecs.params import SEED_MAX, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.codecs.turbo import DEFAULT_SEED
 from kvtool.errors import CodecError
@@ -43,12 +44,10 @@ class PrismCodec(Codec):
 
     def __init__(self, z_bits: int = 3, r_bits: int = 3, theta_bits: int = 4,
                  seed: int = DEFAULT_SEED):
-        for name, b in (("z_bits", z_bits), ("r_bits", r_bits), ("theta_bits", theta_bits)):
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
-                raise CodecError(f"prism: {name} must be an integer in [1, 8], got {b!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise CodecError("prism: seed must be an integer in [0, 2**63)")
-        self.z_bits, self.r_bits, self.theta_bits, self.seed = z_bits, r_bits, theta_bits, seed
+        self.z_bits = check_int("prism", "z_bits", z_bits, 1, 8)
+        self.r_bits = check_int("prism", "r_bits", r_bits, 1, 8)
+        self.theta_bits = check_int("prism", "theta_bits", theta_bits, 1, 8)
+        self.seed = check_int("prism", "seed", seed, 0, SEED_MAX)
 
     def _params(self) -> dict[str, Any]:
         return {"z_bits": self.z_bits, "r_bits": self.r_bits, "theta_bits": self.theta_bits,
@@ -60,6 +59,13 @@ class PrismCodec(Codec):
     def bits_per_element(self, head_dim: int) -> float:
         n = -(-head_dim // 3)
         return (sum((n * b + 7) // 8 * 8 for _, b in self._streams()) + 16) / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        lead, n = tuple(shape[:-1]), -(-shape[-1] // 3)
+        arrays = {name: ArraySpec((*lead, (n * b + 7) // 8), "uint8")
+                  for name, b in self._streams()}
+        arrays["norms"] = ArraySpec(lead, "float16", low=0.0)
+        return arrays
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         dim = x.shape[-1]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import FP16_MAX
+from kvtool.codecs.params import check_choice
 from kvtool.errors import CodecError
 from kvtool.kernels import FLOAT_DTYPES
 
@@ -21,10 +22,7 @@ class RawCodec(Codec):
     codec_id = "raw"
 
     def __init__(self, dtype: str | None = None):
-        if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise CodecError(f"raw: dtype must be null or one of {', '.join(FLOAT_DTYPES)}, "
-                             f"got {dtype!r}")
-        self.dtype = dtype
+        self.dtype = check_choice("raw", "dtype", dtype, (None, *FLOAT_DTYPES))
 
     def _params(self) -> dict[str, Any]:
         return {"dtype": self.dtype}
@@ -32,6 +30,9 @@ class RawCodec(Codec):
     def bits_per_element(self, head_dim: int) -> float:
         # dtype=None keeps the input's width; 16 is the nominal (fp16/bf16 KV cache) figure
         return float(_WIDTH[self.dtype] if self.dtype else 16)
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        return {"data": ArraySpec(tuple(shape), self.dtype or dtype)}
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         if self.dtype is None or self.dtype == xp.dtype_name(x):

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvtool.codecs.abc import Codec
-from kvtool.errors import CodecError, CodecVersionError
+from kvtool.errors import CodecError, CodecVersionError, UnknownCodecError
 
 ENTRY_POINT_GROUP = "kvtool.codecs"
 
@@ -70,7 +70,7 @@ def _resolve(codec_id: str) -> type[Codec]:
     table = _load_table()
     target = table.get(codec_id)
     if target is None:
-        raise CodecError(f"unknown codec {codec_id!r}: not built in and no installed plugin "
+        raise UnknownCodecError(f"unknown codec {codec_id!r}: not built in and no installed plugin "
                          f"provides it (entry-point group {ENTRY_POINT_GROUP!r}); "
                          f"known: {', '.join(sorted(table))}")
     if isinstance(target, str):
@@ -82,6 +82,10 @@ def _resolve(codec_id: str) -> type[Codec]:
         if getattr(cls, "codec_id", None) != codec_id:
             raise CodecError(f"codec {target} declares id {getattr(cls, 'codec_id', None)!r}, "
                              f"but is registered as {codec_id!r}")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise CodecError(f"codec {codec_id!r} ({target}) does not implement "
+                             f"{', '.join(missing)}, which the codec contract requires")
         table[codec_id] = cls
         target = cls
     return target
@@ -122,13 +126,46 @@ def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
         raise CodecError("codec config needs a string 'id'")
     cls = _resolve(codec_id)
     version = config.pop("codec_version", cls.codec_version)
-    if not isinstance(version, int) or version > cls.codec_version:
-        raise CodecVersionError(f"codec {codec_id!r} version {version} is newer than this kvtool "
-                         f"supports ({cls.codec_version}); upgrade kvtool")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CodecError(f"codec {codec_id!r}: codec_version must be a positive integer, "
+                         f"got {version!r}")
+    if version > cls.codec_version:
+        raise CodecVersionError(f"codec {codec_id!r} version {version} is newer than this "
+                                f"kvtool supports ({cls.codec_version}); upgrade kvtool")
+    _check_option_names(cls, codec_id, config)
     try:
         return cls(**config)
     except TypeError as e:
         raise CodecError(f"invalid options for codec {codec_id!r}: {e}") from e
+
+
+def codec_options(cls: type[Codec]) -> dict[str, Any]:
+    """The options a codec class takes, with their defaults (``inspect.Parameter.empty``: none)."""
+    import inspect
+
+    if cls.__init__ is object.__init__:
+        return {}
+    params = inspect.signature(cls.__init__).parameters
+    return {name: p.default for name, p in params.items() if name != "self"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_option_names(cls: type[Codec], codec_id: str, config: dict[str, Any]) -> None:
+    """Unknown option names are an error that names the options the codec does take."""
+    import difflib
+    import inspect
+
+    if cls.__init__ is not object.__init__ and any(
+            p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values()):
+        return  # a plugin that takes **options validates them itself
+    known = codec_options(cls)
+    for name in config:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), list(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            takes = ", ".join(known) or "no options"
+            raise CodecError(f"codec {codec_id!r} has no option {str(name)[:40]!r}{hint} "
+                             f"(it takes: {takes})")
 
 
 def list_codecs() -> list[str]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from math import prod
 from typing import Any, ClassVar
 
-from kvtool.codecs.abc import Codec, Encoded
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.lloyd_max import Codebook, sphere_marginal_codebook
+from kvtool.codecs.params import SEED_MAX, check_bool, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, row_blocks
@@ -30,10 +31,8 @@ class TurboCodec(Codec):
     checks_finite = True  # a NaN or ±inf anywhere in a vector makes its norm NaN or inf
 
     def __init__(self, seed: int = DEFAULT_SEED, center: bool = False):
-        if not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise CodecError(f"{self.codec_id}: seed must be an integer in [0, 2**63)")
-        self.seed = seed
-        self.center = bool(center)
+        self.seed = check_int(self.codec_id, "seed", seed, 0, SEED_MAX)
+        self.center = check_bool(self.codec_id, "center", center)
 
     def _params(self) -> dict[str, Any]:
         return {"seed": self.seed, "center": self.center}
@@ -41,6 +40,15 @@ class TurboCodec(Codec):
     def bits_per_element(self, head_dim: int) -> float:
         # packed codes + fp16 norm per vector (the optional channel mean is amortised over tokens)
         return (head_dim * self.bits + 7) // 8 * 8 / head_dim + 16 / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        lead, dim = tuple(shape[:-1]), shape[-1]
+        arrays = {"codes": ArraySpec((*lead, (dim * self.bits + 7) // 8), "uint8"),
+                  "norms": ArraySpec(lead, "float16", low=0.0)}
+        if self.center:  # the mean over tokens, keepdims
+            mean = (*shape[:-2], 1, dim) if len(shape) > 1 else (1,)
+            arrays["mean"] = ArraySpec(mean, "float16")
+        return arrays
 
     def codebook(self, head_dim: int) -> Codebook:
         return sphere_marginal_codebook(head_dim, 1 << self.bits)

@@ -8,6 +8,7 @@ from __future__ import annotations
 # -- identity and versioning -----------------------------------------------------------------------
 FORMAT_NAME = "kvz"
 FORMAT_MAJOR = 1  # readers refuse any other major version
+FORMAT_MINOR = 0  # the newest minor version this reader knows every detail of
 FORMAT_VERSION = "1"  # written to ``kvz.format_version``; "MAJOR" or "MAJOR.MINOR"
 FILE_SUFFIX = ".kvz"
 
@@ -22,12 +23,18 @@ SAFETENSORS_METADATA_KEY = "__metadata__"
 HEADER_LENGTH_BYTES = 8  # little-endian uint64 length of the JSON header
 HEADER_ALIGNMENT = 8  # the JSON header is padded with spaces to a multiple of this
 HEADER_PAD_BYTE = b" "
-MAX_HEADER_BYTES = 64 * 1024 * 1024  # readers refuse larger headers before reading them
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # readers refuse larger headers before reading them
+MAX_HEADER_SECONDS = 10.0  # and stop validating a header after this long
 MAX_TENSORS = 1_000_000
 MAX_NDIM = 8
 MAX_LAYERS = 100_000
 MAX_HEAD_DIM = 4096  # codecs may build [head_dim, head_dim] matrices
 MAX_ZSTD_RATIO = 1 << 16  # a zstd frame cannot expand more than this (RLE blocks ~32768x)
+# decode bombs: a file may decode to at most MAX_DECODED_RATIO x its size (at least
+# MIN_DECODED_LIMIT bytes); the environment variable overrides it with a number of bytes
+MAX_DECODED_RATIO = 64
+MIN_DECODED_LIMIT = 64 * 1024 * 1024
+ENV_MAX_DECODED = "KVTOOL_MAX_DECODED_BYTES"
 
 # safetensors dtype string <-> kvtool dtype name (numpy-style, as in kvtool.kernels)
 ST_DTYPES: dict[str, str] = {

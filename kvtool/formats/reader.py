@@ -15,10 +15,17 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.codecs import Codec, Encoded, get_codec
-from kvtool.errors import CodecError, CodecVersionError, FormatError, NewerVersionError
+from kvtool.errors import (
+    CodecError,
+    CodecVersionError,
+    FormatError,
+    NewerVersionError,
+    UnknownCodecError,
+)
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, crc32_hex, np_dtype, parse_container
-from kvtool.formats.header import read_metadata, validate_header
+from kvtool.formats.contract import check_contract, check_values
+from kvtool.formats.header import parse_version, read_metadata, validate_header
 from kvtool.kernels import to_torch
 
 BACKENDS = ("numpy", "torch")
@@ -27,7 +34,8 @@ BACKENDS = ("numpy", "torch")
 class KvzFile:
     """An open .kvz file. Reads only the bytes a call needs; use as a context manager."""
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True,
+                 max_decoded_bytes: int | None = None):
         self.path = os.fspath(path)
         self.verify_checksums = verify
         self._codecs: dict[str, Codec] = {}
@@ -44,6 +52,9 @@ class KvzFile:
             self.header = read_metadata(metadata, verify)
             validate_header(self.header, self._entries)
             self.format_version = metadata[C.META_FORMAT_VERSION]
+            self._specs = check_contract(self.header, self._entries, self.file_bytes,
+                                         parse_version(self.format_version)[1],
+                                         self._installed_codec, max_decoded_bytes)
         except FormatError as e:
             self.close()
             raise type(e)(f"{self.path}: {e}") from None
@@ -134,17 +145,34 @@ class KvzFile:
         return stored.view(dtype).reshape(shape)
 
     def codec(self, config: dict[str, Any]) -> Codec:
+        """The codec of a segment's config (cached); a FormatError if it is invalid here."""
+        try:
+            return self._codec(config)
+        except FormatError as e:
+            raise type(e)(f"{self.path}: {e}") from None
+
+    def _installed_codec(self, config: dict[str, Any]) -> Codec | None:
+        """The codec, or None where its id is not installed here (a plugin's file can still be
+        inspected; decoding its segments fails)."""
+        try:
+            return self._codec(config)
+        except FormatError as e:
+            if isinstance(e.__context__, UnknownCodecError):
+                return None
+            raise
+
+    def _codec(self, config: dict[str, Any]) -> Codec:
         key = repr(sorted(config.items()))
         if key not in self._codecs:
             try:
                 self._codecs[key] = get_codec(config)
             except CodecVersionError as e:
-                raise NewerVersionError(f"{self.path}: {e}") from None
+                raise NewerVersionError(str(e)) from None
             except CodecError as e:
-                raise FormatError(f"{self.path}: {e}") from None
+                raise FormatError(str(e)) from None
             except Exception as e:  # a plugin's constructor rejecting a corrupt config
-                raise FormatError(f"{self.path}: invalid config for codec "
-                                  f"{config.get('id')!r}: {type(e).__name__}: {e}") from None
+                raise FormatError(f"invalid config for codec {config.get('id')!r}: "
+                                  f"{type(e).__name__}: {e}") from None
         return self._codecs[key]
 
     # -- encoded and decoded layers ----------------------------------------------------------------
@@ -152,10 +180,19 @@ class KvzFile:
                 ) -> list[tuple[dict[str, Any], Encoded]]:
         """``(segment_info, Encoded)`` of layer ``i``'s ``role`` (segments before ``tokens``)."""
         out = []
-        for seg in self._role(i, role)["segments"]:
+        for j, seg in enumerate(self._role(i, role)["segments"]):
             if tokens is not None and seg["start"] >= tokens:
                 break
-            arrays = {part: self.read_tensor(name) for part, name in seg["tensors"].items()}
+            specs = self._specs[(i, role, j)]
+            if specs is None:  # a codec that is not installed: the error names it
+                self.codec(seg["codec"])
+            arrays = {}
+            for part, name in seg["tensors"].items():
+                arrays[part] = self.read_tensor(name)
+                try:
+                    check_values(name, arrays[part], specs[part])
+                except FormatError as e:
+                    raise FormatError(f"{self.path}: {e}") from None
             out.append((seg, Encoded(arrays, tuple(seg["shape"]), seg["dtype"])))
         return out
 
@@ -168,9 +205,9 @@ class KvzFile:
         parts = []
         for seg, enc in self.encoded(i, role, tokens=n):
             codec = self.codec(seg["codec"])
-            if backend == "torch":
-                enc = enc.to_torch()
             try:
+                if backend == "torch":
+                    enc = enc.to_torch()
                 x = codec.decode(enc, out_dtype)
             except Exception as e:
                 raise FormatError(f"{self.path}: layer {i} {role}: codec {codec.codec_id!r} "
@@ -266,20 +303,26 @@ def _concat(parts: list[Any], shape: tuple[int, int, int], dtype: str, backend: 
     return np.concatenate(parts, axis=1)
 
 
-def open_kvz(path: str | os.PathLike, *, verify: bool = True) -> KvzFile:
-    """Open a .kvz file for lazy access (header parsed and validated; no tensor read yet)."""
-    return KvzFile(path, verify=verify)
+def open_kvz(path: str | os.PathLike, *, verify: bool = True,
+             max_decoded_bytes: int | None = None) -> KvzFile:
+    """Open a .kvz file for lazy access (header parsed and validated; no tensor read yet).
+
+    ``max_decoded_bytes`` overrides the decode-bomb limit (default: 64x the file size, at
+    least 64 MiB, or ``$KVTOOL_MAX_DECODED_BYTES``).
+    """
+    return KvzFile(path, verify=verify, max_decoded_bytes=max_decoded_bytes)
 
 
 def load(path: str | os.PathLike, *, layers: Iterable[int] | None = None,
          tokens: int | None = None, backend: str = "numpy", dtype: str | None = None,
-         verify: bool = True, progress: bool = False) -> KVCache:
+         verify: bool = True, progress: bool = False,
+         max_decoded_bytes: int | None = None) -> KVCache:
     """Read a .kvz file into a :class:`KVCache`.
 
     ``layers`` selects a subset, ``tokens=N`` a prefix of N tokens (only the segments it needs
     are read), ``backend`` "numpy" or "torch", ``dtype`` the output dtype (default: the saved one),
     ``verify`` checks every checksum it reads.
     """
-    with open_kvz(path, verify=verify) as f:
+    with open_kvz(path, verify=verify, max_decoded_bytes=max_decoded_bytes) as f:
         return f.to_cache(layers=layers, tokens=tokens, backend=backend, dtype=dtype,
                           progress=progress)

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.codecs import Codec
-from kvtool.errors import FormatError
+from kvtool.codecs import Codec, Encoded
+from kvtool.errors import CodecError, FormatError
+from kvtool.fileio import atomic_write
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
-from kvtool.fileio import atomic_write
 from kvtool.formats.header import check_part_name
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
@@ -80,6 +80,16 @@ class _Encoder:
         return sum(b.nbytes for b in self.blobs)
 
 
+def _check_declared(codec: Codec, encoded: Encoded) -> None:
+    """A codec's output must be what it declares: readers refuse anything else."""
+    expected = codec.expected_arrays(tuple(encoded.shape), encoded.dtype)
+    got = {k: (dtype_name(np.asarray(a)), tuple(a.shape)) for k, a in encoded.arrays.items()}
+    want = {k: (spec.dtype, tuple(spec.shape)) for k, spec in expected.items()}
+    if got != want:
+        raise CodecError(f"codec {codec.codec_id!r} wrote arrays {got} but declares {want} "
+                         "(expected_arrays); files it writes would be refused")
+
+
 def _encode_role(enc: _Encoder, x: Array, layer: int, role: str, num_layers: int,
                  policy: CodecPolicy) -> dict[str, Any]:
     xp = ops_for(x)
@@ -92,6 +102,7 @@ def _encode_role(enc: _Encoder, x: Array, layer: int, role: str, num_layers: int
         encoded = seg.codec.encode(x[:, seg.start:seg.stop]).to_numpy()
         if tuple(encoded.shape) != (heads, seg.stop - seg.start, dim):
             raise FormatError(f"codec {seg.codec.codec_id!r} reported shape {encoded.shape}")
+        _check_declared(seg.codec, encoded)
         parts = {}
         for part in sorted(encoded.arrays):
             check_part_name(part, seg.codec.codec_id)

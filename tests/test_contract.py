@@ -1,0 +1,154 @@
+"""The codec contract: every codec writes exactly the arrays it declares, and takes only valid
+options; files whose arrays break the declaration are refused before anything is decoded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvz_util import NP_DTYPES, available_codecs, rewrite_header, synthetic_cache
+
+from kvtool.codecs import get_codec
+from kvtool.codecs.abc import ArraySpec
+from kvtool.errors import CodecError, FormatError
+from kvtool.formats import load, open_kvz, save
+from kvtool.kernels import available_backends, to_numpy, to_torch
+
+SPECS = available_codecs() + ["turbo3:center=true", "kivi4:axis=token", "int4:group_size=24",
+                              "kivi2:group_size=5", "raw:dtype=\"bfloat16\"",
+                              "prism:z_bits=2,r_bits=5,theta_bits=7"]
+SHAPES = [(2, 7, 64), (3, 1, 48), (5, 20), (33,), (1, 2, 3, 10)]
+
+
+def _encode(codec, x, backend):
+    return codec.encode(to_torch(x) if backend == "torch" else x)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("spec", SPECS)
+def test_encode_writes_exactly_the_declared_arrays(spec, backend):
+    codec = get_codec(spec)
+    rng = np.random.default_rng(1)
+    for shape in SHAPES:
+        for dtype in ("float32", "float16", "bfloat16"):
+            x = (rng.standard_normal(shape) * 3 + 1).astype(NP_DTYPES[dtype])
+            enc = _encode(codec, x, backend)
+            declared = codec.expected_arrays(shape, dtype)
+            got = {k: (str(to_numpy(a).dtype), tuple(a.shape)) for k, a in enc.arrays.items()}
+            want = {k: (s.dtype, tuple(s.shape)) for k, s in declared.items()}
+            assert got == want, (spec, shape, dtype)
+            for name, s in declared.items():  # values are in the declared range
+                a = to_numpy(enc.arrays[name]).astype(np.float64)
+                assert s.low is None or a.min() >= s.low
+                assert s.high is None or a.max() <= s.high
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("turbo3:center=maybe", "center must be true or false"),
+    ("turbo3:center=1", "center must be true or false"),
+    ("turbo3:seed=true", "seed must be an integer"),
+    ("turbo3:seed=-1", "seed must be an integer"),
+    ("turbo3:centre=true", "did you mean 'center'"),
+    ("prism:z_bits=0", "z_bits must be an integer in"),
+    ("prism:theta_bits=2.5", "theta_bits must be an integer"),
+    ("kivi4:axis=chanel", "axis must be one of"),
+    ("kivi4:group_size=false", "group_size must be an integer"),
+    ("int4:group_size=0", "group_size must be an integer"),
+    ("raw:dtype=float64", "dtype must be one of"),
+    ('{"id": "turbo3", "codec_version": true}', "codec_version must be a positive integer"),
+    ('{"id": "turbo3", "codec_version": 0}', "codec_version must be a positive integer"),
+    ("fp8:bits=4", "no option 'bits'"),
+])
+def test_invalid_options_are_refused(spec, message):
+    with pytest.raises(CodecError, match=message):
+        get_codec(spec)
+
+
+def test_config_round_trips_after_strict_validation():
+    for spec in SPECS:
+        codec = get_codec(spec)
+        assert get_codec(codec.get_config()) == codec
+
+
+def test_writer_refuses_a_codec_that_breaks_its_declaration(tmp_path, monkeypatch):
+    codec = get_codec("turbo3")
+    monkeypatch.setattr(type(codec), "expected_arrays",
+                        lambda self, shape, dtype: {"codes": ArraySpec((1,), "uint8")})
+    with pytest.raises(CodecError, match="declares"):
+        save(synthetic_cache(layers=1), tmp_path / "x.kvz", codec="turbo3")
+    assert not (tmp_path / "x.kvz").exists()
+
+
+@pytest.fixture(scope="module")
+def turbo_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("contract") / "t.kvz"
+    save(synthetic_cache(layers=2, tokens=12, dim=32), path, key_codec="turbo3:center=true",
+         value_codec="kivi4", sink_tokens=2)
+    return path
+
+
+def _edit(src, dst, fn):
+    rewrite_header(src, dst, fn)
+    return dst
+
+
+@pytest.mark.parametrize("name, fn, message", [
+    ("codec id swapped", lambda h: h["layers"][0]["key"]["segments"][1]["codec"].update(
+        id="turbo4"), "codec 'turbo4' writes|is not what codec"),
+    ("kivi axis swapped", lambda h: h["layers"][1]["value"]["segments"][1]["codec"].update(
+        axis="channel"), "is not what codec"),
+    ("center dropped", lambda h: h["layers"][0]["key"]["segments"][1]["codec"].update(
+        center=False), "writes arrays"),
+    ("seed edited in one segment", lambda h: h["layers"][0]["key"]["segments"][1]["codec"]
+        .update(seed=7), "not the ones the file's policy"),
+    ("invalid option", lambda h: h["layers"][0]["key"]["segments"][1]["codec"].update(
+        center="maybe"), "center must be true or false"),
+    ("aliased tensor", lambda h: h["layers"][1]["key"]["segments"][1]["tensors"].update(
+        norms="layers.0.key.1.norms"), "is not named|backs both"),
+])
+def test_header_edits_that_no_writer_makes_are_refused(turbo_file, tmp_path, name, fn, message):
+    bad = _edit(turbo_file, tmp_path / "bad.kvz", fn)
+    with pytest.raises(FormatError, match=message) as e:
+        load(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_unreferenced_tensor_is_refused_in_a_known_version(turbo_file, tmp_path):
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.formats.container import Blob
+
+    metadata, blobs = read_parts(turbo_file)
+    write_parts(tmp_path / "x.kvz", metadata, [*blobs, Blob("extra", "U8", (3,), b"abc")])
+    with pytest.raises(FormatError, match="'extra' is stored but not used"):
+        open_kvz(tmp_path / "x.kvz")
+    metadata["kvz.format_version"] = "1.9"  # a newer minor version may add tensors: ignored
+    write_parts(tmp_path / "y.kvz", metadata, [*blobs, Blob("extra", "U8", (3,), b"abc")])
+    load(tmp_path / "y.kvz")
+
+
+def test_negative_norm_is_refused_on_decode(turbo_file, tmp_path):
+    """Values no writer stores (a negative norm, NaN, int8 code -128) are refused on decode."""
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.formats.container import Blob, crc32_hex
+
+    metadata, blobs = read_parts(turbo_file)
+    import json
+
+    header = json.loads(metadata["kvz.header"])
+    name = "layers.1.key.1.norms"
+    out = []
+    for b in blobs:
+        if b.name == name:
+            arr = np.frombuffer(b.data, np.float16).copy()
+            arr[3] = -arr[3]
+            b = Blob(b.name, b.st_dtype, b.shape, arr.tobytes())
+            header["tensors"][name]["crc32"] = crc32_hex(b.data)
+        out.append(b)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    metadata.update({"kvz.header": raw, "kvz.header_crc32": crc32_hex(raw.encode())})
+    write_parts(tmp_path / "n.kvz", metadata, out)
+    with open_kvz(tmp_path / "n.kvz") as f:
+        f.layer(0)  # other layers still decode
+        with pytest.raises(FormatError, match=f"{name}.*below"):
+            f.layer(1)
