@@ -7,6 +7,7 @@ O(header) time and memory. It checks what the schema alone cannot:
   (:meth:`kvtool.codecs.Codec.expected_arrays`), named as the writer names them, each stored
   tensor backing one segment only (no aliasing) and no tensor left unreferenced;
 - the segments are the ones the file's policy produces (a codec edited in one segment only);
+- the layers' shapes are those of the KV layout the model identity declares;
 - the total decoded size stays under a limit relative to the file size (decode bombs).
 
 Value ranges (finite norms and scales, int8 codes >= -127) need the data and are checked by the
@@ -26,7 +27,7 @@ import numpy as np
 from kvtool.codecs.abc import ArraySpec, Codec
 from kvtool.errors import FormatError
 from kvtool.formats import constants as C
-from kvtool.formats.container import Entry
+from kvtool.formats.container import Entry, is_int
 
 SegmentSpecs = dict[tuple[int, str, int], dict[str, ArraySpec] | None]
 
@@ -109,6 +110,31 @@ def _check_policy(header: dict[str, Any], codec_for: Callable[[dict], Codec | No
                                   f"policy ({policy.describe()}) produces")
 
 
+def _check_identity(header: dict[str, Any]) -> None:
+    """The layers' shapes agree with the KV layout the model identity declares (when it does):
+    a writer stores the arrays of the model it names."""
+    import hashlib
+    import json
+
+    model = header[C.H_MODEL]
+    layout = model.get("layout")
+    if isinstance(layout, dict) and "fingerprint" in model:
+        text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        if hashlib.sha256(text.encode()).hexdigest() != model["fingerprint"]:
+            raise FormatError("kvz header: the model fingerprint does not match its layout")
+    declared = {k: model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
+    if is_int(declared["num_layers"]) and declared["num_layers"] != header[C.H_NUM_LAYERS]:
+        raise FormatError(f"kvz header: {header[C.H_NUM_LAYERS]} layers, the model has "
+                          f"{declared['num_layers']}")
+    for i, layer in enumerate(header[C.H_LAYERS]):
+        for role in C.ROLES:
+            heads, _, dim = layer[role]["shape"]
+            for name, have in (("num_kv_heads", heads), ("head_dim", dim)):
+                if is_int(declared[name]) and declared[name] != have:
+                    raise FormatError(f"layer {i} {role}: {name} {have}, the model has "
+                                      f"{declared[name]}")
+
+
 def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes: int,
                    minor: int, codec_for: Callable[[dict], Codec | None],
                    max_decoded_bytes: int | None = None) -> SegmentSpecs:
@@ -120,6 +146,7 @@ def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes
     checked here (``None`` in the result), and decoding them fails.
     """
     deadline = Deadline()
+    _check_identity(header)
     _check_budget(header, file_bytes, decoded_limit(file_bytes, max_decoded_bytes))
     table = header[C.H_TENSORS]
     owner: dict[str, str] = {}
