@@ -356,9 +356,6 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
 
 def read_text(path: str | Path | None) -> str | None:
     """The text of ``path`` (None: the bundled eval text is used by :func:`evaluate`)."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise KvtoolError(f"cannot read evaluation text {path}: {e}") from e
+    from kvtool.fileio import read_text_file
+
+    return None if path is None else read_text_file(str(path))

@@ -1,5 +1,10 @@
-"""File-system helpers shared by every writer: atomic replacement of a file, and the collection
-of temp files that a killed writer left behind.
+"""File-system helpers shared by every reader and writer: checks of input and output paths,
+atomic replacement of a file, and the collection of temp files that a killed writer left behind.
+
+Inputs must be regular files (or symlinks to one): a FIFO, device, directory or socket is refused
+after a ``stat`` and before any ``open`` (opening a FIFO blocks). Outputs are written through a
+symlink (the file it points to is replaced atomically, in its own directory; the link stays) and
+never replace anything but a regular file.
 
 A temp file is named ``.<target name>.<host>.<pid>.<random>.kvtmp`` next to its target. A later
 write into the same directory removes those whose writer is dead (same host, pid gone) or that
@@ -12,15 +17,90 @@ import contextlib
 import os
 import re
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable
 from typing import BinaryIO
 
+from kvtool.errors import KvtoolError
+
 TEMP_SUFFIX = ".kvtmp"
 STALE_TEMP_SECONDS = 6 * 3600  # a temp file of another host this old is a crash leftover
 _TEMP_RE = re.compile(r"^\..+\.(?P<host>[A-Za-z0-9_-]{1,64})\.(?P<pid>\d{1,10})\.[a-z0-9_]+"
                       + re.escape(TEMP_SUFFIX) + "$")
+
+
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words (``"FIFO"``, ``"character device"``, ...)."""
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def check_input_file(path: str) -> None:
+    """Raise :class:`KvtoolError` unless ``path`` is a regular file (symlinks followed).
+
+    Uses ``stat`` only, so a FIFO is refused without blocking; a missing or unreadable path
+    raises the ``OSError`` of ``stat`` (with the path as its filename).
+    """
+    path = os.fspath(path)
+    if not path:
+        raise KvtoolError("input path is empty")
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise KvtoolError(f"{path}: is a {_kind(st.st_mode)}, not a regular file")
+
+
+def check_output_path(path: str) -> str:
+    """The file that writing ``path`` replaces; raise :class:`KvtoolError` if it cannot be written.
+
+    A symlink is followed: its (final) target is the file replaced, in the target's directory,
+    and the link itself stays. Refused: an empty path, a path ending in a separator, an existing
+    non-regular target (directory, FIFO, device, socket), and a parent directory that is missing,
+    not a directory or not writable. Cheap (a few ``stat`` calls): commands call it before any
+    slow work, and :func:`atomic_write` calls it again.
+    """
+    path = os.fspath(path)
+    if not path:
+        raise KvtoolError("output path is empty")
+    if path.endswith((os.sep, os.altsep or os.sep)):
+        raise KvtoolError(f"{path}: is a directory path, expected a file name")
+    real = os.path.realpath(path)
+    shown = path if real == os.path.abspath(path) else f"{path} (-> {real})"
+    parent = os.path.dirname(real)
+    try:
+        parent_st = os.stat(parent)
+    except FileNotFoundError:
+        raise KvtoolError(f"{shown}: directory {parent} does not exist") from None
+    except NotADirectoryError:
+        raise KvtoolError(f"{shown}: a component of {parent} is not a directory") from None
+    if not stat.S_ISDIR(parent_st.st_mode):
+        raise KvtoolError(f"{shown}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise KvtoolError(f"{shown}: directory {parent} is not writable")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return real
+    if not stat.S_ISREG(st.st_mode):
+        raise KvtoolError(f"{shown}: is a {_kind(st.st_mode)}, not a regular file; "
+                          "not replacing it")
+    return real
+
+
+def read_text_file(path: str) -> str:
+    """The UTF-8 text of the regular file ``path``; one-line :class:`KvtoolError` otherwise."""
+    check_input_file(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KvtoolError(f"{path}: not UTF-8 text (invalid byte 0x{data[e.start]:02x} at "
+                          f"offset {e.start})") from None
 
 
 def _host() -> str:
@@ -87,25 +167,39 @@ def _file_mode(path: str) -> int:
     return 0o666 & ~umask
 
 
+def _is_ours(filename: object, target: str) -> bool:
+    """Whether an OSError's filename is unset or one of our temp files for ``target``."""
+    return filename is None or (isinstance(filename, str) and os.path.basename(filename)
+                                .startswith(temp_prefix(target)))
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int]) -> int:
     """Run ``write(f)`` on a temp file next to ``path``, fsync it, and rename it over ``path``.
 
-    On any exception the temp file is removed and an existing ``path`` is left untouched.
+    ``path`` is first checked with :func:`check_output_path`: a symlink is written through (its
+    target is replaced, the link stays); a directory, FIFO, device or socket is never replaced.
+    On any exception the temp file is removed and an existing ``path`` is left untouched; an
+    ``OSError`` of the write itself (e.g. ENOSPC) carries ``path`` as its filename.
     """
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    target = check_output_path(path)
+    directory = os.path.dirname(target)
     remove_stale_temps(directory)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=TEMP_SUFFIX, dir=directory)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=directory)
         with os.fdopen(fd, "wb") as f:
             written = write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        os.chmod(tmp, _file_mode(target))
+        os.replace(tmp, target)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None and _is_ours(e.filename, target):
+            e.filename, e.filename2 = path, None  # name the user's file, not the temp
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
         dir_fd = os.open(directory, os.O_RDONLY)

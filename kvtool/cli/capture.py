@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import click
@@ -37,10 +36,13 @@ def load_for_cli(model_name: str, dtype: str, threads: int | None):
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The text of ``--prompt`` or ``--prompt-file`` (a regular UTF-8 file)."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-file")
     if prompt_file is not None:
-        return Path(prompt_file).read_text(encoding="utf-8")
+        from kvtool.fileio import read_text_file
+
+        return read_text_file(prompt_file)
     return prompt or ""
 
 
@@ -60,6 +62,9 @@ def capture_command(model_name: str, dtype: str, threads: int | None, engine: st
                     prompt: str | None, prompt_file: str | None, zstd: bool, output: str,
                     as_json: bool, **codec_opts: Any) -> None:
     """Prefill a prompt and save the model's KV cache to a .kvz file."""
+    from kvtool.fileio import check_output_path
+
+    check_output_path(output)  # before the slow part: a bad -o fails in milliseconds
     text = read_prompt(prompt, prompt_file)
     policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
     from kvtool.formats import save

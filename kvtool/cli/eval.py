@@ -34,11 +34,12 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
                  as_json: bool, **policy_opts) -> None:
     """Chunked perplexity with a compressed past against the exact cache, K/V error, bits/element
     and a greedy continuation side by side."""
-    from kvtool.evaluate import evaluate, read_text
+    from kvtool.evaluate import evaluate
+    from kvtool.fileio import read_text_file
     from kvtool.models import load_model
 
     policy = policy_from_options(policy_opts)
-    text = read_text(text_file)
+    text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)
     report = evaluate(loaded, policy, text, chunk=chunk, block_size=block_size,
                       max_tokens=max_tokens, prompt=prompt, max_new_tokens=max_new_tokens)

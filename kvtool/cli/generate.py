@@ -61,6 +61,10 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
         raise click.UsageError("give --prompt (and/or --cache)")
     if runtime_codec and cache_path is None:
         raise click.UsageError("--runtime-codec applies to a restored --cache")
+    if cache_path is not None:
+        from kvtool.fileio import check_input_file
+
+        check_input_file(cache_path)  # before loading the model; a FIFO would block open()
     if engine == "vllm":
         if runtime_codec:
             raise click.UsageError("--runtime-codec needs --engine hf")

@@ -27,6 +27,14 @@ def _with_zstd_options(fn: Any) -> Any:
     return fn
 
 
+def _check_paths(src: str, output: str) -> None:
+    """Refuse a non-regular IN and an unwritable -o before decoding anything."""
+    from kvtool.fileio import check_input_file, check_output_path
+
+    check_input_file(src)
+    check_output_path(output)
+
+
 def _report(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         echo_json(report)
@@ -52,6 +60,7 @@ def compress_command(src: str, output: str, zstd: bool, zstd_level: int, as_json
     """Re-encode the .kvz file IN with another codec policy."""
     if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
         raise click.UsageError("give --codec (or --key-codec/--value-codec)")
+    _check_paths(src, output)
     from kvtool.formats import transcode
 
     policy = policy_from_options(opts)
@@ -72,6 +81,7 @@ def compress_command(src: str, output: str, zstd: bool, zstd_level: int, as_json
 def decompress_command(src: str, output: str, dtype: str | None, zstd: bool, zstd_level: int,
                        as_json: bool) -> None:
     """Decode the .kvz file IN and store it lossless (raw codec)."""
+    _check_paths(src, output)
     from kvtool.formats import transcode
 
     report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,

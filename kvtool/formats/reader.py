@@ -22,6 +22,7 @@ from kvtool.errors import (
     NewerVersionError,
     UnknownCodecError,
 )
+from kvtool.fileio import check_input_file
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, crc32_hex, np_dtype, parse_container
 from kvtool.formats.contract import check_contract, check_values
@@ -39,10 +40,8 @@ class KvzFile:
         self.path = os.fspath(path)
         self.verify_checksums = verify
         self._codecs: dict[str, Codec] = {}
-        try:
-            self._file = open(self.path, "rb")  # closed by close()
-        except IsADirectoryError:
-            raise FormatError(f"{self.path}: is a directory, not a .kvz file") from None
+        check_input_file(self.path)  # a FIFO or device is refused without opening it
+        self._file = open(self.path, "rb")  # closed by close()
         try:
             self.file_bytes = os.fstat(self._file.fileno()).st_size
             self._mm = (mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)

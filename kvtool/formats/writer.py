@@ -13,7 +13,7 @@ import numpy as np
 from kvtool.cache import KVCache
 from kvtool.codecs import Codec, Encoded
 from kvtool.errors import CodecError, FormatError
-from kvtool.fileio import atomic_write
+from kvtool.fileio import atomic_write, check_output_path
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
 from kvtool.formats.header import check_part_name
@@ -124,6 +124,7 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
 
     from kvtool import __version__
 
+    check_output_path(os.fspath(path))  # before the encoding work, not after it
     enc = _Encoder(zstd_level(zstd))
     ids_entry = None
     if token_ids is not None:
