@@ -33,7 +33,9 @@ def patch_vllm_command(show_status: bool, dry_run: bool, revert: bool, vllm_path
     The hook costs one environment look-up while KVTOOL_VLLM_HOOK is unset; with
     KVTOOL_VLLM_HOOK=stats every vLLM process (EngineCore and workers included) shadow-compresses
     the keys and values it writes and records per-layer statistics. Backups and a manifest live
-    in <vllm>/.kvtool_patch/; re-patching is a no-op.
+    in <vllm>/.kvtool_patch/; re-patching is a no-op. A failure (a file that cannot be written,
+    a failed compile check) rolls every file back and exits with code 7; every run first removes
+    what an interrupted run left (temp files, orphan backups).
     """
     from kvtool.engines.vllm import patch as patcher
 
@@ -47,10 +49,14 @@ def patch_vllm_command(show_status: bool, dry_run: bool, revert: bool, vllm_path
         report = patcher.patch(vllm_path, dry_run=dry_run, force=force)
     if as_json:
         echo_json(report)
-    elif show_status:
+        return
+    if show_status:
         _print_status(report)
     else:
         _print_action(report)
+    if report.get("cleaned"):
+        n = len(report["cleaned"])
+        click.echo(f"  removed {n} leftover file{'s' if n != 1 else ''} of an interrupted run")
 
 
 def _where(r: dict[str, Any]) -> str:
@@ -63,9 +69,14 @@ def _print_status(r: dict[str, Any]) -> None:
     for f in r["files"]:
         sites = f" ({f['sites']} site{'s' if f['sites'] != 1 else ''})" if f["sites"] else ""
         click.echo(f"  {f['state']:<12} {f['file']}{sites}")
-    if r["state"] == "modified":
+    if r["state"] != "modified":
+        return
+    if any(f["state"] in ("modified", "missing") for f in r["files"]):
         click.echo("  files changed since patching: 'kvtool patch-vllm --revert' (add --force "
                    "if it refuses), then patch again")
+    else:  # recorded files with their original bytes: an interrupted or incomplete run
+        click.echo("  only partly patched (an interrupted run, or a file that could not be "
+                   "written): 'kvtool patch-vllm' or 'kvtool patch-vllm --revert' finishes it")
 
 
 def _print_action(r: dict[str, Any]) -> None:

@@ -61,15 +61,24 @@ def to_numpy(x: torch.Tensor) -> np.ndarray:
 
 
 def from_numpy(a: np.ndarray, device=None) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory; a CodecError for a dtype torch cannot hold."""
     import ml_dtypes
+
+    from kvtool.errors import CodecError
 
     a = np.ascontiguousarray(a)
     if a.dtype == ml_dtypes.bfloat16:
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     elif a.dtype == ml_dtypes.float8_e4m3fn:
         t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
+    elif a.dtype == ml_dtypes.float8_e5m2:
+        t = torch.from_numpy(a.view(np.uint8)).view(torch.float8_e5m2)
     else:
-        t = torch.from_numpy(a)
+        try:
+            t = torch.from_numpy(a)
+        except TypeError:
+            raise CodecError(f"torch backend: arrays of dtype {a.dtype} are not supported") \
+                from None
     return t if device is None else t.to(device)
 
 

@@ -9,8 +9,10 @@ removing them gives back the original bytes.
 
 Safety: ``<vllm>/.kvtool_patch/`` holds the original files and ``manifest.json`` (vLLM and kvtool
 versions, sha256 of every file before and after). Every patched file is compiled; any failure
-rolls back every file. Writes are atomic, stale ``__pycache__`` entries are removed, re-patching
-is a no-op, and revert checks sha256 against the manifest. Nothing here imports vLLM.
+rolls back every file it can and the manifest keeps exactly those it could not. Writes are atomic,
+stale ``__pycache__`` entries are removed, re-patching is a no-op, revert checks sha256 against
+the manifest, and every run first collects what a killed run left (:mod:`.patch_files`).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,13 +20,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import difflib
-import hashlib
 import io
-import json
 import os
 import py_compile
 import re
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,6 +32,24 @@ from pathlib import Path
 from typing import Any
 
 from kvtool import __version__
+from kvtool.engines.vllm.patch_files import (
+    MANIFEST,
+    backup_rel,
+    clean_leftovers,
+    clear_pycache,
+    drop_state,
+    locked,
+    read_manifest,
+    reason,
+    restore_all,
+    settle_manifest,
+    sha256,
+    state_dir,
+    unrestored,
+    write_backup,
+    write_file,
+    write_manifest,
+)
 from kvtool.errors import PatchError
 
 BACKENDS_DIR = "v1/attention/backends"
@@ -42,8 +59,6 @@ ANCHOR_CALLS = ("reshape_and_cache_flash", "triton_reshape_and_cache_flash",
                 "cpu_attn_reshape_and_cache", "reshape_and_cache")
 ANCHOR_FUNCS = ("do_kv_cache_update", "forward")  # searched in this order
 CALL_ARGS = ("key", "value", "key_cache", "value_cache", "slot_mapping")
-STATE_DIR = ".kvtool_patch"
-MANIFEST = "manifest.json"
 ENV_MODE = "KVTOOL_VLLM_HOOK"
 BEGIN_RE = re.compile(r"^[ \t]*# >>> kvtool-hook .*>>>[ \t]*\r?\n?$")
 END_RE = re.compile(r"^[ \t]*# <<< kvtool-hook .*<<<[ \t]*\r?\n?$")
@@ -90,10 +105,6 @@ class FilePlan:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def locate_vllm(vllm_path: str | os.PathLike | None = None) -> Path:
     """The ``vllm`` package directory: ``vllm_path`` (the package or its parent) or the
     installed one, found without importing it."""
@@ -241,31 +252,10 @@ def plan_file(rel: str, original: bytes) -> FilePlan:
     return FilePlan(rel, original, patched, len(sites), original)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Temp file in the same directory + rename, keeping the file's permissions."""
-    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".kvtool-tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _compile_file(path: Path) -> None:
     """Byte-compile ``path`` (into a throwaway file); raises on any error."""
     with tempfile.TemporaryDirectory() as tmp:
         py_compile.compile(str(path), cfile=os.path.join(tmp, "x.pyc"), doraise=True)
-
-
-def _clear_pycache(path: Path) -> None:
-    for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
-        pyc.unlink(missing_ok=True)
 
 
 def _diff(rel: str, before: bytes, after: bytes) -> str:
@@ -274,25 +264,7 @@ def _diff(rel: str, before: bytes, after: bytes) -> str:
         f"a/vllm/{rel}", f"b/vllm/{rel}"))
 
 
-# -- manifest and state -----------------------------------------------------------------------
-def _state_dir(root: Path) -> Path:
-    return root / STATE_DIR
-
-
-def read_manifest(root: Path) -> dict[str, Any] | None:
-    path = _state_dir(root) / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        manifest = {"error": e}
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise PatchError(f"{path} is unreadable or not a kvtool manifest; reinstall vLLM "
-                         "to start over")
-    return manifest
-
-
+# -- state, locking and leftovers -------------------------------------------------------------
 def _file_state(root: Path, rel: str, entry: dict[str, Any] | None) -> str:
     path = root / rel
     if not path.exists():
@@ -306,9 +278,39 @@ def _file_state(root: Path, rel: str, entry: dict[str, Any] | None) -> str:
     return "not patched" if digest == entry["sha256_before"] else "modified"
 
 
+@contextlib.contextmanager
+def _file_errors() -> Iterator[None]:
+    """An ``OSError`` that escapes becomes a one-line :class:`PatchError` naming its path."""
+    try:
+        yield
+    except OSError as e:
+        raise PatchError(f"{e.filename}: {reason(e)}" if e.filename else reason(e)) from e
+
+
+def _clean(root: Path) -> list[str]:
+    """Remove what killed runs left (under the lock): stale temp files, orphan backups, and a
+    manifest all of whose files hold their original bytes (a run killed before it wrote any)."""
+    removed = clean_leftovers(root, sorted({(root / rel).parent for rel in TARGETS}))
+    with contextlib.suppress(PatchError):
+        manifest = read_manifest(root)
+        if manifest is not None and all(_file_state(root, rel, entry) == "not patched"
+                                        for rel, entry in manifest["files"].items()):
+            drop_state(root)
+            removed.append(str(state_dir(root) / MANIFEST))
+    return removed
+
+
+# -- status -----------------------------------------------------------------------------------
 def status(vllm_path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Per-file and overall state: ``patched``, ``not patched`` or ``modified``."""
+    """Per-file and overall state: ``patched``, ``not patched`` or ``modified``. First removes
+    what a killed run left (``cleaned``), unless a patch or revert is running now."""
     root = locate_vllm(vllm_path)
+    with _file_errors(), locked(root, blocking=False) as held:
+        cleaned = _clean(root) if held else []
+        return {**_status(root), "cleaned": cleaned}
+
+
+def _status(root: Path) -> dict[str, Any]:
     manifest = read_manifest(root)
     recorded = manifest["files"] if manifest else {}
     files = []
@@ -331,28 +333,13 @@ def status(vllm_path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 # -- patch ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """An exclusive lock on the vllm package directory itself (POSIX; no lock file left)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no concurrent patching protection
-        yield
-        return
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def patch(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
           force: bool = False) -> dict[str, Any]:
     """Insert the hook into every backend present; idempotent. Returns a report dict."""
     root = locate_vllm(vllm_path)
-    with _locked(root):
-        return _patch(root, dry_run, force)
+    with _file_errors(), locked(root):
+        cleaned = [] if dry_run else _clean(root)
+        return {**_patch(root, dry_run, force), "cleaned": cleaned}
 
 
 def _patch(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
@@ -362,16 +349,17 @@ def _patch(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     manifest = read_manifest(root)
     repatch = False
     if manifest is not None:
-        st = status(root)
+        st = _status(root)
         if st["state"] == "patched" and manifest.get("kvtool_version") == __version__:
             return {**report, "action": "already patched", "files": st["files"]}
-        changed = [f["file"] for f in st["files"]
-                   if f["file"] in manifest["files"] and f["state"] != "patched"]
+        # "not patched": the recorded original bytes (a run killed mid-way, a partial revert)
+        changed = [f["file"] for f in st["files"] if f["file"] in manifest["files"]
+                   and f["state"] not in ("patched", "not patched")]
         if changed and not force:
             raise PatchError(f"{changed[0]} changed since kvtool patched it (vLLM "
                              f"{manifest.get('vllm_version')} → {version}?); re-run with "
                              "--force to discard the old patch record and patch again")
-        repatch = True  # kvtool upgraded, or --force: revert, then patch afresh
+        repatch = True  # kvtool upgraded, an interrupted run, or --force: revert, patch afresh
         report["repatched_from"] = st["patched_by"]
     present = [rel for rel in TARGETS if (root / rel).exists()]
     if not present:
@@ -402,41 +390,36 @@ def _report_plans(report: dict[str, Any], plans: list[FilePlan], action: str,
 
 
 def _apply(root: Path, version: str | None, plans: list[FilePlan]) -> None:
-    """Back up, record, write and compile every file; on any failure restore them all."""
-    state = _state_dir(root)
-    written: list[FilePlan] = []
+    """Back up, record, write and compile every file. On any failure (or interrupt) every file
+    that holds its patched text is restored, and the manifest keeps only those that could not be
+    (none: it is removed), so it never claims a file that was not written."""
+    manifest = {"kvtool_version": __version__, "vllm_version": version,
+                "vllm_path": str(root), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "files": {p.rel: {"sha256_before": sha256(p.original),
+                                  "sha256_after": sha256(p.patched), "sites": p.sites,
+                                  "backup": backup_rel(p.rel)} for p in plans}}
     try:
         for p in plans:
-            backup = state / "backup" / (p.rel + ".orig")
-            backup.parent.mkdir(parents=True, exist_ok=True)
-            backup.write_bytes(p.original)
-            if sha256(backup.read_bytes()) != sha256(p.original):
-                raise PatchError(f"backup of {p.rel} did not verify")
-        manifest = {"kvtool_version": __version__, "vllm_version": version,
-                    "vllm_path": str(root), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "files": {p.rel: {"sha256_before": sha256(p.original),
-                                      "sha256_after": sha256(p.patched), "sites": p.sites,
-                                      "backup": f"backup/{p.rel}.orig"} for p in plans}}
-        _atomic_write(state / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+            write_backup(root, p.rel, p.original)
+        write_manifest(root, manifest)  # before the files: a killed run leaves a record
         for p in plans:
             path = root / p.rel
             if path.read_bytes() != p.current:
                 raise PatchError(f"{p.rel} changed while patching")
-            written.append(p)
-            _atomic_write(path, p.patched)
+            write_file(path, p.patched)
             _compile_file(path)
             if sha256(path.read_bytes()) != sha256(p.patched):
                 raise PatchError(f"{p.rel} did not verify after writing")
-            _clear_pycache(path)
-    except Exception as e:
-        for p in written:
-            _atomic_write(root / p.rel, p.current)
-            _clear_pycache(root / p.rel)
-        shutil.rmtree(state, ignore_errors=True)
-        if isinstance(e, PatchError):
-            raise PatchError(f"{e}; every file was rolled back") from e
-        raise PatchError(f"patching failed ({type(e).__name__}: {e}); every file was rolled "
-                         "back, vLLM is unchanged") from e
+            clear_pycache(path)
+    except BaseException as e:
+        # by content, not by a list of what was attempted: a failed write changed nothing
+        _, failed = restore_all(root, [(p.rel, p.patched, p.current) for p in plans])
+        problem = settle_manifest(root, manifest, failed)
+        if not isinstance(e, Exception):
+            raise
+        cause = (str(e) if isinstance(e, PatchError)
+                 else f"patching failed ({type(e).__name__}: {reason(e)})")
+        raise PatchError(cause + unrestored(root, failed, problem, "rolled back")) from e
 
 
 # -- revert -----------------------------------------------------------------------------------
@@ -444,8 +427,9 @@ def revert(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
            force: bool = False) -> dict[str, Any]:
     """Restore every patched file byte for byte (sha256-checked) and drop the manifest."""
     root = locate_vllm(vllm_path)
-    with _locked(root):
-        return _revert(root, dry_run, force)
+    with _file_errors(), locked(root):
+        cleaned = [] if dry_run else _clean(root)
+        return {**_revert(root, dry_run, force), "cleaned": cleaned}
 
 
 def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
@@ -476,7 +460,7 @@ def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
             if digest == entry["sha256_before"]:
                 continue
             if digest == entry["sha256_after"]:
-                original = (_state_dir(root) / entry["backup"]).read_bytes()
+                original = (state_dir(root) / entry["backup"]).read_bytes()
                 if sha256(original) != entry["sha256_before"]:
                     raise PatchError(f"the backup of {rel} does not match the manifest; "
                                      "nothing was reverted (reinstall vLLM to start over)")
@@ -491,10 +475,8 @@ def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     files = [{"file": rel, "result": how, "sha256": sha256(new)} for rel, _, new, how in restores]
     if dry_run:
         return {**report, "action": "would revert", "files": files, "diff": diff}
-    for rel, _, new, _ in restores:
-        _atomic_write(root / rel, new)
-        _clear_pycache(root / rel)
-        if sha256((root / rel).read_bytes()) != sha256(new):
-            raise PatchError(f"{rel} did not verify after reverting; reinstall vLLM")
-    shutil.rmtree(_state_dir(root), ignore_errors=True)
+    _, failed = restore_all(root, [(rel, cur, new) for rel, cur, new, _ in restores])
+    problem = settle_manifest(root, manifest, failed)
+    if failed or problem:
+        raise PatchError("revert incomplete" + unrestored(root, failed, problem, "restored"))
     return {**report, "action": "reverted", "files": files, "diff": ""}
