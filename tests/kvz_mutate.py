@@ -33,7 +33,7 @@ from kvz_util import read_parts, synthetic_cache  # noqa: E402
 
 from kvtool.errors import FormatError  # noqa: E402
 from kvtool.formats import constants as C  # noqa: E402
-from kvtool.formats import load, save  # noqa: E402
+from kvtool.formats import load, open_kvz, save  # noqa: E402
 from kvtool.formats.container import Blob, crc32_hex, encode_header  # noqa: E402
 
 # every codec, zstd on and off, and mixed policies
@@ -301,6 +301,15 @@ def model_identity(layers: int, heads: int, dim: int) -> dict[str, Any]:
             "fingerprint": hashlib.sha256(text.encode()).hexdigest()}
 
 
+def verifies(path: str) -> bool:
+    """What ``kvtool inspect --verify`` says: True for exit 0."""
+    try:
+        with open_kvz(path) as f:
+            return not f.verify()
+    except FormatError:
+        return False
+
+
 def make_bases(directory: str) -> dict[str, tuple[Parsed, Any]]:
     out = {}
     for k, (name, opts) in enumerate(BASES):
@@ -316,14 +325,15 @@ def make_bases(directory: str) -> dict[str, tuple[Parsed, Any]]:
 
 def run(cases: int, seed: int = 0, directory: str | None = None) -> dict[str, Counter]:
     """Try ``cases`` mutants; counts per mutation class of 'refused', 'identical', 'silent'
-    (loaded but different: the property broken) and 'crash: <exception type>'."""
+    (loaded but different: the property broken), 'crash: <exception type>', and, checked on
+    every 4th mutant, 'verify disagrees' (``inspect --verify`` and ``load`` disagree)."""
     results: dict[str, Counter] = {}
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         bases = make_bases(tmp)
         names = sorted(bases)
         rng = random.Random(seed)
         path = os.path.join(tmp, "mutant.kvz")
-        for _ in range(cases):
+        for case in range(cases):
             base, expected = bases[rng.choice(names)]
             p = base.copy()
             kind = rng.choice(MUTATIONS)(p, rng)
@@ -335,17 +345,19 @@ def run(cases: int, seed: int = 0, directory: str | None = None) -> dict[str, Co
                 outcome = "refused"
             except Exception as e:  # noqa: BLE001 - anything but FormatError is a bug
                 outcome = f"crash: {type(e).__name__}: {str(e)[:80]}"
+            if case % 4 == 0 and verifies(path) != (outcome == "identical"):
+                outcome = f"verify disagrees with load ({outcome})"
             results.setdefault(kind, Counter())[outcome] += 1
     return results
 
 
 def table(results: dict[str, Counter]) -> str:
     rows = [f"{'mutation':<18} {'tried':>6} {'refused':>8} {'identical':>9} {'silent':>6} "
-            f"{'crash':>5}"]
+            f"{'other':>5}"]
     total: Counter = Counter()
     for kind in sorted(results):
         c = results[kind]
-        crash = sum(v for k, v in c.items() if k.startswith("crash"))
+        crash = sum(v for k, v in c.items() if k not in ("refused", "identical", "silent"))
         n = sum(c.values())
         total.update(tried=n, refused=c["refused"], identical=c["identical"], silent=c["silent"],
                      crash=crash)
@@ -367,5 +379,5 @@ if __name__ == "__main__":
     print(table(res))
     for kind, c in sorted(res.items()):
         for outcome, n in c.items():
-            if outcome.startswith("crash") or outcome == "silent":
+            if outcome not in ("refused", "identical"):
                 print(f"{kind}: {outcome} x{n}")
