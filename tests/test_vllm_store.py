@@ -1,9 +1,11 @@
 """The connector's on-disk prefix store (kvtool.engines.vllm.store) without vLLM: hash-chain keys,
-longest-prefix lookup, header validation, and a write/read round trip with the default policy."""
+longest-prefix lookup, header validation, and a write/read round trip with the default policy
+(the shared-store rules: tests/test_vllm_store_rules.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -11,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra, stats  # noqa: E402
-from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
 from kvtool.formats import save  # noqa: E402
 
 MODEL = {"fingerprint": "f" * 64, "name": "tiny"}
@@ -74,15 +76,15 @@ def test_invalid_files_are_ignored(store, caplog):
         assert not store.is_valid(c2, ids)
     assert "another model" in caplog.text and "other token ids" in caplog.text
     assert stats()["invalid_files"] == before + 2
+    assert not store.exists(c1) and not store.exists(c2)  # quarantined (writable store)
+    assert len(os.listdir(os.path.join(store.root, QUARANTINE_DIR))) == 2
     open(c0.path, "wb").write(b"garbage")
     assert store.lookup(ids) == []
-    store.forget(c0)
-    assert not store.exists(c0)
+    assert not store.exists(c0)  # moved, never deleted
+    assert len(os.listdir(os.path.join(store.root, QUARANTINE_DIR))) == 3
 
 
 def _mk(path: str) -> str:
-    import os
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
 

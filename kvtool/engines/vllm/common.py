@@ -8,14 +8,19 @@ process, so :func:`stats` sees both.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import os
 import threading
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from kvtool.engines.vllm.safeio import UnsafeFileError, confine, pin_file
 
 if TYPE_CHECKING:
     from kvtool.engines.vllm.store import Chunk
@@ -27,7 +32,8 @@ DEFAULT_ZSTD = True
 MIN_CHUNK_TOKENS = 256
 COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_loaded",
                  "tokens_saved", "chunks_saved", "bytes_saved", "captures", "invalid_files",
-                 "load_failures", "save_failures")
+                 "load_failures", "save_failures", "refused_files", "quarantined_files",
+                 "newer_files")
 _COUNTERS: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 _TIMES: dict[str, float] = {"load_seconds": 0.0, "save_seconds": 0.0, "write_seconds": 0.0}
 _SAVER: ThreadPoolExecutor | None = None
@@ -39,7 +45,8 @@ def stats() -> dict[str, Any]:
     """This process's connector counters (scheduler and worker halves together) and the
     seconds spent loading and saving."""
     out: dict[str, Any] = dict(_COUNTERS)
-    out["failures"] = out["invalid_files"] + out["load_failures"] + out["save_failures"]
+    out["failures"] = (out["invalid_files"] + out["load_failures"] + out["save_failures"]
+                       + out["refused_files"])
     out.update(_TIMES)
     return out
 
@@ -104,12 +111,13 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
 
 
 def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
-    """A served .kvz file's token ids (empty, with a warning, when it cannot be served)."""
+    """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
+    file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`)."""
     from kvtool.errors import KvtoolError
     from kvtool.formats import open_kvz
 
     try:
-        with open_kvz(path) as f:
+        with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
             if f.model.get("fingerprint") != fingerprint:
                 raise ValueError("it belongs to another model")
             ids = f.token_ids
@@ -122,6 +130,42 @@ def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
         log.warning("kvtool: not serving %s: %s", path, e)
         count("invalid_files")
         return path, np.zeros(0, dtype=np.int64)
+
+
+_ALLOWED_KVZ: set[str] = set()
+
+
+def allow_kvz(path: str | os.PathLike) -> None:
+    """Let requests of this process name ``path`` as ``kvtool_kvz`` (for in-process callers,
+    such as kvtool's vLLM engine, that pick the file themselves; a server's requests are
+    confined to the operator's ``kvz_dirs``/``kvz_files``)."""
+    _ALLOWED_KVZ.add(os.path.realpath(path))
+
+
+def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
+                fingerprint: str) -> tuple[str, np.ndarray]:
+    """:func:`read_kvz_ids` of a request's ``kvtool_kvz`` if it resolves to a regular file under
+    ``dirs`` or in ``files`` (real paths); otherwise refused, unopened, with a warning."""
+    try:
+        if not isinstance(path, str) or not path:
+            raise UnsafeFileError(errno.EINVAL, f"{path!r} is not a path")
+        real = confine(path, dirs, set(files) | _ALLOWED_KVZ)
+    except OSError as e:
+        log.warning("kvtool: refusing the request's kvtool_kvz %r: %s", path,
+                    e.strerror or e)
+        count("refused_files")
+        return str(path), np.zeros(0, dtype=np.int64)
+    return read_kvz_ids(real, fingerprint)
+
+
+def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
+    """Raise ValueError unless a loaded cache is this model's and holds ``tokens`` tokens."""
+    if (cache.model or {}).get("fingerprint") != model["fingerprint"]:
+        raise ValueError("the file belongs to another model")
+    if "num_layers" in model and cache.num_layers != model["num_layers"]:
+        raise ValueError(f"{cache.num_layers} layers, the model has {model['num_layers']}")
+    if cache.num_tokens != tokens:
+        raise ValueError(f"{cache.num_tokens} tokens where {tokens} were due")
 
 
 def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
@@ -163,7 +207,7 @@ class Source:
     path: str
     start: int
     stop: int
-    chunk: Chunk | None = None  # set for store chunks (removed when found damaged)
+    chunk: Chunk | None = None  # set for store chunks (see PrefixStore.reject)
 
 
 @dataclass

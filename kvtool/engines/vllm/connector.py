@@ -19,7 +19,12 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
 ``save_mode``    ``async`` (default: chunks are copied out of the paged cache in the step that
                  computes them, then encoded and written by a background thread; see
                  :func:`flush`) or ``sync`` (written before the step returns)
-``kvz_files``    .kvz files (e.g. from ``kvtool capture``) served read-only as prefixes
+``kvz_files``    .kvz files (e.g. from ``kvtool capture``) served read-only as prefixes to
+                 every request (each must be a regular file, not a symlink)
+``kvz_dirs``     directories whose .kvz files a request may name as ``kvtool_kvz``; a
+                 request's path must resolve (symlinks resolved) to a regular file under one
+                 of them or to one of ``kvz_files``, else it is refused, unopened, with a
+                 warning (default: none; in-process callers may use :func:`allow_kvz`)
 ``capture_dir``  where requests that ask for it get their whole prompt's K/V written, lossless,
                  as ``<capture_name(ids)>.kvz`` (``capture_all``: every request)
 ``model_name``, ``tokenizer_fingerprint``  identity written into the files' headers
@@ -33,7 +38,11 @@ this request only) and ``kvtool_capture`` (true: capture its prompt).
 
 A damaged or foreign file, or a failed write (full disk), never stops the engine: the file is
 skipped (or its blocks reported to vLLM as failed, so the prefix is recomputed) with a warning,
-and :func:`stats` counts it.
+and :func:`stats` counts it. No file is ever deleted on a load error: a damaged chunk is moved
+to the store's quarantine folder by a role that writes, only skipped by ``kv_consumer``;
+chunks of a newer kvtool are left alone; symlinks in the store are not followed (see
+:mod:`~kvtool.engines.vllm.store`). A writing scheduler removes stale temp files of killed
+writers on start-up (on the saver thread).
 
 The scheduler-side half finds the longest stored prefix and plans loads and saves into
 :class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
@@ -65,7 +74,9 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     SaveSpec,
     Source,
     add_time,
+    allow_kvz,
     capture_name,
+    check_cache,
     common_prefix,
     count,
     flush,
@@ -73,12 +84,14 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     model_info,
     policy_from_extra,
     read_kvz_ids,
+    request_kvz,
     reset_stats,
     stats,
     submit,
     tokenizer_fingerprint_of,
 )
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.safeio import pin_file
 from kvtool.engines.vllm.store import Chunk, PrefixStore
 
 if TYPE_CHECKING:
@@ -113,11 +126,14 @@ class KvtoolConnector(KVConnectorBase_V1):
         self.zstd = extra.get("zstd", DEFAULT_ZSTD)
         self.capture_dir = extra.get("capture_dir")
         self.capture_all = bool(extra.get("capture_all", False))
+        kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
         self.store = None
         if extra.get("store_path"):
             self.store = PrefixStore(extra["store_path"], self.model_info, self.chunk_tokens,
-                                     self.policy, zstd=self.zstd)
-        kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
+                                     self.policy, zstd=self.zstd,
+                                     writable=kv_role != "kv_consumer")
+            if role == KVConnectorRole.SCHEDULER and self.store.writable:
+                submit(self.store.collect_garbage)
         self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
         self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
             and kv_role != "kv_consumer"
@@ -128,8 +144,11 @@ class KvtoolConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, ReqState] = {}
         self._pending: dict[str, tuple[int, list[Source]]] = {}
+        self._kvz_dirs = [os.path.realpath(d) for d in extra.get("kvz_dirs") or []]
+        self._kvz_files = list(dict.fromkeys(os.path.realpath(p)
+                                             for p in extra.get("kvz_files") or []))
         self._files = [read_kvz_ids(p, self.model_info["fingerprint"])
-                       for p in extra.get("kvz_files") or []] if role == KVConnectorRole.SCHEDULER \
+                       for p in self._kvz_files] if role == KVConnectorRole.SCHEDULER \
             else []
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -154,7 +173,8 @@ class KvtoolConnector(KVConnectorBase_V1):
             load=bool(params.get("kvtool_load", True)) and self.load_enabled and keyed,
             save=bool(params.get("kvtool_save", True)) and keyed,
             capture=bool(params.get("kvtool_capture", self.capture_all)) and keyed,
-            files=[read_kvz_ids(str(own), self.model_info["fingerprint"])] if own else [])
+            files=[request_kvz(own, self._kvz_dirs, self._kvz_files,
+                               self.model_info["fingerprint"])] if own else [])
 
     def _state(self, request: Request) -> ReqState:
         if request.request_id not in self._reqs:
@@ -288,8 +308,6 @@ class KvtoolConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> None:
         """Scatter the sources' tokens ``[spec.start, spec.stop)`` into the request's blocks;
         on any failure, report the blocks from there on so that vLLM recomputes them."""
-        from kvtool.formats import load
-
         covered = spec.start
         for src in spec.sources:
             a, b = max(covered, src.start), min(spec.stop, src.stop)
@@ -298,8 +316,7 @@ class KvtoolConnector(KVConnectorBase_V1):
             try:
                 if src.start > covered:
                     raise ValueError(f"no source for tokens {covered}..{src.start}")
-                cache = load(src.path, tokens=b - src.start, backend="torch")
-                self._check_cache(cache, src)
+                cache = self._read(src, b - src.start)
                 for i, (name, layout, ratio) in enumerate(self._layer_table()):
                     k, v = cache.layer(i)
                     layout.scatter(self._kv_caches[name], kernel_block_ids(spec.block_ids, ratio),
@@ -307,8 +324,6 @@ class KvtoolConnector(KVConnectorBase_V1):
             except Exception as e:  # any damage: recompute from here on
                 log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
                             src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
-                if src.chunk is not None and self.store is not None:
-                    self.store.forget(src.chunk)
                 break
             count("tokens_loaded", b - a)
             count("files_loaded")
@@ -319,13 +334,17 @@ class KvtoolConnector(KVConnectorBase_V1):
             self._failed_blocks.update(spec.block_ids[first:last])
             self._failed_reqs.add(spec.req_id)
 
-    def _check_cache(self, cache: Any, src: Source) -> None:
-        want = self.model_info["fingerprint"]
-        if (cache.model or {}).get("fingerprint") != want:
-            raise ValueError("the file belongs to another model")
-        if cache.num_layers != self.model_info["num_layers"]:
-            raise ValueError(f"{cache.num_layers} layers, the model has "
-                             f"{self.model_info['num_layers']}")
+    def _read(self, src: Source, tokens: int) -> Any:
+        """The source's first ``tokens`` tokens (a store chunk's failure is handled by
+        :meth:`PrefixStore.read`: quarantined or skipped, never deleted)."""
+        from kvtool.formats import load
+
+        if src.chunk is not None and self.store is not None:
+            return self.store.read(src.chunk, tokens)
+        with pin_file(src.path) as (path, _):
+            cache = load(path, tokens=tokens, backend="torch")
+        check_cache(cache, self.model_info, tokens)
+        return cache
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer synchronously

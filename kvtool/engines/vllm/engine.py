@@ -173,6 +173,7 @@ def continue_generation(vm: VllmModel, cache_path: str | os.PathLike, prompt: st
     header_cache = read_header(cache_path)
     hf.check_compatible(header_cache, vm, force=force)
     full = hf.full_ids_for(header_cache, vm.tokenizer, prompt, input_ids)
+    connector.allow_kvz(cache_path)  # this process chose the file; server requests cannot
     before = connector.stats()
     out, total = run(vm, full, max_new_tokens, kvtool_kvz=os.fspath(cache_path),
                      kvtool_save=False)

@@ -9,14 +9,30 @@ and token ids. The longest stored prefix of a prompt is the longest run of chunk
 exist from its start; two prompts that share a system prompt share its chunks.
 
 A chunk file is trusted only after its header says it belongs to this model and holds exactly
-the chunk's token ids (results are cached per file size and mtime). Nothing here imports vLLM.
+the chunk's token ids (verdicts are cached per file inode, size and mtime). A shared store is
+other people's data (the design's store rules):
+
+* nothing is ever deleted on a load error; a damaged file is moved to ``<root>/quarantine/``
+  (as ``<fingerprint[:16]>-<key>.<time_ns>.kvz``) only by a store that may write
+  (``writable``: roles ``kv_both``, ``kv_producer``); a read-only store (``kv_consumer``) skips
+  it, remembering it as bad until the file changes;
+* a file of a newer format or codec version is skipped and left alone;
+* symlinks (and FIFOs, devices) are never followed or opened, neither as chunk files nor as
+  directories below the root (:mod:`~kvtool.engines.vllm.safeio`);
+* temp files that a killed writer left behind count in :meth:`PrefixStore.size_bytes` and are
+  removed by :meth:`PrefixStore.collect_garbage` and by the next write into their directory.
+
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +40,25 @@ from typing import Any
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.engines.vllm.common import count, log
+from kvtool.engines.vllm.common import check_cache, count, log
+from kvtool.engines.vllm.safeio import (
+    Stamp,
+    UnsafeFileError,
+    fd_path,
+    open_dir,
+    open_regular_at,
+    pinned,
+    stamp_of,
+)
+from kvtool.fileio import TEMP_SUFFIX, remove_stale_temps, temp_prefix
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
+QUARANTINE_DIR = "quarantine"
+MAX_VERDICTS = 1 << 16
+# per chunk path: (stamp of the file judged, usable?). Shared by the process's stores, so that
+# a chunk the worker half failed to load is skipped by the scheduler half's next lookup.
+_VERDICTS: dict[str, tuple[Stamp, bool]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +76,7 @@ class PrefixStore:
 
     def __init__(self, root: str | os.PathLike, model: dict[str, Any], chunk_tokens: int,
                  policy: CodecPolicy, *, zstd: int | bool = False,
-                 tokenizer_fingerprint: str | None = None):
+                 tokenizer_fingerprint: str | None = None, writable: bool = True):
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.root = Path(root)
@@ -56,7 +87,9 @@ class PrefixStore:
         self.zstd = zstd
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.dir = self.root / self.fingerprint[:16]
-        self._valid: dict[str, tuple[tuple[int, int], bool]] = {}
+        self.writable = writable  # False for kv_consumer: this process never changes the store
+        self._warned: set[str] = set()
+        self._warned_newer = False
 
     # -- keys -------------------------------------------------------------------------------------
     def chunks(self, token_ids: Sequence[int], limit: int | None = None) -> list[Chunk]:
@@ -84,78 +117,236 @@ class PrefixStore:
         return found
 
     def exists(self, chunk: Chunk) -> bool:
-        return os.path.exists(chunk.path)
+        """Whether a regular file (not a symlink) is stored for ``chunk``."""
+        try:
+            return stat.S_ISREG(os.lstat(chunk.path).st_mode)
+        except OSError:
+            return False
+
+    def pin(self, chunk: Chunk) -> contextlib.AbstractContextManager[tuple[str, Stamp]]:
+        """``(path to read, stamp)`` of the chunk's file, opened without following a symlink
+        anywhere below the root (see :mod:`~kvtool.engines.vllm.safeio`). ``FileNotFoundError``
+        when absent, :class:`UnsafeFileError` for a symlink or a non-regular file."""
+        parts = self._parts(chunk)
+        dir_fd = open_dir(self.root, parts[:-1])
+        try:
+            fd = open_regular_at(dir_fd, parts[-1])
+        finally:
+            os.close(dir_fd)
+        return pinned(fd, chunk.path)
 
     def is_valid(self, chunk: Chunk, token_ids: Sequence[int]) -> bool:
-        """Whether ``chunk.path`` exists and its header matches this model and chunk."""
-        try:
-            st = os.stat(chunk.path)
-        except OSError:
-            return False
-        stamp = (st.st_size, st.st_mtime_ns)
-        cached = self._valid.get(chunk.path)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        ok = self._check_header(chunk, token_ids)
-        self._valid[chunk.path] = (stamp, ok)
-        return ok
-
-    def _check_header(self, chunk: Chunk, token_ids: Sequence[int]) -> bool:
+        """Whether the chunk's file exists and its header matches this model and chunk
+        (verdicts are remembered per file stamp; a bad file goes to :meth:`reject`)."""
         from kvtool.errors import KvtoolError
-        from kvtool.formats import open_kvz
 
+        stamp = None
         try:
-            with open_kvz(chunk.path) as f:
-                problem = None
-                if f.model.get("fingerprint") != self.fingerprint:
-                    problem = "belongs to another model"
-                elif f.num_tokens != chunk.stop - chunk.start:
-                    problem = f"holds {f.num_tokens} tokens, not {chunk.stop - chunk.start}"
-                else:
-                    ids = f.token_ids
-                    want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
-                    if ids is None or not np.array_equal(ids, want):
-                        problem = "holds other token ids"
-        except (KvtoolError, OSError, ValueError) as e:
-            problem = f"is unreadable ({e})"
-        if problem:
-            count("invalid_files")
-            log.warning("kvtool store: ignoring %s: it %s; the prefix will be recomputed",
-                        chunk.path, problem)
+            with self.pin(chunk) as (path, stamp):
+                cached = _VERDICTS.get(chunk.path)
+                if cached is not None and cached[0] == stamp:
+                    return cached[1]
+                self._check_header(chunk, path, token_ids)
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        except UnsafeFileError as e:
+            self._warn_once(chunk, f"kvtool store: ignoring {chunk.path}: {e.strerror}; "
+                            "symlinks and special files in the store are never followed")
+            return False
+        except (KvtoolError, OSError, ValueError) as e:
+            if stamp is None:
+                self._warn_once(chunk, f"kvtool store: cannot open {chunk.path} ({e}); skipped")
+            else:
+                self.reject(chunk, e, stamp)
+            return False
+        _remember(chunk.path, stamp, True)
         return True
 
-    def forget(self, chunk: Chunk) -> None:
-        """Drop a chunk found damaged while loading (removed, so it is written anew)."""
-        self._valid.pop(chunk.path, None)
+    def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> None:
+        """Raise unless the (pinned) file's header can serve ``chunk``."""
+        from kvtool.formats import open_kvz
+
+        with open_kvz(path) as f:
+            if f.model.get("fingerprint") != self.fingerprint:
+                raise ValueError("it belongs to another model")
+            if f.num_tokens != chunk.stop - chunk.start:
+                raise ValueError(f"it holds {f.num_tokens} tokens, not "
+                                 f"{chunk.stop - chunk.start}")
+            ids = f.token_ids
+            want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
+            if ids is None or not np.array_equal(ids, want):
+                raise ValueError("it holds other token ids")
+
+    def reject(self, chunk: Chunk, error: BaseException, stamp: Stamp | None = None) -> None:
+        """A chunk that failed its header check or its load (``stamp``: the file as read).
+
+        Never deleted: a file of a newer kvtool is skipped and left alone; a damaged file
+        (a :class:`FormatError`, or content that contradicts its key) is moved to
+        ``<root>/quarantine/`` by a store that may write, so that the chunk is written anew,
+        and only remembered as bad (until rewritten) by a read-only one; an unreadable file
+        (``OSError``) is skipped. Other errors are not the file's fault: nothing happens."""
+        from kvtool.errors import FormatError, NewerVersionError
+
+        if isinstance(error, NewerVersionError):
+            _remember(chunk.path, stamp, False)
+            count("newer_files")
+            if not self._warned_newer:
+                self._warned_newer = True
+                log.warning("kvtool store: skipping %s and any other chunk written by a newer "
+                            "kvtool (%s); they are left alone", chunk.path,
+                            str(error).replace(f"{chunk.path}: ", ""))
+            return
+        if isinstance(error, OSError):
+            _remember(chunk.path, stamp, False)
+            count("invalid_files")
+            log.warning("kvtool store: skipping %s: it is unreadable (%s)", chunk.path, error)
+            return
+        if not isinstance(error, (FormatError, ValueError)):
+            return
+        count("invalid_files")
+        moved = self.writable and self._quarantine(chunk, stamp)
+        if not moved:
+            _remember(chunk.path, stamp, False)
+        log.warning("kvtool store: ignoring %s: %s; the prefix will be recomputed%s",
+                    chunk.path, _reason(error, chunk.path),
+                    f" (moved to {moved})" if moved else "" if self.writable
+                    else " (read-only store: left in place)")
+
+    def _quarantine(self, chunk: Chunk, stamp: Stamp | None) -> str | None:
+        """Move the chunk's file (if still the one judged, by ``stamp``) to the quarantine
+        folder; its new path, or None."""
+        parts = self._parts(chunk)
+        name = f"{parts[0]}-{chunk.key}.{time.time_ns()}.kvz"  # says where it came from
         try:
-            os.unlink(chunk.path)
-        except OSError:
-            pass
+            src = open_dir(self.root, parts[:-1])
+            try:
+                st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+                if stamp is not None and stamp_of(st) != stamp:
+                    return None  # rewritten since it was read: judge the new file afresh
+                dst = open_dir(self.root, [QUARANTINE_DIR], create=True)
+                try:
+                    os.rename(parts[-1], name, src_dir_fd=src, dst_dir_fd=dst)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+        except OSError as e:
+            log.warning("kvtool store: cannot quarantine %s (%s)", chunk.path, e)
+            return None
+        _VERDICTS.pop(chunk.path, None)
+        count("quarantined_files")
+        return str(self.root / QUARANTINE_DIR / name)
+
+    def _warn_once(self, chunk: Chunk, message: str) -> None:
+        if chunk.path not in self._warned:
+            self._warned.add(chunk.path)
+            count("invalid_files")
+            log.warning("%s", message)
+
+    def _parts(self, chunk: Chunk) -> list[str]:
+        return list(Path(chunk.path).relative_to(self.root).parts)
 
     # -- read / write -----------------------------------------------------------------------------
-    def read(self, chunk: Chunk) -> KVCache:
-        """The chunk's decoded K/V (torch), every checksum verified."""
+    def read(self, chunk: Chunk, tokens: int | None = None) -> KVCache:
+        """The chunk's first ``tokens`` (default: all) decoded K/V (torch), every checksum
+        verified and checked against this model; a failure is passed to :meth:`reject` and
+        raised."""
         from kvtool.formats import load
 
-        return load(chunk.path, backend="torch")
+        stamp = None
+        want = chunk.stop - chunk.start if tokens is None else tokens
+        try:
+            with self.pin(chunk) as (path, stamp):
+                cache = load(path, tokens=tokens, backend="torch")
+            check_cache(cache, self.model, want)
+            return cache
+        except Exception as e:
+            if stamp is not None:
+                self.reject(chunk, e, stamp)
+            raise
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int]) -> int:
-        """Encode and write one chunk atomically; its file size. Existing chunks are kept."""
+        """Encode and write one chunk atomically; its file size. Existing chunks are kept; a
+        symlink in the chunk's place is replaced, never written through."""
         from kvtool.formats import save
 
-        if os.path.exists(chunk.path):
-            return 0
+        if not self.writable:
+            raise PermissionError(f"the store at {self.root} is read-only here (kv_consumer)")
+        parts = self._parts(chunk)
         policy = dataclasses.replace(self.policy, recent_tokens=0,
                                      sink_tokens=self.policy.sink_tokens if chunk.start == 0
                                      else 0)
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint)
-        os.makedirs(os.path.dirname(chunk.path), exist_ok=True)
-        report = save(cache, chunk.path, policy, zstd=self.zstd)
+        dir_fd = open_dir(self.root, parts[:-1], create=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.stat(parts[-1], dir_fd=dir_fd,
+                                        follow_symlinks=False).st_mode):
+                    return 0
+            # written under a temp-file name in the pinned directory (atomic_write would write
+            # through a symlink in the chunk's place; a crash leaves a collectable temp file),
+            # then renamed over the chunk's name there, replacing any symlink
+            partial = f"{temp_prefix(parts[-1])}chunk{TEMP_SUFFIX}"
+            report = save(cache, os.path.join(fd_path(dir_fd), partial), policy,
+                          zstd=self.zstd)
+            os.rename(partial, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            with contextlib.suppress(OSError):
+                os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
         return int(report["file_bytes"])
 
+    # -- housekeeping -----------------------------------------------------------------------------
+    def _shard_dirs(self) -> list[str]:
+        """This model's directory and its shard directories (symlinked ones left out)."""
+        out = []
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(self.dir).st_mode):
+                out.append(str(self.dir))
+                with os.scandir(self.dir) as it:
+                    out += [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        return out
+
     def size_bytes(self) -> int:
-        """Bytes of every chunk file of this model."""
-        return sum(p.stat().st_size for p in self.dir.rglob("*.kvz")) if self.dir.exists() else 0
+        """Bytes of this model's chunk files, plus temp files (writes in progress, and crash
+        leftovers until :meth:`collect_garbage` or the next write in their directory)."""
+        total = 0
+        for directory in self._shard_dirs():
+            with contextlib.suppress(OSError), os.scandir(directory) as it:
+                for e in it:
+                    if e.name.endswith((".kvz", TEMP_SUFFIX)) and e.is_file(follow_symlinks=False):
+                        with contextlib.suppress(OSError):
+                            total += e.stat(follow_symlinks=False).st_size
+        return total
+
+    def collect_garbage(self) -> tuple[int, int]:
+        """Remove the temp files that killed writers left in this model's directories;
+        (files, bytes) removed. Only for a store that may write."""
+        if not self.writable:
+            return 0, 0
+        files = freed = 0
+        for directory in self._shard_dirs():
+            n, b = remove_stale_temps(directory)
+            files, freed = files + n, freed + b
+        if files:
+            log.info("kvtool store: removed %d stale temp files (%d bytes) under %s",
+                     files, freed, self.dir)
+        return files, freed
+
+
+def _remember(path: str, stamp: Stamp | None, ok: bool) -> None:
+    if stamp is None:
+        return
+    if len(_VERDICTS) >= MAX_VERDICTS:
+        _VERDICTS.clear()
+    _VERDICTS[path] = (stamp, ok)
+
+
+def _reason(error: BaseException, path: str) -> str:
+    """Why a chunk was refused, in words (a ValueError is a content mismatch)."""
+    from kvtool.errors import KvtoolError
+
+    text = str(error).replace(f"{path}: ", "")
+    return text if not isinstance(error, KvtoolError) else f"it is damaged ({text})"

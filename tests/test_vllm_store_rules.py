@@ -1,0 +1,295 @@
+"""The prefix store's rules for a shared store (design brief, "Store rules"), without vLLM:
+a reader never deletes; a damaged chunk is quarantined only by a writer (a kv_consumer skips it
+until it changes); chunks of a newer kvtool are left alone; symlinks and special files are
+never followed or opened; crash leftovers (stale temp files) are counted and collected."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvz_util import read_parts, rewrite_header, write_parts  # noqa: E402
+
+from kvtool.engines.vllm.common import policy_from_extra, request_kvz, stats  # noqa: E402
+from kvtool.engines.vllm.safeio import UnsafeFileError  # noqa: E402
+from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
+from kvtool.errors import FormatError, NewerVersionError  # noqa: E402
+from kvtool.fileio import TEMP_SUFFIX, temp_prefix  # noqa: E402
+from kvtool.formats import constants as KC  # noqa: E402
+
+MODEL = {"fingerprint": "e" * 64, "name": "tiny", "num_layers": 3}
+CHUNK = 16
+IDS = list(range(200, 264))
+
+
+def kv(tokens: int = CHUNK, seed: int = 0) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(seed)
+    return ([torch.randn(2, tokens, 32, generator=gen) for _ in range(3)],
+            [torch.randn(2, tokens, 32, generator=gen) for _ in range(3)])
+
+
+def make(root, writable: bool = True, codec: str = "raw") -> PrefixStore:
+    return PrefixStore(root, MODEL, CHUNK, policy_from_extra({"codec": codec}),
+                       writable=writable)
+
+
+def fill(store: PrefixStore, n: int = 3) -> list:
+    chunks = store.chunks(IDS)[:n]
+    for i, c in enumerate(chunks):
+        keys, values = kv(seed=i)
+        assert store.write(c, keys, values, IDS) > 0
+    return chunks
+
+
+def tree(root) -> dict[str, tuple[bytes, int]]:
+    """Every entry under ``root``: contents (or link target) and mtime, to prove nothing changed."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[p] = (os.readlink(p).encode(), st.st_mtime_ns)
+            elif os.path.isfile(p):
+                out[p] = (open(p, "rb").read(), st.st_mtime_ns)
+            else:
+                out[p] = (b"", st.st_mtime_ns)
+    return out
+
+
+def poison(path: str) -> None:
+    """Shrink layer 0's key norms to one element (checksums recomputed): a file no writer
+    writes, which a lenient reader would broadcast silently."""
+    metadata, blobs = read_parts(path)
+    header = json.loads(metadata[KC.META_HEADER])
+    name = header["layers"][0]["key"]["segments"][0]["tensors"]["norms"]
+    i = next(j for j, b in enumerate(blobs) if b.name == name)
+    blobs[i].data, blobs[i].shape = bytes(blobs[i].data)[:2], (1,)
+    write_parts(path, metadata, blobs)
+
+    def fix(h):
+        from kvtool.formats.container import crc32_hex
+
+        h["tensors"][name].update(shape=[1], crc32=crc32_hex(bytes(blobs[i].data)))
+    rewrite_header(path, path, fix)
+
+
+def quarantined(root) -> list[str]:
+    q = os.path.join(root, QUARANTINE_DIR)
+    return sorted(os.listdir(q)) if os.path.isdir(q) else []
+
+
+# -- damaged files --------------------------------------------------------------------------------
+def test_writer_quarantines_damaged_chunks(tmp_path, caplog):
+    store = make(tmp_path)
+    c0, c1, c2 = fill(store)
+    damaged = b"not a kvz file" * 50
+    open(c1.path, "wb").write(damaged)
+    before = stats()
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert store.lookup(IDS) == [c0]
+    assert not os.path.exists(c1.path) and os.path.exists(c2.path)
+    (name,) = quarantined(tmp_path)
+    assert name.startswith(f"{'e' * 16}-{c1.key}.") and name.endswith(".kvz")  # its origin
+    assert open(tmp_path / QUARANTINE_DIR / name, "rb").read() == damaged  # moved, not deleted
+    assert "quarantine" in caplog.text and "recomputed" in caplog.text
+    assert stats()["quarantined_files"] == before["quarantined_files"] + 1
+    assert stats()["invalid_files"] == before["invalid_files"] + 1
+    keys, values = kv(seed=1)  # the writer writes the chunk anew
+    assert not store.exists(c1) and store.write(c1, keys, values, IDS) > 0
+    assert store.lookup(IDS) == [c0, c1, c2]
+
+
+def test_poisoned_chunk_refused_and_quarantined(tmp_path):
+    store = make(tmp_path, codec="turbo3")
+    c0, c1, _ = fill(store)
+    poison(c1.path)
+    with pytest.raises(FormatError) as e:
+        store.read(c1)
+    assert not isinstance(e.value, NewerVersionError) and c1.path in str(e.value)
+    assert not os.path.exists(c1.path) and len(quarantined(tmp_path)) == 1
+    assert store.lookup(IDS) == [c0]
+
+
+def test_consumer_never_modifies_the_store(tmp_path, caplog):
+    writer = make(tmp_path, codec="turbo3")
+    c0, c1, c2 = fill(writer)
+    poison(c1.path)
+    open(c2.path, "wb").write(b"garbage" * 40)
+    _old_temp(os.path.join(os.path.dirname(c0.path), f".x.kvz.otherhost.1.abc{TEMP_SUFFIX}"))
+    snapshot = tree(tmp_path)
+    reader = make(tmp_path, writable=False)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        with pytest.raises(FormatError):
+            reader.read(c1)
+        assert not reader.is_valid(c1, IDS)  # remembered as bad: not retried
+        assert not reader.is_valid(c2, IDS)
+        assert reader.lookup(IDS) == [c0]
+        assert reader.collect_garbage() == (0, 0)
+        with pytest.raises(PermissionError):
+            reader.write(c1, *kv(), IDS)
+    assert "left in place" in caplog.text
+    assert caplog.text.count(c2.path) == 1  # warned once
+    assert tree(tmp_path) == snapshot and quarantined(tmp_path) == []
+    writer_fix = make(tmp_path / "other")  # a rewritten file is retried
+    fresh = writer_fix.chunks(IDS)[1]
+    writer_fix.write(fresh, *kv(seed=1), IDS)
+    os.replace(fresh.path, c1.path)
+    assert reader.is_valid(c1, IDS)
+
+
+def _old_temp(path: str) -> None:
+    """A temp file of another host, 7 hours old: a crash leftover."""
+    open(path, "wb").write(b"x" * 1000)
+    old = time.time() - 7 * 3600
+    os.utime(path, (old, old))
+
+
+# -- newer versions --------------------------------------------------------------------------------
+def test_newer_versions_skipped_and_left_alone(tmp_path, caplog):
+    store = make(tmp_path)
+    c0, c1, c2 = fill(store)
+
+    def codec_v2(h):
+        for layer in h["layers"]:
+            for role in ("key", "value"):
+                for seg in layer[role]["segments"]:
+                    seg["codec"]["codec_version"] = 2
+    rewrite_header(c1.path, c1.path, codec_v2)
+    metadata, blobs = read_parts(c2.path)
+    metadata[KC.META_FORMAT_VERSION] = "2"
+    write_parts(c2.path, metadata, blobs)
+    snapshot = tree(tmp_path)
+    before = stats()
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        if store.is_valid(c1, IDS):  # a codec version may only show when decoding
+            with pytest.raises(NewerVersionError):
+                store.read(c1)
+        assert not store.is_valid(c1, IDS)
+        assert not store.is_valid(c2, IDS)
+        assert store.lookup(IDS) == [c0]
+    assert tree(tmp_path) == snapshot and quarantined(tmp_path) == []
+    assert caplog.text.count("newer kvtool") == 1  # one warning
+    assert stats()["newer_files"] - before["newer_files"] == 2
+    assert stats()["quarantined_files"] == before["quarantined_files"]
+
+
+# -- symlinks and special files --------------------------------------------------------------
+def test_symlinked_chunk_is_not_followed(tmp_path, caplog):
+    store = make(tmp_path / "store")
+    outside = make(tmp_path / "outside")
+    c0 = fill(store, 1)[0]
+    real = fill(outside, 2)[1]
+    c1 = store.chunks(IDS)[1]
+    os.makedirs(os.path.dirname(c1.path), exist_ok=True)
+    os.symlink(real.path, c1.path)
+    target = open(real.path, "rb").read()
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert store.lookup(IDS) == [c0]
+        with pytest.raises(UnsafeFileError):
+            store.read(c1)
+    assert "symbolic link" in caplog.text
+    assert os.path.islink(c1.path) and not store.exists(c1)  # left alone, not quarantined
+    assert store.write(c1, *kv(seed=1), IDS) > 0  # replaces the link, never writes through
+    assert not os.path.islink(c1.path) and open(real.path, "rb").read() == target
+    assert store.lookup(IDS)[:2] == [c0, c1]
+
+
+def test_symlinked_directories_are_not_followed(tmp_path):
+    store = make(tmp_path / "store")
+    outside = make(tmp_path / "outside")
+    good = fill(outside, 1)[0]
+    shard = os.path.dirname(good.path)
+    c0 = store.chunks(IDS)[0]
+    os.makedirs(store.dir)
+    os.symlink(shard, os.path.dirname(c0.path))  # <fp>/<key[:2]> -> elsewhere
+    assert os.path.isfile(c0.path)  # what a path-following reader would see
+    assert not store.is_valid(c0, IDS) and store.lookup(IDS) == []
+    with pytest.raises(UnsafeFileError):
+        store.write(c0, *kv(), IDS)
+    assert os.listdir(shard) == [os.path.basename(good.path)]
+    os.unlink(os.path.dirname(c0.path))
+    os.rmdir(store.dir)
+    os.symlink(os.path.dirname(shard), store.dir)  # <fp> -> elsewhere
+    assert not store.is_valid(c0, IDS)
+    assert store.size_bytes() == 0
+
+
+def test_fifo_in_the_store_is_never_opened(tmp_path):
+    store = make(tmp_path)
+    c0 = store.chunks(IDS)[0]
+    os.makedirs(os.path.dirname(c0.path))
+    os.mkfifo(c0.path)
+    start = time.monotonic()
+    assert not store.is_valid(c0, IDS) and store.lookup(IDS) == []
+    with pytest.raises(UnsafeFileError):
+        store.read(c0)
+    assert time.monotonic() - start < 5
+
+
+def test_request_paths_confined(tmp_path, caplog):
+    allowed, other = tmp_path / "allowed", tmp_path / "other"
+    allowed.mkdir()
+    other.mkdir()
+    src = make(tmp_path / "s")
+    c = fill(src, 1)[0]
+    good = allowed / "doc.kvz"
+    good.write_bytes(open(c.path, "rb").read())
+    (other / "x.kvz").write_bytes(good.read_bytes())
+    os.symlink(other / "x.kvz", allowed / "escape.kvz")
+    os.mkfifo(allowed / "fifo.kvz")
+    dirs, fp = [os.path.realpath(allowed)], MODEL["fingerprint"]
+    path, ids = request_kvz(str(good), dirs, [], fp)
+    assert path == os.path.realpath(good) and list(ids) == IDS[:CHUNK]
+    before = stats()["refused_files"]
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        for bad in (other / "x.kvz", allowed / "escape.kvz", allowed / "fifo.kvz",
+                    allowed / ".." / "other" / "x.kvz", allowed, 42):
+            p = bad if isinstance(bad, int) else str(bad)
+            assert len(request_kvz(p, dirs, [], fp)[1]) == 0
+    assert time.monotonic() - start < 5
+    assert stats()["refused_files"] - before == 6 and "refusing" in caplog.text
+    listed = os.path.realpath(other / "x.kvz")
+    assert len(request_kvz(str(other / "x.kvz"), [], [listed], fp)[1]) == CHUNK
+
+
+# -- crash leftovers -------------------------------------------------------------------------
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temps_counted_and_collected(tmp_path):
+    store = make(tmp_path)
+    c0, c1 = fill(store, 2)
+    chunk_bytes = store.size_bytes()
+    assert chunk_bytes == os.path.getsize(c0.path) + os.path.getsize(c1.path)
+    shard0, shard1 = os.path.dirname(c0.path), os.path.dirname(c1.path)
+    dead = temp_prefix(c0.path).replace(f".{os.getpid()}.", f".{_dead_pid()}.")
+    leftover = os.path.join(shard0, f"{dead}abc{TEMP_SUFFIX}")
+    open(leftover, "wb").write(b"y" * 3000)
+    old = os.path.join(shard1, f".{os.path.basename(c1.path)}.otherhost.1.abc{TEMP_SUFFIX}")
+    _old_temp(old)
+    live = os.path.join(shard1, f"{temp_prefix(c1.path)}live{TEMP_SUFFIX}")  # a write in progress
+    open(live, "wb").write(b"z" * 500)
+    assert store.size_bytes() == chunk_bytes + 3000 + 1000 + 500
+    reader = make(tmp_path, writable=False)
+    assert reader.collect_garbage() == (0, 0) and os.path.exists(leftover)
+    assert store.collect_garbage() == (2, 4000)
+    assert not os.path.exists(leftover) and not os.path.exists(old) and os.path.exists(live)
+    assert store.size_bytes() == chunk_bytes + 500
+    c2 = store.chunks(IDS)[2]  # a write into a shard directory collects its leftovers too
+    os.makedirs(os.path.dirname(c2.path), exist_ok=True)
+    leftover = os.path.join(os.path.dirname(c2.path), os.path.basename(leftover))
+    open(leftover, "wb").write(b"y" * 3000)
+    assert store.write(c2, *kv(), IDS) > 0 and not os.path.exists(leftover)
