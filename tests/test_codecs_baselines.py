@@ -36,6 +36,57 @@ def as_f32(a) -> np.ndarray:
     return a.astype(np.float32)
 
 
+# -- comparing what two code paths compute ---------------------------------------------------------
+# Two backends (numpy/OpenBLAS vs torch/MKL), two loops (strided vs contiguous input) or two CPUs
+# (AVX2 vs AVX-512) round matmuls, norms and trig differently in the last bits. So: integer codes
+# and packed bytes are compared exactly, floats to rounding (rtol of the data's scale, plus an
+# ulp of the output dtype for fp16/bf16 outputs). Bit-exact floats are expected only from one
+# code path on one input (raw passthrough, zero vectors, the same call twice).
+def _np(a) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    from kvtool.kernels import to_numpy
+
+    return to_numpy(a)
+
+
+def _tolerances(actual, desired, rtol):
+    a, d = _np(actual), _np(desired)
+    eps = max(float(ml_dtypes.finfo(x.dtype).eps) for x in (a, d))  # fp16/bf16: ≥ 1 ulp
+    d32 = d.astype(np.float32)
+    scale = float(np.abs(d32).max()) if d.size else 0.0
+    return a.astype(np.float32), d32, max(rtol, eps), rtol * (scale or 1.0)
+
+
+def assert_close(actual, desired, rtol=1e-5):
+    a, d, rel, atol = _tolerances(actual, desired, rtol)
+    np.testing.assert_allclose(a, d, rtol=rel, atol=atol)
+
+
+def close_fraction(actual, desired, rtol=1e-5) -> float:
+    """The fraction of elements equal up to rounding (see :func:`assert_close`)."""
+    a, d, rel, atol = _tolerances(actual, desired, rtol)
+    return float(np.mean(np.isclose(a, d, rtol=rel, atol=atol)))
+
+
+def assert_same_encoding(enc, ref, min_agree=1.0):
+    """Integer arrays (packed codes, fp8 bytes) equal; float arrays (fp16 norms, scales, means)
+    equal up to rounding. ``min_agree < 1``: only across backends, whose rotations may put a
+    value a rounding away from a codebook boundary into the next cell."""
+    enc, ref = enc.to_numpy(), ref.to_numpy()
+    assert set(enc.arrays) == set(ref.arrays)
+    for name, b in ref.arrays.items():
+        a = enc.arrays[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.dtype.kind in "ui" or a.dtype.itemsize == 1:
+            if min_agree == 1.0:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            else:
+                assert np.mean(a == b) >= min_agree, name
+        else:
+            assert_close(a, b)
+
+
 # -- error bounds ----------------------------------------------------------------------------------
 # Uniform quantiser with step Δ = range/(2^b − 1) has MSE ≈ Δ²/12. The expected range of n standard
 # Gaussians is ≈ 4.8σ (n=64) and ≈ 5.2σ (n=128), so: int4/g64 ≈ (4.8/15)²/12 ≈ 0.0085,
@@ -165,14 +216,17 @@ def test_numpy_torch_agree(spec):
     for name, a in enc_np.arrays.items():
         b = enc_t.arrays[name]
         assert isinstance(b, torch.Tensor) and a.shape == tuple(b.shape)
-        assert np.mean(a == enc_t.to_numpy().arrays[name]) >= 0.999, name
+    # codes: ≥ 99.9% equal (a rotated value within a rounding of a codebook boundary may fall in
+    # the next cell); fp16 norms/scales: equal up to one fp16 rounding
+    assert_same_encoding(enc_t, enc_np, min_agree=0.999)
     y_np = codec.decode(enc_np)
     y_np_from_t = codec.decode(enc_t.to_numpy())
     y_t_from_np = codec.decode(enc_np.to_torch())
     y_t = codec.decode(enc_t)
     assert isinstance(y_t_from_np, torch.Tensor)
-    np.testing.assert_allclose(y_t_from_np.numpy(), y_np, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(y_np_from_t, y_t.numpy(), rtol=1e-5, atol=1e-6)
+    # the same bytes decode to the same values up to rounding (OpenBLAS vs MKL matmuls)
+    assert_close(y_t_from_np, y_np)
+    assert_close(y_np_from_t, y_t)
 
 
 # -- configs ---------------------------------------------------------------------------------------
@@ -242,11 +296,13 @@ def test_half_precision_inputs_torch(spec):
         y = codec.decode(codec.encode(x))
         assert y.dtype == dtype and y.shape == x.shape
         assert nmse(as_f32(x), as_f32(y)) < bound
-        # the same bytes as encoding the numpy copy
+        # the same codes as encoding the numpy copy (but a boundary case or so, as in
+        # test_numpy_torch_agree); decoded values equal up to an ulp of the half dtype
         from kvtool.kernels import to_numpy
 
-        y_np = codec.decode(codec.encode(to_numpy(x)))
-        assert np.mean(as_f32(y) == as_f32(y_np)) > 0.999
+        enc_np = codec.encode(to_numpy(x))
+        assert_same_encoding(codec.encode(x), enc_np, min_agree=0.999)
+        assert close_fraction(y, codec.decode(enc_np)) > 0.999
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -255,13 +311,22 @@ def test_non_contiguous_inputs(spec):
     base = gaussian((256, 2, 128))
     x = base.transpose(1, 0, 2)[:, ::2]  # [2, 128, 128], strided
     assert not x.flags.c_contiguous
-    ref = codec.decode(codec.encode(np.ascontiguousarray(x)))
-    np.testing.assert_array_equal(codec.decode(codec.encode(x)), ref)
+    ref_enc = codec.encode(np.ascontiguousarray(x))
+    ref = codec.decode(ref_enc)
+    # numpy may run strided inputs through other loops (einsum, non-BLAS matmul): the same
+    # codes, floats equal up to rounding
+    enc = codec.encode(x)
+    assert_same_encoding(enc, ref_enc)
+    assert_close(codec.decode(enc), ref)
     torch = pytest.importorskip("torch")
     xt = torch.from_numpy(base).transpose(0, 1)[:, ::2]
     assert not xt.is_contiguous()
-    yt = codec.decode(codec.encode(xt))
-    assert np.mean(yt.numpy() == ref) > 0.999
+    # torch (MKL matmul, its own atan2) against numpy: codes as in test_numpy_torch_agree, and
+    # decoded floats equal up to rounding, not bit for bit (they differ by ~1e-6 on AVX2 CPUs)
+    enc_t = codec.encode(xt)
+    assert_same_encoding(enc_t, ref_enc, min_agree=0.999)
+    yt = codec.decode(enc_t)
+    assert isinstance(yt, torch.Tensor) and close_fraction(yt, ref) > 0.999
 
 
 @pytest.mark.parametrize("spec", SPECS)

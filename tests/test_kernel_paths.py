@@ -88,8 +88,13 @@ def test_turbo_blocks_match_one_block(backend, spec, dtype, rng, monkeypatch):
     for name, a in whole.arrays.items():
         a, b = np.asarray(a), np.asarray(blocked.arrays[name])
         assert b.dtype == a.dtype and b.shape == a.shape, name
-        assert (a == b).mean() > 0.999, name  # BLAS may round a few rows differently
-    out = codec.decode(whole, "float32")
+        if a.dtype == np.uint8:  # BLAS may round a few rows differently: a boundary code flips
+            assert (a == b).mean() > 0.999, name
+        else:  # fp16 norms and means: equal up to one fp16 rounding, not bit for bit
+            np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32),
+                                       rtol=np.finfo(a.dtype).eps, atol=0, err_msg=name)
+    out = codec.decode(whole, "float32")  # now in blocks: floats equal up to rounding
     assert tuple(out.shape) == whole_out.shape
-    np.testing.assert_allclose(np.asarray(out), whole_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), whole_out, rtol=1e-5,
+                               atol=1e-5 * np.abs(whole_out).max())
     assert codec.decode(whole).dtype == x.dtype

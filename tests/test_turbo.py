@@ -93,7 +93,8 @@ def test_scores_equal_q_dot_decoded(spec, rng):
     expected = q @ np.swapaxes(codec.decode(enc, "float32"), -1, -2)
     got = codec.scores(q, enc)
     assert got.shape == (3, 4, 50)
-    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    # two matmul orders: equal up to float32 rounding of the scores' scale
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def test_numpy_and_torch_agree(rng):
@@ -104,14 +105,22 @@ def test_numpy_and_torch_agree(rng):
         enc_np = codec.encode(x)
         enc_t = codec.encode(torch.from_numpy(x))
         assert isinstance(enc_t.arrays["codes"], torch.Tensor)
+        # OpenBLAS and MKL rotations round apart: a value at a codebook boundary may flip
         agree = (enc_np.arrays["codes"] == enc_t.arrays["codes"].numpy()).mean()
         assert agree > 0.999
-        # each backend decodes the other's bytes to the same values
+        for name in set(enc_np.arrays) - {"codes"}:  # fp16 norms/means: one rounding apart
+            a = enc_np.arrays[name].astype(np.float32)
+            b = enc_t.arrays[name].float().numpy()
+            np.testing.assert_allclose(b, a, rtol=np.finfo(np.float16).eps,
+                                       atol=1e-5 * np.abs(a).max(), err_msg=name)
+        # each backend decodes the other's bytes to the same values, up to float32 rounding
         from_np_by_torch = codec.decode(enc_np.to_torch()).numpy()
         from_np_by_np = codec.decode(enc_np)
-        np.testing.assert_allclose(from_np_by_torch, from_np_by_np, rtol=0, atol=1e-5)
+        atol = 1e-5 * np.abs(from_np_by_np).max()
+        np.testing.assert_allclose(from_np_by_torch, from_np_by_np, rtol=1e-5, atol=atol)
         from_t_by_np = codec.decode(enc_t.to_numpy())
-        np.testing.assert_allclose(from_t_by_np, codec.decode(enc_t).numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(from_t_by_np, codec.decode(enc_t).numpy(), rtol=1e-5,
+                                   atol=atol)
         scores_t = codec.scores(torch.from_numpy(x[:, :4]), enc_np.to_torch()).numpy()
         np.testing.assert_allclose(scores_t, codec.scores(x[:, :4], enc_np), rtol=1e-4,
                                    atol=1e-3)
