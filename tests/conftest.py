@@ -27,3 +27,11 @@ def loaded():
 
     torch.set_num_threads(1)  # small model: 1 thread is fastest on a shared 2-core box
     return load_model("default", dtype="float32")
+
+
+@pytest.fixture
+def runner():
+    """A click test runner for ``kvtool`` commands."""
+    from click.testing import CliRunner
+
+    return CliRunner()

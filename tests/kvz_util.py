@@ -64,6 +64,15 @@ def bits(x: Any) -> bytes:
     return np.ascontiguousarray(to_numpy(x)).tobytes()
 
 
+def one_line_error(result, code: int) -> str:
+    """The single ``Error: ...`` stderr line of a CLI run that exited with ``code``."""
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
 # -- file surgery ----------------------------------------------------------------------------------
 def read_parts(path: str | os.PathLike) -> tuple[dict[str, str], list[Blob]]:
     """The metadata and the stored blobs (in file order) of a safetensors file."""

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
-from kvz_util import rewrite_header, synthetic_cache
+from kvz_util import one_line_error, rewrite_header, synthetic_cache
 
 from kvtool.cli.main import cli
 from kvtool.errors import FormatError
@@ -16,23 +15,10 @@ from kvtool.formats import load, open_kvz, save
 
 
 @pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
-
-
-@pytest.fixture
 def raw_file(tmp_path):
     path = tmp_path / "raw.kvz"
     save(synthetic_cache(layers=3, tokens=16), path)
     return path
-
-
-def _one_line_error(result, code: int) -> str:
-    assert result.exit_code == code, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def test_inspect_text(runner, raw_file):
@@ -71,19 +57,19 @@ def test_inspect_bad_files_exit_4(runner, tmp_path, raw_file):
     data[-3] ^= 0xFF
     (tmp_path / "flip.kvz").write_bytes(bytes(data))
     result = runner.invoke(cli, ["inspect", str(tmp_path / "flip.kvz"), "--verify"])
-    assert "checksum mismatch" in _one_line_error(result, 4)
+    assert "checksum mismatch" in one_line_error(result, 4)
     assert "FAILED" in result.stdout  # the report is still printed
     result = runner.invoke(cli, ["inspect", str(tmp_path / "flip.kvz"), "--verify", "--json"])
-    _one_line_error(result, 4)
+    one_line_error(result, 4)
     assert json.loads(result.stdout)["verify"]["ok"] is False
     assert runner.invoke(cli, ["inspect", str(tmp_path / "flip.kvz")]).exit_code == 0
 
     (tmp_path / "trunc.kvz").write_bytes(raw_file.read_bytes()[:500])
     result = runner.invoke(cli, ["inspect", str(tmp_path / "trunc.kvz")])
-    assert "trunc.kvz" in _one_line_error(result, 4)
+    assert "trunc.kvz" in one_line_error(result, 4)
     (tmp_path / "text.kvz").write_text("hello world, not a kvz file")
-    _one_line_error(runner.invoke(cli, ["inspect", str(tmp_path / "text.kvz")]), 4)
-    _one_line_error(runner.invoke(cli, ["inspect", str(tmp_path / "missing.kvz")]), 1)
+    one_line_error(runner.invoke(cli, ["inspect", str(tmp_path / "text.kvz")]), 4)
+    one_line_error(runner.invoke(cli, ["inspect", str(tmp_path / "missing.kvz")]), 1)
 
 
 def test_unknown_codec_in_file(runner, tmp_path, raw_file):
@@ -92,11 +78,11 @@ def test_unknown_codec_in_file(runner, tmp_path, raw_file):
 
     rewrite_header(raw_file, tmp_path / "u.kvz", rename)
     result = runner.invoke(cli, ["inspect", str(tmp_path / "u.kvz"), "--verify"])
-    line = _one_line_error(result, 4)
+    line = one_line_error(result, 4)
     assert "fancy9" in line and "plugin" in line
     result = runner.invoke(cli, ["decompress", str(tmp_path / "u.kvz"), "-o",
                                  str(tmp_path / "d.kvz")])
-    line = _one_line_error(result, 4)
+    line = one_line_error(result, 4)
     assert "fancy9" in line and "plugin" in line
     assert not (tmp_path / "d.kvz").exists()
 
@@ -136,7 +122,7 @@ def test_compress_errors(runner, tmp_path, raw_file):
     assert result.exit_code == 2
     result = runner.invoke(cli, ["compress", str(raw_file), "--codec", "nope",
                                  "-o", str(tmp_path / "x.kvz")])
-    assert "nope" in _one_line_error(result, 3)
+    assert "nope" in one_line_error(result, 3)
     assert not (tmp_path / "x.kvz").exists()
 
 

@@ -13,8 +13,7 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
-from kvz_util import synthetic_cache
+from kvz_util import one_line_error, synthetic_cache
 
 from kvtool import fileio
 from kvtool.cli._common import os_error_message
@@ -22,11 +21,6 @@ from kvtool.cli.main import cli
 from kvtool.errors import KvtoolError, ModelNotFoundError
 from kvtool.fileio import atomic_write, check_input_file, check_output_path
 from kvtool.formats import load, save
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
 
 
 @pytest.fixture
@@ -45,14 +39,6 @@ def fifo(tmp_path):
     fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
     yield path
     os.close(fd)
-
-
-def _one_line_error(result, code: int) -> str:
-    assert result.exit_code == code, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    return lines[0]
 
 
 def _temps(directory) -> list[str]:
@@ -85,7 +71,7 @@ def test_transcode_refuses_special_inputs(runner, tmp_path, fifo, command):
     for src, kind in [(fifo, "FIFO"), ("/dev/null", "character device")]:
         args = [command, str(src), "-o", str(out)] + (["--codec", "int8"]
                                                       if command == "compress" else [])
-        line = _one_line_error(runner.invoke(cli, args), 1)
+        line = one_line_error(runner.invoke(cli, args), 1)
         assert line == f"Error: {src}: is a {kind}, not a regular file"
     assert not out.exists()
 
@@ -96,7 +82,7 @@ def test_generate_refuses_special_cache_before_loading_the_model(runner, fifo, m
     monkeypatch.setattr(kvtool.models, "load_model", lambda *a, **k: pytest.fail("loaded"))
     for src in (fifo, "/dev/null"):
         result = runner.invoke(cli, ["generate", "--cache", str(src), "--prompt", "hi"])
-        assert f"{src}: is a" in _one_line_error(result, 1)
+        assert f"{src}: is a" in one_line_error(result, 1)
 
 
 def test_prompt_and_text_files(runner, tmp_path, fifo, monkeypatch):
@@ -107,11 +93,11 @@ def test_prompt_and_text_files(runner, tmp_path, fifo, monkeypatch):
     latin1.write_bytes("café\n".encode("latin-1"))
     out = str(tmp_path / "o.kvz")
     for args in (["capture", "-o", out, "--prompt-file"], ["eval", "--text"]):
-        line = _one_line_error(runner.invoke(cli, [*args, str(fifo)]), 1)
+        line = one_line_error(runner.invoke(cli, [*args, str(fifo)]), 1)
         assert line == f"Error: {fifo}: is a FIFO, not a regular file"
-        line = _one_line_error(runner.invoke(cli, [*args, "/dev/null"]), 1)
+        line = one_line_error(runner.invoke(cli, [*args, "/dev/null"]), 1)
         assert line == "Error: /dev/null: is a character device, not a regular file"
-        line = _one_line_error(runner.invoke(cli, [*args, str(latin1)]), 1)
+        line = one_line_error(runner.invoke(cli, [*args, str(latin1)]), 1)
         assert line == f"Error: {latin1}: not UTF-8 text (invalid byte 0xe9 at offset 3)"
     (tmp_path / "ok.txt").write_text("héllo", encoding="utf-8")
     assert fileio.read_text_file(str(tmp_path / "ok.txt")) == "héllo"
@@ -134,7 +120,7 @@ def test_png_as_gguf_and_special_model_paths(runner, tmp_path, fifo):
     assert resolve_model(str(tmp_path / "real.gguf"))[0] == "real"
     result = runner.invoke(cli, ["capture", "--prompt", "hi", "--model", str(png),
                                  "-o", str(tmp_path / "o.kvz")])
-    assert "not a GGUF file" in _one_line_error(result, 6)
+    assert "not a GGUF file" in one_line_error(result, 6)
 
 
 # -- outputs ---------------------------------------------------------------------------------------
@@ -145,7 +131,7 @@ def test_outputs_that_are_not_regular_files_survive(runner, kvz, fifo, tmp_path)
              (str(tmp_path / "null.kvz"), f"{tmp_path / 'null.kvz'} (-> /dev/null): is a "
                                           "character device")]
     for out, message in cases:
-        line = _one_line_error(runner.invoke(cli, ["decompress", str(kvz), "-o", out]), 1)
+        line = one_line_error(runner.invoke(cli, ["decompress", str(kvz), "-o", out]), 1)
         assert line == f"Error: {message}, not a regular file; not replacing it"
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
@@ -171,7 +157,7 @@ def test_impossible_outputs_fail_before_slow_work(runner, kvz, tmp_path, monkeyp
     for out, message in cases:
         for args in (["decompress", str(kvz)], ["compress", str(kvz), "--codec", "int8"],
                      ["capture", "--prompt", "hi"]):
-            line = _one_line_error(runner.invoke(cli, [*args, "-o", out]), 1)
+            line = one_line_error(runner.invoke(cli, [*args, "-o", out]), 1)
             assert line == f"Error: {message}", args
         with pytest.raises(KvtoolError, match=re.escape(message.split(": ")[-1])):
             check_output_path(out)
@@ -205,7 +191,7 @@ def test_enospc_names_the_file_and_keeps_the_old_one(runner, kvz, tmp_path, monk
 
     monkeypatch.setattr(fileio.os, "fsync", full)
     result = runner.invoke(cli, ["decompress", str(kvz), "-o", str(out)])
-    assert _one_line_error(result, 1) == f"Error: No space left on device: {out}"
+    assert one_line_error(result, 1) == f"Error: No space left on device: {out}"
     with pytest.raises(OSError) as info:
         atomic_write(out, lambda f: f.write(b"new"))
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(out)
@@ -251,5 +237,5 @@ def test_stale_temps_are_collected_by_the_next_write(tmp_path):
 
 def test_inspect_refuses_special_files(runner, fifo):
     for src, kind in [(fifo, "FIFO"), ("/dev/null", "character device")]:
-        line = _one_line_error(runner.invoke(cli, ["inspect", str(src)]), 1)
+        line = one_line_error(runner.invoke(cli, ["inspect", str(src)]), 1)
         assert line == f"Error: {src}: is a {kind}, not a regular file"
