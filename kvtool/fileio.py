@@ -173,16 +173,20 @@ def _is_ours(filename: object, target: str) -> bool:
                                 .startswith(temp_prefix(target)))
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int]) -> int:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int], *,
+                 follow_symlinks: bool = True) -> int:
     """Run ``write(f)`` on a temp file next to ``path``, fsync it, and rename it over ``path``.
 
     ``path`` is first checked with :func:`check_output_path`: a symlink is written through (its
-    target is replaced, the link stays); a directory, FIFO, device or socket is never replaced.
+    target is replaced, the link stays) unless ``follow_symlinks`` is false, which replaces the
+    link itself with a regular file (the file it pointed to stays untouched); a directory,
+    FIFO, device or socket is never replaced.
     On any exception the temp file is removed and an existing ``path`` is left untouched; an
     ``OSError`` of the write itself (e.g. ENOSPC) carries ``path`` as its filename.
     """
     path = os.fspath(path)
-    target = check_output_path(path)
+    replace_link = not follow_symlinks and os.path.islink(path)
+    target = os.path.abspath(path) if replace_link else check_output_path(path)
     directory = os.path.dirname(target)
     remove_stale_temps(directory)
     tmp = None

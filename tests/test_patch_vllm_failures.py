@@ -55,14 +55,14 @@ def _deny(monkeypatch, target: Path, refuse: Callable[[bytes], bool] = lambda da
     real = patch_files.atomic_write
     refused: list[bytes] = []
 
-    def guarded(path, write):
+    def guarded(path, write, **kwargs):
         buf = io.BytesIO()
         write(buf)
         data = buf.getvalue()
         if os.path.realpath(path) == os.path.realpath(target) and refuse(data):
             refused.append(data)
             raise exc(errno.EPERM, "Operation not permitted", str(path))
-        return real(path, lambda f: f.write(data))
+        return real(path, lambda f: f.write(data), **kwargs)
 
     monkeypatch.setattr(patch_files, "atomic_write", guarded)
     return refused
@@ -333,16 +333,16 @@ KILLER = textwrap.dedent('''
     root, victim, action = sys.argv[1:4]
     real = patch_files.atomic_write
 
-    def killing(path, write):
+    def killing(path, write, **kwargs):
         if os.path.basename(path) != victim:
-            return real(path, write)
+            return real(path, write, **kwargs)
 
         def half(f):
             f.write(b"half a file")
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        return real(path, half)
+        return real(path, half, **kwargs)
 
     patch_files.atomic_write = killing
     getattr(patcher, action)(root)

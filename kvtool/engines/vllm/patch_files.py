@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import KvtoolError, PatchError
-from kvtool.fileio import TEMP_SUFFIX, atomic_write, stale_temps, temp_prefix
+from kvtool.fileio import atomic_write, stale_temps
 
 STATE_DIR = ".kvtool_patch"
 MANIFEST = "manifest.json"
@@ -51,21 +51,8 @@ def reason(e: BaseException) -> str:
 def replace_file(path: Path, data: bytes) -> None:
     """Atomically make ``path`` a regular file holding ``data`` (raises ``OSError`` or
     :class:`KvtoolError`). A symlink is replaced, not written through, so that patching a tree
-    of links never changes the files they point to: ``data`` is staged under a temp-file name
-    (collected by :mod:`kvtool.fileio` if we die) and renamed over the link."""
-    if not path.is_symlink():
-        atomic_write(path, lambda f: f.write(data))
-        return
-    staged = path.parent / f"{temp_prefix(str(path))}link{TEMP_SUFFIX}"
-    try:
-        atomic_write(staged, lambda f: f.write(data))
-        with contextlib.suppress(OSError):
-            os.chmod(staged, path.stat().st_mode & 0o7777)
-        os.replace(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            staged.unlink()
-        raise
+    of links never changes the files they point to."""
+    atomic_write(path, lambda f: f.write(data), follow_symlinks=False)
 
 
 def write_file(path: Path, data: bytes) -> None:
