@@ -113,14 +113,12 @@ def _check_policy(header: dict[str, Any], codec_for: Callable[[dict], Codec | No
 def _check_identity(header: dict[str, Any]) -> None:
     """The layers' shapes agree with the KV layout the model identity declares (when it does):
     a writer stores the arrays of the model it names."""
-    import hashlib
-    import json
+    from kvtool.models import canonical_sha256
 
     model = header[C.H_MODEL]
     layout = model.get("layout")
     if isinstance(layout, dict) and "fingerprint" in model:
-        text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        if hashlib.sha256(text.encode()).hexdigest() != model["fingerprint"]:
+        if canonical_sha256(layout) != model["fingerprint"]:
             raise FormatError("kvz header: the model fingerprint does not match its layout")
     declared = {k: model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
     if is_int(declared["num_layers"]) and declared["num_layers"] != header[C.H_NUM_LAYERS]:
@@ -191,15 +189,12 @@ def check_values(name: str, arr: np.ndarray, spec: ArraySpec) -> None:
     """A stored array's values are in the range every writer keeps (see :class:`ArraySpec`)."""
     if arr.size == 0:
         return
-    if spec.dtype in C.FLOAT_DTYPES:
-        a32 = arr.astype(np.float32, copy=False)
-        if not np.isfinite(a32).all():
-            raise FormatError(f"tensor {name!r} holds NaN or Inf, which no writer stores")
-    else:
-        a32 = arr
-    if spec.low is not None and a32.min() < spec.low:
-        raise FormatError(f"tensor {name!r} holds {a32.min()}, below the {spec.low} that "
+    # isfinite, min and max run on fp16/bf16 as stored: no float32 copy of a raw tensor
+    if spec.dtype in C.FLOAT_DTYPES and not np.isfinite(arr).all():
+        raise FormatError(f"tensor {name!r} holds NaN or Inf, which no writer stores")
+    if spec.low is not None and arr.min() < spec.low:
+        raise FormatError(f"tensor {name!r} holds {arr.min()}, below the {spec.low} that "
                           "every writer keeps")
-    if spec.high is not None and a32.max() > spec.high:
-        raise FormatError(f"tensor {name!r} holds {a32.max()}, above the {spec.high} that "
+    if spec.high is not None and arr.max() > spec.high:
+        raise FormatError(f"tensor {name!r} holds {arr.max()}, above the {spec.high} that "
                           "every writer keeps")
