@@ -252,7 +252,8 @@ def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
 
 
 # -- fingerprints -----------------------------------------------------------------------------
-def _canonical_sha256(data: Any) -> str:
+def canonical_sha256(data: Any) -> str:
+    """sha256 of ``data`` as canonical JSON (sorted keys, no spaces, ASCII): the fingerprint."""
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -286,7 +287,7 @@ def kv_layout(config: Any, dtype: str | None = None) -> dict[str, Any]:
 
 def model_fingerprint(config: Any, dtype: str | None = None) -> str:
     """sha256 of :func:`kv_layout` (canonical JSON)."""
-    return _canonical_sha256(kv_layout(config, dtype))
+    return canonical_sha256(kv_layout(config, dtype))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -324,7 +325,7 @@ def model_identity(config: Any, name: str | None = None, dtype: str | None = Non
     return {
         "name": name or getattr(config, "_name_or_path", None) or layout["architecture"],
         "architecture": architecture or archs[0],
-        "fingerprint": _canonical_sha256(layout),
+        "fingerprint": canonical_sha256(layout),
         "num_layers": layout["num_layers"],
         "num_kv_heads": layout["num_kv_heads"],
         "num_attention_heads": getattr(text, "num_attention_heads", None),

@@ -291,14 +291,13 @@ def decoded(path: str) -> tuple[Any, ...]:
 
 def model_identity(layers: int, heads: int, dim: int) -> dict[str, Any]:
     """A model identity as kvtool.models writes it: layout fields and their fingerprint."""
-    import hashlib
+    from kvtool.models import canonical_sha256
 
     layout = {"architecture": "llama", "num_layers": layers, "num_kv_heads": heads,
               "head_dim": dim, "rope": {"rope_theta": 10000.0}, "dtype": "float16"}
-    text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return {"name": "synthetic", "architecture": "LlamaForCausalLM", "num_layers": layers,
             "num_kv_heads": heads, "head_dim": dim, "dtype": "float16", "layout": layout,
-            "fingerprint": hashlib.sha256(text.encode()).hexdigest()}
+            "fingerprint": canonical_sha256(layout)}
 
 
 def verifies(path: str) -> bool:

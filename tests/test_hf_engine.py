@@ -189,16 +189,13 @@ def test_cli_capture_then_generate(tmp_path, loaded):
 
 
 def test_cli_refuses_a_foreign_cache(tmp_path, doc_cache):
-    import hashlib
-
     from kvtool.formats import save
+    from kvtool.models import canonical_sha256
 
     # another model of the same KV shapes; files must carry the fingerprint of their layout
     layout = {**doc_cache.model["layout"], "architecture": "another-llama"}
-    text = json.dumps(layout, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     foreign = dataclasses.replace(doc_cache, model={
-        **doc_cache.model, "layout": layout,
-        "fingerprint": hashlib.sha256(text.encode()).hexdigest()})
+        **doc_cache.model, "layout": layout, "fingerprint": canonical_sha256(layout)})
     save(foreign, tmp_path / "foreign.kvz")
     runner = CliRunner()
     args = ["generate", "--cache", str(tmp_path / "foreign.kvz"), "--prompt", QUESTION,
