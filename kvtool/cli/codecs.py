@@ -1,4 +1,4 @@
-"""``kvtool codecs``: list codecs with bits/element and the backends available here."""
+"""``kvtool codecs``: list codecs with bits/element and the kernels that serve each here."""
 
 from __future__ import annotations
 
@@ -15,20 +15,28 @@ from kvtool.cli._common import echo_json, handle_errors
 def codecs_command(head_dim: int, as_json: bool) -> None:
     """List every registered codec (built-ins and plugins)."""
     from kvtool.codecs import get_codec, list_codecs
-    from kvtool.kernels import available_backends
+    from kvtool.kernels import KERNELS_ENV, available_backends, cpu_kernels, kernel_mode
 
     backends = available_backends()
+    compiled = cpu_kernels()
     rows = []
     for codec_id in list_codecs():
         codec = get_codec(codec_id)
         bits = codec.bits_per_element(head_dim)
+        ops = list(codec.compiled_ops(head_dim))
+        cpu = f"{compiled.name}: {', '.join(ops)}" if compiled is not None and ops \
+            else "reference"
         rows.append({"id": codec_id, "bits_per_element": round(bits, 4),
                      "ratio_vs_fp16": round(16 / bits, 3), "backends": backends,
-                     "config": codec.get_config()})
+                     "cpu_kernels": cpu, "compiled_ops": ops, "config": codec.get_config()})
+    mode = kernel_mode()
     if as_json:
-        echo_json({"head_dim": head_dim, "codecs": rows})
+        echo_json({"head_dim": head_dim, "kernel_mode": mode,
+                   "compiled_backend": None if compiled is None else compiled.name,
+                   "codecs": rows})
         return
-    click.echo(f"{'codec':<10} {'bits/elem':>9} {'vs fp16':>8}  backends   (head_dim={head_dim})")
+    click.echo(f"{'codec':<10} {'bits/elem':>9} {'vs fp16':>8}  {'arrays':<13} CPU kernels   "
+               f"(head_dim={head_dim}, {KERNELS_ENV}={mode})")
     for r in rows:
         click.echo(f"{r['id']:<10} {r['bits_per_element']:>9.3f} {r['ratio_vs_fp16']:>7.2f}x  "
-                   f"{', '.join(r['backends'])}")
+                   f"{', '.join(r['backends']):<13} {r['cpu_kernels']}")

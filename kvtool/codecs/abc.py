@@ -113,6 +113,11 @@ class Codec(ABC):
         decoded into garbage through broadcasting.
         """
 
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        """The ops a compiled backend (:func:`~kvtool.kernels.compiled_for`) runs fused for this
+        codec at ``head_dim``; everything else runs on the array-op reference path."""
+        return ()
+
     # -- encode / decode -------------------------------------------------------------------------
     def encode(self, x: Array) -> Encoded:
         """Encode ``x[..., head_dim]`` (fp32/fp16/bf16, numpy or torch)."""

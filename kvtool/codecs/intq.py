@@ -12,6 +12,7 @@ from typing import Any
 from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import dequantize_groups, nonzero, quantize_groups, to_fp16
 from kvtool.codecs.params import GROUP_MAX, check_int
+from kvtool.kernels import packing_ops
 
 
 def check_group_size(who: str, group_size: Any) -> int:
@@ -55,6 +56,9 @@ class Int4Codec(Codec):
 
     def _params(self) -> dict[str, Any]:
         return {"group_size": self.group_size}
+
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        return packing_ops(self.bits)
 
     def bits_per_element(self, head_dim: int) -> float:
         groups = -(-head_dim // min(self.group_size, head_dim))

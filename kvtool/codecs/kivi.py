@@ -25,6 +25,7 @@ from kvtool.codecs.groupq import dequantize_groups, quantize_groups
 from kvtool.codecs.intq import check_group_size, group_specs
 from kvtool.codecs.params import check_choice
 from kvtool.errors import CodecError
+from kvtool.kernels import packing_ops
 
 AXES = ("channel", "token")
 
@@ -45,6 +46,9 @@ class KiviCodec(Codec):
             raise CodecError(f"{self.codec_id}: role must be 'key' or 'value', got {role!r}")
         return type(self)(axis="channel" if role == "key" else "token",
                           group_size=self.group_size)
+
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        return packing_ops(self.bits)
 
     def bits_per_element(self, head_dim: int) -> float:
         code_bits = (head_dim * self.bits + 7) // 8 * 8 / head_dim

@@ -27,6 +27,7 @@ from kvtool.codecs.params import SEED_MAX, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.codecs.turbo import DEFAULT_SEED
 from kvtool.errors import CodecError
+from kvtool.kernels import packing_ops
 
 
 @cache
@@ -55,6 +56,9 @@ class PrismCodec(Codec):
 
     def _streams(self) -> tuple[tuple[str, int], ...]:
         return (("z", self.z_bits), ("r", self.r_bits), ("theta", self.theta_bits))
+
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        return packing_ops(*(bits for _, bits in self._streams()))
 
     def bits_per_element(self, head_dim: int) -> float:
         n = -(-head_dim // 3)

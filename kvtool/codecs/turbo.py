@@ -20,7 +20,7 @@ from kvtool.codecs.lloyd_max import Codebook, sphere_marginal_codebook
 from kvtool.codecs.params import SEED_MAX, check_bool, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError
-from kvtool.kernels import check_finite, row_blocks
+from kvtool.kernels import check_finite, compiled_for, cpu_kernels, row_blocks
 
 DEFAULT_SEED = 0x6B76  # "kv"
 FP16_MAX = 65504.0
@@ -68,8 +68,38 @@ class TurboCodec(Codec):
             mean = xp.astype(xp.mean(x, -2 if x.ndim > 1 else -1), "float16")
             arrays["mean"] = mean
             x = x - xp.astype(mean, "float32")
-        arrays["codes"], arrays["norms"] = self._encode_blocks(xp, x, given)
+        kernels = self._kernels(x, dim)
+        if kernels is not None:
+            arrays["codes"], arrays["norms"] = self._encode_fused(xp, kernels, x, given)
+        else:
+            arrays["codes"], arrays["norms"] = self._encode_blocks(xp, x, given)
         return arrays
+
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        kernels = cpu_kernels()
+        if kernels is None:
+            return ()
+        return ("encode", "decode") if kernels.supported(head_dim, self.bits) else ("unpack",)
+
+    def _kernels(self, like: Any, dim: int) -> Any:
+        """The compiled backend with fused kernels for arrays like ``like`` and this head_dim."""
+        kernels = compiled_for(like)
+        return kernels if kernels is not None and kernels.supported(dim, self.bits) else None
+
+    def _encode_fused(self, xp: Any, kernels: Any, x: Any, given: Any) -> tuple[Any, Any]:
+        """One compiled pass: norm, rotation as butterflies, normalise, bucketize, pack."""
+        dim, lead = x.shape[-1], tuple(x.shape[:-1])
+        codes, norms = kernels.turbo_encode(xp.reshape(x, (-1, dim)), self.bits, self.seed,
+                                            self.codebook(dim).boundaries)
+        self._check_norms(xp, norms, given)
+        return xp.reshape(codes, (*lead, codes.shape[-1])), xp.reshape(
+            xp.astype(norms, "float16"), lead)
+
+    def _check_norms(self, xp: Any, norms: Any, given: Any) -> None:
+        if not bool((norms <= FP16_MAX).all()):
+            if not xp.all_finite(norms):
+                check_finite(xp, given, self.codec_id)  # NaN/Inf input (else: overflow)
+            raise CodecError(f"{self.codec_id}: vector norm exceeds the fp16 range")
 
     def _encode_blocks(self, xp: Any, x: Any, given: Any) -> tuple[Any, Any]:
         """:meth:`_encode_rows` over row blocks (:func:`~kvtool.kernels.row_blocks`).
@@ -93,10 +123,7 @@ class TurboCodec(Codec):
         dim = x.shape[-1]
         x = xp.astype(x, "float32")
         norms = xp.norm(x)
-        if not bool((norms <= FP16_MAX).all()):
-            if not xp.all_finite(norms):
-                check_finite(xp, given, self.codec_id)  # NaN/Inf input (else: overflow)
-            raise CodecError(f"{self.codec_id}: vector norm exceeds the fp16 range")
+        self._check_norms(xp, norms, given)
         # rotate first, normalise after: the rotation is linear and keeps norms
         rotated = xp.matmul(x, xp.const(rotation_matrix_t(dim, self.seed), x))
         rotated *= 1 / xp.where(norms > 0, norms, norms + 1)
@@ -115,8 +142,17 @@ class TurboCodec(Codec):
         dim = enc.shape[-1]
         codes = enc.arrays["codes"]
         codes = xp.reshape(codes, (-1, codes.shape[-1]))
-        norms = xp.reshape(xp.astype(enc.arrays["norms"], "float32"), (-1, 1))
         centered = "mean" in enc.arrays  # the mean is added in float32, after every block
+        kernels = self._kernels(codes, dim)
+        if kernels is not None:
+            out = kernels.turbo_decode(codes, xp.reshape(enc.arrays["norms"], (-1,)), dim,
+                                       self.bits, self.seed, self.codebook(dim).centroids,
+                                       "float32" if centered else dtype)
+            out = xp.reshape(out, enc.shape)
+            if centered:
+                out += xp.astype(enc.arrays["mean"], "float32")
+            return xp.astype(out, dtype)
+        norms = xp.reshape(xp.astype(enc.arrays["norms"], "float32"), (-1, 1))
         out = xp.empty((codes.shape[0], dim), "float32" if centered else dtype, norms)
         direct = xp.dtype_name(out) == "float32"  # the matmul can write straight into ``out``
         rotation = xp.const(rotation_matrix(dim, self.seed), norms)

@@ -11,6 +11,7 @@ Later backends (Triton, MLX) add a module with the same functions and a branch i
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,72 @@ from kvtool.errors import CodecError
 Array = Any  # numpy.ndarray | torch.Tensor (and later mlx.core.array)
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+KERNELS_ENV = "KVTOOL_KERNELS"
+KERNEL_MODES = ("auto", "reference", "compiled")
+
+
+def kernel_mode() -> str:
+    """``KVTOOL_KERNELS``: ``auto`` (default: the fastest installed backend for each op),
+    ``reference`` (numpy/torch array ops only, for debugging and for tests that compare
+    against them) or ``compiled`` (like auto, but an error where no compiled backend loads)."""
+    mode = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise CodecError(f"{KERNELS_ENV}={mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+_COMPILED: dict[str, ModuleType | None] = {}
+
+
+def _load_compiled(module: str) -> ModuleType | None:
+    """``kvtool.kernels.<module>``, or None where its compiler is not installed (cached)."""
+    if module not in _COMPILED:
+        import importlib
+
+        try:
+            _COMPILED[module] = importlib.import_module(f"kvtool.kernels.{module}")
+        except ImportError:
+            _COMPILED[module] = None
+    return _COMPILED[module]
+
+
+def compiled_for(x: Array) -> ModuleType | None:
+    """The compiled backend serving ``x`` (numba on CPU arrays and tensors, Triton on CUDA),
+    or None: reference mode, no compiler installed, or a device with no compiled backend."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return None
+    if _is_torch(x) and x.device.type != "cpu":
+        found = _load_compiled("triton_cuda") if x.device.type == "cuda" else None
+        found = found if found is not None and found.available() else None
+        wanted = "Triton (CUDA)"
+    else:
+        found, wanted = _load_compiled("numba_cpu"), "numba (CPU)"
+    if found is None and mode == "compiled":
+        raise CodecError(f"{KERNELS_ENV}=compiled but the {wanted} backend is not installed")
+    return found
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled backend serving CPU arrays in this process, or None (never raises)."""
+    try:
+        import numpy as np
+
+        return compiled_for(np.empty(0))
+    except CodecError:
+        return None
+
+
+def packing_ops(*bit_widths: int) -> tuple[str, ...]:
+    """The bit-packing ops the compiled CPU backend runs for codes of these widths."""
+    from kvtool.kernels import bitpack
+
+    if cpu_kernels() is None:
+        return ()
+    return tuple(op for op in ("pack_bits", "unpack_bits")
+                 if any(bitpack.profitable(op, b) for b in bit_widths))
 
 
 def _is_torch(x: object) -> bool:
@@ -39,7 +106,8 @@ def ops_for(x: Array) -> ModuleType:
 
 
 def available_backends() -> list[str]:
-    """Backends importable in this environment, reference first."""
+    """Array-op backends importable in this environment, reference first (compiled kernels
+    serve each of them where :func:`compiled_for` finds one)."""
     import importlib.util
 
     names = ["numpy"]

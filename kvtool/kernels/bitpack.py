@@ -44,6 +44,27 @@ def _plan(bits: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(plan)
 
 
+def profitable(op: str, bits: int) -> bool:
+    return {"pack_bits": bits < 8, "unpack_bits": bits % 2 == 1, "unpack_lookup": True}[op]
+
+
+def compiled(x: Any, op: str, bits: int) -> Any:
+    """The compiled CPU kernel for ``op`` ("pack_bits", "unpack_bits", "unpack_lookup") on
+    ``x`` where it beats the array-op plan (measured by ``benchmarks/codecs.py``), else None.
+
+    Byte-aligned widths stay on the array ops: numpy moves whole bytes at memory speed, and 2-
+    and 4-bit unpacking is two shifts; the compiled kernels win on straddling (odd) widths,
+    on packing, and on every table lookup.
+    """
+    from kvtool.kernels import compiled_for
+
+    if not profitable(op, bits):
+        return None
+    kernels = compiled_for(x)
+    return getattr(kernels, op, None) if kernels is not None and kernels.name == "numba" \
+        else None
+
+
 def _shift(a: Any, shift: int) -> Any:
     return a << shift if shift > 0 else a >> -shift if shift < 0 else a
 

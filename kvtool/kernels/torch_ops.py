@@ -232,12 +232,18 @@ def stack_last(parts):
 def pack_bits(codes, bits: int):
     from kvtool.kernels import bitpack
 
+    fused = bitpack.compiled(codes, "pack_bits", bits)
+    if fused is not None:
+        return fused(codes, bits)
     return bitpack.pack_bits(sys.modules[__name__], codes, bits)
 
 
 def unpack_bits(packed, bits: int, n: int):
     from kvtool.kernels import bitpack
 
+    fused = bitpack.compiled(packed, "unpack_bits", bits)
+    if fused is not None:
+        return fused(packed, bits, n)
     return bitpack.unpack_bits(sys.modules[__name__], packed, bits, n)
 
 
@@ -247,6 +253,9 @@ def unpack_lookup(packed, bits: int, n: int, values: np.ndarray):
     whole lookup about twice as fast as torch's shifts on strided columns."""
     from kvtool.kernels import bitpack, numpy_ops
 
+    fused = bitpack.compiled(packed, "unpack_lookup", bits)
+    if fused is not None:
+        return fused(packed, bits, n, values)
     if packed.device.type == "cpu":
         return torch.from_numpy(bitpack.unpack_lookup(numpy_ops, packed.numpy(), bits, n, values))
     return bitpack.unpack_lookup(sys.modules[__name__], packed, bits, n, values)

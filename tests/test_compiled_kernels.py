@@ -1,0 +1,221 @@
+"""The compiled CPU backend (numba) against the reference array ops.
+
+Codes must be byte-identical except where a coordinate lies within float rounding of a bin
+boundary (the butterflies sum in another order than the reference's matmul); decoded values must
+agree within float rounding. Every test compares against ``KVTOOL_KERNELS=reference``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvtool.codecs import get_codec
+from kvtool.codecs.rotation import rotation_matrix_t
+from kvtool.errors import CodecError
+from kvtool.kernels import bitpack, compiled_for, kernel_mode, numpy_ops
+
+numba_cpu = pytest.importorskip("kvtool.kernels.numba_cpu")  # skips only without numba
+torch = pytest.importorskip("torch")
+
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def reference(monkeypatch, fn):
+    """``fn()`` with the compiled kernels switched off."""
+    with monkeypatch.context() as m:
+        m.setenv("KVTOOL_KERNELS", "reference")
+        return fn()
+
+
+def near_boundary(codec, x: np.ndarray, tol: float = 1e-6) -> np.ndarray:
+    """Elements whose normalised rotated value lies within ``tol`` of a codebook boundary."""
+    dim = x.shape[-1]
+    x64 = x.astype(np.float64).reshape(-1, dim)
+    y = x64 @ rotation_matrix_t(dim, codec.seed).astype(np.float64)
+    y /= np.maximum(np.linalg.norm(x64, axis=-1, keepdims=True), 1e-300)
+    bounds = codec.codebook(dim).boundaries.astype(np.float64)
+    return (np.abs(y[..., None] - bounds).min(-1) < tol).reshape(x.shape)
+
+
+def code_mismatch(codec, got: np.ndarray, want: np.ndarray, dim: int) -> np.ndarray:
+    return (bitpack.unpack_bits(numpy_ops, got, codec.bits, dim)
+            != bitpack.unpack_bits(numpy_ops, want, codec.bits, dim))
+
+
+def sample(rows: int, dim: int, dtype: str, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, dim)) * rng.uniform(0.01, 30, (rows, 1))
+    x[::7] += rng.standard_normal(dim) * 5  # shared offsets, as real keys have
+    x[3, :] = 0  # an all-zero vector
+    x[5, 1] = 40  # one dominant channel
+    return x.astype(DTYPES[dtype])
+
+
+def test_compiled_backend_is_active_and_reference_mode_switches_it_off(monkeypatch):
+    x = np.ones((4, 64), np.float32)
+    assert compiled_for(x) is numba_cpu
+    assert compiled_for(torch.from_numpy(x)) is numba_cpu
+    monkeypatch.setenv("KVTOOL_KERNELS", "reference")
+    assert kernel_mode() == "reference" and compiled_for(x) is None
+    called = []
+    monkeypatch.setattr(numba_cpu, "turbo_encode", lambda *a: called.append(a))
+    get_codec("turbo3").encode(x)
+    assert not called
+
+
+def test_fused_path_is_taken(monkeypatch):
+    calls = []
+    real = numba_cpu.turbo_decode
+    monkeypatch.setattr(numba_cpu, "turbo_decode", lambda *a: calls.append(1) or real(*a))
+    codec = get_codec("turbo3")
+    codec.decode(codec.encode(np.ones((4, 64), np.float16)))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("value", ["bogus", "numpy", "1"])
+def test_bad_kernel_mode_is_refused(monkeypatch, value):
+    monkeypatch.setenv("KVTOOL_KERNELS", value)
+    with pytest.raises(CodecError, match="KVTOOL_KERNELS"):
+        get_codec("turbo3").encode(np.ones((2, 64), np.float32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("center", [False, True])
+def test_encode_matches_reference(monkeypatch, bits, dim, dtype, center):
+    codec = get_codec(f"turbo{bits}", seed=dim * 7 + bits, center=center)
+    x = sample(301, dim, dtype, seed=bits)  # not a multiple of the tile
+    got = codec.encode(x)
+    want = reference(monkeypatch, lambda: codec.encode(x))
+    assert got.arrays.keys() == want.arrays.keys()
+    for name in ("norms", "mean"):
+        if name in want.arrays:  # the norm's fp16 rounding may differ by one ulp, rarely
+            a, b = (v.view(np.int16).astype(int) for v in (got.arrays[name], want.arrays[name]))
+            assert np.abs(a - b).max() <= 1 and np.mean(a != b) < 0.01
+    bad = code_mismatch(codec, got.arrays["codes"], want.arrays["codes"], dim)
+    if not center:  # centred inputs are rotated from x − mean: the mask needs that input
+        assert not (bad & ~near_boundary(codec, x.astype(np.float32))).any()
+    assert bad.mean() < 1e-3
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dim", [16, 64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_decode_matches_reference_within_rounding(monkeypatch, bits, dim, dtype):
+    codec = get_codec(f"turbo{bits}", seed=11)
+    enc = reference(monkeypatch, lambda: codec.encode(sample(203, dim, "float32")))
+    got = codec.decode(enc, dtype)
+    want = reference(monkeypatch, lambda: codec.decode(enc, dtype))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    norms = enc.arrays["norms"].astype(np.float32)[:, None]
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    if dtype == "float32":  # 1e-5 of the vector's norm: coordinates may cancel to ~0
+        assert (np.abs(g - w) <= 1e-5 * norms).all()
+    else:  # at most one ulp of the output type, plus float32 rounding of tiny values
+        ulp = np.abs(np.spacing(w.astype(DTYPES[dtype]))).astype(np.float32)
+        assert (np.abs(g - w) <= ulp + 1e-6 * norms).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_tensors_go_through_zero_copy_views(monkeypatch, dtype):
+    codec = get_codec("turbo3")
+    x = sample(130, 128, dtype)
+    t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if dtype == "bfloat16" \
+        else torch.from_numpy(x)
+    enc = codec.encode(t.requires_grad_(dtype != "bfloat16"))  # autograd leaves, too
+    ref = reference(monkeypatch, lambda: codec.encode(x))
+    assert isinstance(enc.arrays["codes"], torch.Tensor)
+    np.testing.assert_array_equal(enc.arrays["codes"].numpy(), ref.arrays["codes"])
+    out = codec.decode(enc)
+    assert isinstance(out, torch.Tensor) and str(out.dtype) == f"torch.{dtype}"
+    strided = codec.encode(t.detach().T.contiguous().T)  # same values, column-major storage
+    np.testing.assert_array_equal(strided.arrays["codes"].numpy(), ref.arrays["codes"])
+
+
+def test_every_backend_reads_every_other_backends_bytes(monkeypatch):
+    codec = get_codec("turbo4", seed=5)
+    x = sample(64, 64, "float16")
+    fused = codec.encode(x)
+    plain = reference(monkeypatch, lambda: codec.encode(x))
+    for enc in (fused, plain):
+        a = codec.decode(enc, "float32")
+        b = reference(monkeypatch, lambda e=enc: codec.decode(e, "float32"))
+        c = codec.decode(enc.to_torch(), "float32").numpy()
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()))
+        np.testing.assert_allclose(c, b, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_non_finite_and_overflow_are_refused_like_the_reference():
+    codec = get_codec("turbo3")
+    x = np.ones((40, 64), np.float32)
+    x[33, 2] = np.nan
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codec.encode(x)
+    with pytest.raises(CodecError, match="fp16 range"):
+        codec.encode(np.full((4, 64), 9000.0, np.float32))  # norm 72000
+    x = np.zeros((4, 64), np.float32)
+    x[:, 0] = 65504.5  # rounds to 65504 in fp16, but the reference refuses norms above it
+    with pytest.raises(CodecError, match="fp16 range"):
+        codec.encode(x)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 64, 129])
+def test_packing_kernels_match_the_reference_plan(bits, n):
+    rng = np.random.default_rng(bits * 1000 + n)
+    codes = rng.integers(0, 1 << bits, (5, 3, n), dtype=np.uint8)
+    packed = bitpack.pack_bits(numpy_ops, codes, bits)
+    np.testing.assert_array_equal(numba_cpu.pack_bits(codes, bits), packed)
+    np.testing.assert_array_equal(numba_cpu.unpack_bits(packed, bits, n), codes)
+    values = rng.standard_normal(1 << bits).astype(np.float32)
+    np.testing.assert_array_equal(numba_cpu.unpack_lookup(packed, bits, n, values), values[codes])
+    t = numba_cpu.pack_bits(torch.from_numpy(codes), bits)
+    assert isinstance(t, torch.Tensor)
+    np.testing.assert_array_equal(t.numpy(), packed)
+
+
+def test_empty_inputs():
+    codec = get_codec("turbo3")
+    enc = codec.encode(np.zeros((0, 64), np.float16))
+    assert enc.arrays["codes"].shape == (0, 24)
+    assert codec.decode(enc).shape == (0, 64)
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+ROUNDTRIP = ("import numpy as np; from kvtool.codecs import get_codec; "
+             "from kvtool.kernels import compiled_for; c = get_codec('turbo3'); "
+             "x = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float16); "
+             "y = c.decode(c.encode(x), 'float32'); "
+             "print(compiled_for(x) is not None, float(((y - x) ** 2).sum() / (x.astype("
+             "np.float32) ** 2).sum()))")
+
+
+def test_works_where_no_cache_directory_is_writable(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where a directory is needed: nothing can be created in it
+    out = _run(ROUNDTRIP, NUMBA_CACHE_DIR=str(blocked / "cache"))
+    assert out.returncode == 0, out.stderr
+    active, nmse = out.stdout.split()
+    assert active == "True" and 0.02 < float(nmse) < 0.05
+
+
+def test_without_numba_everything_runs_on_the_reference_path():
+    code = "import sys; sys.modules['numba'] = None; " + ROUNDTRIP
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    active, nmse = out.stdout.split()
+    assert active == "False" and 0.02 < float(nmse) < 0.05
+    forced = _run("import sys; sys.modules['numba'] = None; " + ROUNDTRIP,
+                  KVTOOL_KERNELS="compiled")
+    assert forced.returncode != 0 and "not installed" in forced.stderr
