@@ -5,19 +5,91 @@ encode/decode throughput in MB/s of fp16 input, each speed also as a ratio to a 
 copy of the same array measured in the same run (the machine is shared and noisy; ratios are
 what to compare across runs).
 
+Backends: ``numpy``/``torch`` are the reference array ops (``KVTOOL_KERNELS=reference``);
+``numpy+numba``/``torch+numba`` the same inputs served by the compiled CPU kernels. The last
+row is a peer: the ManthanQuant scheme (norm, ×√D, 8-level Gaussian Lloyd–Max, no rotation,
+3-bit pack), implemented here in plain numpy.
+
     python benchmarks/codecs.py          # 1M vectors, D=128, every codec and backend
-    python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch
+    python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch+numba
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from contextlib import contextmanager
+from functools import cache
 
 import numpy as np
 
 from kvtool.codecs import get_codec, list_codecs
-from kvtool.kernels import available_backends
+from kvtool.codecs.lloyd_max import lloyd_max
+from kvtool.kernels import available_backends, bitpack, cpu_kernels, numpy_ops
+
+
+@contextmanager
+def kernels(backend: str):
+    """KVTOOL_KERNELS for a backend label: ``x+numba`` compiled, plain ``x`` reference."""
+    before = os.environ.get("KVTOOL_KERNELS")
+    os.environ["KVTOOL_KERNELS"] = "compiled" if "+" in backend else "reference"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVTOOL_KERNELS"]
+        else:
+            os.environ["KVTOOL_KERNELS"] = before
+
+
+def backend_labels() -> list[str]:
+    compiled = cpu_kernels()
+    labels = []
+    for b in available_backends():
+        labels += [b] + ([f"{b}+{compiled.name}"] if compiled is not None else [])
+    return labels
+
+
+class ManthanQuant:
+    """Peer scheme: per-vector norm, ×√D, 8-level Gaussian Lloyd–Max, no rotation, 3-bit pack."""
+
+    bits = 3
+
+    @staticmethod
+    @cache
+    def codebook():
+        t = np.linspace(-8, 8, 1 << 18)
+        return lloyd_max(t, np.exp(-t * t / 2), 8)
+
+    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = x.astype(np.float32)
+        norms = np.sqrt(np.einsum("nd,nd->n", x, x))[:, None]
+        u = x * (np.sqrt(x.shape[-1]) / np.where(norms > 0, norms, 1))
+        codes = numpy_ops.bucketize(u, self.codebook().boundaries)
+        return bitpack.pack_bits(numpy_ops, codes, self.bits), norms.astype(np.float16)
+
+    def decode(self, enc: tuple[np.ndarray, np.ndarray], dim: int) -> np.ndarray:
+        codes, norms = enc
+        y = bitpack.unpack_lookup(numpy_ops, codes, self.bits, dim, self.codebook().centroids)
+        return (y * (norms.astype(np.float32) / np.sqrt(dim))).astype(np.float16)
+
+
+def run_peer(chunks: list, repeats: int) -> dict:
+    peer, dim = ManthanQuant(), chunks[0].shape[-1]
+    fp16_bytes = sum(int(c.nbytes) for c in chunks)
+    encoded = [peer.encode(c) for c in chunks]
+    t_enc = best_seconds(lambda: [peer.encode(c) for c in chunks], repeats)
+    t_dec = best_seconds(lambda: [peer.decode(e, dim) for e in encoded], repeats)
+    x = np.concatenate(chunks).astype(np.float32)
+    xh = np.concatenate([peer.decode(e, dim) for e in encoded]).astype(np.float32)
+    cos = (x * xh).sum(-1) / np.maximum(np.linalg.norm(x, axis=-1) * np.linalg.norm(xh, axis=-1),
+                                        1e-30)
+    stored = sum(c.nbytes + n.nbytes for c, n in encoded)
+    bits = stored * 8 / (fp16_bytes / 2)
+    return {"codec": "manthanquant (peer)", "backend": "numpy", "bits": bits, "ratio": 16 / bits,
+            "nmse": float(((x - xh) ** 2).sum() / (x**2).sum()), "cosine": float(cos.mean()),
+            "enc_mbps": fp16_bytes / t_enc / 1e6, "dec_mbps": fp16_bytes / t_dec / 1e6}
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -36,7 +108,7 @@ def memcpy_mbps(x: np.ndarray, repeats: int) -> float:
 
 def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict:
     codec = get_codec(codec_spec)
-    if backend == "torch":
+    if backend.startswith("torch"):
         import torch
 
         chunks = [torch.from_numpy(c) for c in chunks]
@@ -69,32 +141,42 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=1 << 16, help="vectors per encode call")
     ap.add_argument("--codecs", default=",".join(list_codecs()))
-    ap.add_argument("--backends", default=",".join(available_backends()))
+    ap.add_argument("--backends", default=",".join(backend_labels()))
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")
+    ap.add_argument("--no-peer", action="store_true", help="skip the ManthanQuant row")
     args = ap.parse_args()
 
     if "torch" in args.backends:
         import torch
 
         torch.set_num_threads(args.threads)
+    if cpu_kernels() is not None:
+        import numba
+
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.vectors, args.head_dim), dtype=np.float32).astype(np.float16)
     chunks = [x[i : i + args.chunk] for i in range(0, len(x), args.chunk)]
     copy = memcpy_mbps(x, 5)
     print(f"{args.vectors} vectors × D={args.head_dim} fp16 ({x.nbytes / 1e6:.0f} MB); "
           f"memory copy {copy:.0f} MB/s")
-    header = (f"{'codec':<22}{'backend':<8}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
+    header = (f"{'codec':<22}{'backend':<13}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
               f"{'enc MB/s':>10}{'(×copy)':>9}{'dec MB/s':>10}{'(×copy)':>9}")
     print(header)
     print("-" * len(header))
+    def show(r: dict) -> None:
+        print(f"{r['codec']:<22}{r['backend']:<13}{r['bits']:>6.3f}{r['ratio']:>7.2f}"
+              f"{r['nmse']:>9.5f}{r['cosine']:>8.4f}{r['enc_mbps']:>10.0f}"
+              f"{r['enc_mbps'] / copy:>9.3f}{r['dec_mbps']:>10.0f}{r['dec_mbps'] / copy:>9.3f}")
+
     for spec in args.codecs.split(","):
         for backend in args.backends.split(","):
-            r = run_codec(spec, backend, chunks, args.repeats)
-            print(f"{r['codec']:<22}{r['backend']:<8}{r['bits']:>6.3f}{r['ratio']:>7.2f}"
-                  f"{r['nmse']:>9.5f}{r['cosine']:>8.4f}{r['enc_mbps']:>10.0f}"
-                  f"{r['enc_mbps'] / copy:>9.3f}{r['dec_mbps']:>10.0f}{r['dec_mbps'] / copy:>9.3f}")
-        # memory copy again, so drift over a long run shows
+            with kernels(backend):
+                show(run_codec(spec, backend, chunks, args.repeats))
+    if not args.no_peer:
+        show(run_peer(chunks, args.repeats))
+    # memory copy again, so drift over a long run shows
     print(f"memory copy at end: {memcpy_mbps(x, 5):.0f} MB/s")
 
 

@@ -191,6 +191,7 @@ def turbo_decode_kernel(codes, norms, s1, s2, centroids, bits, out, threads, til
     for c in prange(nchunks):
         t = np.empty((dim, tile_width), np.float32)
         scale = np.empty(tile_width, np.float32)
+        sd = s1 * inv_dim
         for tile in range(c * tiles // nchunks, (c + 1) * tiles // nchunks):
             r0 = tile * tile_width
             n = min(tile_width, rows - r0)
@@ -212,13 +213,10 @@ def turbo_decode_kernel(codes, norms, s1, s2, centroids, bits, out, threads, til
             _fwht(t)
             _scale_rows(t, s2)
             _fwht(t)
-            for d in range(dim):
-                sd = s1[d] * inv_dim
-                for v in range(tile_width):
-                    t[d, v] = (t[d, v] * sd) * scale[v]
-            for v in range(n):
+            for v in range(n):  # the last scaling fused into the transposing store
+                sv = scale[v]
                 for d in range(dim):
-                    out[r0 + v, d] = from_f32(t[d, v], out[0, 0])
+                    out[r0 + v, d] = from_f32((t[d, v] * sd[d]) * sv, out[0, 0])
 
 
 # -- generic bit packing (every codec's codes) ------------------------------------------------
