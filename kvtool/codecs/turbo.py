@@ -76,6 +76,7 @@ class TurboCodec(Codec):
         return arrays
 
     def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        """On CPU; CUDA tensors get Triton's encode, decode, scores and attention kernels."""
         kernels = cpu_kernels()
         if kernels is None:
             return ()
@@ -89,8 +90,7 @@ class TurboCodec(Codec):
     def _encode_fused(self, xp: Any, kernels: Any, x: Any, given: Any) -> tuple[Any, Any]:
         """One compiled pass: norm, rotation as butterflies, normalise, bucketize, pack."""
         dim, lead = x.shape[-1], tuple(x.shape[:-1])
-        codes, norms = kernels.turbo_encode(xp.reshape(x, (-1, dim)), self.bits, self.seed,
-                                            self.codebook(dim).boundaries)
+        codes, norms = kernels.turbo_encode(xp.reshape(x, (-1, dim)), self.bits, self.seed)
         self._check_norms(xp, norms, given)
         return xp.reshape(codes, (*lead, codes.shape[-1])), xp.reshape(
             xp.astype(norms, "float16"), lead)
@@ -146,8 +146,7 @@ class TurboCodec(Codec):
         kernels = self._kernels(codes, dim)
         if kernels is not None:
             out = kernels.turbo_decode(codes, xp.reshape(enc.arrays["norms"], (-1,)), dim,
-                                       self.bits, self.seed, self.codebook(dim).centroids,
-                                       "float32" if centered else dtype)
+                                       self.bits, self.seed, "float32" if centered else dtype)
             out = xp.reshape(out, enc.shape)
             if centered:
                 out += xp.astype(enc.arrays["mean"], "float32")
@@ -174,6 +173,13 @@ class TurboCodec(Codec):
         xp = ops_for(q)
         dim = enc.shape[-1]
         q = xp.astype(q, "float32")
+        kernels = self._kernels(q, dim)
+        if kernels is not None and hasattr(kernels, "turbo_scores"):  # fused on CUDA (Triton)
+            s = kernels.turbo_scores(q, enc.arrays["codes"], enc.arrays["norms"], self.bits,
+                                     self.seed)
+            if "mean" in enc.arrays:
+                s = s + xp.matmul(q, xp.swap_last(xp.astype(enc.arrays["mean"], "float32")))
+            return s
         norms = xp.astype(enc.arrays["norms"], "float32")
         q_rot = xp.matmul(q, xp.const(rotation_matrix_t(dim, self.seed), q))
         y = self._rotated_centroids(xp, enc.arrays["codes"], dim)

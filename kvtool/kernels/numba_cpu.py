@@ -26,6 +26,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
+from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.rotation import is_power_of_two, random_signs
 from kvtool.kernels.numba_support import (
     bf16_to_f32,
@@ -318,8 +319,8 @@ def _empty_like_backend(like: Any, shape: tuple[int, ...], dtype: str) -> tuple[
     return a, kernel_view(a)
 
 
-def turbo_encode(x: Any, bits: int, seed: int, boundaries: np.ndarray) -> tuple[Any, Any]:
-    """(codes uint8 [rows, nbytes], norms float32 [rows]) of the contiguous ``x[rows, dim]``."""
+def turbo_encode(x: Any, bits: int, seed: int) -> tuple[Any, Any]:
+    """(codes uint8 [rows, nbytes], norms float32 [rows]) of ``x[rows, dim]``."""
     rows, dim = x.shape
     view = np.ascontiguousarray(kernel_view(x))
     codes, codes_v = _empty_like_backend(x, (rows, (dim * bits + 7) // 8), "uint8")
@@ -327,21 +328,20 @@ def turbo_encode(x: Any, bits: int, seed: int, boundaries: np.ndarray) -> tuple[
     if view.dtype not in (np.float32, np.uint16, np.int16):
         view = view.astype(np.float32)
     s1, s2 = _signs(dim, seed)
-    bounds = np.ascontiguousarray(boundaries, dtype=np.float32)
+    bounds = sphere_marginal_codebook(dim, 1 << bits).boundaries
     turbo_encode_kernel(view, s1, s2, bounds, bits, codes_v, norms_v,
                         numba.get_num_threads(), TILE)
     return codes, norms
 
 
-def turbo_decode(codes: Any, norms: Any, dim: int, bits: int, seed: int,
-                 centroids: np.ndarray, dtype: str) -> Any:
+def turbo_decode(codes: Any, norms: Any, dim: int, bits: int, seed: int, dtype: str) -> Any:
     """``[rows, dim]`` in ``dtype`` from packed ``codes[rows, nbytes]`` and fp16 ``norms``."""
     rows = codes.shape[0]
     out, out_v = _empty_like_backend(codes, (rows, dim), dtype)
     s1, s2 = _signs(dim, seed)
     turbo_decode_kernel(np.ascontiguousarray(kernel_view(codes)),
                         np.ascontiguousarray(kernel_view(norms)), s1, s2,
-                        np.ascontiguousarray(centroids, dtype=np.float32), bits, out_v,
+                        sphere_marginal_codebook(dim, 1 << bits).centroids, bits, out_v,
                         numba.get_num_threads(), TILE)
     return out
 

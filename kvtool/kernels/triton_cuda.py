@@ -1,0 +1,486 @@
+"""Triton kernels for the turbo2/turbo3/turbo4 codecs (CUDA; CPU under ``TRITON_INTERPRET=1``).
+
+Same math and byte layout as :mod:`kvtool.codecs.turbo` (codes are LSB-first bit-packed like
+:mod:`kvtool.kernels.bitpack`), for power-of-two head dims 16..256.
+
+The rotation runs as a dense ``tl.dot`` on tensor cores without losing fp32 accuracy: the
+entries of ``R`` are ``k/D`` with ``|k| ≤ D``, exact in fp16 and bf16, so an fp16/bf16 input
+times ``R`` is a sum of exact products accumulated in fp32 (same numbers as the fp32 matmul of
+the reference, up to summation order). fp32 operands (fp32 inputs, queries, centroids) are
+split into bf16 pieces ``hi + mid + lo`` (exact with three pieces) and multiplied piece by
+piece; 16-bit outputs use two pieces (about 2⁻¹⁷ relative, far below their rounding).
+
+Decode attention is split-K (flash-decoding): one program per (batch, kv head, token split)
+serves the kv head's query heads from codes in the rotated domain; a second kernel merges the
+splits and rotates each output back once.
+
+Kernels are decorated when this module is imported: they run under the interpreter only if
+``TRITON_INTERPRET=1`` was set then (:data:`INTERPRET`), and only if it was also set when
+triton itself was first imported (its ``tl.sum``/``tl.max`` are decorated then).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+from kvtool.codecs.rotation import rotation_matrix
+from kvtool.kernels.bitpack import group_shape
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+name = "triton"
+DIMS = (16, 32, 64, 128, 256)
+BITS = (2, 3, 4)
+#: whether the kernels below were decorated in interpreter mode (they then run on CPU tensors)
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "") == "1"
+# the interpreter multiplies bf16 dot operands as their raw uint16 bits: widen them first (exact)
+_INTERP = tl.constexpr(INTERPRET) if triton is not None else None
+_F16 = (torch.float16, torch.bfloat16)
+_OUT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def available() -> bool:
+    """Triton is importable and its kernels can run here (CUDA, or the interpreter)."""
+    return triton is not None and (INTERPRET or torch.cuda.is_available())
+
+
+def supported(dim: int, bits: int) -> bool:
+    """Whether these kernels handle ``dim``/``bits`` (else the caller falls back)."""
+    return dim in DIMS and bits in BITS
+
+
+def _jit(fn: Any) -> Any:
+    return fn if triton is None else triton.jit(fn)
+
+
+def _tuned(fn: Any) -> Any:
+    """Autotune the row-block kernels on GPUs (fixed block under the interpreter); the
+    ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones."""
+    if triton is None or INTERPRET:
+        return _jit(fn)
+    configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1)
+               for m in (64, 128, 256) for w in (4, 8)]
+    return triton.autotune(configs, key=["D", "BITS", "PIECES", "size_class"],
+                           prune_configs_by={"early_config_prune": _prune})(triton.jit(fn))
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers."""
+    dim = kwargs.get("D", named_args.get("D", 128))
+    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 32768] or configs[:1]
+
+
+# -- device helpers ------------------------------------------------------------------------------
+@_jit
+def _bf16(x):
+    """fp32 → bf16, rounding to nearest even (by hand in the interpreter, which truncates)."""
+    if _INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@_jit
+def _split(x, PIECES: tl.constexpr):
+    """fp32 ``x`` as bf16 pieces whose sum is ``x`` (exact for 3); unused pieces are ``hi``."""
+    hi = _bf16(x)
+    mid = hi
+    lo = hi
+    if PIECES >= 2:
+        r = x - hi.to(tl.float32)
+        mid = _bf16(r)
+        if PIECES == 3:
+            lo = _bf16(r - mid.to(tl.float32))
+    return hi, mid, lo
+
+
+@_jit
+def _mm(acc, hi, mid, lo, m_ptr, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+        PIECES: tl.constexpr):
+    """``acc + (hi + mid + lo) @ M[k0:k0+BK, n0:n0+BN]`` for a row-major ``M[D, D]``."""
+    m = tl.load(m_ptr + (k0 + tl.arange(0, BK))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
+    if _INTERP:
+        hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
+    if PIECES == 3:
+        acc = tl.dot(lo, m, acc)
+    if PIECES >= 2:
+        acc = tl.dot(mid, m, acc)
+    return tl.dot(hi, m, acc)
+
+
+@_jit
+def _centroids(codes_ptr, row_off, rmask, cent_ptr, R: tl.constexpr, D: tl.constexpr,
+               BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
+    """fp32 centroids ``[R, D]`` of the packed rows starting at byte offsets ``row_off``."""
+    gi = tl.arange(0, D // CPG)
+    ptr = codes_ptr + row_off[:, None] + gi[None, :] * BPG
+    g = tl.load(ptr, mask=rmask[:, None], other=0).to(tl.int32)
+    for k in tl.static_range(1, BPG):
+        g |= tl.load(ptr + k, mask=rmask[:, None], other=0).to(tl.int32) << (8 * k)
+    shift = tl.arange(0, CPG) * BITS
+    codes = (g[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)
+    return tl.load(cent_ptr + tl.reshape(codes, [R, D]))
+
+
+# -- kernels -------------------------------------------------------------------------------------
+@_tuned
+def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_class,
+                   D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
+                   BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=rmask[:, None],
+                other=0.0)
+    xf = x.to(tl.float32)
+    norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
+    tl.store(norms_ptr + rows, norm, mask=rmask)
+    inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(norm > 0, norm, norm + 1))
+    if PIECES == 1:  # fp16/bf16 input: one exact-product dot against R in the same dtype
+        hi, mid, lo = x, x, x
+    else:
+        hi, mid, lo = _split(xf, PIECES)
+    shift = tl.arange(0, CPG) * BITS
+    for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, coded and packed BN columns at a time
+        y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D, BN,
+                PIECES)
+        u = y * inv[:, None]
+        code = tl.zeros([BLOCK_M, BN], tl.int32)
+        for b in tl.static_range((1 << BITS) - 1):
+            code += (u > tl.load(bnd_ptr + b)).to(tl.int32)
+        g = tl.sum(tl.reshape(code, [BLOCK_M, BN // CPG, CPG]) << shift[None, None, :], axis=2)
+        ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
+               + tl.arange(0, BN // CPG)[None, :] * BPG)
+        for k in tl.static_range(BPG):
+            tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
+
+
+@_tuned
+def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_class,
+                   D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
+                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
+        y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
+                       BLOCK_M, BK, BITS, CPG, BPG)
+        hi, mid, lo = _split(y, PIECES)
+        acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
+    x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        x = _bf16(x)
+    tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :],
+             x.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+@_jit
+def _rotate_kernel(x_ptr, m_ptr, out_ptr, n_rows, scale, D: tl.constexpr, BK: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """``out = (x @ M) * scale`` in fp32 accuracy (queries: ``M = Rᵀ``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for k0 in tl.static_range(0, D, BK):
+        x = tl.load(x_ptr + rows[:, None] * D + (k0 + tl.arange(0, BK))[None, :],
+                    mask=rmask[:, None], other=0.0).to(tl.float32)
+        hi, mid, lo = _split(x, 3)
+        acc = _mm(acc, hi, mid, lo, m_ptr, k0, 0, D, BK, D, 3)
+    tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], acc * scale,
+             mask=rmask[:, None])
+
+
+@_jit
+def _scores_kernel(q_ptr, codes_ptr, norms_ptr, cent_ptr, out_ptr, M, N, m_blocks, n_blocks,
+                   D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    nb, rest = pid % n_blocks, pid // n_blocks
+    mb, batch = rest % m_blocks, (rest // m_blocks).to(tl.int64)
+    ms = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = ms < M, ns < N
+    q = tl.load(q_ptr + (batch * M + ms)[:, None] * D + tl.arange(0, D)[None, :],
+                mask=mmask[:, None], other=0.0)
+    keys = batch * N + ns
+    y = _centroids(codes_ptr, keys * (D * BITS // 8), nmask, cent_ptr, BLOCK_N, D, BITS, CPG,
+                   BPG)
+    s = tl.dot(q, tl.trans(y), input_precision="tf32x3")
+    s = s * tl.load(norms_ptr + keys, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + (batch * M + ms)[:, None] * N + ns[None, :], s,
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@_jit
+def _attn_split_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, acc_ptr,
+                       m_ptr, l_ptr, N, S, chunk,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       KBITS: tl.constexpr, KCPG: tl.constexpr, KBPG: tl.constexpr,
+                       VBITS: tl.constexpr, VCPG: tl.constexpr, VBPG: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """One (batch, kv head, token split): online softmax over the split's tokens for the G
+    query heads sharing the kv head; partial sums stay in the value codec's rotated domain."""
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    gi = tl.arange(0, GP)
+    gmask = gi < G
+    qrow = bh * G + gi  # (b * Hkv + h) * G + g == b * Hq + h * G + g
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + qrow[:, None] * D + cols[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    start = sp * chunk
+    end = tl.minimum(start + chunk, N)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < end
+        kv = bh * N + tok
+        yk = _centroids(kc_ptr, kv * (D * KBITS // 8), tmask, kcent_ptr, BLOCK_N, D, KBITS,
+                        KCPG, KBPG)
+        if GP >= 16:
+            s = tl.dot(q, tl.trans(yk), input_precision="tf32x3")
+        else:  # few heads per kv head: CUDA-core products beat padding the MMA to 16 rows
+            s = tl.sum(q[:, None, :] * yk[None, :, :], axis=2)
+        s = s * tl.load(kn_ptr + kv, mask=tmask, other=0.0).to(tl.float32)[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        yv = _centroids(vc_ptr, kv * (D * VBITS // 8), tmask, vcent_ptr, BLOCK_N, D, VBITS,
+                        VCPG, VBPG)
+        p = p * tl.load(vn_ptr + kv, mask=tmask, other=0.0).to(tl.float32)[None, :]
+        if GP >= 16:
+            acc = tl.dot(p, yv, acc * alpha[:, None], input_precision="tf32x3")
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv[None, :, :], axis=1)
+        m_i = m_new
+    out = qrow * S + sp
+    tl.store(acc_ptr + out[:, None] * D + cols[None, :], acc, mask=gmask[:, None])
+    tl.store(m_ptr + out, m_i, mask=gmask)
+    tl.store(l_ptr + out, l_i, mask=gmask)
+
+
+@_jit
+def _attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, r_ptr, out_ptr, S, D: tl.constexpr,
+                        SP: tl.constexpr, BN: tl.constexpr):
+    """Combine one query row's splits, then rotate back once: ``out = (Σ w·acc / Σ w·l) @ R``."""
+    row = tl.program_id(0).to(tl.int64)
+    si = tl.arange(0, SP)
+    m = tl.load(m_ptr + row * S + si, mask=si < S, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * tl.load(l_ptr + row * S + si, mask=si < S, other=0.0), axis=0)
+    cols = tl.arange(0, D)
+    vec = tl.zeros([D], tl.float32)
+    for s in range(S):
+        m_s = tl.load(m_ptr + row * S + s)
+        w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_max), 0.0)
+        vec += w_s * tl.load(acc_ptr + (row * S + s) * D + cols)
+    vec = vec / total
+    for j in tl.static_range(0, D, BN):
+        jc = j + tl.arange(0, BN)
+        r = tl.load(r_ptr + cols[:, None] * D + jc[None, :])
+        tl.store(out_ptr + row * D + jc, tl.sum(vec[:, None] * r, axis=0))
+
+
+# -- host side -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Rotation:
+    rt16: torch.Tensor  # Rᵀ fp16 (encode fp16 input)
+    rtb: torch.Tensor  # Rᵀ bf16 (encode bf16/fp32 input, query rotation)
+    rb: torch.Tensor  # R bf16 (decode)
+    r32: torch.Tensor  # R fp32 (attention: rotate the output back)
+
+
+@lru_cache(maxsize=64)
+def _rotation(dim: int, seed: int, device: torch.device) -> _Rotation:
+    # R's entries are k/dim up to float64 residue (≤ 1e-14/dim, left where k = 0 for odd powers
+    # of two): drop it, so the 16-bit copies are exact (it is far below fp32 resolution anyway)
+    k = torch.from_numpy(rotation_matrix(dim, seed).astype("float64") * dim)
+    if (k - k.round()).abs().max() > 1e-6:  # pragma: no cover - a rotation.py change
+        raise ValueError("rotation entries must be multiples of 1/dim to run in 16-bit dots")
+    r = (k.round() / dim).float()
+    rt = r.T.contiguous()
+    return _Rotation(rt.to(device, torch.float16), rt.to(device, torch.bfloat16),
+                     r.to(device, torch.bfloat16), r.to(device))
+
+
+@lru_cache(maxsize=64)
+def _codebook(dim: int, bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(boundaries, centroids) as fp32 device tensors."""
+    book = sphere_marginal_codebook(dim, 1 << bits)
+    return (torch.from_numpy(book.boundaries.copy()).to(device),
+            torch.from_numpy(book.centroids.copy()).to(device))
+
+
+def _check(dim: int, bits: int) -> None:
+    if not supported(dim, bits):
+        raise ValueError(f"triton turbo kernels support dims {DIMS} and bits {BITS}, "
+                         f"got dim={dim} bits={bits}")
+
+
+def _rows_launch(rows: int) -> dict[str, Any]:
+    """Grid and fixed meta-parameters of the row-block kernels."""
+    if INTERPRET:
+        return {"grid": (triton.cdiv(rows, 32),), "meta": {"BLOCK_M": 32}}
+    return {"grid": lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]),), "meta": {}}
+
+
+def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes ``[..., D*bits/8]``, fp32 norms ``[...]``) of ``x[..., D]``."""
+    dim = x.shape[-1]
+    _check(dim, bits)
+    lead = tuple(x.shape[:-1])
+    if x.dtype not in _OUT:
+        x = x.float()
+    x2 = x.reshape(-1, dim).contiguous()
+    rows, nb = x2.shape[0], dim * bits // 8
+    codes = torch.empty((rows, nb), dtype=torch.uint8, device=x.device)
+    norms = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows:
+        rot = _rotation(dim, seed, x.device)
+        cpg, bpg = group_shape(bits)
+        launch = _rows_launch(rows)
+        _encode_kernel[launch["grid"]](
+            x2, rot.rt16 if x2.dtype == torch.float16 else rot.rtb,
+            _codebook(dim, bits, x.device)[0], codes, norms, rows, int(rows >= 1 << 16),
+            D=dim, BITS=bits, CPG=cpg, BPG=bpg, BN=min(dim, 64),
+            PIECES=1 if x2.dtype in _F16 else 3, **launch["meta"])
+    return codes.reshape(*lead, nb), norms.reshape(lead)
+
+
+def turbo_decode(codes: torch.Tensor, norms: torch.Tensor, dim: int, bits: int, seed: int,
+                 out_dtype: torch.dtype | str) -> torch.Tensor:
+    """x̂ ``[..., dim]`` in ``out_dtype`` (fp32/fp16/bf16) from packed codes and norms."""
+    if isinstance(out_dtype, str):  # the codecs' dtype names
+        out_dtype = getattr(torch, out_dtype)
+    _check(dim, bits)
+    nb = dim * bits // 8
+    if codes.shape[-1] != nb or tuple(norms.shape) != tuple(codes.shape[:-1]):
+        raise ValueError(f"codes {tuple(codes.shape)} / norms {tuple(norms.shape)} do not match "
+                         f"dim={dim} bits={bits}")
+    if out_dtype not in _OUT:
+        raise ValueError(f"unsupported output dtype {out_dtype}")
+    lead = tuple(codes.shape[:-1])
+    c2, n2 = codes.reshape(-1, nb).contiguous(), norms.reshape(-1).contiguous()
+    out = torch.empty((c2.shape[0], dim), dtype=out_dtype, device=codes.device)
+    if c2.shape[0]:
+        rows = c2.shape[0]
+        cpg, bpg = group_shape(bits)
+        launch = _rows_launch(rows)
+        _decode_kernel[launch["grid"]](
+            c2, n2, _codebook(dim, bits, codes.device)[1], _rotation(dim, seed, codes.device).rb,
+            out, rows, int(rows >= 1 << 16), D=dim, BITS=bits, CPG=cpg, BPG=bpg,
+            BK=min(dim, 64), PIECES=3 if out_dtype == torch.float32 else 2, **launch["meta"])
+    return out.reshape(*lead, dim)
+
+
+def _rotate(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(x[rows, D] @ m) * scale`` in fp32."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=torch.float32, device=x.device)
+    if rows:
+        _rotate_kernel[(triton.cdiv(rows, 16),)](x.contiguous(), m, out, rows, float(scale),
+                                                 D=dim, BK=min(dim, 64), BLOCK_M=16)
+    return out
+
+
+def turbo_scores(q: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, bits: int,
+                 seed: int) -> torch.Tensor:
+    """fp32 ``q·k̂`` ``[..., M, N]`` for q ``[..., M, D]`` and packed keys ``[..., N, nbytes]``."""
+    dim = q.shape[-1]
+    _check(dim, bits)
+    nb = dim * bits // 8
+    if codes.shape[-1] != nb:
+        raise ValueError(f"codes have {codes.shape[-1]} bytes per row, expected {nb}")
+    lead = torch.broadcast_shapes(q.shape[:-2], codes.shape[:-2], norms.shape[:-1])
+    m, n = q.shape[-2], codes.shape[-2]
+    batch = int(torch.Size(lead).numel())
+    q_rot = _rotate(q.expand(*lead, m, dim).reshape(-1, dim),
+                    _rotation(dim, seed, q.device).rtb, 1.0)
+    c3 = codes.expand(*lead, n, nb).reshape(batch, n, nb).contiguous()
+    n3 = norms.expand(*lead, n).reshape(batch, n).contiguous()
+    out = torch.empty((*lead, m, n), dtype=torch.float32, device=q.device)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 64 if dim <= 128 else 32
+    m_blocks, n_blocks = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    if out.numel():
+        cpg, bpg = group_shape(bits)
+        _scores_kernel[(batch * m_blocks * n_blocks,)](
+            q_rot, c3, n3, _codebook(dim, bits, q.device)[1], out, m, n, m_blocks, n_blocks,
+            D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 4
+
+
+def _default_splits(device: torch.device, programs: int, n: int, block_n: int) -> int:
+    """Enough splits to fill the GPU twice over, each at least one token block long."""
+    sms = _sm_count(device)
+    splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(n, block_n)))
+    chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
+    return triton.cdiv(n, chunk)
+
+
+def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
+                           v_codes: torch.Tensor, v_norms: torch.Tensor, *, dim: int,
+                           k_bits: int, k_seed: int, v_bits: int, v_seed: int, scale: float,
+                           split_k: int | None = None) -> torch.Tensor:
+    """Split-K decode attention straight from codes: ``softmax(q·k̂ᵀ·scale)·v̂`` → fp32
+    ``[B, Hq, D]`` for q ``[B, Hq, D]``, codes ``[B, Hkv, N, nbytes]``, norms ``[B, Hkv, N]``."""
+    _check(dim, k_bits)
+    _check(dim, v_bits)
+    b, hq, d = q.shape
+    hkv, n = k_codes.shape[1], k_codes.shape[2]
+    if (d != dim or hq % hkv or n == 0 or tuple(k_codes.shape) != (b, hkv, n, dim * k_bits // 8)
+            or tuple(v_codes.shape) != (b, hkv, n, dim * v_bits // 8)
+            or tuple(k_norms.shape) != (b, hkv, n) or tuple(v_norms.shape) != (b, hkv, n)):
+        raise ValueError("decode attention: inconsistent q/k/v shapes")
+    device = q.device
+    q_rot = _rotate(q.reshape(-1, dim), _rotation(dim, k_seed, device).rtb, scale)
+    group = hq // hkv
+    gp = triton.next_power_of_2(group)
+    # tensor cores from 16 heads per kv head; below, CUDA-core products [gp, block_n, dim]
+    block_n = (64 if dim <= 128 else 32) if gp >= 16 else max(16, min(64, 8192 // (gp * dim)))
+    if split_k is None:
+        split_k = _default_splits(device, b * hkv, n, block_n)
+    if not 1 <= split_k <= 65535:
+        raise ValueError(f"split_k must be in 1..65535, got {split_k}")
+    chunk = triton.cdiv(n, split_k)
+    acc = torch.empty((b * hq, split_k, dim), dtype=torch.float32, device=device)
+    m_part = torch.empty((b * hq, split_k), dtype=torch.float32, device=device)
+    l_part = torch.empty_like(m_part)
+    kcpg, kbpg = group_shape(k_bits)
+    vcpg, vbpg = group_shape(v_bits)
+    _attn_split_kernel[(b * hkv, split_k)](
+        q_rot, k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(),
+        v_norms.contiguous(), _codebook(dim, k_bits, device)[1], _codebook(dim, v_bits, device)[1],
+        acc, m_part, l_part, n, split_k, chunk, G=group, GP=gp, D=dim, KBITS=k_bits,
+        KCPG=kcpg, KBPG=kbpg, VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, BLOCK_N=block_n,
+        num_warps=8 if gp * block_n * dim > 8192 else 4)
+    out = torch.empty((b, hq, dim), dtype=torch.float32, device=device)
+    _attn_reduce_kernel[(b * hq,)](acc, m_part, l_part, _rotation(dim, v_seed, device).r32, out,
+                                   split_k, D=dim, SP=triton.next_power_of_2(split_k),
+                                   BN=min(dim, 32))
+    return out
+
+
+__all__ = ["name", "available", "supported", "turbo_encode", "turbo_decode", "turbo_scores",
+           "turbo_decode_attention", "INTERPRET"]
