@@ -12,23 +12,46 @@ for all of them) and appended to the encoded store, so at least ``recent_tokens`
 ``recent_tokens + block_size``) of the latest tokens always stay exact. Protected layers (and a
 policy whose codec is the lossless one) never encode: they behave like ``DynamicLayer``.
 
-Memory/speed trade-off (chosen on purpose): **no decoded copy is kept**. Every forward decodes the
-layer's whole encoded store into a transient tensor that lives only while that layer attends, so
-the resident footprint is the encoded bytes plus the full-precision sinks and window
-(:meth:`CompressedCache.nbytes`), and the transient peak is one layer's K/V, not the model's.
-A decoded copy would make decode steps as fast as ``DynamicCache`` but hold *more* memory than
-it (copy + codes), and any lower-precision copy (fp8, unpacked 8-bit codes) costs more bits than
-the whole turbo3 store it would speed up, breaking the point of the cache. The price is an
-O(context) decode per layer per step: for turbo codecs mostly the inverse rotation (a
-``head_dim``² matmul per token), which at 2K tokens costs about as much as the small default
-model's own forward, so decoding runs at roughly half ``DynamicCache``'s speed on a CPU.
+Memory/speed trade-off: **no decoded copy is kept**; the resident footprint is the encoded
+bytes plus the full-precision sinks and window (:meth:`CompressedCache.nbytes`). A decoded copy
+would hold *more* memory than ``DynamicCache`` (copy + codes), and any lower-precision copy
+(fp8, unpacked 8-bit codes) costs more bits than the whole turbo3 store it would speed up.
 
-To keep that decode as cheap as possible, blocks are not kept as one ``Encoded`` per block (one
-decode call per block per step would be dominated by per-call overhead): they are encoded as
-``[batch, heads, n_blocks, block, dim]`` and consecutive encodings are concatenated along the
-block axis, so each layer holds a short list of :class:`~kvtool.codecs.Encoded` chunks (normally
-one). When keys and values share a codec they are stacked and encoded/decoded together, so a
-step costs one decode call per layer.
+Attention from codes (the default for turbo codecs on CPU). Decoding the whole store at every
+step is O(context) work per layer — for turbo mostly the inverse rotation, a ``head_dim``²
+matmul per token — and about halves decode speed at 2K tokens. Instead, attention reads the
+encoded tokens straight from their packed codes (:mod:`kvtool.kernels.numba_attention`): a
+query is rotated once, each score is its dot product with the centroids of a code row, values
+are summed in the rotated domain and rotated back once per query row; exact tokens (sinks,
+window, this forward's tokens) join the same softmax. No K̂/V̂ is materialised, and a step
+reads ~8× fewer bytes than ``DynamicCache``'s attention: on the default model with one CPU thread
+(``benchmarks/runtime_cache.py``) decoding at 4K tokens runs at ~1.2× ``DynamicCache``'s speed
+(~1.0× at 1K), against ~0.5× when the store is decoded first.
+
+The hook (:mod:`kvtool.engines.hf_attention`): creating a cache registers transformers attention
+function ``"kvtool"`` and puts it in place of ``"sdpa"`` (it forwards every call that does not
+come from this cache to the original sdpa, so other models and caches are unaffected). Each
+model forward first prepares its masks, which calls :meth:`CompressedCache.get_mask_sizes`; that
+arms every layer's next ``update`` to return only the exact tokens, the key tensor tagged with a
+:class:`~kvtool.engines.hf_attention.CodesView` of the layer's encoded chunks, which the attention
+function reads. The decode-then-attend path (every token's states decoded and returned, any
+attention) is used instead when: ``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``;
+numba is missing; the model's attention implementation is not routed through the hook (eager,
+flash, a model's own override) or the cache has no ``config``; a layer is not stored by uncentered
+turbo2/3/4 for both keys and values; head_dim is not a power of two ≥ 8; tensors are not on the
+CPU; or ``update`` is called directly, outside a model forward. At attention time the function
+still decodes the view and runs sdpa on the full K/V for forwards of many query tokens (prefill
+chunks: one decode serves all their queries and BLAS attention is faster there) and when the call
+asks for something the kernel does not do: a mask that hides encoded tokens (padding inside them,
+sliding windows) or differs per head, ``output_attentions``, dropout, soft-capping, learned
+sinks, position biases, gradients.
+
+Blocks are not kept as one ``Encoded`` per block (one decode or kernel call per block per step
+would be dominated by per-call overhead): they are encoded as ``[batch, heads, n_blocks, block,
+dim]`` and consecutive encodings are concatenated along the block axis, so each layer holds a
+short list of :class:`~kvtool.codecs.Encoded` chunks (normally one, which the attention kernel
+reads in place through zero-copy numpy views). When keys and values share a codec they are
+stacked and encoded/decoded together, so a step costs one decode or kernel call per layer.
 
 Tokens of the current forward are returned exactly (they attend to themselves uncompressed, as
 with ``QuantizedCache``); they are compressed for the steps that follow.
@@ -39,10 +62,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvtool.codecs import Codec, Encoded
+from kvtool.engines.hf_attention import (
+    ATTR,
+    CodesView,
+    codes_codec,
+    codes_enabled,
+    install,
+    routes_through_kvtool,
+)
 from kvtool.errors import KvtoolError
 from kvtool.policy import CodecPolicy
 
@@ -84,6 +116,7 @@ class _Stream:
         self.chunks: list[Encoded] = []  # each encodes [*lead, n_blocks, block, dim]
         self.stored = 0  # tokens in ``chunks``
         self.tail: torch.Tensor | None = None
+        self._np: tuple[np.ndarray, np.ndarray] | None = None  # memo of :meth:`codes_np`
 
     def nbytes(self) -> tuple[int, int]:
         """(encoded bytes, full-precision bytes) actually held."""
@@ -98,14 +131,45 @@ class _Stream:
         parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
         return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        """Append ``x`` [*lead, new, dim]; return every token's states (``x`` exact)."""
+    def codes_np(self) -> tuple[np.ndarray, np.ndarray]:
+        """The store's turbo codes ``[L, B·H, E, bytes]`` (uint8) and norms ``[L, B·H, E]``
+        (fp16 bits as uint16), ``L`` = 2 when keys and values are stacked, else 1: zero-copy
+        numpy views of the single chunk (several chunks are joined, transiently)."""
+        if self._np is not None:
+            return self._np
+        codes, norms = (torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
+                        if len(self.chunks) > 1 else self.chunks[0].arrays[name]
+                        for name, axis in (("codes", -3), ("norms", -2)))
+        lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
+        flat = (-1, lead[-2] * lead[-1], codes.shape[-3] * codes.shape[-2])
+        out = (codes.contiguous().reshape(*flat, codes.shape[-1]).numpy(),
+               norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16))
+        if len(self.chunks) == 1:
+            self._np = out
+        return out
+
+    def update(self, x: torch.Tensor, from_codes: bool = False
+               ) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+        """Append ``x`` [*lead, new, dim]; return (states, encoded).
+
+        Default: every token's states (the store decoded, ``x`` exact) and None. With
+        ``from_codes`` and a non-empty store: only the exact tokens (sinks, window, ``x``) and
+        ``(codes, norms, chunks, sinks)`` of the store as it was before ``x`` (the encoded
+        tokens go after the first ``sinks`` exact ones).
+        """
         if self.codec is None:
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
-            return self.tail
+            return self.tail, None
+        have = 0 if self.sink is None else self.sink.shape[-2]
+        if from_codes and self.chunks:  # the sinks are full: x goes to the window
+            encoded = (*self.codes_np(), list(self.chunks), have)
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            # the window is never changed in place (only replaced), so it can be returned
+            out = self.tail if self.sink is None else torch.cat([self.sink, self.tail], dim=-2)
+            self._flush()
+            return out, encoded
         parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
         out = torch.cat([*parts, x], dim=-2) if parts else x
-        have = 0 if self.sink is None else self.sink.shape[-2]
         take = min(self.sink_tokens - have, x.shape[-2])
         if take > 0:
             head = x[..., :take, :]
@@ -114,7 +178,7 @@ class _Stream:
         if x.shape[-2]:
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
             self._flush()
-        return out
+        return out, None
 
     def _flush(self) -> None:
         """Encode the window's oldest whole blocks beyond ``recent_tokens``."""
@@ -125,7 +189,7 @@ class _Stream:
         x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
         enc = self.codec.encode(x)
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
-        merged = None
+        merged, self._np = None, None
         if self.chunks and _blocked(enc, (*lead, n_blocks)):
             merged = _concat(self.chunks[-1], enc, len(lead))
         if merged is not None:
@@ -150,7 +214,7 @@ class _Stream:
             batch = next(iter(arrays.values())).shape[axis]
             shape = (*enc.shape[:axis], batch, *enc.shape[axis + 1:])
             chunks.append(Encoded(arrays, shape, enc.dtype))
-        self.chunks = chunks
+        self.chunks, self._np = chunks, None
 
 
 class CompressedLayer(DynamicLayer):
@@ -158,6 +222,9 @@ class CompressedLayer(DynamicLayer):
 
     When both roles use the same (lossy) codec, keys and values live stacked in one stream, so
     each step decodes the layer in one call; otherwise each role has its own stream.
+    ``update(..., from_codes=True)`` (what :class:`CompressedCache` asks for when attention can
+    read codes) returns only the exact tokens, the key tagged with a
+    :class:`~kvtool.engines.hf_attention.CodesView` of the encoded ones.
     """
 
     is_croppable = False
@@ -171,6 +238,9 @@ class CompressedLayer(DynamicLayer):
         codecs = [key_codec] if self.joint else [key_codec, value_codec]
         self.streams = [_Stream(c, sink_tokens, recent_tokens, block_size) for c in codecs]
         self.cumulative_length = 0
+        #: whether attention may read this layer's codes (both roles uncentered turbo)
+        self.codes_capable = codes_codec(key_codec) and codes_codec(value_codec)
+        self._pending: CodesView | None = None
 
     @property
     def k(self) -> _Stream:
@@ -186,14 +256,40 @@ class CompressedLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+               from_codes: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's K/V; return what attention should see (see the class doc)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._pending is not None and not self._pending.consumed:
+            raise KvtoolError("the last attention call of this CompressedCache layer did not "
+                              "read its encoded tokens (the model's attention function is not "
+                              "kvtool's); use CompressedCache(..., attention_from_codes=False)")
+        self._pending = None
+        dim = key_states.shape[-1]
+        from_codes = from_codes and self.codes_capable and key_states.device.type == "cpu" \
+            and dim >= 8 and dim & (dim - 1) == 0 and value_states.shape[-1] == dim
         self.cumulative_length += key_states.shape[-2]
         if self.joint:
-            out = self.streams[0].update(torch.stack([key_states, value_states]))
-            return out[0], out[1]
-        return self.streams[0].update(key_states), self.streams[1].update(value_states)
+            out, enc = self.streams[0].update(torch.stack([key_states, value_states]),
+                                              from_codes)
+            keys, values = out[0], out[1]
+            encs = [(enc, 0), (enc, 1)]
+        else:
+            (keys, kenc), (values, venc) = (s.update(x, from_codes) for s, x in
+                                            zip(self.streams, (key_states, value_states),
+                                                strict=True))
+            encs = [(kenc, None), (venc, None)]
+        if encs[0][0] is not None and encs[1][0] is not None:
+            (ke, ki), (ve, vi) = encs
+            view = CodesView(codecs=(self.k.codec, self.v.codec),
+                             codes=(ke[0][ki or 0], ve[0][vi or 0]),
+                             norms=(ke[1][ki or 0], ve[1][vi or 0]),
+                             chunks=((ke[2], ki), (ve[2], vi)), sinks=ke[3],
+                             batch=key_states.shape[0])
+            keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
+            setattr(keys, ATTR, view)
+            self._pending = view
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -214,6 +310,7 @@ class CompressedLayer(DynamicLayer):
         for s in self.streams:
             s.reset()
         self.cumulative_length = 0
+        self._pending = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -235,8 +332,12 @@ class CompressedLayer(DynamicLayer):
         self._map_batch(lambda a: a[indices.to(a.device)])
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _num_layers(config: Any) -> int:
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     types = getattr(text, "layer_types", None)
     if types and any(t != "full_attention" for t in types):
         raise KvtoolError("CompressedCache supports full-attention layers only; this model has "
@@ -258,11 +359,14 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, policy: CodecPolicy, config: Any = None, *, num_layers: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, attention_from_codes: bool | None = None):
         if (config is None) == (num_layers is None):
             raise KvtoolError("CompressedCache needs exactly one of config or num_layers")
         n = _num_layers(config) if config is not None else int(num_layers)
         self.policy, self.block_size = policy, block_size
+        self.attention_from_codes = attention_from_codes
+        self._armed_layers: set[int] = set()  # see get_mask_sizes
+        self._text_config = None if config is None else _text_config(config)
         layers = []
         for i in range(n):
             key, value = (policy.codec_for(role, i, n) for role in ("key", "value"))
@@ -271,6 +375,41 @@ class CompressedCache(Cache):
                 None if value == policy.lossless else value,
                 policy.sink_tokens, policy.recent_tokens, block_size))
         super().__init__(layers=layers)
+        if attention_from_codes is not False and any(x.codes_capable for x in layers):
+            install()
+
+    def uses_codes(self) -> bool:
+        """Whether attention reads encoded tokens from their codes (for model forwards).
+
+        ``attention_from_codes``: None (default) — when the model's attention implementation
+        routes through kvtool's attention function (``sdpa`` or ``kvtool``, known from
+        ``config``), for the updates of a model forward (see :meth:`get_mask_sizes`); True —
+        for every update, also without a config (the caller guarantees that whatever reads the
+        returned states is kvtool's attention); False — never (every step decodes the store,
+        then attends). ``KVTOOL_KERNELS=reference`` or a missing numba also means never.
+        """
+        if self.attention_from_codes is False:
+            return False
+        if self.attention_from_codes is None and (
+                self._text_config is None or not routes_through_kvtool(self._text_config)):
+            return False
+        return codes_enabled()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """transformers' mask preparation calls this once at the start of every forward: it arms
+        each layer's next update for attention from codes (a direct ``update`` outside a model
+        forward keeps returning every token's states)."""
+        self._armed_layers = set(range(len(self.layers)))
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        armed = self.attention_from_codes is True or layer_idx in self._armed_layers
+        self._armed_layers.discard(layer_idx)
+        return layer.update(key_states, value_states, *args,
+                            from_codes=armed and layer.codes_capable and self.uses_codes(),
+                            **kwargs)
 
     @classmethod
     def from_kvcache(cls, cache: Any, policy: CodecPolicy, model: Any = None, **kwargs: Any):

@@ -1,0 +1,296 @@
+"""Attention straight from a :class:`~kvtool.engines.hf_runtime.CompressedCache`'s codes.
+
+How it plugs into transformers (5.x): a decoder's attention module calls
+``past_key_values.update(k, v, layer_idx)`` and hands what it returns, unchanged, to
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, query, key,
+value, attention_mask, scaling=..., dropout=..., **kwargs)``. :func:`install` registers
+:func:`kvtool_attention` under the name ``"kvtool"`` and also in place of ``"sdpa"`` (the default
+implementation), keeping the original sdpa function as its delegate; masks for ``"kvtool"`` are
+sdpa's. Every call without a compressed layer's tag goes straight to the delegate, so models,
+caches and masks behave exactly as before.
+
+When the cache knows the attention it feeds is this function (:func:`routes_through_kvtool`),
+the update comes from a model forward (its mask preparation armed the cache) and the layer
+qualifies, ``update`` returns only the exact tokens (sinks, recent window, this forward's tokens)
+and tags the key tensor with a :class:`CodesView`: the layer's encoded chunks as they were before
+this forward (they sit between the sinks and the window). The attention then runs one softmax
+over encoded tokens (read from their codes by :func:`kvtool.kernels.numba_attention.attend`) and
+exact tokens, with sdpa's semantics: no mask means causal over the new tokens (they come last),
+a mask's columns are matched to the tokens (the encoded columns must be fully visible).
+
+Anything else decodes the view and calls the delegate on the full K/V
+(:meth:`CodesView.materialize`), the same decode-then-attend computation as without the hook:
+forwards of many query tokens (more than :data:`~kvtool.kernels.numba_attention.MAX_ROWS` query
+rows per KV head, e.g. prefill chunks: one decode then serves every query, and BLAS attention
+beats the kernel's loops), a mask hiding encoded tokens, per-head masks, ``output_attentions``,
+dropout, sliding windows, soft-capping, learned sinks, position biases, gradients, non-CPU
+tensors. :data:`STATS` counts both paths (tests use it to prove which one ran).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtool.codecs import Codec, Encoded
+from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
+from kvtool.errors import CodecError
+from kvtool.kernels import kernel_mode
+
+CODE_BITS = (2, 3, 4)  # kvtool.kernels.numba_attention.BITS (not imported: numba may be absent)
+ATTR = "_kvtool_codes"  # attribute on the key tensor returned by CompressedLayer.update
+NAME = "kvtool"
+STATS = {"codes": 0, "fallback": 0}  # attention calls served from codes / by decode-then-attend
+_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "cache")
+
+_lock = threading.Lock()
+_delegate: Callable[..., Any] | None = None  # the sdpa function that install() replaced
+
+
+@dataclass
+class CodesView:
+    """One layer's encoded tokens for one attention call (tag of the returned key tensor).
+
+    ``codes``/``norms``: per role (key, value) the packed codes ``[B·Hkv, E, bytes]`` (uint8)
+    and fp16 norms as ``uint16`` ``[B·Hkv, E]``, numpy views of the cache's own tensors;
+    ``chunks``: per role the :class:`Encoded` chunks with their stacking index (0 or 1 when
+    keys and values share one stream, else None), for :meth:`materialize`; ``sinks``: how many
+    of the exact tokens come before the encoded ones.
+    """
+
+    codecs: tuple[Codec, Codec]
+    codes: tuple[np.ndarray, np.ndarray]
+    norms: tuple[np.ndarray, np.ndarray]
+    chunks: tuple[tuple[list[Encoded], int | None], tuple[list[Encoded], int | None]]
+    sinks: int
+    batch: int
+    consumed: bool = field(default=False)
+
+    def release(self) -> None:
+        """Drop the references to the store (the layer keeps this view until its next update:
+        it must not pin chunks that an encode has since replaced)."""
+        self.codes = self.norms = self.chunks = ()  # type: ignore[assignment]
+
+    @property
+    def tokens(self) -> int:
+        """Encoded tokens."""
+        return int(self.norms[0].shape[1])
+
+    def materialize(self, key: torch.Tensor, value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full K/V ``[B, Hkv, tokens, D]``: exact sinks, decoded chunks, exact rest."""
+        out, decoded = [], {}
+        for exact, codec, (chunks, index) in zip((key, value), self.codecs, self.chunks,
+                                                 strict=True):
+            if id(chunks) not in decoded:  # keys and values stacked: one decode for both
+                decoded[id(chunks)] = [codec.decode(enc).flatten(-3, -2) for enc in chunks]
+            parts = [x if index is None else x[index] for x in decoded[id(chunks)]]
+            parts = [exact[..., :self.sinks, :], *(p.to(exact.dtype) for p in parts),
+                     exact[..., self.sinks:, :]]
+            out.append(torch.cat(parts, dim=-2))
+        return out[0], out[1]
+
+
+def codes_codec(codec: Codec | None) -> bool:
+    """Whether attention can read this codec's codes directly (uncentered turbo2/3/4)."""
+    from kvtool.codecs.turbo import TurboCodec
+
+    return isinstance(codec, TurboCodec) and not codec.center and codec.bits in CODE_BITS
+
+
+_KERNELS: list[ModuleType | None] = []
+
+
+def kernels() -> ModuleType | None:
+    """:mod:`kvtool.kernels.numba_attention`, or None where numba does not import."""
+    if not _KERNELS:
+        try:
+            from kvtool.kernels import numba_attention
+        except ImportError:
+            numba_attention = None
+        _KERNELS.append(numba_attention)
+    return _KERNELS[0]
+
+
+def codes_enabled() -> bool:
+    """Whether the compiled kernels may run now (``KVTOOL_KERNELS`` and numba)."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if kernels() is None:
+        if mode == "compiled":
+            raise CodecError("KVTOOL_KERNELS=compiled but numba is not installed: attention "
+                             "from codes needs it (pip install numba)")
+        return False
+    return True
+
+
+def install() -> None:
+    """Register :func:`kvtool_attention` as ``"kvtool"`` and in place of ``"sdpa"`` (once)."""
+    global _delegate
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    with _lock:
+        if _delegate is not None:  # once: never wrap a wrapper of this function
+            return
+        _delegate = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+        AttentionInterface.register(NAME, kvtool_attention)
+        AttentionInterface.register("sdpa", kvtool_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def uninstall() -> None:
+    """Put the original sdpa function back (``"kvtool"`` stays registered)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    global _delegate
+    with _lock:
+        if _delegate is not None and ALL_ATTENTION_FUNCTIONS.get("sdpa") is kvtool_attention:
+            AttentionInterface.register("sdpa", _delegate)
+            _delegate = None
+
+
+def routes_through_kvtool(config: Any) -> bool:
+    """Whether a model with this config sends its attention calls to :func:`kvtool_attention`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(config, "_attn_implementation", None)
+    return isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS.get(impl) is kvtool_attention
+
+
+def _sdpa() -> Callable[..., Any]:
+    if _delegate is not None:
+        return _delegate
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def kvtool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers attention function: from codes for tagged keys, else sdpa."""
+    view: CodesView | None = getattr(key, ATTR, None)
+    if view is None:
+        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout,
+                       scaling=scaling, **kwargs)
+    view.consumed = True
+    bias = _plan(module, query, key, value, attention_mask, dropout, view, kwargs)
+    if bias is not False:
+        causal = attention_mask is None and query.shape[2] > 1 \
+            and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+        out = _attend(query, key, value, view, bias, causal, scaling)
+        if out is not None:
+            STATS["codes"] += 1
+            view.release()
+            return out, None
+    STATS["fallback"] += 1
+    key, value = view.materialize(key, value)
+    view.release()
+    return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                   **kwargs)
+
+
+def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          mask: Any, dropout: float, view: CodesView,
+          kwargs: dict[str, Any]) -> torch.Tensor | None | bool:
+    """The exact tokens' additive bias [1 or B, Q, X] (None: none), or False: fall back."""
+    batch, hq, nq, dim = query.shape
+    hkv, n_exact = key.shape[1], key.shape[2]
+    if (dropout and module.training) or kwargs.get("output_attentions") \
+            or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+        return False
+    if query.device.type != "cpu" or key.device.type != "cpu" or batch != view.batch \
+            or key.shape[-1] != dim or value.shape[-1] != dim or hq % hkv \
+            or view.norms[0].shape[0] != batch * hkv or value.shape[2] != n_exact:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return False
+    if not codes_enabled() or nq * (hq // hkv) > kernels().MAX_ROWS:
+        return False
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] != 1 \
+            or mask.shape[0] not in (1, batch) or mask.shape[2] != nq \
+            or mask.shape[3] != n_exact + view.tokens:
+        return False
+    s, e = view.sinks, view.sinks + view.tokens
+    encoded = mask[..., s:e]
+    if not bool(encoded.all() if mask.dtype == torch.bool else (encoded == 0).all()):
+        return False  # padding or a window hides encoded tokens: only the decoded path has them
+    cols = torch.cat([mask[:, 0, :, :s], mask[:, 0, :, e:]], dim=-1)
+    if cols.dtype == torch.bool:
+        return torch.zeros(cols.shape, dtype=torch.float32).masked_fill_(~cols, -torch.inf)
+    return cols.float().contiguous()
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """float32 C-contiguous numpy view (or copy) of ``t``."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.to(torch.float32).contiguous()
+    return t.detach().numpy()
+
+
+_CONSTANTS: dict[tuple[int, int], tuple[Codec, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _constants(codec: Codec, dim: int) -> tuple[Codec, np.ndarray, np.ndarray, np.ndarray]:
+    """(codec, centroid chunk table, R_kᵀ, R_v) of a turbo codec at ``dim``, cached per codec."""
+    hit = _CONSTANTS.get((id(codec), dim))
+    if hit is None or hit[0] is not codec:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        table = kernels().chunk_table(codec.bits, codec.codebook(dim).centroids)
+        hit = (codec, table, rotation_matrix_t(dim, codec.seed), rotation_matrix(dim, codec.seed))
+        _CONSTANTS[(id(codec), dim)] = hit
+    return hit
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: CodesView,
+            bias: torch.Tensor | None, causal: bool, scaling: float | None
+            ) -> torch.Tensor | None:
+    """The kernel's output [B, Q, Hq, D] in the query's dtype (None: it failed to build)."""
+    na = kernels()
+    batch, hq, nq, dim = query.shape
+    (kcodec, ktab, k_rt, _), (vcodec, vtab, _, v_r) = (_constants(c, dim) for c in view.codecs)
+    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32)
+    try:
+        na.attend(_numpy(query), view.codes[0], view.norms[0], kcodec.bits, ktab, k_rt,
+                  view.codes[1], view.norms[1], vcodec.bits, vtab, v_r, _numpy(key),
+                  _numpy(value), None if bias is None else bias.numpy(), causal,
+                  dim ** -0.5 if scaling is None else float(scaling), out.numpy(),
+                  _numba_threads())
+    except na.BuildError as e:  # the kernel does not build here: decode-then-attend from now on
+        if kernel_mode() == "compiled":
+            raise
+        na.warn_fallback("attention from codes", e)
+        _KERNELS[:] = [None]
+        return None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _numba_threads() -> int:
+    """torch's thread count, applied to numba's pool (capped by ``NUMBA_NUM_THREADS``)."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
+    import numba
+
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+    if threads > 1 and numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    return threads
+
+
+__all__ = ["ATTR", "NAME", "STATS", "CodesView", "codes_codec", "codes_enabled", "install",
+           "kvtool_attention", "routes_through_kvtool", "uninstall"]

