@@ -8,8 +8,9 @@ so a file written today decodes identically with any future numpy.
   signs); a single round leaves inputs dominated by one channel badly quantised;
 - otherwise: a dense orthogonal matrix from modified Gram–Schmidt on seeded Gaussians.
 
-Backends apply ``R`` as one matmul: for D ≤ 256 a BLAS matmul beats log2(D) butterfly passes on
-CPUs; GPU kernels may use the FWHT form, which is the same linear map.
+The reference array ops apply ``R`` as one matmul; the compiled CPU kernels apply the same
+linear map as sign flips and Walsh–Hadamard butterflies, the Triton kernels as an exact split
+``tl.dot`` (see :mod:`kvtool.kernels`).
 """
 
 from __future__ import annotations
