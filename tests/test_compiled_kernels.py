@@ -219,3 +219,12 @@ def test_without_numba_everything_runs_on_the_reference_path():
     forced = _run("import sys; sys.modules['numba'] = None; " + ROUNDTRIP,
                   KVTOOL_KERNELS="compiled")
     assert forced.returncode != 0 and "not installed" in forced.stderr
+
+
+def test_llvmlite_library_object_survives_a_namespace_scan():
+    """vLLM's Triton override scan calls ``vars(x).get`` on every module attribute that has a
+    ``__dict__``; llvmlite's FFI library object used to claim one and break vLLM's start."""
+    from llvmlite.binding import ffi
+
+    assert not hasattr(ffi.lib, "__dict__")
+    assert ffi.lib.LLVMPY_GetHostCPUName is not None  # real functions still resolve

@@ -19,6 +19,33 @@ from numba import types
 from numba.extending import intrinsic
 
 
+def _llvmlite_refuses_dunders() -> None:
+    """Make llvmlite's FFI library object answer ``__dict__`` and other dunders like any object.
+
+    ``llvmlite.binding.ffi.lib`` resolves *every* missing attribute as a C function, so
+    ``hasattr(lib, "__dict__")`` is true and ``vars(lib)`` returns a function wrapper. vLLM's
+    Triton kernel-override scan (``vllm/triton_utils/dispatcher.py``) walks every module's
+    namespace and calls ``vars(value).get(...)``: with numba imported first, vLLM fails to start
+    (``'_lib_fn_wrapper' object has no attribute 'get'``). No C function's name is a dunder.
+    """
+    from llvmlite.binding import ffi
+
+    lookup = ffi._lib_wrapper.__getattr__
+    if getattr(lookup, "_kvtool_dunders", False):
+        return
+
+    def __getattr__(self, name: str):  # noqa: N807
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    __getattr__._kvtool_dunders = True
+    ffi._lib_wrapper.__getattr__ = __getattr__
+
+
+_llvmlite_refuses_dunders()
+
+
 def jit(**options: Any) -> Callable[[Callable], Callable]:
     """``numba.njit`` with ``cache=True`` where a cache directory is writable, without where not.
 
