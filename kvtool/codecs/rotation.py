@@ -44,6 +44,11 @@ def random_signs(dim: int, seed: int) -> np.ndarray:
     return np.where(splitmix64(seed, dim) >> np.uint64(63), -1.0, 1.0)
 
 
+def hadamard_signs(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sign vectors (s₁, s₂) of the two randomized Hadamard rounds of ``R``."""
+    return random_signs(dim, seed), random_signs(dim, seed ^ 0xA5A5A5A5)
+
+
 def fwht(x: np.ndarray) -> np.ndarray:
     """Unnormalised fast Walsh–Hadamard transform over the last axis (length a power of two)."""
     x = np.array(x, dtype=np.float64)
@@ -81,8 +86,9 @@ def rotation_matrix(dim: int, seed: int) -> np.ndarray:
     if is_power_of_two(dim):
         # two rounds of randomized Hadamard: one round maps a basis vector (a single dominant
         # channel) to ±1/√D in every coordinate, far from the sphere-marginal the codebook assumes
-        first = fwht(np.diag(random_signs(dim, seed))).T / np.sqrt(dim)
-        second = fwht(np.diag(random_signs(dim, seed ^ 0xA5A5A5A5))).T / np.sqrt(dim)
+        s1, s2 = hadamard_signs(dim, seed)
+        first = fwht(np.diag(s1)).T / np.sqrt(dim)
+        second = fwht(np.diag(s2)).T / np.sqrt(dim)
         rot = second @ first
     else:
         rot = _gram_schmidt(dim, seed)

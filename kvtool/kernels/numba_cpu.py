@@ -18,7 +18,6 @@ passed to the kernels as ``uint16`` and bf16 as ``int16`` (see :mod:`numba_suppo
 from __future__ import annotations
 
 from functools import cache
-from math import gcd
 from typing import Any
 
 import numba
@@ -27,7 +26,8 @@ from numba import prange, types
 from numba.extending import overload
 
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-from kvtool.codecs.rotation import is_power_of_two, random_signs
+from kvtool.codecs.rotation import hadamard_signs, is_power_of_two
+from kvtool.kernels import _is_torch
 from kvtool.kernels.numba_support import (
     bf16_to_f32,
     f16_to_f32,
@@ -120,6 +120,21 @@ def _scale_rows(t, signs):
             t[d, v] *= s
 
 
+@numba.njit(inline="always")
+def _read_group(packed, r, first, count):
+    """The ``count`` bytes of row ``r`` from byte ``first`` as one little-endian word."""
+    word = np.uint64(0)
+    for k in range(count):
+        word |= np.uint64(packed[r, first + k]) << np.uint64(8 * k)
+    return word
+
+
+@numba.njit(inline="always")
+def _write_group(out, r, first, count, word):
+    for k in range(count):
+        out[r, first + k] = np.uint8((word >> np.uint64(8 * k)) & 255)
+
+
 # -- turbo encode ----------------------------------------------------------------------------
 @jit(parallel=True, nogil=True)
 def turbo_encode_kernel(x, s1, s2, bounds, bits, codes, norms, threads, tile_width):
@@ -184,9 +199,7 @@ def turbo_encode_kernel(x, s1, s2, bounds, bits, codes, norms, threads, tile_wid
                             w[v] |= np.uint64(q[d, v]) << shift
                 first = g * group_bytes
                 for v in range(n):
-                    word = w[v]
-                    for k in range(min(group_bytes, nbytes - first)):
-                        codes[r0 + v, first + k] = np.uint8((word >> np.uint64(8 * k)) & 255)
+                    _write_group(codes, r0 + v, first, min(group_bytes, nbytes - first), w[v])
 
 
 # -- turbo decode ----------------------------------------------------------------------------
@@ -213,9 +226,7 @@ def turbo_decode_kernel(codes, norms, s1, s2, centroids, bits, out, threads, til
             for v in range(n):
                 for g in range(ngroups):
                     first = g * group_bytes
-                    word = np.uint64(0)
-                    for k in range(min(group_bytes, nbytes - first)):
-                        word |= np.uint64(codes[r0 + v, first + k]) << np.uint64(8 * k)
+                    word = _read_group(codes, r0 + v, first, min(group_bytes, nbytes - first))
                     for j in range(group):
                         d = g * group + j
                         if d < dim:
@@ -252,8 +263,7 @@ def pack_kernel(codes, bits, out):
             for j in range(min(group, n - g * group)):
                 word |= np.uint64(codes[r, g * group + j]) << np.uint64(j * bits)
             first = g * group_bytes
-            for k in range(min(group_bytes, nbytes - first)):
-                out[r, first + k] = np.uint8((word >> np.uint64(8 * k)) & 255)
+            _write_group(out, r, first, min(group_bytes, nbytes - first), word)
 
 
 @jit(parallel=True, nogil=True)
@@ -267,9 +277,7 @@ def unpack_kernel(packed, bits, out):
     for r in prange(rows):
         for g in range(ngroups):
             first = g * group_bytes
-            word = np.uint64(0)
-            for k in range(min(group_bytes, nbytes - first)):
-                word |= np.uint64(packed[r, first + k]) << np.uint64(8 * k)
+            word = _read_group(packed, r, first, min(group_bytes, nbytes - first))
             for j in range(min(group, n - g * group)):
                 out[r, g * group + j] = np.uint8((word >> np.uint64(j * bits)) & mask)
 
@@ -285,9 +293,7 @@ def unpack_lookup_kernel(packed, bits, values, out):
     for r in prange(rows):
         for g in range(ngroups):
             first = g * group_bytes
-            word = np.uint64(0)
-            for k in range(min(group_bytes, nbytes - first)):
-                word |= np.uint64(packed[r, first + k]) << np.uint64(8 * k)
+            word = _read_group(packed, r, first, min(group_bytes, nbytes - first))
             for j in range(min(group, n - g * group)):
                 out[r, g * group + j] = values[(word >> np.uint64(j * bits)) & mask]
 
@@ -295,15 +301,10 @@ def unpack_lookup_kernel(packed, bits, values, out):
 # -- Python entry points: views in, views out ---------------------------------------------------
 @cache
 def _signs(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    s1 = random_signs(dim, seed).astype(np.float32)
-    s2 = random_signs(dim, seed ^ 0xA5A5A5A5).astype(np.float32)
-    s1.setflags(write=False)
-    s2.setflags(write=False)
-    return s1, s2
-
-
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+    signs = tuple(s.astype(np.float32) for s in hadamard_signs(dim, seed))
+    for s in signs:
+        s.setflags(write=False)
+    return signs
 
 
 def kernel_view(x: Any) -> np.ndarray:
@@ -392,10 +393,6 @@ def unpack_lookup(packed: Any, bits: int, n: int, values: np.ndarray) -> Any:
         unpack_lookup_kernel(np.ascontiguousarray(_rows(kernel_view(packed))), bits,
                              np.ascontiguousarray(values, dtype=np.float32), _rows(out_v))
     return out
-
-
-def packing_supported(bits: int) -> bool:
-    return 1 <= bits <= 8 and (8 // gcd(8, bits)) * bits <= 64
 
 
 __all__ = ["name", "supported", "turbo_encode", "turbo_decode", "pack_bits", "unpack_bits",

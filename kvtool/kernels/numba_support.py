@@ -8,7 +8,6 @@ instruction each on x86-64 CPUs that have it, which every AVX2 CPU does), bf16 w
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -60,19 +59,6 @@ def jit(**options: Any) -> Callable[[Callable], Callable]:
             return numba.njit(cache=False, **options)(fn)
 
     return wrap
-
-
-def cache_writable() -> bool:
-    """Whether compiled kernels are cached across processes here (for ``kvtool codecs``)."""
-    from numba.core.caching import _CacheLocator  # noqa: F401  (import checks the API exists)
-
-    here = os.path.join(os.path.dirname(__file__), "__pycache__")
-    target = os.environ.get("NUMBA_CACHE_DIR") or here
-    try:
-        os.makedirs(target, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(target, os.W_OK)
 
 
 @intrinsic
