@@ -27,14 +27,16 @@ from numba.extending import overload
 
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.rotation import hadamard_signs, is_power_of_two
-from kvtool.kernels import _is_torch
+from kvtool.kernels.numba_packing import pack_bits, unpack_bits, unpack_lookup
 from kvtool.kernels.numba_support import (
     bf16_to_f32,
+    empty_like_backend,
     f16_to_f32,
     f32_as_u32,
     f32_to_bf16,
     f32_to_f16,
     jit,
+    kernel_view,
     u32_as_f32,
 )
 
@@ -174,21 +176,6 @@ def _transpose(src, dst):
     for j in range(cols):
         for i in range(rows):
             dst[j, i] = src[i, j]
-
-
-@numba.njit(inline="always")
-def _read_group(packed, r, first, count):
-    """The ``count`` bytes of row ``r`` from byte ``first`` as one little-endian word."""
-    word = np.uint64(0)
-    for k in range(count):
-        word |= np.uint64(packed[r, first + k]) << np.uint64(8 * k)
-    return word
-
-
-@numba.njit(inline="always")
-def _write_group(out, r, first, count, word):
-    for k in range(count):
-        out[r, first + k] = np.uint8((word >> np.uint64(8 * k)) & 255)
 
 
 # -- turbo encode ----------------------------------------------------------------------------
@@ -392,55 +379,6 @@ def turbo_decode_kernel(codes, code_words, norms, s1, s2, centroids, bits, out, 
                     out_words[r0 + v, k] = words[k, v]
 
 
-# -- generic bit packing (every codec's codes) ------------------------------------------------
-@jit(parallel=True, nogil=True)
-def pack_kernel(codes, bits, out):
-    rows, n = codes.shape
-    nbytes = out.shape[1]
-    group = 8  # eight codes fill ``bits`` whole bytes, for every bit width
-    group_bytes = bits
-    ngroups = (n + group - 1) // group
-    for r in prange(rows):
-        for g in range(ngroups):
-            word = np.uint64(0)
-            for j in range(min(group, n - g * group)):
-                word |= np.uint64(codes[r, g * group + j]) << np.uint64(j * bits)
-            first = g * group_bytes
-            _write_group(out, r, first, min(group_bytes, nbytes - first), word)
-
-
-@jit(parallel=True, nogil=True)
-def unpack_kernel(packed, bits, out):
-    rows, n = out.shape
-    nbytes = packed.shape[1]
-    group = 8  # eight codes fill ``bits`` whole bytes, for every bit width
-    group_bytes = bits
-    ngroups = (n + group - 1) // group
-    mask = np.uint64((1 << bits) - 1)
-    for r in prange(rows):
-        for g in range(ngroups):
-            first = g * group_bytes
-            word = _read_group(packed, r, first, min(group_bytes, nbytes - first))
-            for j in range(min(group, n - g * group)):
-                out[r, g * group + j] = np.uint8((word >> np.uint64(j * bits)) & mask)
-
-
-@jit(parallel=True, nogil=True)
-def unpack_lookup_kernel(packed, bits, values, out):
-    rows, n = out.shape
-    nbytes = packed.shape[1]
-    group = 8  # eight codes fill ``bits`` whole bytes, for every bit width
-    group_bytes = bits
-    ngroups = (n + group - 1) // group
-    mask = np.uint64((1 << bits) - 1)
-    for r in prange(rows):
-        for g in range(ngroups):
-            first = g * group_bytes
-            word = _read_group(packed, r, first, min(group_bytes, nbytes - first))
-            for j in range(min(group, n - g * group)):
-                out[r, g * group + j] = values[(word >> np.uint64(j * bits)) & mask]
-
-
 # -- Python entry points: views in, views out ---------------------------------------------------
 @cache
 def _signs(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -448,41 +386,6 @@ def _signs(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     for s in signs:
         s.setflags(write=False)
     return signs
-
-
-def kernel_view(x: Any) -> np.ndarray:
-    """A zero-copy numpy view in the kernels' element types (fp16 → uint16, bf16 → int16)."""
-    if _is_torch(x):
-        import torch
-
-        x = x.detach()
-        if x.dtype in (torch.float16, torch.bfloat16):
-            view = x.view(torch.int16).numpy()
-            return view.view(np.uint16) if x.dtype == torch.float16 else view
-        return x.numpy()
-    x = np.asarray(x)
-    if x.dtype == np.float16:
-        return x.view(np.uint16)
-    if x.dtype.name == "bfloat16":
-        return x.view(np.int16)
-    return x
-
-
-def _empty_like_backend(like: Any, shape: tuple[int, ...], dtype: str) -> tuple[Any, np.ndarray]:
-    """(array of ``like``'s type, its kernel view)."""
-    from kvtool.kernels import numpy_ops
-
-    if _is_torch(like):
-        # numpy's allocator asks for huge pages on large arrays; torch.empty's 4 KiB page faults
-        # cost a large output as much as the decode itself
-        import torch
-
-        kind = np.int16 if dtype == "bfloat16" else numpy_ops._DTYPES[dtype]
-        a = np.empty(shape, dtype=kind)
-        t = torch.from_numpy(a)
-        return (t.view(torch.bfloat16) if dtype == "bfloat16" else t), kernel_view(a)
-    a = np.empty(shape, dtype=numpy_ops._DTYPES[dtype])
-    return a, kernel_view(a)
 
 
 def _words(a: np.ndarray) -> np.ndarray:
@@ -497,8 +400,8 @@ def turbo_encode(x: Any, bits: int, seed: int) -> tuple[Any, Any]:
     """(codes uint8 [rows, nbytes], norms float32 [rows]) of ``x[rows, dim]``."""
     rows, dim = x.shape
     view = np.ascontiguousarray(kernel_view(x))
-    codes, codes_v = _empty_like_backend(x, (rows, (dim * bits + 7) // 8), "uint8")
-    norms, norms_v = _empty_like_backend(x, (rows,), "float32")
+    codes, codes_v = empty_like_backend(x, (rows, (dim * bits + 7) // 8), "uint8")
+    norms, norms_v = empty_like_backend(x, (rows,), "float32")
     if view.dtype not in (np.float32, np.uint16, np.int16):
         view = view.astype(np.float32)
     s1, s2 = _signs(dim, seed)
@@ -511,42 +414,12 @@ def turbo_encode(x: Any, bits: int, seed: int) -> tuple[Any, Any]:
 def turbo_decode(codes: Any, norms: Any, dim: int, bits: int, seed: int, dtype: str) -> Any:
     """``[rows, dim]`` in ``dtype`` from packed ``codes[rows, nbytes]`` and fp16 ``norms``."""
     rows = codes.shape[0]
-    out, out_v = _empty_like_backend(codes, (rows, dim), dtype)
+    out, out_v = empty_like_backend(codes, (rows, dim), dtype)
     s1, s2 = _signs(dim, seed)
     codes_v = np.ascontiguousarray(kernel_view(codes))
     turbo_decode_kernel(codes_v, _words(codes_v), np.ascontiguousarray(kernel_view(norms)), s1, s2,
                         sphere_marginal_codebook(dim, 1 << bits).centroids, bits, out_v,
                         numba.get_num_threads(), TILE)
-    return out
-
-
-def _rows(a: Any) -> Any:
-    return a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
-
-
-def pack_bits(codes: Any, bits: int) -> Any:
-    """Same bytes as :func:`kvtool.kernels.bitpack.pack_bits`."""
-    lead, n = tuple(codes.shape[:-1]), codes.shape[-1]
-    out, out_v = _empty_like_backend(codes, (*lead, (n * bits + 7) // 8), "uint8")
-    if out.size:
-        pack_kernel(np.ascontiguousarray(_rows(kernel_view(codes))), bits, _rows(out_v))
-    return out
-
-
-def unpack_bits(packed: Any, bits: int, n: int) -> Any:
-    lead = tuple(packed.shape[:-1])
-    out, out_v = _empty_like_backend(packed, (*lead, n), "uint8")
-    if out.size:
-        unpack_kernel(np.ascontiguousarray(_rows(kernel_view(packed))), bits, _rows(out_v))
-    return out
-
-
-def unpack_lookup(packed: Any, bits: int, n: int, values: np.ndarray) -> Any:
-    lead = tuple(packed.shape[:-1])
-    out, out_v = _empty_like_backend(packed, (*lead, n), "float32")
-    if out.size:
-        unpack_lookup_kernel(np.ascontiguousarray(_rows(kernel_view(packed))), bits,
-                             np.ascontiguousarray(values, dtype=np.float32), _rows(out_v))
     return out
 
 

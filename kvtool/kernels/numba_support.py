@@ -1,5 +1,6 @@
-"""What every numba kernel module shares: a ``jit`` that caches compiled code when it can, and
-float16 conversions.
+"""What every numba kernel module shares: a ``jit`` that caches compiled code when it can,
+float16 conversions, zero-copy kernel views of numpy arrays and torch tensors, and packed-group
+access.
 
 numba has no CPU float16 type, so kernels take fp16 and bf16 arrays as ``uint16`` views and
 convert one value at a time: fp16 with LLVM's ``fpext``/``fptrunc`` on ``half`` (one F16C
@@ -13,9 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from kvtool.kernels import _is_torch
 
 
 def _llvmlite_refuses_dunders() -> None:
@@ -114,3 +118,54 @@ def warn_fallback(what: str, error: BaseException) -> None:
     """One warning when a compiled kernel fails to build: the caller then uses the reference."""
     warnings.warn(f"kvtool: compiled CPU kernel for {what} unavailable ({error}); "
                   "using the reference path", RuntimeWarning, stacklevel=3)
+
+
+# -- arrays in, views out, and packed-group access shared by the kernels -----------------------
+def kernel_view(x: Any) -> np.ndarray:
+    """A zero-copy numpy view in the kernels' element types (fp16 → uint16, bf16 → int16)."""
+    if _is_torch(x):
+        import torch
+
+        x = x.detach()
+        if x.dtype in (torch.float16, torch.bfloat16):
+            view = x.view(torch.int16).numpy()
+            return view.view(np.uint16) if x.dtype == torch.float16 else view
+        return x.numpy()
+    x = np.asarray(x)
+    if x.dtype == np.float16:
+        return x.view(np.uint16)
+    if x.dtype.name == "bfloat16":
+        return x.view(np.int16)
+    return x
+
+
+def empty_like_backend(like: Any, shape: tuple[int, ...], dtype: str) -> tuple[Any, np.ndarray]:
+    """(array of ``like``'s type, its kernel view)."""
+    from kvtool.kernels import numpy_ops
+
+    if _is_torch(like):
+        # numpy's allocator asks for huge pages on large arrays; torch.empty's 4 KiB page faults
+        # cost a large output as much as the decode itself
+        import torch
+
+        kind = np.int16 if dtype == "bfloat16" else numpy_ops._DTYPES[dtype]
+        a = np.empty(shape, dtype=kind)
+        t = torch.from_numpy(a)
+        return (t.view(torch.bfloat16) if dtype == "bfloat16" else t), kernel_view(a)
+    a = np.empty(shape, dtype=numpy_ops._DTYPES[dtype])
+    return a, kernel_view(a)
+
+
+@numba.njit(inline="always")
+def read_group(packed, r, first, count):
+    """The ``count`` bytes of row ``r`` from byte ``first`` as one little-endian word."""
+    word = np.uint64(0)
+    for k in range(count):
+        word |= np.uint64(packed[r, first + k]) << np.uint64(8 * k)
+    return word
+
+
+@numba.njit(inline="always")
+def write_group(out, r, first, count, word):
+    for k in range(count):
+        out[r, first + k] = np.uint8((word >> np.uint64(8 * k)) & 255)
