@@ -228,3 +228,22 @@ def test_llvmlite_library_object_survives_a_namespace_scan():
 
     assert not hasattr(ffi.lib, "__dict__")
     assert ffi.lib.LLVMPY_GetHostCPUName is not None  # real functions still resolve
+
+
+WARM = """
+from kvtool.codecs import get_codec
+from kvtool.kernels import numba_cpu, warm_up_async
+thread = warm_up_async([get_codec("turbo3"), get_codec("turbo2")], "float16")
+print(thread is not None and (thread.join(), True)[1])
+print(sorted(str(sig[0].dtype) for sig in numba_cpu.turbo_encode_kernel.signatures),
+      sorted(str(sig[-3].dtype) for sig in numba_cpu.turbo_decode_kernel.signatures))
+"""
+
+
+def test_warm_up_loads_the_kernels_for_the_dtype_it_is_given():
+    out = _run(WARM)
+    assert out.returncode == 0, out.stderr
+    started, sigs = out.stdout.strip().split("\n")
+    assert started == "True"
+    assert sigs == "['uint16'] ['uint16']"  # fp16 in, fp16 out: the kernels capture will run
+    assert _run(WARM, KVTOOL_KERNELS="reference").stdout.startswith("False")

@@ -67,6 +67,9 @@ def capture_command(model_name: str, dtype: str, threads: int | None, engine: st
     check_output_path(output)  # before the slow part: a bad -o fails in milliseconds
     text = read_prompt(prompt, prompt_file)
     policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
+    from kvtool.kernels import warm_up_async
+
+    warm_up_async([policy.key, policy.value], dtype)  # overlaps the model's load and prefill
     from kvtool.formats import save
 
     if engine == "vllm":

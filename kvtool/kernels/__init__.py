@@ -11,8 +11,11 @@ Later backends (Triton, MLX) add a module with the same functions and a branch i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -148,3 +151,25 @@ def row_blocks(xp: ModuleType, like: Array, rows: int, width: int) -> list[slice
     """
     count = max(1, -(-rows // xp.block_rows(like, width)))
     return [slice(i * rows // count, (i + 1) * rows // count) for i in range(count)]
+
+
+def warm_up_async(codecs: Iterable[Any], dtype: str) -> threading.Thread | None:
+    """Load (or compile) the compiled kernels ``codecs`` will use on ``dtype`` input, in a
+    background thread, so a later encode does not pay it: loading a cached numba kernel takes
+    about half a second, a cold compile ~15 s. numba specialises on array types, not shapes,
+    so a tiny array warms the real thing. None where no compiled CPU backend is active."""
+    if cpu_kernels() is None:
+        return None
+    import numpy as np
+
+    from kvtool.kernels import numpy_ops
+
+    def warm() -> None:
+        x = np.ones((2, 64), dtype=numpy_ops._DTYPES[dtype])
+        for codec in codecs:
+            with contextlib.suppress(Exception):  # a warm-up must never break the real job
+                codec.decode(codec.encode(x), dtype)
+
+    thread = threading.Thread(target=warm, name="kvtool-kernel-warm-up", daemon=True)
+    thread.start()
+    return thread
