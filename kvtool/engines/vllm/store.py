@@ -258,7 +258,10 @@ class PrefixStore:
         try:
             with self.pin(chunk) as (path, stamp):
                 cache = load(path, tokens=tokens, backend="torch")
-            check_cache(cache, self.model, want)
+                check_cache(cache, self.model, want)
+                # the last hit, for `kvtool store prune` (LRU): atime set explicitly, mtime kept
+                with contextlib.suppress(OSError):
+                    os.utime(path, ns=(time.time_ns(), stamp[2]))
             return cache
         except Exception as e:
             if stamp is not None:

@@ -1,0 +1,142 @@
+"""``kvtool store``: a prefix store at rest — list, measure, verify and prune it (in the style of
+``hf cache``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from kvtool.cli._common import echo_json, handle_errors
+
+
+def _when(ts: float) -> str:
+    age = max(0.0, time.time() - ts)
+    for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
+        if age >= seconds:
+            return f"{age / seconds:.0f}{unit} ago"
+    return "just now"
+
+
+def _scan(root: str):
+    from kvtool.engines.vllm import store_admin
+
+    return store_admin.scan(root)
+
+
+@click.group("store")
+def store_group() -> None:
+    """Inspect and manage a kvtool prefix store (the vLLM connector's --store directory)."""
+
+
+@store_group.command("ls")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per chunk).")
+@handle_errors
+def ls_command(root: str, as_json: bool) -> None:
+    """List the chunk files of every model in the store, most recently hit first."""
+    from kvtool.cli.inspect import human_bytes
+
+    chunks = sorted(_scan(root).chunks, key=lambda c: -c.last_hit)
+    if as_json:
+        echo_json([{"path": c.path, "model": c.model, "bytes": c.bytes, "written": c.written,
+                    "last_hit": c.last_hit} for c in chunks])
+        return
+    click.echo(f"{'model':<16}  {'size':>9}  {'last hit':>10}  chunk")
+    for c in chunks:
+        click.echo(f"{c.model:<16}  {human_bytes(c.bytes):>9}  {_when(c.last_hit):>10}  "
+                   f"{c.path.rsplit('/', 1)[-1][:16]}")
+    click.echo(f"{len(chunks)} chunks")
+
+
+def print_stats(info: dict[str, Any]) -> None:
+    from kvtool.cli.inspect import human_bytes
+
+    click.echo(f"store      {info['root']}")
+    click.echo(f"chunks     {info['chunks']} ({human_bytes(info['bytes'])}) "
+               f"for {len(info['models'])} model(s)")
+    for m in info["models"]:
+        click.echo(f"  {m['model']}  {m['chunks']} chunks, {human_bytes(m['bytes'])}, "
+                   f"hits from {_when(m['oldest_hit'])} to {_when(m['newest_hit'])}")
+    click.echo(f"quarantine {info['quarantined_files']} files "
+               f"({human_bytes(info['quarantined_bytes'])})")
+    click.echo(f"temp files {info['temp_files']} ({human_bytes(info['temp_bytes'])}: writes in "
+               "progress or crash leftovers)")
+    if info["ignored_entries"]:
+        click.echo(f"ignored    {info['ignored_entries']} entries (symlinks, special files, "
+                   "foreign names)")
+
+
+@store_group.command("stats")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handle_errors
+def stats_command(root: str, as_json: bool) -> None:
+    """Totals of a store at rest: chunks and bytes per model, quarantine, temp files."""
+    from kvtool.engines.vllm import store_admin
+
+    info = store_admin.stats(_scan(root))
+    if as_json:
+        echo_json(info)
+    else:
+        print_stats(info)
+
+
+@store_group.command("verify")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handle_errors
+def verify_command(root: str, as_json: bool) -> None:
+    """Check every chunk's checksums and layers (reads every byte; changes nothing).
+    Exit code 4 if any chunk is damaged."""
+    from tqdm import tqdm
+
+    from kvtool.engines.vllm import store_admin
+
+    found = _scan(root)
+    bad = store_admin.verify(found, lambda chunks: tqdm(chunks, desc="verifying", unit="chunk",
+                                                        leave=False, disable=None))
+    if as_json:
+        echo_json({"chunks": len(found.chunks), "damaged": [{"path": p, "problem": why}
+                                                            for p, why in bad]})
+    else:
+        for path, why in bad:
+            click.echo(f"DAMAGED {path}: {why}")
+        click.echo(f"{len(found.chunks) - len(bad)} of {len(found.chunks)} chunks ok")
+    if bad:
+        raise SystemExit(4)
+
+
+@store_group.command("prune")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--max-bytes", help="Remove least recently hit chunks until the store fits "
+              "(e.g. 500MB, 2GiB).")
+@click.option("--older-than", help="Remove chunks not hit for this long (e.g. 30d, 12h).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handle_errors
+def prune_command(root: str, max_bytes: str | None, older_than: str | None, dry_run: bool,
+                  as_json: bool) -> None:
+    """Remove chunks by last hit (LRU); safe while servers use the store."""
+    from kvtool.cli.inspect import human_bytes
+    from kvtool.engines.vllm import store_admin
+
+    if max_bytes is None and older_than is None:
+        raise click.UsageError("give --max-bytes and/or --older-than")
+    try:
+        limit = store_admin.parse_size(max_bytes) if max_bytes is not None else None
+        age = store_admin.parse_duration(older_than) if older_than is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    found = _scan(root)
+    doomed = store_admin.prune_plan(found, max_bytes=limit, older_than=age)
+    files, freed = ((len(doomed), sum(c.bytes for c in doomed)) if dry_run
+                    else store_admin.remove(doomed, root))
+    left = sum(c.bytes for c in found.chunks) - freed
+    if as_json:
+        echo_json({"removed_files": files, "removed_bytes": freed, "dry_run": dry_run,
+                   "bytes_left": left})
+        return
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} {files} chunks ({human_bytes(freed)}); {human_bytes(left)} left")

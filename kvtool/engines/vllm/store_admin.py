@@ -1,0 +1,215 @@
+"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``).
+
+Works on the layout of :mod:`~kvtool.engines.vllm.store` (``<root>/<fingerprint[:16]>/<key[:2]>/
+<key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM.
+
+"Last hit" is a chunk file's access time: :meth:`PrefixStore.read` sets it on every load it
+serves (explicitly, so ``noatime``/``relatime`` mounts do not matter); a chunk never served
+since it was written has its write time. Pruning is safe while servers run: a file is removed
+by unlinking its name, so a server that has it open finishes reading it, and a server that
+looks for it next finds a miss and recomputes (then stores the chunk again). Symlinks and other
+non-regular files are never followed, counted or removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from kvtool.engines.vllm.store import QUARANTINE_DIR
+from kvtool.errors import KvtoolError
+from kvtool.fileio import TEMP_SUFFIX
+
+_MODEL_DIR = re.compile(r"^[0-9a-f]{16}$")
+_SHARD_DIR = re.compile(r"^[0-9a-f]{2}$")
+_CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredChunk:
+    """One chunk file found in the store."""
+
+    path: str
+    model: str  # the model directory (fingerprint[:16])
+    bytes: int
+    written: float  # mtime, seconds since the epoch
+    last_hit: float  # atime: the last load served from it (or its write)
+
+
+@dataclasses.dataclass
+class StoreScan:
+    """Everything under a store root, by kind."""
+
+    root: str
+    chunks: list[StoredChunk]
+    temp_files: int = 0
+    temp_bytes: int = 0
+    quarantined_files: int = 0
+    quarantined_bytes: int = 0
+    ignored: int = 0  # symlinks, special files, names not of the store's layout
+
+
+def _regular(entry: os.DirEntry) -> os.stat_result | None:
+    with contextlib.suppress(OSError):
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            return st
+    return None
+
+
+def _dirs(path: str, pattern: re.Pattern) -> list[os.DirEntry]:
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        return sorted((e for e in it if pattern.match(e.name) and e.is_dir(follow_symlinks=False)),
+                      key=lambda e: e.name)
+    return []
+
+
+def scan(root: str | os.PathLike) -> StoreScan:
+    """Walk the store at ``root`` (a :class:`KvtoolError` if it is not a directory)."""
+    root = str(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise KvtoolError(f"no store at {root}: the directory does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise KvtoolError(f"{root} is not a store directory")
+    out = StoreScan(root, [])
+    for model in _dirs(root, _MODEL_DIR):
+        for shard in _dirs(model.path, _SHARD_DIR):
+            with contextlib.suppress(OSError), os.scandir(shard.path) as it:
+                for e in it:
+                    st = _regular(e)
+                    if st is None:
+                        out.ignored += 1
+                    elif e.name.endswith(TEMP_SUFFIX):
+                        out.temp_files += 1
+                        out.temp_bytes += st.st_size
+                    elif _CHUNK.match(e.name):
+                        out.chunks.append(StoredChunk(e.path, model.name, st.st_size,
+                                                      st.st_mtime, max(st.st_atime, st.st_mtime)))
+                    else:
+                        out.ignored += 1
+    with contextlib.suppress(OSError), os.scandir(os.path.join(root, QUARANTINE_DIR)) as it:
+        for e in it:
+            st = _regular(e)
+            if st is not None:
+                out.quarantined_files += 1
+                out.quarantined_bytes += st.st_size
+    return out
+
+
+def stats(found: StoreScan) -> dict[str, Any]:
+    """Totals of a scan, overall and per model directory (JSON-ready)."""
+    models: dict[str, dict[str, Any]] = {}
+    for c in found.chunks:
+        m = models.setdefault(c.model, {"model": c.model, "chunks": 0, "bytes": 0,
+                                        "oldest_hit": c.last_hit, "newest_hit": c.last_hit})
+        m["chunks"] += 1
+        m["bytes"] += c.bytes
+        m["oldest_hit"] = min(m["oldest_hit"], c.last_hit)
+        m["newest_hit"] = max(m["newest_hit"], c.last_hit)
+    return {
+        "root": found.root,
+        "chunks": len(found.chunks),
+        "bytes": sum(c.bytes for c in found.chunks),
+        "models": sorted(models.values(), key=lambda m: -m["bytes"]),
+        "temp_files": found.temp_files, "temp_bytes": found.temp_bytes,
+        "quarantined_files": found.quarantined_files,
+        "quarantined_bytes": found.quarantined_bytes,
+        "ignored_entries": found.ignored,
+    }
+
+
+def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter
+           ) -> list[tuple[str, str]]:
+    """``(path, problem)`` for every chunk file whose checksums or layers fail, or whose
+    content contradicts its place (model directory). Reads every byte; changes nothing.
+    ``progress`` wraps the iteration over the chunks (a tqdm bar)."""
+    from kvtool.formats import open_kvz
+    from kvtool.formats.info import verify_file
+
+    bad = []
+    for c in progress(found.chunks):
+        try:
+            with open_kvz(c.path) as f:
+                problems = verify_file(f)
+                fingerprint = str(f.model.get("fingerprint", ""))
+                if fingerprint[:16] != c.model:
+                    problems.append(f"it belongs to model {fingerprint[:16] or '?'}, "
+                                    f"stored under {c.model}")
+        except KvtoolError as e:
+            problems = [str(e).replace(f"{c.path}: ", "")]
+        except OSError as e:
+            problems = [f"unreadable ({e.strerror or e})"]
+        bad += [(c.path, p) for p in problems[:1]]
+    return bad
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (a bare number is seconds)."""
+    m = _DURATION.match(text.lower())
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (like 30d, 12h, 90m, 2w)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``500MB``, ``2GiB``, ``10G``, ``1000`` (decimal units; ``i`` for binary)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (like 500MB, 2GiB, 10G)")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
+               older_than: float | None = None, now: float | None = None) -> list[StoredChunk]:
+    """The chunks to remove, least recently hit first: every chunk not hit within
+    ``older_than`` seconds, then more until the rest fits in ``max_bytes``."""
+    now = time.time() if now is None else now
+    by_age = sorted(found.chunks, key=lambda c: (c.last_hit, c.path))
+    doomed = [c for c in by_age if older_than is not None and now - c.last_hit > older_than]
+    if max_bytes is not None:
+        gone = {c.path for c in doomed}
+        left = sum(c.bytes for c in found.chunks) - sum(c.bytes for c in doomed)
+        for c in by_age:
+            if left <= max_bytes:
+                break
+            if c.path not in gone:
+                doomed.append(c)
+                left -= c.bytes
+    return doomed
+
+
+def remove(chunks: list[StoredChunk], root: str | os.PathLike) -> tuple[int, int]:
+    """Unlink the chunk files (never through a symlinked directory); (files, bytes) removed.
+    A file already gone (another prune, a quarantine) is skipped."""
+    from kvtool.engines.vllm.safeio import open_dir
+
+    files = freed = 0
+    for c in chunks:
+        parts = Path(c.path).relative_to(root).parts
+        try:
+            dir_fd = open_dir(root, parts[:-1])
+        except OSError:
+            continue
+        try:
+            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(parts[-1], dir_fd=dir_fd)
+                files, freed = files + 1, freed + st.st_size
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
+    return files, freed

@@ -1,0 +1,152 @@
+"""``kvtool store ls|stats|verify|prune`` on a store at rest, and the last-hit mark that LRU
+pruning uses (kvtool.engines.vllm.store_admin; no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtool.cli.main import cli  # noqa: E402
+from kvtool.engines.vllm import store_admin  # noqa: E402
+from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+
+CHUNK = 16
+MODELS = [{"fingerprint": "a" * 64, "name": "m1"}, {"fingerprint": "b" * 64, "name": "m2"}]
+
+
+def fill(root, model, n_chunks: int, seed: int = 0) -> tuple[PrefixStore, list]:
+    store = PrefixStore(root, model, CHUNK, policy_from_extra({"codec": "raw"}))
+    gen = torch.Generator().manual_seed(seed)
+    ids = [seed * 1000 + i for i in range(n_chunks * CHUNK)]
+    chunks = store.chunks(ids)
+    for c in chunks:
+        ks = [torch.randn(2, CHUNK, 32, generator=gen) for _ in range(2)]
+        vs = [torch.randn(2, CHUNK, 32, generator=gen) for _ in range(2)]
+        store.write(c, ks, vs, ids)
+    return store, chunks
+
+
+@pytest.fixture
+def root(tmp_path):
+    fill(tmp_path, MODELS[0], 3, seed=1)
+    fill(tmp_path, MODELS[1], 2, seed=2)
+    return tmp_path
+
+
+def set_hit(path: str, when: float) -> None:
+    """Pretend the chunk was written and last hit at ``when``."""
+    os.utime(path, ns=(int(when * 1e9), int(when * 1e9)))
+
+
+def test_stats_counts_every_model_quarantine_and_temp_files(root, runner):
+    (root / "quarantine").mkdir()
+    (root / "quarantine" / "x.kvz").write_bytes(b"12345")
+    shard = next(p for p in (root / ("a" * 16)).iterdir())
+    (shard / f".tmp.host.1.chunk{store_admin.TEMP_SUFFIX}").write_bytes(b"123")
+    os.symlink("/etc/passwd", shard / ("c" * 64 + ".kvz"))  # never counted, never followed
+    out = runner.invoke(cli, ["store", "stats", str(root), "--json"])
+    assert out.exit_code == 0, out.output
+    info = json.loads(out.output)
+    assert info["chunks"] == 5
+    assert [m["chunks"] for m in info["models"]] == [3, 2]
+    assert info["bytes"] == sum(m["bytes"] for m in info["models"]) > 0
+    assert (info["quarantined_files"], info["quarantined_bytes"]) == (1, 5)
+    assert (info["temp_files"], info["temp_bytes"]) == (1, 3)
+    assert info["ignored_entries"] == 1
+    human = runner.invoke(cli, ["store", "stats", str(root)])
+    assert human.exit_code == 0 and "5 (" in human.output and "aaaaaaaaaaaaaaaa" in human.output
+
+
+def test_ls_lists_most_recent_hit_first(root, runner):
+    found = store_admin.scan(root)
+    for i, c in enumerate(sorted(found.chunks, key=lambda c: c.path)):
+        set_hit(c.path, 1_000_000 + i)
+    out = runner.invoke(cli, ["store", "ls", str(root), "--json"])
+    rows = json.loads(out.output)
+    assert len(rows) == 5
+    assert [r["last_hit"] for r in rows] == sorted((r["last_hit"] for r in rows), reverse=True)
+
+
+def test_a_served_load_marks_the_hit_and_keeps_mtime(tmp_path):
+    store, chunks = fill(tmp_path, MODELS[0], 2)
+    set_hit(chunks[1].path, 1_000_000)
+    before = os.stat(chunks[1].path)
+    store.read(chunks[1])
+    after = os.stat(chunks[1].path)
+    assert after.st_atime > 1_000_000 + 1e6  # now, not the old mark
+    assert after.st_mtime_ns == before.st_mtime_ns  # the verdict cache's stamp is unchanged
+
+
+def test_prune_lru_to_max_bytes_and_by_age(root, runner):
+    found = store_admin.scan(root)
+    order = sorted(found.chunks, key=lambda c: c.path)
+    now = 2_000_000_000
+    for i, c in enumerate(order):
+        set_hit(c.path, now - 86400 * (10 - i))  # order[0] is the least recently hit
+    found = store_admin.scan(root)  # as marked
+    size = order[0].bytes
+    assert all(c.bytes == size for c in order)
+    plan = store_admin.prune_plan(found, max_bytes=3 * size, now=now)
+    assert [c.path for c in plan] == [c.path for c in order[:2]]
+    plan = store_admin.prune_plan(found, older_than=8.5 * 86400, now=now)
+    assert [c.path for c in plan] == [c.path for c in order[:2]]  # 10 and 9 days old
+    dry = runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", str(3 * size),
+                              "--dry-run", "--json"])
+    assert json.loads(dry.output)["removed_files"] == 2
+    assert len(store_admin.scan(root).chunks) == 5  # dry run removed nothing
+    out = runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", str(3 * size),
+                              "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["removed_files"] == 2
+    left = {c.path for c in store_admin.scan(root).chunks}
+    assert left == {c.path for c in order[2:]}
+
+
+def test_pruned_chunks_are_misses_not_errors(tmp_path):
+    store, chunks = fill(tmp_path, MODELS[0], 3)
+    ids = [i for i in range(3 * CHUNK)]
+    store_admin.remove([store_admin.scan(tmp_path).chunks[0]], tmp_path)
+    assert len(store.lookup(ids)) < 3  # the store serves what is left and recomputes the rest
+
+
+def test_verify_finds_damage_and_foreign_files(root, runner):
+    assert runner.invoke(cli, ["store", "verify", str(root)]).exit_code == 0
+    found = sorted(store_admin.scan(root).chunks, key=lambda c: c.path)
+    data = bytearray(open(found[0].path, "rb").read())
+    data[-10] ^= 0xFF  # a flipped payload byte
+    open(found[0].path, "wb").write(bytes(data))
+    other = next(c for c in found if c.model != found[0].model)
+    moved = os.path.join(os.path.dirname(found[1].path) if found[1].model != other.model
+                         else os.path.dirname(found[-1].path), os.path.basename(other.path))
+    os.rename(other.path, moved)  # a chunk of model b under model a's directory
+    out = runner.invoke(cli, ["store", "verify", str(root), "--json"])
+    assert out.exit_code == 4
+    damaged = {d["path"]: d["problem"] for d in json.loads(out.output)["damaged"]}
+    assert found[0].path in damaged
+    assert any("belongs to model" in why for why in damaged.values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["prune", "{root}"], "--max-bytes"),
+    (["prune", "{root}", "--max-bytes", "lots"], "not a size"),
+    (["prune", "{root}", "--older-than", "soon"], "not a duration"),
+    (["stats", "{root}/missing"], "does not exist"),
+])
+def test_bad_options_and_paths_are_one_line_errors(root, runner, args, message):
+    out = runner.invoke(cli, ["store", *[a.format(root=root) for a in args]])
+    assert out.exit_code != 0
+    assert message in out.output
+    assert "Traceback" not in out.output
+
+
+def test_sizes_and_durations_parse():
+    assert store_admin.parse_size("500MB") == 500_000_000
+    assert store_admin.parse_size("2GiB") == 2 * 1024**3
+    assert store_admin.parse_size("1000") == 1000
+    assert store_admin.parse_duration("30d") == 30 * 86400
+    assert store_admin.parse_duration("90m") == 5400
