@@ -150,3 +150,16 @@ def test_sizes_and_durations_parse():
     assert store_admin.parse_size("1000") == 1000
     assert store_admin.parse_duration("30d") == 30 * 86400
     assert store_admin.parse_duration("90m") == 5400
+
+
+def test_the_connector_budget_evicts_lru_down_to_low_water(tmp_path):
+    store, chunks = fill(tmp_path, MODELS[0], 4)
+    size = os.path.getsize(chunks[0].path)
+    for i, c in enumerate(chunks):
+        set_hit(c.path, 1_000_000 + i)  # chunks[0] least recently hit
+    budget = store_admin.StoreBudget(tmp_path, max_bytes=int(3.2 * size))
+    assert budget.added(0) == (2, 2 * size)  # 4 chunks > 3.2: down to 0.9 * 3.2 = 2.88 → 2 left
+    assert {c.path for c in store_admin.scan(tmp_path).chunks} == {c.path for c in chunks[2:]}
+    assert budget.added(size) == (0, 0)  # under budget: no scan, nothing evicted
+    with pytest.raises(ValueError):
+        store_admin.StoreBudget(tmp_path, 0)

@@ -15,6 +15,9 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  little at 3 bits. ~3.75 bits/element, ~4.3x smaller than bf16 with zstd.
 ``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
                  chunks share finer prefixes but cost more per-file overhead on load)
+``max_bytes``    bound the whole store (every model): after its writes, a writer evicts least
+                 recently hit chunks down to 90% of it (``500MB``, ``2GiB`` or bytes;
+                 default: unbounded; see ``kvtool store prune``)
 ``load``, ``save`` turn reading / writing the store off (default: both on)
 ``save_mode``    ``async`` (default: chunks are copied out of the paged cache in the step that
                  computes them, then encoded and written by a background thread; see
@@ -134,6 +137,12 @@ class KvtoolConnector(KVConnectorBase_V1):
                                      writable=kv_role != "kv_consumer")
             if role == KVConnectorRole.SCHEDULER and self.store.writable:
                 submit(self.store.collect_garbage)
+        self.budget = None
+        if extra.get("max_bytes") is not None and self.store is not None \
+                and self.store.writable:
+            from kvtool.engines.vllm.store_admin import StoreBudget, parse_size
+
+            self.budget = StoreBudget(extra["store_path"], parse_size(str(extra["max_bytes"])))
         self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
         self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
             and kv_role != "kv_consumer"
@@ -395,6 +404,7 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def _write(self, copies: list, token_ids: list[int]) -> None:
         start = time.perf_counter()
+        total = 0
         for chunk, keys, values in copies:
             try:
                 written = self.store.write(chunk, keys, values, token_ids)
@@ -402,9 +412,21 @@ class KvtoolConnector(KVConnectorBase_V1):
                 self._save_failed(chunk, e)
                 break
             if written:
+                total += written
                 count("chunks_saved")
                 count("tokens_saved", chunk.stop - chunk.start)
                 count("bytes_saved", written)
+        if total and self.budget is not None:
+            try:
+                files, freed = self.budget.added(total)
+            except Exception as e:  # eviction must never take the saver down
+                log.warning("kvtool store: eviction failed (%s)", e)
+            else:
+                if files:
+                    count("chunks_evicted", files)
+                    count("bytes_evicted", freed)
+                    log.info("kvtool store: evicted %d least recently hit chunks (%d bytes) to "
+                             "stay under max_bytes=%d", files, freed, self.budget.max_bytes)
         add_time("write_seconds", time.perf_counter() - start)
 
     def _save_failed(self, chunk: Chunk, e: Exception) -> None:

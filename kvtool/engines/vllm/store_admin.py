@@ -213,3 +213,29 @@ def remove(chunks: list[StoredChunk], root: str | os.PathLike) -> tuple[int, int
         finally:
             os.close(dir_fd)
     return files, freed
+
+
+class StoreBudget:
+    """The connector's ``max_bytes``: after its writes, keep the whole store (every model) under
+    ``max_bytes``, evicting least recently hit chunks down to ``low_water`` of it so that
+    eviction runs now and then, not after every write."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int, low_water: float = 0.9):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.root, self.max_bytes, self.low_water = str(root), int(max_bytes), low_water
+        self._estimate: int | None = None
+
+    def added(self, nbytes: int) -> tuple[int, int]:
+        """Account for ``nbytes`` just written; evict if over budget. (files, bytes) evicted."""
+        if self._estimate is None:
+            self._estimate = sum(c.bytes for c in scan(self.root).chunks)
+        else:
+            self._estimate += nbytes
+        if self._estimate <= self.max_bytes:
+            return 0, 0
+        found = scan(self.root)  # the truth: other servers write and prune too
+        plan = prune_plan(found, max_bytes=int(self.max_bytes * self.low_water))
+        files, freed = remove(plan, self.root)
+        self._estimate = sum(c.bytes for c in found.chunks) - freed
+        return files, freed
