@@ -16,6 +16,7 @@ from kvtool.cli.eval import eval_command
 from kvtool.cli.generate import generate_command
 from kvtool.cli.inspect import inspect_command
 from kvtool.cli.patch_vllm import patch_vllm_command
+from kvtool.cli.serve import serve_command
 from kvtool.cli.store import store_group
 from kvtool.cli.transcode import compress_command, decompress_command
 
@@ -34,6 +35,7 @@ cli.add_command(decompress_command)
 cli.add_command(capture_command)
 cli.add_command(generate_command)
 cli.add_command(patch_vllm_command)
+cli.add_command(serve_command)
 cli.add_command(store_group)
 
 

@@ -1,0 +1,78 @@
+"""``kvtool serve``: an OpenAI-compatible server whose prefix cache persists, compressed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from kvtool.cli._common import codec_policy_options, echo_json, handle_errors
+
+
+def _store_line(store: str | None) -> str:
+    if not store:
+        return "none (give --store DIR to keep prefixes across restarts and servers)"
+    from kvtool.cli.inspect import human_bytes
+    from kvtool.engines.vllm import store_admin
+
+    if not os.path.isdir(store):
+        return f"{store} (new)"
+    info = store_admin.stats(store_admin.scan(store))
+    return f"{store} ({info['chunks']} chunks, {human_bytes(info['bytes'])})"
+
+
+@click.command("serve", context_settings={"ignore_unknown_options": True})
+@click.option("--model", default="default", show_default=True,
+              help="'default' (SmolLM2-135M) or a local Hugging Face model directory.")
+@click.option("--engine", type=click.Choice(["vllm"]), default="vllm", show_default=True,
+              help="The engine whose OpenAI-compatible server runs.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--store", help="Prefix store directory: prompts' K/V persist here, compressed.")
+@click.option("--max-store-bytes", help="Bound the store (e.g. 2GB): least recently hit chunks "
+              "are evicted.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+              help="Model dtype (default: bfloat16 on CPU, the model's on CUDA).")
+@click.option("--max-model-len", type=click.IntRange(16), help="Context length (default: the "
+              "model's, at most 4096).")
+@click.option("--pin", "pins", multiple=True, type=click.Path(dir_okay=False),
+              help="A .kvz file served as an always-available prefix (repeatable).")
+@codec_policy_options
+@click.option("--dry-run", is_flag=True, help="Print the engine's command line and exit.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print JSON.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
+@handle_errors
+def serve_command(model: str, engine: str, host: str, port: int, store: str | None,
+                  max_store_bytes: str | None, dtype: str | None, max_model_len: int | None,
+                  pins: tuple[str, ...], dry_run: bool, as_json: bool,
+                  engine_args: tuple[str, ...], **codec_opts: Any) -> None:
+    """Start an OpenAI-compatible server with kvtool's persistent prefix store.
+
+    Arguments after ``--`` go to the engine unchanged, e.g.
+    ``kvtool serve --store ~/kvstore -- --max-num-seqs 8``.
+    """
+    from kvtool.engines.vllm import serve
+
+    plan = serve.plan(model, host=host, port=port, store=store, dtype=dtype,
+                      max_model_len=max_model_len, policy_options=codec_opts,
+                      max_store_bytes=max_store_bytes, pins=pins, engine_args=engine_args)
+    if dry_run and as_json:
+        echo_json({"argv": plan.argv, "url": plan.url, "model": plan.model, "store": plan.store,
+                   "policy": plan.policy, "pins": plan.pins, "connector": plan.connector})
+        return
+    lossless = plan.policy.startswith("raw") and "kivi" not in plan.policy
+    click.echo(f"kvtool serve: {plan.model} ({engine}) at {plan.url}")
+    click.echo(f"  store:  {_store_line(plan.store)}")
+    click.echo(f"  policy: {plan.policy}" + ("" if lossless else
+               " (lossy: answers served from the store may differ slightly from a cold run; "
+               "--codec raw for exact)"))
+    for pin in plan.pins:
+        click.echo(f"  pinned: {pin}")
+    if dry_run:
+        click.echo(" ".join(plan.argv))
+        return
+    env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+               TRANSFORMERS_OFFLINE=os.environ.get("TRANSFORMERS_OFFLINE", "1"))
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    os.execve(plan.argv[0], plan.argv, env)  # the server owns the process from here

