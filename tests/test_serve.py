@@ -83,8 +83,11 @@ def test_a_real_server_answers_and_fills_the_store(tmp_path):
     store, port = tmp_path / "store", _free_port()
     kvtool = shutil.which("kvtool", path=os.path.dirname(sys.executable))
     log = open(tmp_path / "server.log", "w")
+    env = {k: v for k, v in os.environ.items()  # what kvtool's in-process engine quietens
+           if k not in ("VLLM_LOGGING_LEVEL", "KVTOOL_LOG_LEVEL",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING")}
     proc = subprocess.Popen([kvtool, "serve", "--store", str(store), "--port", str(port),
-                             "--codec", "raw", "--max-model-len", "1024"],
+                             "--codec", "raw", "--max-model-len", "1024"], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}/v1"
@@ -107,6 +110,13 @@ def test_a_real_server_answers_and_fills_the_store(tmp_path):
                 break
             time.sleep(1)
         assert list(store.rglob("*.kvz")), "the server stored no chunk"
+        text = (tmp_path / "server.log").read_text()
+        for _ in range(20):  # logs visible at INFO without any logging setup
+            if "kvtool store: saved" in text:
+                break
+            time.sleep(0.5)
+            text = (tmp_path / "server.log").read_text()
+        assert "kvtool store: miss" in text and "kvtool store: saved" in text
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

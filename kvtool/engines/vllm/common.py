@@ -26,6 +26,22 @@ if TYPE_CHECKING:
     from kvtool.engines.vllm.store import Chunk
 
 log = logging.getLogger("kvtool.vllm")
+LOG_LEVEL_ENV = "KVTOOL_LOG_LEVEL"
+
+
+def ensure_visible_logs() -> None:
+    """Give kvtool's loggers a stderr handler where nothing else would show them (a vLLM
+    server configures only its own ``vllm`` logger), at ``KVTOOL_LOG_LEVEL`` (default INFO):
+    store hits, misses, loads and saves are what an operator watches."""
+    root = logging.getLogger("kvtool")
+    if root.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvtool] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+    root.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
 DEFAULT_KEY_CODEC = "kivi4"
 DEFAULT_VALUE_CODEC = "turbo3"
 DEFAULT_ZSTD = True
@@ -241,3 +257,4 @@ class ReqState:
     save: bool = True
     capture: bool = False
     files: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    logged: bool = False  # its hit or miss has been logged

@@ -82,6 +82,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     check_cache,
     common_prefix,
     count,
+    ensure_visible_logs,
     flush,
     log,
     model_info,
@@ -126,6 +127,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         self.model_info = model_info(vllm_config, extra.get("model_name"))
         self._tokenizer_fp = extra.get("tokenizer_fingerprint")
         self.policy = policy_from_extra(extra)
+        ensure_visible_logs()
         self.zstd = extra.get("zstd", DEFAULT_ZSTD)
         self.capture_dir = extra.get("capture_dir")
         self.capture_all = bool(extra.get("capture_all", False))
@@ -211,7 +213,15 @@ class KvtoolConnector(KVConnectorBase_V1):
         if not req.load or (self.store is None and not self._files and not req.files):
             return 0, False
         count("lookups")
-        matched, _ = self._match(req)
+        matched, sources = self._match(req)
+        if not req.logged:
+            req.logged = True
+            if matched:
+                log.info("kvtool store: hit: request %s: %d of %d prompt tokens from %d file(s)",
+                         request.request_id, matched, len(req.prompt), len(sources))
+            else:
+                log.info("kvtool store: miss: request %s (%d prompt tokens)",
+                         request.request_id, len(req.prompt))
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
@@ -311,7 +321,11 @@ class KvtoolConnector(KVConnectorBase_V1):
         self._failed_reqs = set()
         start = time.perf_counter()
         for spec in getattr(meta, "loads", ()):
+            before = stats()["tokens_loaded"]
             self._load(spec)
+            log.info("kvtool store: loaded %d tokens for request %s in %.0f ms",
+                     stats()["tokens_loaded"] - before, spec.req_id,
+                     (time.perf_counter() - start) * 1e3)
         add_time("load_seconds", time.perf_counter() - start)
 
     def _load(self, spec: LoadSpec) -> None:
@@ -416,6 +430,9 @@ class KvtoolConnector(KVConnectorBase_V1):
                 count("chunks_saved")
                 count("tokens_saved", chunk.stop - chunk.start)
                 count("bytes_saved", written)
+        if total:
+            log.info("kvtool store: saved %d chunk(s), %d bytes, in %.0f ms", len(copies), total,
+                     (time.perf_counter() - start) * 1e3)
         if total and self.budget is not None:
             try:
                 files, freed = self.budget.added(total)

@@ -52,6 +52,7 @@ class VllmModel:
 
 def _quiet_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("KVTOOL_LOG_LEVEL", "WARNING")  # kvtool's CLI reports for itself
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if os.environ.get("KVTOOL_DEBUG", "") in ("", "0"):
