@@ -11,7 +11,7 @@ from kvtool.codecs import get_codec
 from kvtool.codecs.abc import ArraySpec
 from kvtool.errors import CodecError, FormatError
 from kvtool.formats import load, open_kvz, save
-from kvtool.kernels import available_backends, to_numpy, to_torch
+from kvtool.kernels import available_backends, to_mlx, to_numpy, to_torch
 
 SPECS = available_codecs() + ["turbo3:center=true", "kivi4:axis=token", "int4:group_size=24",
                               "kivi2:group_size=5", "raw:dtype=\"bfloat16\"",
@@ -20,6 +20,8 @@ SHAPES = [(2, 7, 64), (3, 1, 48), (5, 20), (33,), (1, 2, 3, 10)]
 
 
 def _encode(codec, x, backend):
+    if backend == "mlx":
+        return codec.encode(to_mlx(x))
     return codec.encode(to_torch(x) if backend == "torch" else x)
 
 

@@ -35,8 +35,8 @@ def codecs_command(head_dim: int, as_json: bool) -> None:
                    "compiled_backend": None if compiled is None else compiled.name,
                    "codecs": rows})
         return
-    click.echo(f"{'codec':<10} {'bits/elem':>9} {'vs fp16':>8}  {'arrays':<13} CPU kernels   "
+    click.echo(f"{'codec':<10} {'bits/elem':>9} {'vs fp16':>8}  {'arrays':<18} CPU kernels   "
                f"(head_dim={head_dim}, {KERNELS_ENV}={mode})")
     for r in rows:
         click.echo(f"{r['id']:<10} {r['bits_per_element']:>9.3f} {r['ratio_vs_fp16']:>7.2f}x  "
-                   f"{', '.join(r['backends']):<13} {r['cpu_kernels']}")
+                   f"{', '.join(r['backends']):<18} {r['cpu_kernels']}")

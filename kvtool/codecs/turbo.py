@@ -153,7 +153,8 @@ class TurboCodec(Codec):
             return xp.astype(out, dtype)
         norms = xp.reshape(xp.astype(enc.arrays["norms"], "float32"), (-1, 1))
         out = xp.empty((codes.shape[0], dim), "float32" if centered else dtype, norms)
-        direct = xp.dtype_name(out) == "float32"  # the matmul can write straight into ``out``
+        # the matmul can write straight into ``out`` (not through mlx slices, which are copies)
+        direct = xp.dtype_name(out) == "float32" and getattr(xp, "slices_are_views", True)
         rotation = xp.const(rotation_matrix(dim, self.seed), norms)
         for rows in row_blocks(xp, norms, codes.shape[0], dim):
             y = self._rotated_centroids(xp, codes[rows], dim)

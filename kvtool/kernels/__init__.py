@@ -1,12 +1,12 @@
 """Array backends for codec math.
 
 Each backend is a module exposing the same small set of functions (the "ops namespace", passed
-to codecs as ``xp``): ``numpy_ops`` is the reference, ``torch_ops`` runs on CPU and CUDA. The
-backend is picked from the type of the input array, so ``codec.encode(torch_tensor)`` returns
-torch arrays and ``codec.encode(ndarray)`` numpy ones; both decode each other's bytes.
+to codecs as ``xp``): ``numpy_ops`` is the reference, ``torch_ops`` runs on CPU and CUDA,
+``mlx_ops`` on ``mlx.core`` arrays. The backend is picked from the type of the input array, so
+``codec.encode(torch_tensor)`` returns torch arrays, ``codec.encode(mx_array)`` mlx ones and
+``codec.encode(ndarray)`` numpy ones; every backend decodes every other's bytes.
 
-Later backends (Triton, MLX) add a module with the same functions and a branch in
-:func:`ops_for`.
+A new backend adds a module with the same functions and a branch in :func:`ops_for`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from kvtool.errors import CodecError
 
-Array = Any  # numpy.ndarray | torch.Tensor (and later mlx.core.array)
+Array = Any  # numpy.ndarray | torch.Tensor | mlx.core.array
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -57,9 +57,14 @@ def _load_compiled(module: str) -> ModuleType | None:
 
 def compiled_for(x: Array) -> ModuleType | None:
     """The compiled backend serving ``x`` (numba on CPU arrays and tensors, Triton on CUDA),
-    or None: reference mode, no compiler installed, or a device with no compiled backend."""
+    or None: reference mode, no compiler installed, or a device with no compiled backend.
+
+    Always None for mlx arrays: numba kernels take numpy buffers only, and mlx's own fused
+    paths (``mx.compile``) live inside :mod:`kvtool.kernels.mlx_ops` (Metal kernels would be
+    :mod:`kvtool.kernels.mlx_metal`), so ``KVTOOL_KERNELS=compiled`` does not refuse them.
+    """
     mode = kernel_mode()
-    if mode == "reference":
+    if mode == "reference" or _is_mlx(x):
         return None
     if _is_torch(x) and x.device.type != "cpu":
         found = _load_compiled("triton_cuda") if x.device.type == "cuda" else None
@@ -97,12 +102,25 @@ def _is_torch(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _is_mlx(x: object) -> bool:
+    """An mlx array (or mlx_ops' float8 wrapper); never imports mlx itself."""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return False
+    ops = sys.modules.get("kvtool.kernels.mlx_ops")
+    return isinstance(x, mx.array) or (ops is not None and isinstance(x, ops.Float8))
+
+
 def ops_for(x: Array) -> ModuleType:
     """The ops namespace for ``x``'s array type."""
     if _is_torch(x):
         from kvtool.kernels import torch_ops
 
         return torch_ops
+    if _is_mlx(x):
+        from kvtool.kernels import mlx_ops
+
+        return mlx_ops
     from kvtool.kernels import numpy_ops
 
     return numpy_ops
@@ -116,7 +134,21 @@ def available_backends() -> list[str]:
     names = ["numpy"]
     if importlib.util.find_spec("torch") is not None:
         names.append("torch")
+    if _importable("mlx.core"):
+        names.append("mlx")
     return names
+
+
+def _importable(module: str) -> bool:
+    """``module`` imports: an ``mlx`` wheel without its platform backend (``mlx[cpu]`` on
+    Linux) installs a ``mlx.core`` that fails to load. Imports it (~20 ms)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def to_numpy(x: Array):
@@ -125,6 +157,10 @@ def to_numpy(x: Array):
         from kvtool.kernels import torch_ops
 
         return torch_ops.to_numpy(x)
+    if _is_mlx(x):
+        from kvtool.kernels import mlx_ops
+
+        return mlx_ops.to_numpy(x)
     import numpy as np
 
     return np.asarray(x)
@@ -135,6 +171,13 @@ def to_torch(x: Array, device: Any = None):
     from kvtool.kernels import torch_ops
 
     return torch_ops.from_numpy(to_numpy(x), device) if not _is_torch(x) else x.to(device)
+
+
+def to_mlx(x: Array):
+    """An mlx array holding ``x`` (bf16 keeps its dtype; mlx arrays are returned as they are)."""
+    from kvtool.kernels import mlx_ops
+
+    return x if _is_mlx(x) else mlx_ops.from_numpy(to_numpy(x))
 
 
 def check_finite(xp: ModuleType, x: Array, who: str) -> None:
