@@ -163,3 +163,37 @@ def test_the_connector_budget_evicts_lru_down_to_low_water(tmp_path):
     assert budget.added(size) == (0, 0)  # under budget: no scan, nothing evicted
     with pytest.raises(ValueError):
         store_admin.StoreBudget(tmp_path, 0)
+
+
+def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner):
+    import numpy as np
+
+    from kvtool.cache import KVCache
+    from kvtool.formats import save
+
+    rng = np.random.default_rng(0)
+    ids = list(range(500, 540))  # 2 full chunks of 16, 8 tokens left over
+    cache = KVCache([rng.standard_normal((2, 40, 32)).astype(np.float32) for _ in range(2)],
+                    [rng.standard_normal((2, 40, 32)).astype(np.float32) for _ in range(2)],
+                    token_ids=np.array(ids), model=MODELS[0])
+    kvz = tmp_path / "system.kvz"
+    save(cache, kvz)
+    root = tmp_path / "store"
+    fill(root, MODELS[0], 2, seed=3)  # two unpinned chunks
+    out = runner.invoke(cli, ["store", "pin", str(root), str(kvz), "--chunk-tokens",
+                              str(CHUNK), "--codec", "raw"])
+    assert out.exit_code == 0, out.output
+    assert "pinned 2 chunks" in out.output
+    server = PrefixStore(root, MODELS[0], CHUNK, policy_from_extra({"codec": "raw"}))
+    found = server.lookup(ids)
+    assert len(found) == 2  # the connector finds the pinned prefix under its own keys
+    np.testing.assert_array_equal(server.read(found[1]).layer(1)[0], cache.layer(1)[0][:, 16:32])
+    prune = runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", "0", "--json"])
+    assert json.loads(prune.output)["removed_files"] == 2  # only the unpinned ones
+    assert {c.path for c in store_admin.scan(root).chunks} == {c.path for c in found}
+    assert json.loads(runner.invoke(cli, ["store", "stats", str(root), "--json"])
+                      .output)["pinned_chunks"] == 2
+    assert "unpinned 2 chunks" in runner.invoke(cli, ["store", "unpin", str(root),
+                                                      str(kvz)]).output
+    runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", "0"])
+    assert store_admin.scan(root).chunks == []

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvtool.cli._common import echo_json, handle_errors
+from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
 
 
 def _when(ts: float) -> str:
@@ -41,12 +41,12 @@ def ls_command(root: str, as_json: bool) -> None:
     chunks = sorted(_scan(root).chunks, key=lambda c: -c.last_hit)
     if as_json:
         echo_json([{"path": c.path, "model": c.model, "bytes": c.bytes, "written": c.written,
-                    "last_hit": c.last_hit} for c in chunks])
+                    "last_hit": c.last_hit, "pinned": c.pinned} for c in chunks])
         return
     click.echo(f"{'model':<16}  {'size':>9}  {'last hit':>10}  chunk")
     for c in chunks:
         click.echo(f"{c.model:<16}  {human_bytes(c.bytes):>9}  {_when(c.last_hit):>10}  "
-                   f"{c.path.rsplit('/', 1)[-1][:16]}")
+                   f"{c.path.rsplit('/', 1)[-1][:16]}{'  (pinned)' if c.pinned else ''}")
     click.echo(f"{len(chunks)} chunks")
 
 
@@ -55,7 +55,7 @@ def print_stats(info: dict[str, Any]) -> None:
 
     click.echo(f"store      {info['root']}")
     click.echo(f"chunks     {info['chunks']} ({human_bytes(info['bytes'])}) "
-               f"for {len(info['models'])} model(s)")
+               f"for {len(info['models'])} model(s); {info['pinned_chunks']} pinned")
     for m in info["models"]:
         click.echo(f"  {m['model']}  {m['chunks']} chunks, {human_bytes(m['bytes'])}, "
                    f"hits from {_when(m['oldest_hit'])} to {_when(m['newest_hit'])}")
@@ -140,3 +140,34 @@ def prune_command(root: str, max_bytes: str | None, older_than: str | None, dry_
         return
     verb = "would remove" if dry_run else "removed"
     click.echo(f"{verb} {files} chunks ({human_bytes(freed)}); {human_bytes(left)} left")
+
+
+@store_group.command("pin")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(1),
+              help="The server's chunk size (the connector's chunk_tokens).")
+@codec_policy_options
+@handle_errors
+def pin_command(root: str, file: str, chunk_tokens: int, **codec_opts: Any) -> None:
+    """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
+    remove pinned chunks. Encoded with the connector's default policy unless codec options
+    are given."""
+    from kvtool.engines.vllm import store_admin
+
+    policy = (policy_from_options(codec_opts) if codec_opts.get("codec")
+              or codec_opts.get("key_codec") or codec_opts.get("value_codec") else None)
+    pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens, policy=policy)
+    click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
+               f"{pinned - written} already stored)")
+
+
+@store_group.command("unpin")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False))
+@handle_errors
+def unpin_command(root: str, file: str) -> None:
+    """Unpin the chunks pinned from FILE.kvz (they stay stored, and become prunable)."""
+    from kvtool.engines.vllm import store_admin
+
+    click.echo(f"unpinned {store_admin.unpin_file(root, file)} chunks")

@@ -44,6 +44,7 @@ class StoredChunk:
     bytes: int
     written: float  # mtime, seconds since the epoch
     last_hit: float  # atime: the last load served from it (or its write)
+    pinned: bool = False  # listed in the store's pins file: never pruned or evicted
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class StoreScan:
     quarantined_files: int = 0
     quarantined_bytes: int = 0
     ignored: int = 0  # symlinks, special files, names not of the store's layout
+    pins: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunk key → pin record
 
 
 def _regular(entry: os.DirEntry) -> os.stat_result | None:
@@ -83,7 +85,7 @@ def scan(root: str | os.PathLike) -> StoreScan:
         raise KvtoolError(f"no store at {root}: the directory does not exist") from None
     if not stat.S_ISDIR(st.st_mode):
         raise KvtoolError(f"{root} is not a store directory")
-    out = StoreScan(root, [])
+    out = StoreScan(root, [], pins=read_pins(root))
     for model in _dirs(root, _MODEL_DIR):
         for shard in _dirs(model.path, _SHARD_DIR):
             with contextlib.suppress(OSError), os.scandir(shard.path) as it:
@@ -96,7 +98,8 @@ def scan(root: str | os.PathLike) -> StoreScan:
                         out.temp_bytes += st.st_size
                     elif _CHUNK.match(e.name):
                         out.chunks.append(StoredChunk(e.path, model.name, st.st_size,
-                                                      st.st_mtime, max(st.st_atime, st.st_mtime)))
+                                                      st.st_mtime, max(st.st_atime, st.st_mtime),
+                                                      e.name[:-4] in out.pins))
                     else:
                         out.ignored += 1
     with contextlib.suppress(OSError), os.scandir(os.path.join(root, QUARANTINE_DIR)) as it:
@@ -122,6 +125,7 @@ def stats(found: StoreScan) -> dict[str, Any]:
         "root": found.root,
         "chunks": len(found.chunks),
         "bytes": sum(c.bytes for c in found.chunks),
+        "pinned_chunks": sum(c.pinned for c in found.chunks),
         "models": sorted(models.values(), key=lambda m: -m["bytes"]),
         "temp_files": found.temp_files, "temp_bytes": found.temp_bytes,
         "quarantined_files": found.quarantined_files,
@@ -175,9 +179,10 @@ def parse_size(text: str) -> int:
 def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
                older_than: float | None = None, now: float | None = None) -> list[StoredChunk]:
     """The chunks to remove, least recently hit first: every chunk not hit within
-    ``older_than`` seconds, then more until the rest fits in ``max_bytes``."""
+    ``older_than`` seconds, then more until the rest fits in ``max_bytes``. Pinned chunks
+    stay (and count against ``max_bytes``)."""
     now = time.time() if now is None else now
-    by_age = sorted(found.chunks, key=lambda c: (c.last_hit, c.path))
+    by_age = sorted((c for c in found.chunks if not c.pinned), key=lambda c: (c.last_hit, c.path))
     doomed = [c for c in by_age if older_than is not None and now - c.last_hit > older_than]
     if max_bytes is not None:
         gone = {c.path for c in doomed}
@@ -239,3 +244,76 @@ class StoreBudget:
         files, freed = remove(plan, self.root)
         self._estimate = sum(c.bytes for c in found.chunks) - freed
         return files, freed
+
+
+PINS_FILE = "pins.json"
+
+
+def read_pins(root: str | os.PathLike) -> dict[str, Any]:
+    """The store's pins (chunk key → {"file", "model"}); empty if none or unreadable."""
+    import json
+
+    path = os.path.join(root, PINS_FILE)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_pins(root: str | os.PathLike, pins: dict[str, Any]) -> None:
+    import json
+
+    from kvtool.fileio import atomic_write
+
+    data = json.dumps(pins, indent=1, sort_keys=True).encode()
+    atomic_write(os.path.join(root, PINS_FILE), lambda f: f.write(data),
+                 follow_symlinks=False)
+
+
+def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
+             policy: Any = None) -> tuple[int, int]:
+    """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
+    them; (chunks pinned, chunks written). ``policy``: how new chunks are encoded (default:
+    the connector's)."""
+    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.store import PrefixStore
+    from kvtool.formats import load
+
+    cache = load(path)
+    if cache.token_ids is None:
+        raise KvtoolError(f"{path}: holds no token ids, so its chunks cannot be keyed")
+    if not cache.model.get("fingerprint"):
+        raise KvtoolError(f"{path}: names no model fingerprint")
+    os.makedirs(root, exist_ok=True)
+    store = PrefixStore(root, cache.model, chunk_tokens, policy or policy_from_extra({}),
+                        tokenizer_fingerprint=cache.tokenizer_fingerprint)
+    ids = [int(t) for t in cache.token_ids]
+    chunks = store.chunks(ids)
+    if not chunks:
+        raise KvtoolError(f"{path}: {len(ids)} tokens is less than one chunk "
+                          f"({chunk_tokens} tokens)")
+    written = 0
+    for c in chunks:
+        keys = [k[:, c.start:c.stop] for k in cache.keys]
+        values = [v[:, c.start:c.stop] for v in cache.values]
+        written += bool(store.write(c, keys, values, ids))
+    pins = read_pins(root)
+    source = os.path.realpath(path)
+    for c in chunks:
+        pins[c.key] = {"file": source, "model": store.fingerprint[:16]}
+    _write_pins(root, pins)
+    return len(chunks), written
+
+
+def unpin_file(root: str | os.PathLike, path: str) -> int:
+    """Unpin the chunks pinned from ``path`` (they stay, prunable); how many."""
+    pins = read_pins(root)
+    source = os.path.realpath(path)
+    keep = {k: v for k, v in pins.items() if v.get("file") != source}
+    if len(keep) != len(pins):
+        _write_pins(root, keep)
+    return len(pins) - len(keep)
