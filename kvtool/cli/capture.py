@@ -11,8 +11,9 @@ from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, p
 
 MODEL_HELP = "'default' (SmolLM2-135M), a local HF model directory, or a .gguf file."
 DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
-ENGINE_CHOICE = click.Choice(["hf", "vllm"])
-ENGINE_HELP = "Engine that runs the model: Hugging Face transformers or vLLM (same .kvz files)."
+ENGINE_CHOICE = click.Choice(["hf", "vllm", "mlx"])
+ENGINE_HELP = ("Engine that runs the model: Hugging Face transformers, vLLM or mlx-lm (same .kvz "
+               "files; mlx ignores --threads).")
 
 
 def model_options(fn: Any) -> Any:
@@ -78,6 +79,12 @@ def capture_command(model_name: str, dtype: str, threads: int | None, engine: st
         loaded = vllm_engine.load_vllm(model_name, dtype, threads=threads)
         start = time.perf_counter()
         cache = vllm_engine.capture(loaded, text)
+    elif engine == "mlx":
+        from kvtool.engines import mlx as mlx_engine
+
+        loaded = mlx_engine.load_mlx(model_name, dtype)
+        start = time.perf_counter()
+        cache = mlx_engine.capture(loaded, text)
     else:
         from kvtool.engines.hf import capture
 

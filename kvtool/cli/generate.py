@@ -16,6 +16,15 @@ from kvtool.cli._common import echo_json, handle_errors
 from kvtool.cli.capture import ENGINE_CHOICE, ENGINE_HELP, load_for_cli, model_options
 
 
+def runtime_policy(spec: str | None):
+    """The :class:`~kvtool.policy.CodecPolicy` of ``--runtime-codec`` (None without it)."""
+    if spec is None:
+        return None
+    from kvtool.policy import CodecPolicy
+
+    return CodecPolicy.from_options(codec=spec)
+
+
 def runtime_past_factory(spec: str | None):
     """``past_factory`` for ``--runtime-codec``: keep the cache compressed while generating.
 
@@ -31,9 +40,7 @@ def runtime_past_factory(spec: str | None):
     except ImportError:
         raise KvtoolError("--runtime-codec needs kvtool.engines.hf_runtime.CompressedCache, "
                           "which this kvtool does not have yet") from None
-    from kvtool.policy import CodecPolicy
-
-    policy = CodecPolicy.from_options(codec=spec)
+    policy = runtime_policy(spec)
     return lambda cache, model: CompressedCache.from_kvcache(cache, policy, model=model)
 
 
@@ -50,7 +57,8 @@ def runtime_past_factory(spec: str | None):
 @click.option("--no-compare", is_flag=True,
               help="With --cache: skip recomputing the prefix for the time comparison.")
 @click.option("--runtime-codec", default=None,
-              help="Keep the restored cache compressed with this codec while generating.")
+              help="Keep the restored cache compressed with this codec while generating "
+              "(hf and mlx engines).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
 def generate_command(model_name: str, dtype: str, threads: int | None, engine: str,
@@ -65,9 +73,20 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
         from kvtool.fileio import check_input_file
 
         check_input_file(cache_path)  # before loading the model; a FIFO would block open()
+    if engine == "mlx":
+        from kvtool.engines import mlx as mlx_engine
+
+        policy = runtime_policy(runtime_codec)
+        lm = mlx_engine.load_mlx(model_name, dtype)
+        report = mlx_engine.generate_report(lm, cache_path, prompt, max_new_tokens, force=force,
+                                            compare=not no_compare, policy=policy)
+        for warning in report.pop("warnings", []):
+            click.echo(f"warning: {warning}", err=True)
+        _output(report, as_json)
+        return
     if engine == "vllm":
         if runtime_codec:
-            raise click.UsageError("--runtime-codec needs --engine hf")
+            raise click.UsageError("--runtime-codec needs --engine hf or mlx")
         from kvtool.engines.vllm import engine as vllm_engine
 
         vm = vllm_engine.load_vllm(model_name, dtype, threads=threads)

