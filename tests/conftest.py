@@ -35,3 +35,11 @@ def runner():
     from click.testing import CliRunner
 
     return CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cast_notes(monkeypatch):
+    """The dtype-cast note is logged once per process; each test sees its own first time."""
+    import kvtool.models
+
+    monkeypatch.setattr(kvtool.models, "_NOTED", set())

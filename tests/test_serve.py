@@ -1,8 +1,16 @@
-"""``kvtool serve``: the engine command line it builds, pins checked before start, and a real
-vLLM server that answers and fills the store."""
+"""``kvtool serve``: the engine command line it builds, pins checked before start, the store's
+metrics (vLLM's connector stats → Prometheus, per-process files → ``kvtool store stats``), and
+real servers driven by the ``openai`` client: cold, shared-prefix, concurrent, and after a
+restart served from the store with identical text (raw codec).
+
+The real servers start twice for the whole module (each start takes 30-70 s on a 2-core CPU):
+``server_a`` serves the cold, shared-prefix and concurrent requests, then ``server_b`` replaces
+it on the same store.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -11,8 +19,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -40,87 +49,312 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
     assert "--enforce-eager" in argv and "--kv-cache-memory-bytes" in argv  # no CUDA here
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
     assert plan["url"] == "http://127.0.0.1:8123/v1" and plan["policy"] == "raw"
+    assert plan["lossy"] is False
+    assert dry_run(runner, "--codec", "turbo3")["lossy"] is True
     own = dry_run(runner, "--", "--kv-cache-memory-bytes", "123")["argv"]
     assert own.count("--kv-cache-memory-bytes") == 1  # the user's own value wins
 
 
-def test_pins_of_another_dtype_are_refused_with_the_fix(runner, loaded, tmp_path):
+def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loaded,
+                                                                      tmp_path):
+    import dataclasses
+
     from kvtool.engines.hf import capture
     from kvtool.formats import save
+    from kvtool.models import canonical_sha256
 
     cache = capture(loaded.model, loaded.tokenizer, "A pinned system prompt.",
                     model_info=loaded.info)
-    pin = str(tmp_path / "system.kvz")
+    pin, other = str(tmp_path / "system.kvz"), str(tmp_path / "other.kvz")
     save(cache, pin)
-    out = runner.invoke(cli, ["serve", "--dry-run", "--pin", pin])
-    assert out.exit_code == 5
-    assert "captured as float32" in out.output and "--dtype bfloat16" in out.output
-    assert "Traceback" not in out.output
-    plan = dry_run(runner, "--dtype", "float32", "--pin", pin)
+    plan = dry_run(runner, "--pin", pin)  # a float32 capture, a bfloat16 server
     assert plan["connector"]["kvz_files"] == [os.path.realpath(pin)]
+    assert "computed in float32" in plan["notes"][0] and "bfloat16" in plan["notes"][0]
+    assert dry_run(runner, "--dtype", "float32", "--pin", pin)["notes"] == []
+    layout = {**cache.model["layout"], "rope_theta": 1.0}  # another model's identity
+    save(dataclasses.replace(cache, model={**cache.model, "layout": layout,
+                                           "fingerprint": canonical_sha256(layout)}), other)
+    out = runner.invoke(cli, ["serve", "--dry-run", "--pin", other])
+    assert out.exit_code == 5 and "belongs to another model" in out.output, out.output
+    assert "Traceback" not in out.output
     bad = runner.invoke(cli, ["serve", "--dry-run", "--max-store-bytes", "lots"])
     assert bad.exit_code != 0 and "not a size" in bad.output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# -- metrics without a server ---------------------------------------------------------------------
+def test_connector_stats_reach_prometheus_once_per_change():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtool.engines.vllm import activity
+    from kvtool.engines.vllm.metrics import KvtoolPromMetrics, MetricsMixin
+
+    class Config:  # the parts of a VllmConfig the metrics read
+        class kv_transfer_config:  # noqa: N801
+            kv_connector_extra_config = {"key_codec": "kivi4", "value_codec": "turbo3"}
+
+        class model_config:  # noqa: N801
+            dtype = "torch.bfloat16"
+
+    registry = CollectorRegistry()
+    types = {cls: _in_registry(cls, registry) for cls in (Counter, Gauge, Histogram)}
+    prom = KvtoolPromMetrics(Config, types, ["model_name", "engine"], {0: ["m", "0"]})
+    connector = MetricsMixin()
+    connector.get_kv_connector_stats()  # drop what earlier tests of this process counted
+    activity.lookup("a", 512, 600, 2)
+    activity.lookup("b", 0, 300, 0)
+    activity.observe("load", 0.02)
+    worker = connector.get_kv_connector_stats()
+    assert connector.get_kv_connector_stats() is None  # drained once, however many halves
+    activity.record("bytes_loaded", 1000)
+    activity.observe("save", 0.5)
+    payload = MetricsMixin.build_kv_connector_stats(worker.to_dict())
+    payload.aggregate(connector.get_kv_connector_stats())  # vLLM: worker + scheduler halves
+    assert payload.reduce()["requests_hit"] == 1 and payload.reduce()["load_ms_avg"] == 20.0
+    prom.observe(payload.to_dict(), 0)
+    samples = {(s.name, s.labels.get("result") or s.labels.get("lossy")): s.value
+               for f in text_string_to_metric_families(_exposition(registry)) for s in f.samples}
+    assert samples[("kvtool_store_requests_total", "hit")] == 1
+    assert samples[("kvtool_store_requests_total", "miss")] == 1
+    assert samples[("kvtool_store_prompt_tokens_total", "hit")] == 512
+    assert samples[("kvtool_store_prompt_tokens_total", "miss")] == 300 + 88
+    assert samples[("kvtool_store_loaded_bytes_total", None)] == 1000
+    assert samples[("kvtool_store_load_seconds_count", None)] == 1
+    assert samples[("kvtool_store_save_seconds_sum", None)] == 0.5
+    assert samples[("kvtool_store_policy_info", "true")] == 1
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"HTTP {e.code}: {e.read()[:500]!r}") from None
+def _in_registry(cls, registry):
+    """``cls`` registering into ``registry`` (a test's own, not the process's)."""
+    return lambda *a, **kw: cls(*a, registry=registry,
+                                **{k: v for k, v in kw.items() if k != "multiprocess_mode"})
 
 
-def test_a_real_server_answers_and_fills_the_store(tmp_path):
-    pytest.importorskip("vllm")
-    store, port = tmp_path / "store", _free_port()
-    kvtool = shutil.which("kvtool", path=os.path.dirname(sys.executable))
-    log = open(tmp_path / "server.log", "w")
-    env = {k: v for k, v in os.environ.items()  # what kvtool's in-process engine quietens
-           if k not in ("VLLM_LOGGING_LEVEL", "KVTOOL_LOG_LEVEL",
-                        "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    proc = subprocess.Popen([kvtool, "serve", "--store", str(store), "--port", str(port),
-                             "--codec", "raw", "--max-model-len", "1024"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        base = f"http://127.0.0.1:{port}/v1"
-        deadline = time.time() + 240
+def _exposition(registry) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry).decode()
+
+
+def test_policy_lossiness():
+    from kvtool.engines.vllm.activity import is_lossy
+    from kvtool.policy import CodecPolicy
+
+    assert not is_lossy(CodecPolicy.from_options(codec="raw"), "bfloat16")
+    assert is_lossy(CodecPolicy.from_options(codec="raw:dtype=float16"), "bfloat16")
+    assert is_lossy(CodecPolicy.from_options(key_codec="raw", value_codec="turbo3"), "bfloat16")
+
+
+def test_store_stats_sum_every_process_file(runner, tmp_path):
+    from kvtool.engines.vllm import activity
+    from kvtool.policy import CodecPolicy
+
+    class Store:  # what the writer needs of a PrefixStore
+        root = tmp_path
+        policy = CodecPolicy.from_options(codec="turbo3")
+
+    writers = [activity.StatsWriter(Store, "turbo3", True, interval=0) for _ in range(2)]
+    activity.record("requests_hit", 3)
+    activity.record("bytes_loaded", 4096)
+    activity.observe("load", 0.25)
+    for w in writers:  # two processes' files (here: the same counters twice)
+        assert w.write()
+    (tmp_path / "stats" / "junk.json").write_text("{not json")
+    os.symlink(tmp_path / "stats" / writers[0].name, tmp_path / "stats" / "link.json")
+    out = runner.invoke(cli, ["store", "stats", "--json", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.output)["activity"]
+    assert got["processes"] == 2 and got["unreadable"] == 2  # the junk and the symlink
+    assert got["counters"]["requests_hit"] == 6 and got["counters"]["bytes_loaded"] == 8192
+    assert got["counters"]["load_count"] == 2 and got["policies"] == {"turbo3": True}
+    text = runner.invoke(cli, ["store", "stats", str(tmp_path)]).output
+    assert "6 hit" in text and "avg 250 ms" in text and "turbo3 (lossy)" in text
+
+
+# -- real servers ----------------------------------------------------------------------------------
+PREFIX = " ".join(f"shared{i}" for i in range(160))  # ~600 tokens: two stored chunks
+COLD = PREFIX + " The end of the first document."
+
+
+@dataclass
+class Server:
+    """A ``kvtool serve`` subprocess on 127.0.0.1."""
+
+    store: Path
+    log: Path
+    codec: str = "raw"
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    notes: dict = field(default_factory=dict)
+
+    def start(self) -> Server:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        kvtool = shutil.which("kvtool", path=os.path.dirname(sys.executable))
+        env = {k: v for k, v in os.environ.items()  # what kvtool's in-process engine quietens
+               if k not in ("VLLM_LOGGING_LEVEL", "KVTOOL_LOG_LEVEL",
+                            "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [kvtool, "serve", "--store", str(self.store), "--port", str(self.port),
+                 "--codec", self.codec, "--max-model-len", "1024", "--", "--max-num-seqs", "8"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
         while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                with urllib.request.urlopen(f"{base}/models", timeout=5) as r:
-                    name = json.loads(r.read())["data"][0]["id"]
-                break
-            except OSError:
+                self.model = self.client().models.list().data[0].id
+                return self
+            except Exception:
                 assert time.time() < deadline, "server did not start"
                 time.sleep(2)
-        prompt = " ".join(f"word{i}" for i in range(120))  # ~400 tokens: one chunk
-        out = _post(f"{base}/completions", {"model": name, "prompt": prompt, "max_tokens": 4,
-                                             "temperature": 0})
-        assert out["choices"][0]["text"]
-        for _ in range(60):  # the connector writes in the background
-            if list(store.rglob("*.kvz")):
+
+    def client(self, cls=None):
+        import openai
+
+        return (cls or openai.OpenAI)(base_url=f"http://127.0.0.1:{self.port}/v1",
+                                      api_key="none", timeout=300, max_retries=0)
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> str:
+        out = self.client().completions.create(model=self.model, prompt=prompt,
+                                               max_tokens=max_tokens, temperature=0)
+        return out.choices[0].text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples on /metrics whose labels include ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and labels.items() <= s.labels.items())
+
+    def wait_metric(self, name: str, at_least: float, **labels: str) -> float:
+        """Counters arrive with the engine step after the work (async saves: the next one)."""
+        for _ in range(30):
+            value = self.metric(name, **labels)
+            if value >= at_least:
+                return value
+            time.sleep(1)
+        return value
+
+    def stop(self) -> None:
+        """SIGTERM to the API server, which shuts its engine down (connectors included);
+        anything of its process group left after 60 s is killed."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        for _ in range(30):  # the engine-core and worker processes follow their parent
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
                 break
             time.sleep(1)
-        assert list(store.rglob("*.kvz")), "the server stored no chunk"
-        text = (tmp_path / "server.log").read_text()
-        for _ in range(20):  # logs visible at INFO without any logging setup
-            if "kvtool store: saved" in text:
-                break
-            time.sleep(0.5)
-            text = (tmp_path / "server.log").read_text()
-        assert "kvtool store: miss" in text and "kvtool store: saved" in text
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        else:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+def _chunks(store: Path) -> list[Path]:
+    return sorted(p for p in store.rglob("*.kvz") if "quarantine" not in p.parts)
+
+
+@pytest.fixture(scope="module")
+def server_a(tmp_path_factory):
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    tmp = tmp_path_factory.mktemp("serve")
+    server = Server(tmp / "store", tmp / "a.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cold(server_a):
+    """The cold request's text, once its chunks are stored."""
+    text = server_a.complete(COLD)
+    for _ in range(60):  # the connector writes in the background
+        if len(_chunks(server_a.store)) >= 2:
+            break
+        time.sleep(1)
+    return text
+
+
+def test_cold_request_misses_then_fills_the_store(server_a, cold):
+    assert cold.strip()
+    assert len(_chunks(server_a.store)) >= 2, server_a.log.read_text()[-3000:]
+    assert server_a.wait_metric("kvtool_store_requests_total", 1, result="miss") >= 1
+    assert server_a.wait_metric("kvtool_store_saved_chunks_total", 2) >= 2
+    assert server_a.metric("kvtool_store_policy_info", policy="raw", lossy="false") == 1
+    text = server_a.log.read_text()  # visible at INFO without any logging setup
+    assert "kvtool store: miss" in text and "kvtool store: saved" in text
+    assert "policy raw (lossless)" in text
+
+
+def test_shared_prefix_request_hits_the_store(server_a, cold):
+    before = server_a.metric("kvtool_store_prompt_tokens_total", result="hit")
+    assert server_a.complete(PREFIX + " A different ending, the second document.").strip()
+    after = server_a.wait_metric("kvtool_store_prompt_tokens_total", before + 512, result="hit")
+    assert after - before >= 512  # the shared prefix's two chunks
+
+
+def test_eight_concurrent_requests_succeed(server_a, cold):
+    client = server_a.client(__import__("openai").AsyncOpenAI)
+
+    async def one(i: int) -> str:
+        out = await client.completions.create(
+            model=server_a.model, prompt=f"{PREFIX} Question {i}: what is {i} plus {i}?",
+            max_tokens=8, temperature=0)
+        return out.choices[0].text
+
+    async def run() -> list:
+        return await asyncio.gather(*(one(i) for i in range(8)), return_exceptions=True)
+
+    before = server_a.metric("kvtool_store_requests_total", result="hit")
+    answers = asyncio.run(run())
+    assert not [a for a in answers if isinstance(a, BaseException)], answers
+    assert all(a.strip() for a in answers)
+    assert server_a.wait_metric("kvtool_store_requests_total", before + 8, result="hit") \
+        >= before + 8
+
+
+@pytest.fixture(scope="module")
+def server_b(server_a, cold):
+    """A new server on server A's store, after A stopped."""
+    server_a.stop()
+    server = Server(server_a.store, server_a.log.with_name("b.log")).start()
+    yield server
+    server.stop()
+
+
+def test_restart_serves_the_same_text_from_the_store(server_b, cold):
+    assert server_b.complete(COLD) == cold  # raw codec: exact K/V, identical greedy text
+    assert server_b.wait_metric("kvtool_store_requests_total", 1, result="hit") >= 1
+    assert server_b.wait_metric("kvtool_store_loaded_tokens_total", 512) >= 512
+    assert server_b.metric("kvtool_store_loaded_bytes_total") > 0
+    assert server_b.metric("kvtool_store_load_seconds_count") >= 1
+    assert server_b.metric("kvtool_store_failures_total") == 0
+    assert "kvtool store: loaded" in server_b.log.read_text()
+
+
+def test_store_stats_count_both_servers(runner, server_b):
+    from kvtool.engines.vllm.activity import store_activity
+
+    for _ in range(30):  # each process rewrites its file every 5 s while its counters change
+        if store_activity(server_b.store)["counters"]["requests_hit"] >= 10:
+            break
+        time.sleep(1)
+    server_b.stop()
+    out = runner.invoke(cli, ["store", "stats", "--json", str(server_b.store)])
+    assert out.exit_code == 0, out.output
+    activity = json.loads(out.output)["activity"]
+    counters = activity["counters"]
+    assert activity["processes"] >= 2 and activity["policies"] == {"raw": False}
+    assert counters["requests_hit"] >= 10 and counters["requests_missed"] >= 1
+    assert counters["tokens_loaded"] >= 512 and counters["chunks_saved"] >= 2
+    assert counters["load_failures"] == counters["save_failures"] == 0

@@ -16,7 +16,7 @@ def _store_line(store: str | None) -> str:
     from kvtool.cli.inspect import human_bytes
     from kvtool.engines.vllm import store_admin
 
-    if not os.path.isdir(store):
+    if "://" not in store and not os.path.isdir(store):  # an s3:// URL is scanned
         return f"{store} (new)"
     info = store_admin.stats(store_admin.scan(store))
     return f"{store} ({info['chunks']} chunks, {human_bytes(info['bytes'])})"
@@ -25,11 +25,13 @@ def _store_line(store: str | None) -> str:
 @click.command("serve", context_settings={"ignore_unknown_options": True})
 @click.option("--model", default="default", show_default=True,
               help="'default' (SmolLM2-135M) or a local Hugging Face model directory.")
-@click.option("--engine", type=click.Choice(["vllm"]), default="vllm", show_default=True,
-              help="The engine whose OpenAI-compatible server runs.")
+@click.option("--engine", type=click.Choice(["vllm", "mlx"]), default="vllm", show_default=True,
+              help="The engine whose OpenAI-compatible server runs (mlx: mlx-lm's server, its "
+              "prompt cache kept compressed by kvtool).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--store", help="Prefix store directory: prompts' K/V persist here, compressed.")
+@click.option("--store", help="Prefix store directory or s3://bucket/prefix URL: prompts' K/V "
+              "persist here, compressed.")
 @click.option("--max-store-bytes", help="Bound the store (e.g. 2GB): least recently hit chunks "
               "are evicted.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
@@ -52,23 +54,35 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
     Arguments after ``--`` go to the engine unchanged, e.g.
     ``kvtool serve --store ~/kvstore -- --max-num-seqs 8``.
     """
-    from kvtool.engines.vllm import serve
+    if engine == "mlx":
+        from kvtool.engines import mlx_serve
 
-    plan = serve.plan(model, host=host, port=port, store=store, dtype=dtype,
-                      max_model_len=max_model_len, policy_options=codec_opts,
-                      max_store_bytes=max_store_bytes, pins=pins, engine_args=engine_args)
+        if pins or max_store_bytes or max_model_len:
+            raise click.UsageError("--pin, --max-store-bytes and --max-model-len are "
+                                   "vLLM-only; --engine mlx takes --store DIR")
+        plan = mlx_serve.plan(model, host=host, port=port, store=store, dtype=dtype,
+                              policy_options=codec_opts, engine_args=engine_args)
+    else:
+        from kvtool.engines.vllm import serve
+
+        plan = serve.plan(model, host=host, port=port, store=store, dtype=dtype,
+                          max_model_len=max_model_len, policy_options=codec_opts,
+                          max_store_bytes=max_store_bytes, pins=pins, engine_args=engine_args)
     if dry_run and as_json:
         echo_json({"argv": plan.argv, "url": plan.url, "model": plan.model, "store": plan.store,
-                   "policy": plan.policy, "pins": plan.pins, "connector": plan.connector})
+                   "policy": plan.policy, "lossy": plan.lossy, "pins": plan.pins,
+                   "notes": plan.notes, "connector": plan.connector})
         return
-    lossless = plan.policy.startswith("raw") and "kivi" not in plan.policy
     click.echo(f"kvtool serve: {plan.model} ({engine}) at {plan.url}")
-    click.echo(f"  store:  {_store_line(plan.store)}")
-    click.echo(f"  policy: {plan.policy}" + ("" if lossless else
+    click.echo(f"  store:  {_store_line(plan.store) if engine == 'vllm' else plan.store}")
+    click.echo(f"  policy: {plan.policy}" + ("" if not plan.lossy else
                " (lossy: answers served from the store may differ slightly from a cold run; "
                "--codec raw for exact)"))
+    click.echo(f"  metrics: {plan.url.removesuffix('/v1')}/metrics (kvtool_store_*)")
     for pin in plan.pins:
         click.echo(f"  pinned: {pin}")
+    for note in plan.notes:
+        click.echo(f"  note:   {note}")
     if dry_run:
         click.echo(" ".join(plan.argv))
         return

@@ -27,7 +27,8 @@ def _scan(root: str):
 
 @click.group("store")
 def store_group() -> None:
-    """Inspect and manage a kvtool prefix store (the vLLM connector's --store directory)."""
+    """Inspect and manage a kvtool prefix store (the vLLM connector's --store: a directory or
+    an s3://bucket/prefix URL, reached through the standard AWS environment)."""
 
 
 @store_group.command("ls")
@@ -68,19 +69,51 @@ def print_stats(info: dict[str, Any]) -> None:
                    "foreign names)")
 
 
+def print_activity(a: dict[str, Any]) -> None:
+    """What servers did with the store (:func:`kvtool.engines.vllm.activity.store_activity`)."""
+    from kvtool.cli.inspect import human_bytes
+
+    c = a["counters"]
+
+    def avg(op: str) -> str:
+        return f"avg {1e3 * c[op + '_seconds'] / c[op + '_count']:.0f} ms" if c[op + "_count"] \
+            else "none"
+
+    policies = ", ".join(f"{p} ({'lossy' if lossy else 'lossless'})"
+                         for p, lossy in a["policies"].items()) or "none recorded"
+    last = _when(a["last_update"]) if a["last_update"] else "never"
+    click.echo(f"activity   {a['processes']} server process(es), last update {last}; "
+               f"policy {policies}")
+    seen = c["requests_hit"] + c["requests_missed"]
+    click.echo(f"  lookups  {seen} requests: {c['requests_hit']} hit, {c['requests_missed']} "
+               f"missed; {c['prompt_tokens_hit']} of "
+               f"{c['prompt_tokens_hit'] + c['prompt_tokens_missed']} prompt tokens stored")
+    click.echo(f"  loaded   {c['tokens_loaded']} tokens from {c['files_loaded']} files "
+               f"({human_bytes(c['bytes_loaded'])}); {c['load_count']} loads, {avg('load')}")
+    click.echo(f"  saved    {c['tokens_saved']} tokens in {c['chunks_saved']} chunks "
+               f"({human_bytes(c['bytes_saved'])}); {c['save_count']} writes, {avg('save')}")
+    click.echo(f"  evicted  {c['chunks_evicted']} chunks ({human_bytes(c['bytes_evicted'])})")
+    click.echo(f"  failures {c['load_failures']} load, {c['save_failures']} save, "
+               f"{c['invalid_files']} bad files ({c['quarantined_files']} quarantined)")
+
+
 @store_group.command("stats")
 @click.argument("root", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @handle_errors
 def stats_command(root: str, as_json: bool) -> None:
-    """Totals of a store at rest: chunks and bytes per model, quarantine, temp files."""
+    """Totals of a store at rest: chunks and bytes per model, quarantine, temp files, and
+    what servers did with it (hits, loads, saves, latencies, failures)."""
     from kvtool.engines.vllm import store_admin
+    from kvtool.engines.vllm.activity import store_activity
 
     info = store_admin.stats(_scan(root))
+    info["activity"] = store_activity(root)
     if as_json:
         echo_json(info)
     else:
         print_stats(info)
+        print_activity(info["activity"])
 
 
 @store_group.command("verify")

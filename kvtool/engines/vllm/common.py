@@ -42,8 +42,13 @@ def ensure_visible_logs() -> None:
     root.addHandler(handler)
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     root.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
-DEFAULT_KEY_CODEC = "kivi4"
+# the store's default policy, k=turbo4:center=true v=turbo3 sink=4 (3.75 bits/element): of the
+# ≤ 4-bit policies measured (benchmarks/store_policy.py, fp32, 32 greedy tokens after a restore
+# of the bundled eval prompts) the one whose answers stay with recompute longest: 2/3 identical,
+# the third diverging at token 24 (kivi4/turbo3, the default before: at token 5)
+DEFAULT_KEY_CODEC = "turbo4:center=true"
 DEFAULT_VALUE_CODEC = "turbo3"
+DEFAULT_SINK_TOKENS = 4
 DEFAULT_ZSTD = True
 MIN_CHUNK_TOKENS = 256
 COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_loaded",
@@ -108,15 +113,18 @@ def add_time(name: str, seconds: float) -> None:
 
 
 def policy_from_extra(extra: dict[str, Any]):
+    """The store's :class:`~kvtool.policy.CodecPolicy` from connector options; without
+    ``codec``, the default ``k=turbo4:center=true v=turbo3 sink=4`` fills what is not given."""
     from kvtool.policy import CodecPolicy
 
     codec = extra.get("codec")
+    sinks = extra.get("sink_tokens")
     return CodecPolicy.from_options(
         codec=codec,
         key_codec=extra.get("key_codec") or (None if codec else DEFAULT_KEY_CODEC),
         value_codec=extra.get("value_codec") or (None if codec else DEFAULT_VALUE_CODEC),
         protect_layers=int(extra.get("protect_layers", 0)),
-        sink_tokens=int(extra.get("sink_tokens", 0)),
+        sink_tokens=int(sinks) if sinks is not None else (0 if codec else DEFAULT_SINK_TOKENS),
         recent_tokens=int(extra.get("recent_tokens", 0)))
 
 
@@ -128,13 +136,16 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
 
 def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
     """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
-    file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`)."""
+    file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`).
+    ``fingerprint`` is the engine model's (dtype-free) one; a file of another dtype of the
+    same model is served, cast (:func:`check_cache` notes it)."""
     from kvtool.errors import KvtoolError
     from kvtool.formats import open_kvz
+    from kvtool.models import identity_key
 
     try:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
-            if f.model.get("fingerprint") != fingerprint:
+            if identity_key(f.model) != fingerprint:
                 raise ValueError("it belongs to another model")
             ids = f.token_ids
             if ids is None:
@@ -175,9 +186,13 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
 
 
 def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
-    """Raise ValueError unless a loaded cache is this model's and holds ``tokens`` tokens."""
-    if (cache.model or {}).get("fingerprint") != model["fingerprint"]:
+    """Raise ValueError unless a loaded cache is this model's (up to dtype: another dtype is
+    cast, logged once per process) and holds ``tokens`` tokens."""
+    from kvtool.models import identity_dtype, log_cast, same_model
+
+    if not same_model(cache.model, model):
         raise ValueError("the file belongs to another model")
+    log_cast(cache.model, identity_dtype(model) or "", log)
     if "num_layers" in model and cache.num_layers != model["num_layers"]:
         raise ValueError(f"{cache.num_layers} layers, the model has {model['num_layers']}")
     if cache.num_tokens != tokens:

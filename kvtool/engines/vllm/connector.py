@@ -6,13 +6,18 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KvtoolConnector", "kv_rol
 "kvtool.engines.vllm.connector"``). ``kv_role`` ``kv_both`` loads and saves, ``kv_consumer`` only
 loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys (all optional):
 
-``store_path``   the prefix store (:mod:`~kvtool.engines.vllm.store`); none: no store
+``store_path``   the prefix store (:mod:`~kvtool.engines.vllm.store`): a directory or an
+                 ``s3://bucket/prefix`` URL (endpoint and credentials from the standard AWS
+                 environment); none: no store
+``storage_options`` for an S3 store: options of its boto3 client (``endpoint_url``, ...)
 ``codec``, ``key_codec``, ``value_codec``, ``protect_layers``, ``sink_tokens``, ``zstd``
-                 the codec policy of stored chunks. Default: keys ``kivi4``, values ``turbo3``,
-                 zstd on — quality first within a ≥4x budget: keys matter more than values,
-                 and KIVI's per-channel key groups absorb the outlier channels real keys carry
-                 (on SmolLM2 its first-token KL was ~2x lower than ``turbo4``'s); values lose
-                 little at 3 bits. ~3.75 bits/element, ~4.3x smaller than bf16 with zstd.
+                 the codec policy of stored chunks. Default: ``k=turbo4:center=true v=turbo3
+                 sink=4``, zstd on (3.75 bits/element; ~3.8 on disk): of the ≤ 4-bit policies
+                 measured (``benchmarks/store_policy.py``), the one whose greedy answers after
+                 a restore stay with a recompute longest (bundled eval prompts, 32 tokens: 2/3
+                 identical, the third diverging at token 24; ``k=kivi4 v=turbo3``, the earlier
+                 default: at token 5). Still lossy: the startup log says so; ``codec: raw``
+                 stores exact K/V (identical answers).
 ``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
                  chunks share finer prefixes but cost more per-file overhead on load)
 ``max_bytes``    bound the whole store (every model): after its writes, a writer evicts least
@@ -32,6 +37,11 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  as ``<capture_name(ids)>.kvz`` (``capture_all``: every request)
 ``model_name``, ``tokenizer_fingerprint``  identity written into the files' headers
 ``on_load_error`` ``"recompute"`` (default; sets vLLM's ``kv_load_failure_policy``) or ``"fail"``
+``stats_interval`` seconds between writes of the process's counters to ``<store>/stats/``
+                 (``kvtool store stats``; default 5; 0: none; see ``activity``)
+
+Hits, misses, loads and saves (with latencies and failure counts) are logged at INFO and
+exported on a vLLM server's ``/metrics`` (:mod:`~kvtool.engines.vllm.metrics`).
 
 Requests whose K/V the token ids alone do not determine (multimodal inputs, LoRA adapters, a
 ``cache_salt``, prompt embeddings) bypass the connector. Per request,
@@ -69,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtool.engines.vllm import activity
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
     MIN_CHUNK_TOKENS,
@@ -95,8 +106,9 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     tokenizer_fingerprint_of,
 )
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.safeio import pin_file
-from kvtool.engines.vllm.store import Chunk, PrefixStore
+from kvtool.engines.vllm.store import Chunk, open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,7 +124,7 @@ class KvtoolMetadata(KVConnectorMetadata):
 
 
 # -- the connector -------------------------------------------------------------------------------
-class KvtoolConnector(KVConnectorBase_V1):
+class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
     """See the module docstring."""
 
     _cache_hit_source = CacheHitSource.DISK
@@ -134,17 +146,24 @@ class KvtoolConnector(KVConnectorBase_V1):
         kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
         self.store = None
         if extra.get("store_path"):
-            self.store = PrefixStore(extra["store_path"], self.model_info, self.chunk_tokens,
-                                     self.policy, zstd=self.zstd,
-                                     writable=kv_role != "kv_consumer")
+            self.store = open_store(
+                extra["store_path"], self.model_info, self.chunk_tokens, self.policy,
+                zstd=self.zstd, writable=kv_role != "kv_consumer",
+                storage_options=extra.get("storage_options"))
             if role == KVConnectorRole.SCHEDULER and self.store.writable:
                 submit(self.store.collect_garbage)
+            if role == KVConnectorRole.SCHEDULER:
+                activity.log_policy(self.policy, self.model_info.get("dtype"))
+        self._stats_file = None
+        if self.store is not None and self.store.writable:
+            self._stats_file = activity.stats_writer(self.store, self.model_info.get("dtype"),
+                                                     float(extra.get("stats_interval", 5)))
         self.budget = None
         if extra.get("max_bytes") is not None and self.store is not None \
                 and self.store.writable:
             from kvtool.engines.vllm.store_admin import StoreBudget, parse_size
 
-            self.budget = StoreBudget(extra["store_path"], parse_size(str(extra["max_bytes"])))
+            self.budget = StoreBudget(self.store.backend, parse_size(str(extra["max_bytes"])))
         self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
         self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
             and kv_role != "kv_consumer"
@@ -216,12 +235,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         matched, sources = self._match(req)
         if not req.logged:
             req.logged = True
-            if matched:
-                log.info("kvtool store: hit: request %s: %d of %d prompt tokens from %d file(s)",
-                         request.request_id, matched, len(req.prompt), len(sources))
-            else:
-                log.info("kvtool store: miss: request %s (%d prompt tokens)",
-                         request.request_id, len(req.prompt))
+            activity.lookup(request.request_id, matched, len(req.prompt), len(sources))
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
@@ -321,11 +335,14 @@ class KvtoolConnector(KVConnectorBase_V1):
         self._failed_reqs = set()
         start = time.perf_counter()
         for spec in getattr(meta, "loads", ()):
-            before = stats()["tokens_loaded"]
+            before, began = activity.totals(), time.perf_counter()
             self._load(spec)
-            log.info("kvtool store: loaded %d tokens for request %s in %.0f ms",
-                     stats()["tokens_loaded"] - before, spec.req_id,
-                     (time.perf_counter() - start) * 1e3)
+            seconds, after = time.perf_counter() - began, activity.totals()
+            activity.observe("load", seconds)
+            log.info("kvtool store: loaded %d tokens (%d bytes) for request %s in %.0f ms (%s)",
+                     after["tokens_loaded"] - before["tokens_loaded"],
+                     after["bytes_loaded"] - before["bytes_loaded"], spec.req_id, seconds * 1e3,
+                     activity.summary())
         add_time("load_seconds", time.perf_counter() - start)
 
     def _load(self, spec: LoadSpec) -> None:
@@ -350,6 +367,7 @@ class KvtoolConnector(KVConnectorBase_V1):
                 break
             count("tokens_loaded", b - a)
             count("files_loaded")
+            activity.record("bytes_loaded", activity.file_bytes(src.path))
             covered = b
         if covered < spec.stop:
             count("load_failures")
@@ -430,9 +448,11 @@ class KvtoolConnector(KVConnectorBase_V1):
                 count("chunks_saved")
                 count("tokens_saved", chunk.stop - chunk.start)
                 count("bytes_saved", written)
+        seconds = time.perf_counter() - start
         if total:
-            log.info("kvtool store: saved %d chunk(s), %d bytes, in %.0f ms", len(copies), total,
-                     (time.perf_counter() - start) * 1e3)
+            activity.observe("save", seconds)
+            log.info("kvtool store: saved %d chunk(s), %d bytes, in %.0f ms (%s)", len(copies),
+                     total, seconds * 1e3, activity.summary())
         if total and self.budget is not None:
             try:
                 files, freed = self.budget.added(total)
@@ -440,8 +460,8 @@ class KvtoolConnector(KVConnectorBase_V1):
                 log.warning("kvtool store: eviction failed (%s)", e)
             else:
                 if files:
-                    count("chunks_evicted", files)
-                    count("bytes_evicted", freed)
+                    activity.record("chunks_evicted", files)
+                    activity.record("bytes_evicted", freed)
                     log.info("kvtool store: evicted %d least recently hit chunks (%d bytes) to "
                              "stay under max_bytes=%d", files, freed, self.budget.max_bytes)
         add_time("write_seconds", time.perf_counter() - start)
@@ -453,6 +473,8 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         flush()
+        if self._stats_file is not None:
+            self._stats_file.write()
 
     def _capture(self, spec: SaveSpec) -> None:
         from kvtool.cache import KVCache

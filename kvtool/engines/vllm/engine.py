@@ -7,9 +7,10 @@ engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="un
   the connector writes the whole prompt's K/V losslessly, and :func:`capture` returns it as a
   :class:`~kvtool.cache.KVCache` with the same model identity, tokenizer fingerprint and token
   ids the HF engine records, so ``kvtool capture --engine vllm`` writes the same .kvz.
-* :func:`continue_generation` serves a .kvz (from either engine) to one request as a prefix
-  source: the connector injects its tokens into vLLM's paged cache, and vLLM computes only the
-  rest. :func:`recompute_generation` is the baseline (the request opts out of the connector).
+* :func:`continue_generation` serves a .kvz (from any engine, in any dtype of the model: cast,
+  with a logged note) to one request as a prefix source: the connector injects its tokens into
+  vLLM's paged cache, and vLLM computes only the rest. :func:`recompute_generation` is the
+  baseline (the request opts out of the connector).
 """
 
 from __future__ import annotations
@@ -59,17 +60,19 @@ def _quiet_env() -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def load_vllm(model: str = "default", dtype: str = "float32", *, max_model_len: int | None = None,
+def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int | None = None,
               kv_cache_memory_bytes: int | None = None, threads: int | None = None,
               prefix_caching: bool = False, **connector: Any) -> VllmModel:
     """Start vLLM on ``model`` (``default``, or a local HF model directory) with the connector.
 
     ``connector`` keys go into ``kv_connector_extra_config`` (``store_path``, ``codec``, ...).
     Local prefix caching is off by default so that every reuse measured is the connector's.
+    ``dtype`` ``"auto"`` (or None) is the model's own (:func:`kvtool.models.native_dtype`).
     """
-    from kvtool.models import model_identity, resolve_model, tokenizer_fingerprint
+    from kvtool.models import model_identity, resolve_dtype, resolve_model, tokenizer_fingerprint
 
     name, location = resolve_model(model)
+    dtype = resolve_dtype(dtype, location)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"vLLM needs a Hugging Face model directory, not a GGUF file "
                           f"({location}); use --model default or convert it first")

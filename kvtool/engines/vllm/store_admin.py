@@ -1,34 +1,32 @@
 """A prefix store at rest: list, measure, verify and prune it (``kvtool store``).
 
 Works on the layout of :mod:`~kvtool.engines.vllm.store` (``<root>/<fingerprint[:16]>/<key[:2]>/
-<key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM.
+<key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM, on a directory
+or an ``s3://bucket/prefix`` URL (:mod:`~kvtool.engines.vllm.store_backend`).
 
 "Last hit" is a chunk file's access time: :meth:`PrefixStore.read` sets it on every load it
 serves (explicitly, so ``noatime``/``relatime`` mounts do not matter); a chunk never served
-since it was written has its write time. Pruning is safe while servers run: a file is removed
-by unlinking its name, so a server that has it open finishes reading it, and a server that
-looks for it next finds a miss and recomputes (then stores the chunk again). Symlinks and other
-non-regular files are never followed, counted or removed.
+since it was written has its write time. On S3, which has no access time, it is the time of the
+chunk's hit marker (:mod:`~kvtool.engines.vllm.store_s3`). Pruning is safe while servers run: a
+file is removed by unlinking its name (an object by one DELETE), so a server that has it open
+finishes reading it, and a server that looks for it next finds a miss and recomputes (then
+stores the chunk again). Symlinks and other non-regular files are never followed, counted or
+removed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
-import stat
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-from kvtool.engines.vllm.store import QUARANTINE_DIR
+from kvtool.engines.vllm.store_backend import PINS_FILE, QUARANTINE_DIR, Backend, open_backend
 from kvtool.errors import KvtoolError
 from kvtool.fileio import TEMP_SUFFIX
 
-_MODEL_DIR = re.compile(r"^[0-9a-f]{16}$")
-_SHARD_DIR = re.compile(r"^[0-9a-f]{2}$")
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -39,12 +37,13 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 class StoredChunk:
     """One chunk file found in the store."""
 
-    path: str
+    path: str  # a file path, or an s3:// URL
     model: str  # the model directory (fingerprint[:16])
     bytes: int
     written: float  # mtime, seconds since the epoch
     last_hit: float  # atime: the last load served from it (or its write)
     pinned: bool = False  # listed in the store's pins file: never pruned or evicted
+    name: str = ""  # relative to the store ("<model>/<xx>/<key>.kvz")
 
 
 @dataclasses.dataclass
@@ -59,55 +58,42 @@ class StoreScan:
     quarantined_bytes: int = 0
     ignored: int = 0  # symlinks, special files, names not of the store's layout
     pins: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunk key → pin record
+    backend: Backend | None = None
 
 
-def _regular(entry: os.DirEntry) -> os.stat_result | None:
-    with contextlib.suppress(OSError):
-        st = entry.stat(follow_symlinks=False)
-        if stat.S_ISREG(st.st_mode):
-            return st
-    return None
+def backend_of(root: str | os.PathLike | Backend,
+               storage_options: dict | None = None) -> Backend:
+    """The backend of a directory or ``s3://`` URL (a backend is passed through)."""
+    if hasattr(root, "walk") and hasattr(root, "location"):
+        return root  # type: ignore[return-value]
+    return open_backend(root, storage_options)  # type: ignore[arg-type]
 
 
-def _dirs(path: str, pattern: re.Pattern) -> list[os.DirEntry]:
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        return sorted((e for e in it if pattern.match(e.name) and e.is_dir(follow_symlinks=False)),
-                      key=lambda e: e.name)
-    return []
-
-
-def scan(root: str | os.PathLike) -> StoreScan:
-    """Walk the store at ``root`` (a :class:`KvtoolError` if it is not a directory)."""
-    root = str(root)
+def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None) -> StoreScan:
+    """Walk the store at ``root`` (a :class:`KvtoolError` if it is not a directory, or its
+    bucket cannot be reached)."""
+    backend = backend_of(root, storage_options)
+    backend.check()
+    out = StoreScan(backend.location, [], pins=read_pins(backend), backend=backend)
     try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        raise KvtoolError(f"no store at {root}: the directory does not exist") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise KvtoolError(f"{root} is not a store directory")
-    out = StoreScan(root, [], pins=read_pins(root))
-    for model in _dirs(root, _MODEL_DIR):
-        for shard in _dirs(model.path, _SHARD_DIR):
-            with contextlib.suppress(OSError), os.scandir(shard.path) as it:
-                for e in it:
-                    st = _regular(e)
-                    if st is None:
-                        out.ignored += 1
-                    elif e.name.endswith(TEMP_SUFFIX):
-                        out.temp_files += 1
-                        out.temp_bytes += st.st_size
-                    elif _CHUNK.match(e.name):
-                        out.chunks.append(StoredChunk(e.path, model.name, st.st_size,
-                                                      st.st_mtime, max(st.st_atime, st.st_mtime),
-                                                      e.name[:-4] in out.pins))
-                    else:
-                        out.ignored += 1
-    with contextlib.suppress(OSError), os.scandir(os.path.join(root, QUARANTINE_DIR)) as it:
-        for e in it:
-            st = _regular(e)
-            if st is not None:
-                out.quarantined_files += 1
-                out.quarantined_bytes += st.st_size
+        entries = list(backend.walk())
+    except OSError as e:
+        raise KvtoolError(f"cannot list {backend.location}: {e.strerror or e}") from None
+    for e in entries:
+        parts = e.name.split("/")
+        if parts[0] == QUARANTINE_DIR:
+            out.quarantined_files += 1
+            out.quarantined_bytes += e.size
+        elif not e.regular:
+            out.ignored += 1
+        elif parts[-1].endswith(TEMP_SUFFIX):
+            out.temp_files += 1
+            out.temp_bytes += e.size
+        elif _CHUNK.match(parts[-1]):
+            out.chunks.append(StoredChunk(backend.path(e.name), parts[0], e.size, e.mtime,
+                                          e.last_hit, parts[-1][:-4] in out.pins, e.name))
+        else:
+            out.ignored += 1
     return out
 
 
@@ -143,9 +129,10 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter
     from kvtool.formats.info import verify_file
 
     bad = []
+    backend = backend_of(found.backend or found.root)
     for c in progress(found.chunks):
         try:
-            with open_kvz(c.path) as f:
+            with backend.pin(c.name) as (path, _), open_kvz(path) as f:
                 problems = verify_file(f)
                 fingerprint = str(f.model.get("fingerprint", ""))
                 if fingerprint[:16] != c.model:
@@ -196,27 +183,15 @@ def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
     return doomed
 
 
-def remove(chunks: list[StoredChunk], root: str | os.PathLike) -> tuple[int, int]:
-    """Unlink the chunk files (never through a symlinked directory); (files, bytes) removed.
+def remove(chunks: list[StoredChunk], root: str | os.PathLike | Backend) -> tuple[int, int]:
+    """Remove the chunk files (never through a symlinked directory); (files, bytes) removed.
     A file already gone (another prune, a quarantine) is skipped."""
-    from kvtool.engines.vllm.safeio import open_dir
-
+    backend = backend_of(root)
     files = freed = 0
     for c in chunks:
-        parts = Path(c.path).relative_to(root).parts
-        try:
-            dir_fd = open_dir(root, parts[:-1])
-        except OSError:
-            continue
-        try:
-            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                os.unlink(parts[-1], dir_fd=dir_fd)
-                files, freed = files + 1, freed + st.st_size
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        size = backend.remove(c.name)
+        if size is not None:
+            files, freed = files + 1, freed + size
     return files, freed
 
 
@@ -225,10 +200,11 @@ class StoreBudget:
     ``max_bytes``, evicting least recently hit chunks down to ``low_water`` of it so that
     eviction runs now and then, not after every write."""
 
-    def __init__(self, root: str | os.PathLike, max_bytes: int, low_water: float = 0.9):
+    def __init__(self, root: str | os.PathLike | Backend, max_bytes: int,
+                 low_water: float = 0.9):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        self.root, self.max_bytes, self.low_water = str(root), int(max_bytes), low_water
+        self.root, self.max_bytes, self.low_water = backend_of(root), int(max_bytes), low_water
         self._estimate: int | None = None
 
     def added(self, nbytes: int) -> tuple[int, int]:
@@ -246,32 +222,22 @@ class StoreBudget:
         return files, freed
 
 
-PINS_FILE = "pins.json"
-
-
-def read_pins(root: str | os.PathLike) -> dict[str, Any]:
+def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
     """The store's pins (chunk key → {"file", "model"}); empty if none or unreadable."""
     import json
 
-    path = os.path.join(root, PINS_FILE)
+    raw = backend_of(root).read_small(PINS_FILE)
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return {}
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = json.loads(raw.decode("utf-8")) if raw is not None else {}
+    except (UnicodeDecodeError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _write_pins(root: str | os.PathLike, pins: dict[str, Any]) -> None:
+def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None:
     import json
 
-    from kvtool.fileio import atomic_write
-
-    data = json.dumps(pins, indent=1, sort_keys=True).encode()
-    atomic_write(os.path.join(root, PINS_FILE), lambda f: f.write(data),
-                 follow_symlinks=False)
+    backend_of(root).write_small(PINS_FILE, json.dumps(pins, indent=1, sort_keys=True).encode())
 
 
 def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
@@ -281,6 +247,7 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     the connector's)."""
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.store import PrefixStore
+    from kvtool.engines.vllm.store_backend import is_url
     from kvtool.formats import load
 
     cache = load(path)
@@ -288,9 +255,12 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         raise KvtoolError(f"{path}: holds no token ids, so its chunks cannot be keyed")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
-    os.makedirs(root, exist_ok=True)
-    store = PrefixStore(root, cache.model, chunk_tokens, policy or policy_from_extra({}),
-                        tokenizer_fingerprint=cache.tokenizer_fingerprint)
+    if not is_url(str(root)):
+        os.makedirs(root, exist_ok=True)
+    backend = backend_of(root)
+    store = PrefixStore(backend.location, cache.model, chunk_tokens,
+                        policy or policy_from_extra({}),
+                        tokenizer_fingerprint=cache.tokenizer_fingerprint, backend=backend)
     ids = [int(t) for t in cache.token_ids]
     chunks = store.chunks(ids)
     if not chunks:
@@ -301,11 +271,11 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         keys = [k[:, c.start:c.stop] for k in cache.keys]
         values = [v[:, c.start:c.stop] for v in cache.values]
         written += bool(store.write(c, keys, values, ids))
-    pins = read_pins(root)
+    pins = read_pins(backend)
     source = os.path.realpath(path)
     for c in chunks:
         pins[c.key] = {"file": source, "model": store.fingerprint[:16]}
-    _write_pins(root, pins)
+    _write_pins(backend, pins)
     return len(chunks), written
 
 

