@@ -37,8 +37,24 @@ def os_error_message(e: BaseException) -> str:
     return message if e.filename2 is None else f"{message} -> {e.filename2}"
 
 
+def close_broken_pipe() -> None:
+    """The reader of stdout went away (``kvtool inspect f.kvz | head -3``): exit 0, quietly.
+
+    stdout is pointed at /dev/null so that the interpreter's final flush cannot fail again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test runner)
+        pass
+    sys.exit(0)
+
+
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Known errors → one stderr line and their exit code; traceback only with KVTOOL_DEBUG=1."""
+    """Known errors → one stderr line and their exit code; traceback only with KVTOOL_DEBUG=1.
+
+    A broken pipe on stdout ends the command quietly (see :func:`close_broken_pipe`).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -48,6 +64,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except BrokenPipeError:
+            close_broken_pipe()
         except KvtoolError as e:
             if debug_enabled():
                 raise
@@ -75,6 +93,10 @@ def echo_json(data: Any) -> None:
 def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The options that choose a :class:`kvtool.policy.CodecPolicy`."""
     options = [
+        click.option("--preset", default=None,
+                     type=click.Choice(["lossless", "quality", "balanced", "small"]),
+                     help="A measured policy (kvtool codecs --presets); codec options given "
+                          "too override its codecs."),
         click.option("--codec", default=None,
                      help="Codec for keys and values: an id (turbo3), id:opt=val,... or JSON."),
         click.option("--key-codec", default=None, help="Codec for keys (overrides --codec)."),
@@ -94,6 +116,12 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def policy_from_options(opts: dict[str, Any], default_codec: str = "raw"):
     from kvtool.policy import CodecPolicy
 
+    if opts.get("preset"):
+        return CodecPolicy.from_options(
+            codec=opts.get("codec"), key_codec=opts.get("key_codec"),
+            value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers", 0),
+            sink_tokens=opts.get("sink_tokens", 0), recent_tokens=opts.get("recent_tokens", 0),
+            preset=opts["preset"])
     return CodecPolicy.from_options(
         codec=opts.get("codec") or default_codec,
         key_codec=opts.get("key_codec"),
@@ -102,3 +130,123 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw"):
         sink_tokens=opts.get("sink_tokens", 0),
         recent_tokens=opts.get("recent_tokens", 0),
     )
+
+
+# -- one dtype vocabulary ---------------------------------------------------------------------
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "f32": "float32",
+               "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16", "f16": "float16", "half": "float16"}
+
+
+class DtypeParam(click.ParamType):
+    """``fp16|bf16|fp32`` or ``float16|bfloat16|float32`` (any case), normalised to the long
+    spelling that torch, the .kvz header and the model fingerprint use."""
+
+    name = "dtype"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "[fp32|bf16|fp16]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        name = str(value).strip().lower().removeprefix("torch.")
+        if name in DTYPE_NAMES:
+            return DTYPE_NAMES[name]
+        self.fail(f"{value!r} is not a dtype; use fp32, bf16 or fp16 (or float32, bfloat16, "
+                  "float16)", param, ctx)
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str):
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(n) for n in DTYPE_NAMES if n.startswith(incomplete)]
+
+
+DTYPE = DtypeParam()
+
+
+# -- input and checks before the slow work ----------------------------------------------------
+def read_prompt(prompt: str | None, prompt_file: str | None, *, required: bool = True) -> str:
+    """The text of ``--prompt`` or ``--prompt-file`` (a UTF-8 file, or ``-``: stdin)."""
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give either --prompt or --prompt-file, not both")
+    if prompt is None and prompt_file is None:
+        if required:
+            raise click.UsageError("give --prompt or --prompt-file (- reads stdin)")
+        return ""
+    if prompt_file == "-":
+        stdin = sys.stdin
+        data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            from kvtool.errors import KvtoolError
+
+            raise KvtoolError(f"<stdin>: not UTF-8 text (invalid byte at offset {e.start})") \
+                from None
+    if prompt_file is not None:
+        from kvtool.fileio import read_text_file
+
+        return read_text_file(prompt_file)
+    return prompt or ""
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's context length (``max_position_embeddings`` of its text config), if known."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_length(tokens: int, limit: int | None, force: bool, model: str,
+                         what: str = "the prompt") -> None:
+    """Refuse ``tokens`` beyond the model's ``limit`` (named in the error) unless ``force``."""
+    if limit is None or tokens <= limit:
+        return
+    from kvtool.errors import KvtoolError
+    from kvtool.progress import info
+
+    message = (f"{what} needs {tokens} positions but {model} has a context length of {limit} "
+               "(max_position_embeddings)")
+    if not force:
+        raise KvtoolError(f"{message}; shorten it, or pass --force to go past the limit")
+    info(f"warning: {message}; going on (--force)")
+
+
+def verbosity_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``-q/--quiet`` and ``-v/--verbose`` as ``quiet``/``verbose`` arguments (see
+    :func:`apply_verbosity`)."""
+    fn = click.option("-v", "--verbose", is_flag=True, help="Debug logs on stderr.")(fn)
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bars or info lines: results and errors only.")(fn)
+
+
+def apply_verbosity(quiet: bool, verbose: bool) -> None:
+    from kvtool import progress
+
+    progress.set_verbosity(progress.QUIET if quiet else progress.VERBOSE if verbose
+                           else progress.NORMAL)
+
+
+def context_limit(loaded: Any) -> int | None:
+    """The context length of a loaded model of any engine (its config, else config.json)."""
+    config = getattr(getattr(loaded, "model", None), "config", None)
+    if config is not None and not isinstance(config, dict):
+        found = max_positions(config)
+        if found is not None:
+            return found
+    where = getattr(loaded, "path", None) or getattr(loaded, "location", None)
+    path = os.path.join(str(where), "config.json") if where else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    from types import SimpleNamespace
+
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    return max_positions(SimpleNamespace(**text))

@@ -7,10 +7,18 @@ from typing import Any
 
 import click
 
-from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+from kvtool.cli._common import (
+    DTYPE,
+    check_context_length,
+    codec_policy_options,
+    context_limit,
+    echo_json,
+    handle_errors,
+    policy_from_options,
+    read_prompt,
+)
 
 MODEL_HELP = "'default' (SmolLM2-135M), a local HF model directory, or a .gguf file."
-DTYPE_CHOICE = click.Choice(["float32", "bfloat16", "float16"])
 ENGINE_CHOICE = click.Choice(["hf", "vllm", "mlx"])
 ENGINE_HELP = ("Engine that runs the model: Hugging Face transformers, vLLM or mlx-lm (same .kvz "
                "files; mlx ignores --threads).")
@@ -20,13 +28,24 @@ def model_options(fn: Any) -> Any:
     """--model, --dtype and --threads, shared by capture and generate."""
     fn = click.option("--threads", type=click.IntRange(1), default=None,
                       help="torch CPU threads (default: torch's choice).")(fn)
-    fn = click.option("--dtype", type=DTYPE_CHOICE, default="float32", show_default=True,
-                      help="Model (and cache) dtype; part of the cache's model fingerprint.")(fn)
+    fn = click.option("--dtype", type=DTYPE, default=None,
+                      help="Model (and cache) dtype [default: the model's own, from its config "
+                      "(bf16 for the default model); float32 for a .gguf]. A cache restores "
+                      "into any dtype of its model, cast.")(fn)
     return click.option("--model", "model_name", default="default", show_default=True,
                         help=MODEL_HELP)(fn)
 
 
-def load_for_cli(model_name: str, dtype: str, threads: int | None):
+def model_dtype(model_name: str, dtype: str | None) -> str:
+    """``--dtype``, else the model's own (:func:`kvtool.models.native_dtype`)."""
+    if dtype:
+        return dtype
+    from kvtool.models import model_location, resolve_dtype
+
+    return resolve_dtype(None, model_location(model_name)[1])
+
+
+def load_for_cli(model_name: str, dtype: str | None, threads: int | None):
     from kvtool.models import load_model
 
     if threads:
@@ -36,42 +55,36 @@ def load_for_cli(model_name: str, dtype: str, threads: int | None):
     return load_model(model_name, dtype=dtype)
 
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The text of ``--prompt`` or ``--prompt-file`` (a regular UTF-8 file)."""
-    if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give exactly one of --prompt and --prompt-file")
-    if prompt_file is not None:
-        from kvtool.fileio import read_text_file
-
-        return read_text_file(prompt_file)
-    return prompt or ""
-
-
 @click.command("capture")
 @model_options
 @click.option("--engine", type=ENGINE_CHOICE, default="hf", show_default=True, help=ENGINE_HELP)
 @click.option("--prompt", default=None, help="The text to prefill.")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Read the text to prefill from a file (UTF-8).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the text to prefill from a file (UTF-8); - reads stdin.")
+@click.option("--force", is_flag=True, help="Go past the model's context length.")
 @codec_policy_options
 @click.option("--zstd", is_flag=True, help="zstd-compress each stored tensor where it helps.")
+@click.option("--entropy", is_flag=True,
+              help="rANS-code each stored tensor (codes at their entropy) where it helps.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="The .kvz file to write (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def capture_command(model_name: str, dtype: str, threads: int | None, engine: str,
-                    prompt: str | None, prompt_file: str | None, zstd: bool, output: str,
-                    as_json: bool, **codec_opts: Any) -> None:
+def capture_command(model_name: str, dtype: str | None, threads: int | None, engine: str,
+                    prompt: str | None, prompt_file: str | None, force: bool, zstd: bool,
+                    entropy: bool, output: str, as_json: bool, **codec_opts: Any) -> None:
     """Prefill a prompt and save the model's KV cache to a .kvz file."""
     from kvtool.fileio import check_output_path
 
     check_output_path(output)  # before the slow part: a bad -o fails in milliseconds
     text = read_prompt(prompt, prompt_file)
     policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
+    dtype = model_dtype(model_name, dtype)
     from kvtool.kernels import warm_up_async
 
     warm_up_async([policy.key, policy.value], dtype)  # overlaps the model's load and prefill
     from kvtool.formats import save
+    from kvtool.progress import progress_enabled
 
     if engine == "vllm":
         from kvtool.engines.vllm import engine as vllm_engine
@@ -86,15 +99,23 @@ def capture_command(model_name: str, dtype: str, threads: int | None, engine: st
         start = time.perf_counter()
         cache = mlx_engine.capture(loaded, text)
     else:
-        from kvtool.engines.hf import capture
+        from kvtool.engines.hf import capture, encode_text
+        from kvtool.progress import decoder_layers, forward_progress
 
         loaded = load_for_cli(model_name, dtype, threads)
+        ids = encode_text(loaded.tokenizer, text)
+        check_context_length(len(ids), context_limit(loaded), force, loaded.name,
+                             f"the prompt ({len(ids)} tokens)")
         start = time.perf_counter()
-        cache = capture(loaded.model, loaded.tokenizer, text, model_info=loaded.info)
+        layers = decoder_layers(loaded.model)
+        with forward_progress(layers, len(layers), f"prefill {len(ids)} tokens", "layer"):
+            cache = capture(loaded.model, loaded.tokenizer, token_ids=ids,
+                            model_info=loaded.info)
     capture_s = time.perf_counter() - start
     start = time.perf_counter()
-    report = save(cache, output, policy, zstd=zstd)
+    report = save(cache, output, policy, zstd=zstd, entropy=entropy, progress=progress_enabled())
     save_s = time.perf_counter() - start
+    dtype = str(getattr(loaded, "dtype", None) or dtype)  # what the engine ran
     report.update(model=loaded.name, engine=engine, dtype=dtype, num_tokens=len(cache.token_ids),
                   load_model_s=round(loaded.load_seconds, 4), capture_s=round(capture_s, 4),
                   save_s=round(save_s, 4), cache_bytes=cache.nbytes)

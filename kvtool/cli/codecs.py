@@ -10,10 +10,29 @@ from kvtool.cli._common import echo_json, handle_errors
 @click.command("codecs")
 @click.option("--head-dim", default=128, show_default=True, type=click.IntRange(2),
               help="head_dim at which to report bits/element.")
+@click.option("--options", "show_options", is_flag=True,
+              help="List each codec's options (id:name=value,...) with types and defaults.")
+@click.option("--presets", "show_presets", is_flag=True,
+              help="List the policy presets (--preset NAME) with bits/element and quality.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def codecs_command(head_dim: int, as_json: bool) -> None:
+def codecs_command(head_dim: int, show_options: bool, show_presets: bool,
+                   as_json: bool) -> None:
     """List every registered codec (built-ins and plugins)."""
+    if show_presets:
+        from kvtool.policy import presets_table
+
+        rows = presets_table(head_dim)
+        if as_json:
+            echo_json({"head_dim": head_dim, "presets": rows})
+            return
+        for r in rows:
+            click.echo(f"{r['name']:<9} {r['bits_per_element']:>6.3f} b  {r['label']:<50} "
+                       f"{r['measured']}")
+        return
+    if show_options:
+        _print_options(as_json)
+        return
     from kvtool.codecs import get_codec, list_codecs
     from kvtool.kernels import KERNELS_ENV, available_backends, cpu_kernels, kernel_mode
 
@@ -40,3 +59,29 @@ def codecs_command(head_dim: int, as_json: bool) -> None:
     for r in rows:
         click.echo(f"{r['id']:<10} {r['bits_per_element']:>9.3f} {r['ratio_vs_fp16']:>7.2f}x  "
                    f"{', '.join(r['backends']):<18} {r['cpu_kernels']}")
+
+
+def _option_text(opt: dict) -> str:
+    import json
+
+    if opt["name"].startswith("**"):
+        return f"{opt['name']} (checked by the codec)"
+    if opt["required"]:
+        return f"{opt['name']}: {opt['type']} (required)"
+    return f"{opt['name']}: {opt['type']} = {json.dumps(opt['default'])}"
+
+
+def _print_options(as_json: bool) -> None:
+    """``kvtool codecs --options``: every codec's options, written as in a codec spec."""
+    from kvtool.codecs import list_codecs
+    from kvtool.codecs.registry import option_table
+
+    table = {codec_id: option_table(codec_id) for codec_id in list_codecs()}
+    if as_json:
+        echo_json({"codecs": table})
+        return
+    for codec_id, options in table.items():
+        shown = ", ".join(_option_text(o) for o in options) or "(no options)"
+        click.echo(f"{codec_id:<10} {shown}")
+    click.echo("\nSet options as id:name=value,... (turbo3:center=true,seed=7) or as JSON "
+               '({"id": "int4", "group_size": 32}).')

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+from kvtool.cli._common import (
+    DTYPE,
+    codec_policy_options,
+    echo_json,
+    handle_errors,
+    policy_from_options,
+)
 
 
 @click.command("eval")
@@ -25,24 +31,36 @@ from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, p
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(0),
               help="Tokens of greedy continuation to compare (0: skip).")
 @click.option("--dtype", default="float32", show_default=True,
-              type=click.Choice(["float32", "bfloat16", "float16"]),
+              type=DTYPE,
               help="Dtype the model runs in.")
+@click.option("--seeds", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="With N >= 2: mean and spread over N rotation seeds x texts (--text, else "
+                   "both bundled texts at --max-tokens, default 2048), ranked by next-token KL.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
 def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens: int | None,
                  block_size: int, prompt: str | None, max_new_tokens: int, dtype: str,
-                 as_json: bool, **policy_opts) -> None:
+                 seeds: int, as_json: bool, **policy_opts) -> None:
     """Chunked perplexity with a compressed past against the exact cache, K/V error, bits/element
     and a greedy continuation side by side."""
     from kvtool.evaluate import evaluate
     from kvtool.fileio import read_text_file
     from kvtool.models import load_model
+    from kvtool.progress import forward_progress
 
     policy = policy_from_options(policy_opts)
     text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)
-    report = evaluate(loaded, policy, text, chunk=chunk, block_size=block_size,
-                      max_tokens=max_tokens, prompt=prompt, max_new_tokens=max_new_tokens)
+    if seeds > 1:
+        from kvtool.evaluate_grid import eval_sweep
+
+        eval_sweep(loaded, policy, text_file, text, seeds, chunk=chunk, block_size=block_size,
+                   max_tokens=max_tokens, as_json=as_json)
+        return
+    with forward_progress(loaded.model, _forward_calls(loaded, text, chunk, max_tokens,
+                                                       max_new_tokens), "evaluating", "step"):
+        report = evaluate(loaded, policy, text, chunk=chunk, block_size=block_size,
+                          max_tokens=max_tokens, prompt=prompt, max_new_tokens=max_new_tokens)
     if as_json:
         echo_json({"model": loaded.name, **report.to_json()})
         return
@@ -66,3 +84,15 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
         click.echo(f"\ncontinuation of a {gen['prompt_tokens']}-token prompt ({diff}):")
         click.echo(f"  baseline:   {gen['baseline']!r}")
         click.echo(f"  compressed: {gen['compressed']!r}")
+
+
+def _forward_calls(loaded, text: str | None, chunk: int, max_tokens: int | None,
+                   max_new_tokens: int) -> int:
+    """Model forward calls ``evaluate`` makes: every chunk twice (exact, then compressed) and
+    each continuation token twice (the progress bar's total)."""
+    from kvtool.evaluate import data_text
+
+    n = len(loaded.tokenizer(text if text is not None else data_text("eval_text.md"))
+            ["input_ids"])
+    n = min(n, max_tokens) if max_tokens else n
+    return 2 * -(-n // chunk) + 2 * max_new_tokens

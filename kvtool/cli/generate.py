@@ -1,8 +1,10 @@
 """``kvtool generate``: continue a prompt, from a saved .kvz cache or from scratch.
 
-With ``--cache`` it restores the cache, continues the cached tokens + ``--prompt`` greedily, and
-(unless ``--no-compare``) also recomputes the whole prefix without the cache, printing time to
-first token for both.
+With ``--cache`` it restores the cache, continues the cached tokens + ``--prompt``, and (unless
+``--no-compare``) also recomputes the whole prefix without the cache, printing time to first
+token for both. ``--prompt-cache FILE`` is llama-cli's flow: the first run captures the prompt
+into FILE, later runs restore it. Sampling options are mlx_lm's (``--max-tokens``,
+``--temperature``, ``--top-p``, ``--seed``); the default is greedy.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from typing import Any
 
 import click
 
-from kvtool.cli._common import echo_json, handle_errors
+from kvtool.cli._common import (
+    check_context_length,
+    context_limit,
+    echo_json,
+    handle_errors,
+    read_prompt,
+)
 from kvtool.cli.capture import ENGINE_CHOICE, ENGINE_HELP, load_for_cli, model_options
 
 
@@ -28,106 +36,248 @@ def runtime_policy(spec: str | None):
 def runtime_past_factory(spec: str | None):
     """``past_factory`` for ``--runtime-codec``: keep the cache compressed while generating.
 
-    RUNTIME-CODEC SPOT: this needs ``kvtool.engines.hf_runtime.CompressedCache`` (a separate
-    work item); until it exists the option fails with a clear message.
     """
     if spec is None:
         return None
-    from kvtool.errors import KvtoolError
+    from kvtool.engines.hf_runtime import CompressedCache
 
-    try:
-        from kvtool.engines.hf_runtime import CompressedCache
-    except ImportError:
-        raise KvtoolError("--runtime-codec needs kvtool.engines.hf_runtime.CompressedCache, "
-                          "which this kvtool does not have yet") from None
     policy = runtime_policy(spec)
     return lambda cache, model: CompressedCache.from_kvcache(cache, policy, model=model)
+
+
+def sampling_options(fn: Any) -> Any:
+    """--max-tokens (alias --max-new-tokens), --temperature, --top-p and --seed."""
+    options = [
+        click.option("--max-tokens", "--max-new-tokens", "max_tokens", default=32,
+                     show_default=True, type=click.IntRange(1),
+                     help="Most tokens to generate (--max-new-tokens: the old name)."),
+        click.option("--temperature", "--temp", default=0.0, show_default=True,
+                     type=click.FloatRange(0.0),
+                     help="Sampling temperature; 0 picks the most likely token (greedy)."),
+        click.option("--top-p", default=1.0, show_default=True,
+                     type=click.FloatRange(0.0, 1.0, min_open=True),
+                     help="Nucleus sampling: sample from the smallest set of tokens whose "
+                     "probabilities add up to P (with --temperature > 0)."),
+        click.option("--seed", default=None, type=int,
+                     help="Random seed: the same seed gives the same sampled text."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
 
 
 @click.command("generate")
 @model_options
 @click.option("--engine", type=ENGINE_CHOICE, default="hf", show_default=True, help=ENGINE_HELP)
 @click.option("--cache", "cache_path", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="A .kvz file captured from this model: the prefix to restore.")
-@click.option("--prompt", default="", help="Text that follows the cached prefix (or the whole "
-              "prompt without --cache).")
-@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
-@click.option("--force", is_flag=True,
-              help="Restore a cache from another model or tokenizer fingerprint anyway.")
+              default=None, help="A .kvz file captured from this model: the prefix to restore "
+              "(--prompt continues it as plain text, no chat template).")
+@click.option("--prompt-cache", "prompt_cache", type=click.Path(dir_okay=False), default=None,
+              help="llama-cli style: capture the prompt into FILE on the first run, restore it "
+              "on later runs (hf engine).")
+@click.option("--prompt", default=None, help="The prompt (with --cache: the text that follows "
+              "the cached prefix).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Read the prompt from a UTF-8 file; - reads stdin.")
+@click.option("--no-chat-template", is_flag=True,
+              help="Feed the prompt as is, not as a user turn in the model's chat template.")
+@sampling_options
+@click.option("--force", is_flag=True, help="Restore a cache from another model or tokenizer "
+              "fingerprint anyway; go past the model's context length.")
 @click.option("--no-compare", is_flag=True,
               help="With --cache: skip recomputing the prefix for the time comparison.")
 @click.option("--runtime-codec", default=None,
-              help="Keep the restored cache compressed with this codec while generating "
+              help="Keep the KV cache compressed with this codec while generating "
               "(hf and mlx engines).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
 def generate_command(model_name: str, dtype: str, threads: int | None, engine: str,
-                     cache_path: str | None, prompt: str, max_new_tokens: int, force: bool,
+                     cache_path: str | None, prompt_cache: str | None, prompt: str | None,
+                     prompt_file: str | None, no_chat_template: bool, max_tokens: int,
+                     temperature: float, top_p: float, seed: int | None, force: bool,
                      no_compare: bool, runtime_codec: str | None, as_json: bool) -> None:
-    """Generate greedily; with --cache, compare restore vs recompute time to first token."""
-    if cache_path is None and not prompt:
-        raise click.UsageError("give --prompt (and/or --cache)")
-    if runtime_codec and cache_path is None:
-        raise click.UsageError("--runtime-codec applies to a restored --cache")
+    """Generate text from a prompt; with --cache, restore a saved prefix first and compare
+    time to first token against recomputing it.
+
+    The prompt goes into the model's chat template when it has one (--no-chat-template: as is),
+    except after --cache, whose prompt continues the cached text.
+    """
+    from kvtool.engines.hf import Sampling
+
+    text = read_prompt(prompt, prompt_file, required=cache_path is None)
+    if cache_path is not None and prompt_cache is not None:
+        raise click.UsageError("give either --cache or --prompt-cache, not both")
+    sampling = Sampling(temperature, top_p, seed)
     if cache_path is not None:
         from kvtool.fileio import check_input_file
 
         check_input_file(cache_path)  # before loading the model; a FIFO would block open()
+    if prompt_cache is not None:
+        _check_prompt_cache(prompt_cache, engine)
+    runtime_policy(runtime_codec)  # a bad codec fails before the model loads
+    chat = not no_chat_template and cache_path is None
+    if engine in ("mlx", "vllm"):
+        _other_engine(engine, model_name, dtype, threads, cache_path, text, chat, max_tokens,
+                      sampling, force, no_compare, runtime_codec, as_json)
+        return
+    from kvtool.engines import hf
+
+    loaded = load_for_cli(model_name, dtype, threads)
+    limit = context_limit(loaded)
+    if cache_path is not None:
+        report = _restore(loaded, cache_path, text, max_tokens, sampling, force, no_compare,
+                          runtime_codec, limit)
+    else:
+        ids = hf.prompt_ids(loaded.tokenizer, text, chat)
+        check_context_length(len(ids) + max_tokens, limit, force, loaded.name,
+                             f"the prompt ({len(ids)} tokens) + --max-tokens {max_tokens}")
+        if prompt_cache is not None:
+            report = _with_prompt_cache(loaded, prompt_cache, ids, max_tokens, sampling, force,
+                                        runtime_codec)
+        else:
+            past = None
+            if runtime_codec:
+                from kvtool.engines.hf_runtime import CompressedCache
+
+                past = CompressedCache(runtime_policy(runtime_codec), config=loaded.model.config)
+            with _generating(loaded, max_tokens):
+                result = hf.recompute_generation(loaded, ids, max_tokens, past=past,
+                                                 sampling=sampling)
+            report = {"model": loaded.name, "text": result.text,
+                      "recompute": result.to_json()}
+    _output(report, as_json)
+
+
+def _generating(loaded: Any, max_tokens: int):
+    from kvtool.progress import forward_progress
+
+    return forward_progress(loaded.model, max_tokens, "generating", unit="tok")
+
+
+def _check_prompt_cache(path: str, engine: str) -> None:
+    """A prompt cache is read when it exists, else written: check it can be, before the model."""
+    import os
+
+    from kvtool.fileio import check_input_file, check_output_path
+
+    if engine != "hf":
+        raise click.UsageError("--prompt-cache needs --engine hf")
+    if os.path.lexists(path):
+        check_input_file(path)
+    check_output_path(path)
+
+
+def _other_engine(engine: str, model_name: str, dtype: str, threads: int | None,
+                  cache_path: str | None, text: str, chat: bool, max_tokens: int,
+                  sampling: Any, force: bool, no_compare: bool, runtime_codec: str | None,
+                  as_json: bool) -> None:
+    """``--engine mlx`` / ``vllm``: their own report functions (greedy only)."""
+    if sampling.temperature > 0:
+        raise click.UsageError(f"--temperature needs --engine hf ({engine} generates greedily)")
+    if engine == "vllm" and runtime_codec:
+        raise click.UsageError("--runtime-codec needs --engine hf or mlx")
     if engine == "mlx":
         from kvtool.engines import mlx as mlx_engine
 
-        policy = runtime_policy(runtime_codec)
-        lm = mlx_engine.load_mlx(model_name, dtype)
-        report = mlx_engine.generate_report(lm, cache_path, prompt, max_new_tokens, force=force,
-                                            compare=not no_compare, policy=policy)
-        for warning in report.pop("warnings", []):
-            click.echo(f"warning: {warning}", err=True)
-        _output(report, as_json)
-        return
-    if engine == "vllm":
-        if runtime_codec:
-            raise click.UsageError("--runtime-codec needs --engine hf or mlx")
+        loaded = mlx_engine.load_mlx(model_name, dtype)
+    else:
         from kvtool.engines.vllm import engine as vllm_engine
 
-        vm = vllm_engine.load_vllm(model_name, dtype, threads=threads)
-        report = vllm_engine.generate_report(vm, cache_path, prompt, max_new_tokens,
-                                             force=force, compare=not no_compare)
-        for warning in report.pop("warnings", []):
-            click.echo(f"warning: {warning}", err=True)
-        _output(report, as_json)
-        return
-    past_factory = runtime_past_factory(runtime_codec)
-    from kvtool.engines import hf
+        loaded = vllm_engine.load_vllm(model_name, dtype, threads=threads)
+    if chat and cache_path is None:
+        from kvtool.engines.hf import chat_prompt
 
-    report: dict[str, Any] = {}
+        text = chat_prompt(loaded.tokenizer, text) or text
     if cache_path is None:
-        loaded = load_for_cli(model_name, dtype, threads)
-        result = hf.recompute_generation(loaded, prompt=prompt, max_new_tokens=max_new_tokens)
-        report = {"model": loaded.name, "text": result.text, "recompute": result.to_json()}
-        _output(report, as_json)
-        return
+        count = len(loaded.tokenizer(text)["input_ids"])
+        check_context_length(count + max_tokens, context_limit(loaded), force, loaded.name,
+                             f"the prompt ({count} tokens) + --max-tokens {max_tokens}")
+    if engine == "mlx":
+        report = mlx_engine.generate_report(loaded, cache_path, text, max_tokens, force=force,
+                                            compare=not no_compare,
+                                            policy=runtime_policy(runtime_codec))
+    else:
+        report = vllm_engine.generate_report(loaded, cache_path, text, max_tokens, force=force,
+                                             compare=not no_compare)
+    for warning in report.pop("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+    _output(report, as_json)
+
+
+def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, sampling: Any,
+             force: bool, no_compare: bool, runtime_codec: str | None,
+             limit: int | None) -> dict[str, Any]:
+    """``--cache``: restore the file, continue it with ``prompt``, optionally recompute."""
     import torch  # noqa: F401  (imported before the clock: not part of reading the file)
 
+    from kvtool.engines import hf
     from kvtool.formats import load
+    from kvtool.progress import progress_enabled
 
     start = time.perf_counter()
-    cache = load(cache_path, backend="torch")
+    cache = load(cache_path, backend="torch", progress=progress_enabled())
     read_s = time.perf_counter() - start
-    loaded = load_for_cli(model_name, dtype, threads)
     problems = hf.check_compatible(cache, loaded, force=force)
     for p in problems:
         click.echo(f"warning: {p}; restoring anyway (--force)", err=True)
-    restored = hf.continue_generation(loaded, cache, prompt, max_new_tokens, force=True,
-                                      past_factory=past_factory)
+    full = hf.full_ids_for(cache, loaded.tokenizer, prompt)
+    check_context_length(len(full) + max_tokens, limit, force, loaded.name,
+                         f"{cache_path} ({len(cache.token_ids)} tokens) + the prompt + "
+                         f"--max-tokens {max_tokens}")
+    with _generating(loaded, max_tokens):
+        restored = hf.continue_generation(loaded, cache, prompt, max_tokens, force=True,
+                                          past_factory=runtime_past_factory(runtime_codec),
+                                          sampling=sampling)
     report = {"model": loaded.name, "cache": cache_path, "text": restored.text,
               "read_file_s": round(read_s, 4),
               "restore": restored.to_json() | {"ttft_with_read_s": restored.ttft_s + read_s}}
     if not no_compare:
-        full = hf.full_ids_for(cache, loaded.tokenizer, prompt)
-        baseline = hf.recompute_generation(loaded, full, max_new_tokens)
+        with _generating(loaded, max_tokens):
+            baseline = hf.recompute_generation(loaded, full, max_tokens, sampling=sampling)
         report["recompute"] = baseline.to_json()
         report["same_text"] = baseline.new_token_ids == restored.new_token_ids
-    _output(report, as_json)
+    return report
+
+
+def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, sampling: Any,
+                       force: bool, runtime_codec: str | None) -> dict[str, Any]:
+    """``--prompt-cache FILE``: restore FILE when it holds a prefix of the prompt, else prefill
+    the prompt, save it to FILE (raw, lossless) and continue from it."""
+    import os
+
+    from kvtool.engines import hf
+    from kvtool.formats import load, save
+    from kvtool.progress import decoder_layers, forward_progress, info, progress_enabled
+
+    start = time.perf_counter()
+    cache, action = None, "saved"
+    if os.path.exists(path):
+        cache = load(path, backend="torch", progress=progress_enabled())
+        hf.check_compatible(cache, loaded, force=force)
+        cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
+        if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached:
+            action = "restored"
+        else:
+            info(f"{path} holds another prompt: capturing this one into it")
+            cache = None
+    if cache is None:
+        layers = decoder_layers(loaded.model)
+        with forward_progress(layers, len(layers), f"prefill {len(ids)} tokens", "layer"):
+            cache = hf.capture(loaded.model, loaded.tokenizer, token_ids=ids,
+                               model_info=loaded.info)
+        save(cache, path, progress=progress_enabled())
+    info(f"prompt cache {path}: {action} {len(cache.token_ids)} of {len(ids)} prompt tokens")
+    prepare_s = time.perf_counter() - start
+    with _generating(loaded, max_tokens):
+        result = hf.continue_generation(loaded, cache, input_ids=ids, max_new_tokens=max_tokens,
+                                        force=True, sampling=sampling,
+                                        past_factory=runtime_past_factory(runtime_codec))
+    return {"model": loaded.name, "text": result.text,
+            "prompt_cache": {"path": path, "action": action,
+                             "cached_tokens": len(cache.token_ids),
+                             "seconds": round(prepare_s, 4)},
+            "restore": result.to_json() | {"ttft_with_read_s": result.ttft_s + prepare_s},
+            "read_file_s": round(prepare_s, 4) if action == "restored" else 0.0}
 
 
 def _output(report: dict[str, Any], as_json: bool) -> None:
@@ -137,6 +287,13 @@ def _output(report: dict[str, Any], as_json: bool) -> None:
     click.echo(report["text"])
     click.echo("---")
     restore, recompute = report.get("restore"), report.get("recompute")
+    pc = report.get("prompt_cache")
+    if pc:
+        done = "restored from" if pc["action"] == "restored" else "saved to"
+        click.echo(f"prompt cache: {pc['cached_tokens']} tokens {done} {pc['path']} in "
+                   f"{pc['seconds']:.3f} s; time to first token "
+                   f"{restore['ttft_with_read_s']:.3f} s")
+        return
     if restore:
         click.echo(f"restore:   time to first token {restore['ttft_with_read_s']:.3f} s "
                    f"(read file {report['read_file_s']:.3f} s, restore "

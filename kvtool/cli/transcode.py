@@ -7,17 +7,18 @@ same two commands: ``compress --from mlx`` imports one into a .kvz (any policy),
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
 
 from kvtool.cli._common import (
+    DTYPE,
     codec_policy_options,
     echo_json,
     handle_errors,
     policy_from_options,
 )
+from kvtool.progress import progress_enabled
 
 zstd_options = [
     click.option("--zstd", is_flag=True, help="Also compress each tensor with zstd."),
@@ -73,10 +74,12 @@ def _mlx_engine():
               help="What IN is: a .kvz file, or an mlx-lm prompt cache (.safetensors) to import.")
 @codec_policy_options
 @_with_zstd_options
+@click.option("--entropy", is_flag=True,
+              help="rANS-code each tensor (codes at their entropy: turbo3 ~2.7 bits/element).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
-                     as_json: bool, **opts: Any) -> None:
+                     entropy: bool, as_json: bool, **opts: Any) -> None:
     """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
     if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
         raise click.UsageError("give --codec (or --key-codec/--value-codec; raw: lossless)")
@@ -87,11 +90,13 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
         from kvtool.formats import save
 
         cache = _mlx_engine().import_prompt_cache(src)
-        report = save(cache, output, policy, zstd=level, progress=sys.stderr.isatty())
+        report = save(cache, output, policy, zstd=level, entropy=entropy,
+                      progress=progress_enabled())
     else:
         from kvtool.formats import transcode
 
-        report = transcode(src, output, policy, zstd=level, progress=sys.stderr.isatty())
+        report = transcode(src, output, policy, zstd=level, progress=progress_enabled(),
+                           entropy=entropy)
     _report(report, as_json)
 
 
@@ -103,7 +108,7 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
               show_default=True,
               help="What to write: a .kvz file, or an mlx-lm prompt cache (name it "
               "*.safetensors; no zstd).")
-@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+@click.option("--dtype", type=DTYPE, default=None,
               help="Store in this dtype (default: the dtype the cache was saved from).")
 @_with_zstd_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -118,7 +123,8 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
         mlx_engine = _mlx_engine()
         from kvtool.formats import load
 
-        report = mlx_engine.export_prompt_cache(load(src, dtype=dtype), output)
+        cache = load(src, dtype=dtype, progress=progress_enabled())
+        report = mlx_engine.export_prompt_cache(cache, output)
         if as_json:
             echo_json(report)
         else:
@@ -131,5 +137,5 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
     from kvtool.formats import transcode
 
     report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,
-                       zstd=zstd_level if zstd else False, progress=sys.stderr.isatty())
+                       zstd=zstd_level if zstd else False, progress=progress_enabled())
     _report(report, as_json)

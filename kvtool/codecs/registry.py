@@ -32,6 +32,7 @@ BUILTIN_CODECS: dict[str, str] = {
     "turbo3": "kvtool.codecs.turbo:Turbo3",
     "turbo4": "kvtool.codecs.turbo:Turbo4",
     "prism": "kvtool.codecs.prism:PrismCodec",
+    "turbomix": "kvtool.codecs.turbomix:TurboMixCodec",
 }
 
 _registry: dict[str, str | type[Codec]] | None = None
@@ -70,9 +71,13 @@ def _resolve(codec_id: str) -> type[Codec]:
     table = _load_table()
     target = table.get(codec_id)
     if target is None:
-        raise UnknownCodecError(f"unknown codec {codec_id!r}: not built in and no installed plugin "
-                         f"provides it (entry-point group {ENTRY_POINT_GROUP!r}); "
-                         f"known: {', '.join(sorted(table))}")
+        import difflib
+
+        close = difflib.get_close_matches(str(codec_id), list(table), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownCodecError(f"unknown codec {codec_id!r}{hint} (not built in and no "
+                                "installed plugin provides it through the entry-point group "
+                                f"{ENTRY_POINT_GROUP!r}; known: {', '.join(sorted(table))})")
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         try:
@@ -148,6 +153,36 @@ def codec_options(cls: type[Codec]) -> dict[str, Any]:
     params = inspect.signature(cls.__init__).parameters
     return {name: p.default for name, p in params.items() if name != "self"
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def option_table(codec_id: str) -> list[dict[str, Any]]:
+    """``[{"name", "type", "default"}]`` for each option of a codec (``kvtool codecs --options``).
+
+    ``type`` is the constructor's annotation as written (``"int"``, ``"bool"``, ``"str | None"``);
+    ``default`` is JSON-ready (``None`` for none); ``required`` says the option has no default.
+    A plugin whose constructor takes ``**options`` lists ``{"name": "**options"}``.
+    """
+    import inspect
+
+    cls = _resolve(codec_id)
+    if cls.__init__ is object.__init__:
+        return []
+    rows = []
+    for name, p in inspect.signature(cls.__init__).parameters.items():
+        if name == "self":
+            continue
+        if p.kind == p.VAR_KEYWORD:
+            rows.append({"name": f"**{name}", "type": "any", "default": None, "required": False})
+            continue
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            continue
+        ann = p.annotation
+        kind = "any" if ann is p.empty else ann if isinstance(ann, str) else \
+            getattr(ann, "__name__", str(ann))
+        required = p.default is p.empty
+        rows.append({"name": name, "type": kind, "default": None if required else p.default,
+                     "required": required})
+    return rows
 
 
 def _check_option_names(cls: type[Codec], codec_id: str, config: dict[str, Any]) -> None:

@@ -5,7 +5,9 @@
   fingerprint).
 * :func:`to_dynamic_cache` rebuilds a ``transformers.DynamicCache`` that
   ``model.generate(input_ids=full_ids, past_key_values=cache)`` continues from.
-* :func:`check_compatible` refuses a cache from another model or tokenizer.
+* :func:`check_compatible` refuses a cache from another model or tokenizer; a cache computed in
+  another dtype of the same model is accepted, cast, with a logged note
+  (:func:`kvtool.models.log_cast`).
 * :func:`continue_generation` / :func:`recompute_generation` generate greedily from a restored
   cache or from scratch, timing restore and time to first token.
 
@@ -27,7 +29,14 @@ import numpy as np
 import torch
 
 from kvtool.cache import KVCache
-from kvtool.errors import KvtoolError, ModelMismatchError, PrefixMismatchError
+from kvtool.engines.common import (  # noqa: F401 (kvtool.engines.hf.* names callers use)
+    GenerationResult,
+    check_compatible,
+    encode_text,
+    full_ids_for,
+    recompute_ids,
+)
+from kvtool.errors import KvtoolError, ModelMismatchError
 from kvtool.kernels import to_torch
 
 
@@ -42,11 +51,6 @@ def _identity(model: Any, tokenizer: Any, model_info: dict | None) -> tuple[dict
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
-    """Token ids of ``text`` (``special``: the tokenizer's BOS etc., as for a fresh prompt)."""
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 def layer_types(model: Any) -> list[dict[str, Any]] | None:
@@ -141,47 +145,7 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
     return out
 
 
-def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[str]:
-    """What differs between the cache's model/tokenizer and ``loaded`` (a LoadedModel).
-
-    Raises :class:`ModelMismatchError` naming the differences unless ``force``; returns them
-    (empty when compatible) so a forced caller can warn.
-    """
-    problems = []
-    want = cache.model or {}
-    if want.get("fingerprint") != loaded.fingerprints.get("model"):
-        a, b = want.get("layout") or {}, loaded.info.get("layout") or {}
-        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        detail = (" (" + ", ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys) + ")"
-                  if keys else "")
-        name = want.get("name", "an unknown model")
-        hint = f"; load the model with --dtype {a['dtype']}" if keys == ["dtype"] else ""
-        problems.append(f"model fingerprint differs{detail}: cache is from {name}, "
-                        f"loaded is {loaded.name}{hint}")
-    if cache.tokenizer_fingerprint != loaded.fingerprints.get("tokenizer"):
-        problems.append("tokenizer fingerprint differs")
-    if problems and not force:
-        raise ModelMismatchError("cache does not belong to this model: " + "; ".join(problems)
-                                 + " (use --force to restore anyway)")
-    return problems
-
-
 # -- generation ---------------------------------------------------------------------------------
-@dataclass
-class GenerationResult:
-    text: str
-    new_token_ids: list[int]
-    prompt_tokens: int  # the whole sequence the model continues from
-    cached_tokens: int  # of which restored from the cache (0 for recompute)
-    restore_s: float  # building the in-memory cache (0 for recompute)
-    ttft_s: float  # restore + prefill of uncached tokens + first token
-    total_s: float
-    first_logits: Any = None  # torch [vocab] float32: logits that chose the first new token
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "first_logits"}
-
-
 class _FirstTokenTimer:
     """A generate() streamer that notes when the first new token arrives."""
 
@@ -197,9 +161,46 @@ class _FirstTokenTimer:
         pass
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens: greedy (``temperature`` 0, the default) or sampled with
+    ``temperature``/``top_p``; ``seed`` makes a sampled run repeatable."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature <= 0:
+            return {"do_sample": False, "top_k": None, "top_p": None, "temperature": None}
+        return {"do_sample": True, "top_k": None, "top_p": self.top_p,
+                "temperature": self.temperature}
+
+
+GREEDY = Sampling()
+
+
+def chat_prompt(tokenizer: Any, text: str) -> str | None:
+    """``text`` as one user turn in the tokenizer's chat template, ready for the assistant's
+    answer (as ``mlx_lm.generate`` does); None when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
+    """Token ids of a whole prompt: in the chat template (when asked and the tokenizer has one;
+    the template writes its own special tokens), else tokenized fresh."""
+    templated = chat_prompt(tokenizer, text) if chat_template else None
+    if templated is None:
+        return encode_text(tokenizer, text)
+    return encode_text(tokenizer, templated, special=False)
+
+
 @torch.inference_mode()
 def _greedy(loaded: Any, ids: list[int], past: Any, max_new_tokens: int,
-            start: float) -> tuple[list[int], float, float, Any]:
+            start: float, sampling: Sampling = GREEDY) -> tuple[list[int], float, float, Any]:
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
@@ -207,9 +208,11 @@ def _greedy(loaded: Any, ids: list[int], past: Any, max_new_tokens: int,
     eos = getattr(model.generation_config, "eos_token_id", None)
     pad = getattr(model.generation_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                         past_key_values=past, max_new_tokens=max_new_tokens, do_sample=False,
-                         num_beams=1, top_k=None, top_p=None, temperature=None,
+                         past_key_values=past, max_new_tokens=max_new_tokens, num_beams=1,
+                         **sampling.generate_kwargs(),
                          pad_token_id=pad if pad is not None else tok.pad_token_id,
                          streamer=timer, output_logits=True, return_dict_in_generate=True)
     end = time.perf_counter()
@@ -222,31 +225,10 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def full_ids_for(cache: KVCache, tokenizer: Any, prompt: str | None = None,
-                 input_ids: Any = None) -> list[int]:
-    """The sequence to continue: ``input_ids``, or the cached ids + ``prompt``'s tokens.
-
-    Raises :class:`PrefixMismatchError` when the cached ids are not a prefix of it.
-    """
-    if cache.token_ids is None:
-        raise PrefixMismatchError("the cache stores no token ids, so kvtool cannot check that "
-                                  "the prompt extends the cached prefix")
-    cached = [int(t) for t in cache.token_ids]
-    if input_ids is not None:
-        full = [int(t) for t in input_ids]
-    else:
-        full = cached + (encode_text(tokenizer, prompt, special=False) if prompt else [])
-    if full[:len(cached)] != cached:
-        at = next((i for i, (a, b) in enumerate(zip(cached, full, strict=False)) if a != b),
-                  len(full))
-        raise PrefixMismatchError(f"the cached {len(cached)} tokens are not a prefix of the "
-                                  f"prompt ({len(full)} tokens; first difference at token {at})")
-    return full
-
-
 def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
                         max_new_tokens: int = 32, *, input_ids: Any = None,
-                        force: bool = False, past_factory: Any = None) -> GenerationResult:
+                        force: bool = False, past_factory: Any = None,
+                        sampling: Sampling = GREEDY) -> GenerationResult:
     """Restore ``cache`` and greedily continue the cached ids + ``prompt`` (or ``input_ids``).
 
     ``past_factory(cache, model)`` may build another ``transformers`` Cache than the default
@@ -262,28 +244,21 @@ def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
     start = time.perf_counter()
     past = (past_factory or (lambda c, m: to_dynamic_cache(c, model=m)))(cache, loaded.model)
     restore = time.perf_counter() - start
-    new, ttft, total, first = _greedy(loaded, full, past, max_new_tokens, start)
+    new, ttft, total, first = _greedy(loaded, full, past, max_new_tokens, start, sampling)
     return GenerationResult(_decode(loaded.tokenizer, new), new, len(full), len(cache.token_ids),
                             restore, ttft, total, first)
 
 
-def recompute_ids(tokenizer: Any, input_ids: Any = None, prompt: str | None = None) -> list[int]:
-    """The ids a recompute baseline runs: ``input_ids``, else ``prompt`` tokenized fresh."""
-    if input_ids is None:
-        if prompt is None:
-            raise KvtoolError("recompute_generation needs input_ids or prompt")
-        input_ids = encode_text(tokenizer, prompt)
-    return [int(t) for t in input_ids]
-
-
 def recompute_generation(loaded: Any, input_ids: Any = None, max_new_tokens: int = 32, *,
-                         prompt: str | None = None) -> GenerationResult:
-    """Greedy generation from scratch (the baseline a restore is compared with)."""
+                         prompt: str | None = None, past: Any = None,
+                         sampling: Sampling = GREEDY) -> GenerationResult:
+    """Generation from scratch (the baseline a restore is compared with); ``past``: an empty
+    cache to fill instead of a ``DynamicCache`` (e.g. a runtime-compressed one)."""
     ids = recompute_ids(loaded.tokenizer, input_ids, prompt)
     from transformers import DynamicCache
 
     start = time.perf_counter()
-    new, ttft, total, first = _greedy(loaded, ids, DynamicCache(config=loaded.model.config),
-                                      max_new_tokens, start)
+    past = past if past is not None else DynamicCache(config=loaded.model.config)
+    new, ttft, total, first = _greedy(loaded, ids, past, max_new_tokens, start, sampling)
     return GenerationResult(_decode(loaded.tokenizer, new), new, len(ids), 0, 0.0, ttft, total,
                             first)
