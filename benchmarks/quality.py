@@ -1,86 +1,165 @@
-"""Quality benchmark: perplexity change of every codec and of selected K/V policies.
+"""Quality benchmark: every preset and method as mean ± spread over rotation seeds × texts.
 
-On the default model and the bundled evaluation text (~3.8K tokens), the text is processed in
-chunks; each chunk attends to a past held by a ``CompressedCache`` (encode→decode with the
-policy), and the perplexity is compared with the same chunking on an exact ``DynamicCache``.
-Also reported: bits/element actually used (encoded bytes of the captured cache stored as
-bfloat16, every side-info byte and the lossless sinks/layers/window included), key/value cosine,
-and the attention KL of the last 16 queries against compressed keys.
+Each text (default: the two bundled ones, an essay and a story, 2048 tokens each) is processed
+in chunks; each chunk attends to a past held by a ``CompressedCache`` (encode→decode with the
+policy), against the same chunking on an exact ``DynamicCache``. Per run: Δppl, the mean
+next-token KL (compressed vs exact), bits/element actually used (the captured cache encoded as
+a .kvz would store it, bfloat16, side information and lossless sinks included) and the
+attention KL of the last 16 queries. Per policy: the mean and the spread (max − min) over
+3 seeds × 2 texts, ranked by mean KL. Peers: transformers' ``QuantizedCache`` (quanto) when
+``optimum-quanto`` is installed.
 
-    python benchmarks/quality.py                          # every codec + the default policies
-    python benchmarks/quality.py --max-tokens 1024 --codecs turbo3 --policy "k=turbo4 v=turbo2"
+    python benchmarks/quality.py                                   # presets + methods + peers
+    python benchmarks/quality.py --max-tokens 512 --seeds 2 --policy "turbo3 sink=4"
+    python benchmarks/quality.py --plot docs/quality.png --json rows.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import time
 
 import torch
 
-from kvtool.codecs import list_codecs
-from kvtool.evaluate import evaluate, read_text, run_baseline
+from kvtool.evaluate import read_text, run_with_past
+from kvtool.evaluate_grid import (
+    DEFAULT_SEEDS,
+    DEFAULT_TEXTS,
+    Sweep,
+    aggregate,
+    format_table,
+    load_baselines,
+    sweep,
+)
 from kvtool.models import load_model
-from kvtool.policy import CodecPolicy
+from kvtool.policy import PRESETS, CodecPolicy
 
-# K/V policies worth comparing (from a small search on this model; add more with --policy).
-# Findings: the first token is an attention sink (keeping just it halves turbo3's damage), and
-# centring keys per block (center=true) pays off once the sinks are kept out of the blocks.
-DEFAULT_POLICIES = [
-    "k=turbo4 v=turbo3",
-    "turbo4 sink=4",
-    "k=turbo4:center=true v=turbo4 sink=4",
-    "turbo3 sink=1",
+# methods tried for issue 13 (presets are added in front); add more with --policy
+METHODS = [
     "turbo3 sink=4",
-    "turbo3 protect=1 sink=8",
-    "k=turbo3:center=true v=turbo3",
     "k=turbo3:center=true v=turbo3 sink=4",
-    "k=turbo3:center=true v=turbo3 sink=4 recent=64",
-    "k=turbo4:center=true v=turbo2 sink=4",
-    "k=kivi4 v=kivi2",
+    "k=turbomix:center=true,candidates=4 v=turbomix:candidates=4 sink=4",
+    "k=turbo3:center=true v=turbo3 sink=auto",
+    "k=turbomix:center=true,outliers=16 v=turbo3 sink=4",
+    "k=turbomix:bits=2,outliers=32,outlier_bits=4,center=true v=turbo2 sink=4",
+    "k=turbo4:center=true v=turbo3 sink=4",
 ]
+PEERS = [("quanto", 4), ("quanto", 2)]
+
+
+def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
+    """transformers' QuantizedCache (group 64, residual 128 exact tokens) on every text."""
+    if importlib.util.find_spec({"quanto": "optimum.quanto", "hqq": "hqq"}[backend]) is None:
+        return None
+    from transformers import QuantizedCache
+
+    runs = []
+    for name, base in baselines.items():
+        past = QuantizedCache(backend=backend, config=loaded.model.config, nbits=nbits,
+                              q_group_size=64, residual_length=128)
+        ppl, kl = run_with_past(loaded.model, base, past)
+        runs.append({"text": name, "seed": None, "delta_ppl_pct": 100 * (ppl / base.ppl - 1),
+                     "kl": kl, "bits_per_element": nbits + 32 / 64})  # fp16 scale+zero / 64
+    mean, spread, std = aggregate(runs)
+    return Sweep(f"peer: {backend}-{nbits} QuantizedCache", {}, runs, mean, spread, std)
+
+
+def plot(sweeps: list[Sweep], path: str, names: dict[str, str]) -> None:
+    """Δppl and KL against bits/element, mean with min–max bars, one point per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+    for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats)"),
+                              (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
+        for i, s in enumerate(sweeps):
+            values = [r[metric] for r in s.runs]
+            x, y = s.mean["bits_per_element"], s.mean[metric]
+            label = names.get(s.label, s.label)
+            style = "s" if label.startswith("preset") else ("^" if "peer" in label else "o")
+            ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]], fmt=style,
+                        capsize=3, color=f"C{i % 10}", label=label)
+        ax.set_xlabel("bits / element")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if metric == "kl":
+            ax.set_yscale("log")
+    axes[0].set_title("KL, mean and min–max over seeds × texts")
+    axes[1].set_title("Δppl, mean and min–max over seeds × texts")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.24, 1, 1))
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--text", default=None, help="text file (default: bundled eval text)")
-    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--text", action="append", default=None,
+                    help="text file (repeatable; default: the two bundled texts)")
+    ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=len(DEFAULT_SEEDS),
+                    help="rotation seeds per text (default 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--codecs", default=None, help="comma-separated ids (default: every codec)")
     ap.add_argument("--policy", action="append", default=None,
-                    help="policy label, e.g. 'k=turbo4 v=turbo3 sink=8' (repeatable; "
-                         "default: a built-in list)")
-    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+                    help="policy label or preset (repeatable; default: presets + methods)")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers' QuantizedCache")
+    ap.add_argument("--json", default=None, help="also write every run to this JSON file")
+    ap.add_argument("--plot", default=None, help="draw Δppl and KL against bits to this PNG")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    loaded = load_model("default", dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype)
+    texts = ({p: read_text(p) for p in args.text} if args.text
+             else {name: None for name in DEFAULT_TEXTS})
     start = time.perf_counter()
-    base = run_baseline(loaded, read_text(args.text), chunk=args.chunk,
-                        max_tokens=args.max_tokens)
-    print(f"# default model ({args.dtype}), {base.ids.shape[1]} tokens in chunks of {args.chunk}, "
-          f"runtime block {args.block_size}; baseline ppl {base.ppl:.4f} "
+    baselines = load_baselines(loaded, texts, chunk=args.chunk, max_tokens=args.max_tokens)
+    seeds = (DEFAULT_SEEDS + tuple(range(3, 64)))[:args.seeds]
+    print(f"# {loaded.name} ({args.dtype}), texts "
+          + ", ".join(f"{n} ({b.ids.shape[1]} tok, ppl {b.ppl:.3f})" for n, b in baselines.items())
+          + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
-    codecs = args.codecs.split(",") if args.codecs else list_codecs()
-    labels = codecs + (args.policy if args.policy is not None else DEFAULT_POLICIES)
-    print(f"{'policy':<48} {'bits/el':>7} {'K cos':>7} {'V cos':>7} {'attn KL':>8} "
-          f"{'ppl':>8} {'Δppl %':>8}", flush=True)
-    rows = []
+    labels = args.policy if args.policy is not None else [*PRESETS, *METHODS]
+    sweeps, names = [], {}
     for label in labels:
         policy = CodecPolicy.from_label(label)
-        r = evaluate(loaded, policy, baseline=base, block_size=args.block_size)
-        m = r.metrics
-        rows.append({"policy": label, **r.to_json()})
-        print(f"{label:<48} {m['bits_per_element']:>7.3f} {m['key_cosine']:>7.4f} "
-              f"{m['value_cosine']:>7.4f} {m.get('attention_kl', float('nan')):>8.4f} "
-              f"{r.ppl:>8.4f} {r.delta_ppl_pct:>+8.3f}", flush=True)
+        t = time.perf_counter()
+        s = sweep(loaded, policy, baselines, seeds, block_size=args.block_size)
+        if label in PRESETS:
+            names[s.label] = f"preset {label}: {s.label}"
+        sweeps.append(s)
+        print(f"{names.get(s.label, s.label):<58} bits {s.mean['bits_per_element']:.3f}  "
+              f"KL {s.mean['kl']:.5f} ± {s.spread['kl']:.5f}  Δppl {s.mean['delta_ppl_pct']:+.3f}"
+              f"% ± {s.spread['delta_ppl_pct']:.3f}  ({time.perf_counter() - t:.0f} s)",
+              flush=True)
+    if not args.no_peers:
+        for backend, nbits in PEERS:
+            try:
+                s = peer_sweep(loaded, baselines, backend, nbits)
+            except Exception as e:  # a peer that fails here is reported, not fatal
+                print(f"peer {backend}-{nbits}: failed ({type(e).__name__}: {e})")
+                continue
+            if s is not None:
+                sweeps.append(s)
+                print(f"{s.label:<58} KL {s.mean['kl']:.5f}  Δppl "
+                      f"{s.mean['delta_ppl_pct']:+.3f}%", flush=True)
+    print("\n# ranked by mean next-token KL; spread = max − min over seeds × texts")
+    print(format_table(sweeps, names))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=2)
+            json.dump([s.to_json() for s in sweeps], f, indent=2,
+                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+    if args.plot:
+        plot(sweeps, args.plot, names)
+        print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":

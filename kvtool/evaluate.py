@@ -226,8 +226,12 @@ class _QueryCapture:
 # -- chunked perplexity -----------------------------------------------------------------------
 @torch.inference_mode()
 def chunked_nll(model: Any, ids: torch.Tensor, past: Any, chunk: int,
-                on_last_chunk: Any = None) -> tuple[float, int]:
-    """Sum of next-token NLL over ``ids`` [1, T], processed ``chunk`` tokens at a time."""
+                on_last_chunk: Any = None, on_logp: Any = None) -> tuple[float, int]:
+    """Sum of next-token NLL over ``ids`` [1, T], processed ``chunk`` tokens at a time.
+
+    ``on_logp(start, logp)`` sees each chunk's next-token log-probabilities ``[n, vocab]``
+    (positions ``start …``), e.g. to compare distributions with :func:`next_token_kl`.
+    """
     total, count, n = 0.0, 0, ids.shape[1]
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
@@ -238,7 +242,34 @@ def chunked_nll(model: Any, ids: torch.Tensor, past: Any, chunk: int,
         logp = torch.log_softmax(logits[0, : len(targets)].float(), dim=-1)
         total -= float(logp.gather(-1, targets[:, None]).sum())
         count += len(targets)
+        if on_logp is not None and len(targets):
+            on_logp(start, logp)
     return total, count
+
+
+KL_TOP = 128  # exact next-token probabilities kept per position for the KL
+
+
+def top_logp(logp: torch.Tensor, k: int = KL_TOP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest log-probabilities of each row and their token ids."""
+    values, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return values, idx
+
+
+def next_token_kl(p_top: torch.Tensor, idx: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p ‖ q) in nats over p's top tokens plus one bucket for the rest.
+
+    ``p_top``/``idx`` from :func:`top_logp` of the exact run; ``q_logp`` the full
+    log-probabilities of the compressed run. Merging the tail into one bucket can only lower
+    the KL (data processing); with 128 tokens kept the tail holds a negligible share of it.
+    """
+    p_top, q_top = p_top.double(), q_logp.gather(-1, idx).double()
+    head = (p_top.exp() * (p_top - q_top)).sum(-1)
+    # a tail below float32 rounding of the sums is no tail (its log ratio would be noise)
+    p_rest = (1 - p_top.exp().sum(-1)).clamp_min(1e-12)
+    q_rest = (1 - q_top.exp().sum(-1)).clamp_min(1e-12)
+    tail = torch.where(p_rest > 1e-6, p_rest * (p_rest / q_rest).log(), torch.zeros_like(p_rest))
+    return (head + tail).clamp_min(0)
 
 
 @dataclass
@@ -251,6 +282,7 @@ class Baseline:
     count: int
     cache: KVCache
     queries: list[torch.Tensor] | None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (log p, ids) of the top tokens
 
     @property
     def ppl(self) -> float:
@@ -272,14 +304,17 @@ def run_baseline(loaded: Any, text: str | None = None, *, chunk: int = 256,
     ids = ids.to(next(model.parameters()).device)
     past = DynamicCache(config=model.config)
     capture = _QueryCapture(model, min(n_queries, ids.shape[1])) if n_queries else None
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         nll, count = chunked_nll(model, ids, past, chunk,
-                                 (lambda: setattr(capture, "active", True)) if capture else None)
+                                 (lambda: setattr(capture, "active", True)) if capture else None,
+                                 lambda start, logp: tops.append(top_logp(logp)))
     finally:
         queries = capture.remove() if capture else None
     cache = KVCache([layer.keys[0] for layer in past.layers],
                     [layer.values[0] for layer in past.layers])
-    return Baseline(ids, chunk, nll, count, cache, queries)
+    top = (torch.cat([t[0] for t in tops]), torch.cat([t[1] for t in tops]))
+    return Baseline(ids, chunk, nll, count, cache, queries, top)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -294,6 +329,7 @@ class EvalReport:
     delta_ppl_pct: float
     metrics: dict[str, Any]
     generation: dict[str, Any] | None = None
+    kl: float = math.nan  # mean next-token KL(exact ‖ compressed), nats
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -326,6 +362,20 @@ def compare_generation(loaded: Any, policy: CodecPolicy, prompt: str, max_new_to
             "first_difference": None if a == b else same}
 
 
+def run_with_past(model: Any, base: Baseline, past: Any) -> tuple[float, float]:
+    """(perplexity, mean next-token KL against ``base``) of ``base``'s text run with ``past``
+    (any transformers ``Cache``: kvtool's, or a peer's such as ``QuantizedCache``)."""
+    kls: list[torch.Tensor] = []
+
+    def on_logp(start: int, logp: torch.Tensor) -> None:
+        if base.top is not None:
+            sl = slice(start, start + logp.shape[0])
+            kls.append(next_token_kl(base.top[0][sl], base.top[1][sl], logp))
+
+    nll, count = chunked_nll(model, base.ids, past, base.chunk, on_logp=on_logp)
+    return math.exp(nll / count), float(torch.cat(kls).mean()) if kls else math.nan
+
+
 def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk: int = 256,
              block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int | None = None,
              baseline: Baseline | None = None, prompt: str | None = None,
@@ -340,9 +390,9 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     base = baseline or run_baseline(loaded, text, chunk=chunk, max_tokens=max_tokens,
                                     n_queries=n_queries)
     model = loaded.model
+    policy = policy.resolve(base.cache)
     past = CompressedCache(policy, config=model.config, block_size=block_size)
-    nll, count = chunked_nll(model, base.ids, past, base.chunk)
-    ppl = math.exp(nll / count)
+    ppl, kl = run_with_past(model, base, past)
     metrics = cache_metrics(base.cache, policy, storage_dtype=storage_dtype,
                             queries=base.queries)
     metrics["runtime_resident_bytes"] = past.nbytes()
@@ -351,7 +401,7 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
         gen = compare_generation(loaded, policy, prompt or demo_prompt(loaded.tokenizer),
                                  max_new_tokens, block_size)
     return EvalReport(policy.to_json(), policy.describe(), int(base.ids.shape[1]), base.chunk,
-                      ppl, base.ppl, 100 * (ppl / base.ppl - 1), metrics, gen)
+                      ppl, base.ppl, 100 * (ppl / base.ppl - 1), metrics, gen, kl)
 
 
 def read_text(path: str | Path | None) -> str | None:

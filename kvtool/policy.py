@@ -8,7 +8,7 @@ each with one codec; the .kvz writer and the runtime compressed cache both speak
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtool.codecs import Codec, get_codec
@@ -32,6 +32,8 @@ class CodecPolicy:
     sink_tokens: int = 0
     recent_tokens: int = 0
     lossless: Codec = field(default_factory=lambda: get_codec("raw"))
+    #: scan this many leading tokens for attention sinks by norm (:meth:`resolve`); 0: off
+    auto_sinks: int = 0
 
     @classmethod
     def from_options(
@@ -42,11 +44,26 @@ class CodecPolicy:
         protect_layers: int = 0,
         sink_tokens: int = 0,
         recent_tokens: int = 0,
+        auto_sinks: int = 0,
+        preset: str | None = None,
     ) -> CodecPolicy:
-        """Build a policy from CLI-style options; ``codec`` is the default for both roles."""
+        """Build a policy from CLI-style options; ``codec`` is the default for both roles.
+
+        ``preset`` (``lossless``, ``quality``, ``balanced``, ``small``) starts from that measured
+        policy; codec options given alongside override its codecs.
+        """
+        if preset is not None:
+            base_policy = preset_policy(preset)
+            return cls(
+                key=get_codec(key_codec or codec or base_policy.key).for_role("key"),
+                value=get_codec(value_codec or codec or base_policy.value).for_role("value"),
+                protect_layers=protect_layers or base_policy.protect_layers,
+                sink_tokens=sink_tokens or base_policy.sink_tokens,
+                recent_tokens=recent_tokens or base_policy.recent_tokens,
+                auto_sinks=auto_sinks or base_policy.auto_sinks)
         base = codec if codec is not None else "raw"
         for name, n in (("protect_layers", protect_layers), ("sink_tokens", sink_tokens),
-                        ("recent_tokens", recent_tokens)):
+                        ("recent_tokens", recent_tokens), ("auto_sinks", auto_sinks)):
             if n < 0:
                 raise CodecError(f"{name} must be >= 0, got {n}")
         return cls(
@@ -55,6 +72,7 @@ class CodecPolicy:
             protect_layers=protect_layers,
             sink_tokens=sink_tokens,
             recent_tokens=recent_tokens,
+            auto_sinks=auto_sinks,
         )
 
     def codec_for(self, role: str, layer: int, num_layers: int) -> Codec:
@@ -68,14 +86,32 @@ class CodecPolicy:
         main = self.codec_for(role, layer, num_layers)
         if main == self.lossless:
             return [Segment(0, num_tokens, main)] if num_tokens else []
-        sink = min(self.sink_tokens, num_tokens)
+        sink = min(self.sink_tokens, num_tokens)  # unresolved auto sinks: the fixed count
         recent = min(self.recent_tokens, num_tokens - sink)
         parts = [(0, sink, self.lossless), (sink, num_tokens - recent, main),
                  (num_tokens - recent, num_tokens, self.lossless)]
         return [Segment(a, b, c) for a, b, c in parts if b > a]
 
+    def resolve(self, cache: Any) -> CodecPolicy:
+        """This policy with its automatic sinks counted on ``cache`` (a KVCache or per-layer
+        key arrays' owner): ``sink_tokens`` becomes at least the detected count."""
+        if not self.auto_sinks:
+            return self
+        from kvtool.sinks import detect_sinks
+
+        found = detect_sinks(cache, self.auto_sinks)
+        return replace(self, sink_tokens=max(self.sink_tokens, found), auto_sinks=0)
+
+    def with_seed(self, seed: int) -> CodecPolicy:
+        """The same policy with every seeded codec (turbo, prism, …) rotated by ``seed``."""
+        def reseed(codec: Codec) -> Codec:
+            config = codec.get_config()
+            return get_codec({**config, "seed": seed}) if "seed" in config else codec
+
+        return replace(self, key=reseed(self.key), value=reseed(self.value))
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "key": self.key.get_config(),
             "value": self.value.get_config(),
             "protect_layers": self.protect_layers,
@@ -83,6 +119,9 @@ class CodecPolicy:
             "recent_tokens": self.recent_tokens,
             "lossless": self.lossless.get_config(),
         }
+        if self.auto_sinks:  # only when set: files of resolved policies stay as before
+            out["auto_sinks"] = self.auto_sinks
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CodecPolicy:
@@ -93,6 +132,7 @@ class CodecPolicy:
             sink_tokens=int(data.get("sink_tokens", 0)),
             recent_tokens=int(data.get("recent_tokens", 0)),
             lossless=get_codec(data.get("lossless", "raw")),
+            auto_sinks=int(data.get("auto_sinks", 0)),
         )
 
     def describe(self) -> str:
@@ -102,11 +142,17 @@ class CodecPolicy:
         parts += [f"{name}={n}" for name, n in (("protect", self.protect_layers),
                                                  ("sink", self.sink_tokens),
                                                  ("recent", self.recent_tokens)) if n]
+        if self.auto_sinks:
+            parts.append("sink=auto" if self.auto_sinks == AUTO_SINK_SCAN
+                         else f"sink=auto:{self.auto_sinks}")
         return " ".join(parts)
 
     @classmethod
     def from_label(cls, label: str, **defaults: Any) -> CodecPolicy:
-        """A policy from a :meth:`describe` label; ``defaults`` fill what the label omits."""
+        """A policy from a :meth:`describe` label or a preset name (:data:`PRESETS`);
+        ``defaults`` fill what the label omits."""
+        if label.strip() in PRESETS:
+            return preset_policy(label.strip())
         opts: dict[str, Any] = dict(defaults)
         for part in label.split():
             key, sep, value = part.partition("=")
@@ -114,6 +160,12 @@ class CodecPolicy:
                 opts["codec"] = part
                 continue
             name = _LABEL_KEYS[key]
+            if name == "sink_tokens" and value.startswith("auto"):
+                scan = value.partition(":")[2]
+                if not scan.isdigit() and scan:
+                    raise CodecError(f"policy label {label!r}: sink=auto:N needs an integer")
+                opts["auto_sinks"] = int(scan) if scan else AUTO_SINK_SCAN
+                continue
             try:
                 opts[name] = value if name.endswith("codec") else int(value)
             except ValueError:
@@ -136,3 +188,36 @@ def _codec_label(codec: Codec, role: str) -> str:
     opts = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
             for k, v in codec.get_config().items() if default.get(k) != v]
     return codec.codec_id + (":" + ",".join(opts) if opts else "")
+
+
+AUTO_SINK_SCAN = 16  # leading tokens ``sink=auto`` scans
+
+#: name → (policy label, what it is for); bits/element at head_dim 64 with 4 sinks over 2K
+#: tokens. Measure them with ``python benchmarks/quality.py`` (mean over 3 rotation seeds × the
+#: 2 bundled texts); keys get the bits, values take the cut (keys are the sensitive role).
+PRESETS: dict[str, tuple[str, str]] = {
+    "lossless": ("raw", "exact (16 bits/element at bfloat16)"),
+    "quality": ("k=turbo4:center=true v=turbo3 sink=4", "≈ 3.8 bits/element (≤ 4)"),
+    "balanced": ("k=turbo4:center=true v=turbo2 sink=4", "≈ 3.3 bits/element (≤ 3.3)"),
+    "small": ("k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true v=turbo2 sink=4",
+              "≈ 2.5 bits/element (≤ 2.6)"),
+}
+
+
+def preset_policy(name: str) -> CodecPolicy:
+    """The policy a preset names."""
+    if name not in PRESETS:
+        raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return CodecPolicy.from_label(PRESETS[name][0])
+
+
+def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
+    """Every preset: its label, encoded bits/element at ``head_dim`` (mean of keys and values,
+    sinks excluded) and what was measured for it."""
+    rows = []
+    for name, (label, measured) in PRESETS.items():
+        policy = preset_policy(name)
+        bits = (policy.key.bits_per_element(head_dim) + policy.value.bits_per_element(head_dim))
+        rows.append({"name": name, "label": label, "bits_per_element": round(bits / 2, 4),
+                     "measured": measured})
+    return rows

@@ -25,12 +25,13 @@ EXPECTED = GOLDEN_DIR / "expected.json"
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
-def golden_cache(layers: int = 3, dtype: str = "float16", quantized: bool = False):
+def golden_cache(layers: int = 3, dtype: str = "float16", quantized: bool = False,
+                 tokens: int = 12):
     """The deterministic synthetic cache every golden file encodes (2 heads, 12 tokens, D=32)."""
     from kvtool.cache import KVCache
 
     rng = np.random.default_rng(20240607)
-    heads, tokens, dim = 2, 12, 32
+    heads, dim = 2, 32
     keys, values = [], []
     for _ in range(layers):
         offsets = rng.normal(0.0, 2.0, size=(heads, 1, dim))
@@ -58,6 +59,9 @@ def goldens() -> dict[str, dict[str, Any]]:
             specs[f"codec-{codec_id}"] = {"cache": {}, "save": {"codec": codec_id}}
     specs["zstd"] = {"cache": {"dtype": "bfloat16", "quantized": True},
                      "save": {"codec": "raw", "zstd": True}}
+    # rANS-coded tensors (format.md 6.2): enough tokens that coding beats fixed-width codes
+    specs["entropy"] = {"cache": {"layers": 1, "tokens": 192},
+                        "save": {"codec": "turbo3", "sink_tokens": 2, "entropy": True}}
     specs["policy"] = {"cache": {"layers": 4},
                        "save": {"key_codec": "turbo4", "value_codec": "turbo3",
                                 "protect_layers": 1, "sink_tokens": 2, "recent_tokens": 3}}

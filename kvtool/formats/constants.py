@@ -72,7 +72,8 @@ TOKEN_DTYPES = ("int32", "int64")
 CHECKSUM_ALGORITHM = "crc32"  # zlib.crc32 (IEEE 802.3 polynomial) of the stored bytes
 COMPRESSION_NONE = "none"
 COMPRESSION_ZSTD = "zstd"
-COMPRESSIONS = (COMPRESSION_NONE, COMPRESSION_ZSTD)
+COMPRESSION_RANS = "rans"  # entropy-coded symbols (kvtool.codecs.entropy, format.md 6.2)
+COMPRESSIONS = (COMPRESSION_NONE, COMPRESSION_ZSTD, COMPRESSION_RANS)
 DEFAULT_ZSTD_LEVEL = 3
 ZSTD_MAX_LEVEL = 22
 

@@ -108,7 +108,7 @@ def _check_tensors(table: Any, entries: dict[str, Entry]) -> None:
                                   f"header says {dtype}{list(shape)}")
         elif entry.dtype != "uint8" or len(entry.shape) != 1 or (
                 nbytes > entry.nbytes * C.MAX_ZSTD_RATIO + 4096):
-            raise FormatError(f"{where}: invalid zstd blob for {nbytes} bytes")
+            raise FormatError(f"{where}: invalid {compression} blob for {nbytes} bytes")
 
 
 def _check_role(role: Any, where: str, num_tokens: int, table: dict[str, Any]) -> None:

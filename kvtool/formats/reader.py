@@ -141,6 +141,8 @@ class KvzFile:
         dtype, shape = np_dtype(info["dtype"]), tuple(info["shape"])
         if info.get("compression", C.COMPRESSION_NONE) == C.COMPRESSION_ZSTD:
             stored = _unzstd(stored, prod(shape) * dtype.itemsize, f"{self.path}: tensor {name!r}")
+        elif info.get("compression") == C.COMPRESSION_RANS:
+            stored = _unrans(stored, prod(shape) * dtype.itemsize, f"{self.path}: tensor {name!r}")
         return stored.view(dtype).reshape(shape)
 
     def codec(self, config: dict[str, Any]) -> Codec:
@@ -287,6 +289,15 @@ def _unzstd(blob: np.ndarray, size: int, where: str) -> np.ndarray:
     if len(out) != size:
         raise FormatError(f"{where}: zstd data decompressed to {len(out)} bytes, expected {size}")
     return np.frombuffer(out, np.uint8).copy() if size else np.zeros(0, np.uint8)
+
+
+def _unrans(blob: np.ndarray, size: int, where: str) -> np.ndarray:
+    from kvtool.codecs import entropy
+
+    try:
+        return entropy.decode(blob, size)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
 
 
 def _concat(parts: list[Any], shape: tuple[int, int, int], dtype: str, backend: str) -> Any:

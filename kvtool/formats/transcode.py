@@ -14,11 +14,12 @@ from kvtool.policy import CodecPolicy
 def transcode(src: str | os.PathLike, dst: str | os.PathLike,
               policy: CodecPolicy | str | dict | Codec, zstd: int | bool = False,
               progress: bool = False, *, dtype: str | None = None,
-              verify: bool = True) -> dict[str, Any]:
+              verify: bool = True, entropy: bool = False) -> dict[str, Any]:
     """Decode every layer of ``src`` and write it to ``dst`` encoded with ``policy``.
 
     ``policy`` may also be a codec (id, spec or config) used for keys and values alike;
-    ``dtype`` converts the decoded arrays first (e.g. ``"float32"`` for ``decompress``).
+    ``dtype`` converts the decoded arrays first (e.g. ``"float32"`` for ``decompress``);
+    ``entropy`` rANS-codes the tensors (as :func:`~kvtool.formats.save`).
     Model identity, tokenizer fingerprint, token ids and layer_info are carried over.
     ``src`` and ``dst`` may be the same path (the replacement is atomic).
     """
@@ -28,4 +29,5 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
         layers = (f.layer(i, dtype) for i in range(f.num_layers))
         return write_kvz(dst, layers, num_layers=f.num_layers, policy=policy, model=f.model,
                          tokenizer_fingerprint=f.tokenizer_fingerprint, token_ids=f.token_ids,
-                         layer_info=f.layer_info, zstd=zstd, progress=progress)
+                         layer_info=f.layer_info, zstd=zstd, entropy=entropy,
+                         progress=progress)

@@ -1,0 +1,223 @@
+"""``turbomix``: TurboQuant with a data-aware rotation and outlier channels at more bits.
+
+The vector math is turbo's (:mod:`kvtool.codecs.turbo`: fp16 norm, seeded rotation, Lloyd–Max
+codebook of the sphere marginal, LSB-first packing), plus three choices made per group, a group
+being every vector that shares the leading indices (one head of one block: ``x[..., T, D]``):
+
+- ``candidates=k``: encode with k seeded rotations (candidate 0 is ``seed`` itself) and keep, per
+  group, the one with the least squared reconstruction error; its index is stored (``rotation``,
+  uint8), so decoding needs nothing else;
+- ``outliers=n``: the n channels with the most energy over the group's tokens (after centering)
+  are quantised apart at ``outlier_bits``, the rest at ``bits`` — the TurboQuant paper's split
+  (e.g. D=128, n=32: 3/2 bits give 2.5, 4/3 bits give 3.5). Each part has its own norm and
+  rotation; the channel set is stored as a bit mask (``outlier_mask``);
+- ``center``: subtract the per-channel mean over the tokens first (fp16, as turbo does).
+
+``turbomix:bits=3`` with defaults writes exactly turbo3's codes and norms. The math runs on the
+numpy reference ops whatever the input backend (torch and mlx inputs are converted there and
+back), so every backend writes identical bytes; there are no fused kernels for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtool.codecs.abc import ArraySpec, Codec, Encoded
+from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+from kvtool.codecs.params import SEED_MAX, check_bool, check_choice, check_int
+from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
+from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
+from kvtool.errors import CodecError
+from kvtool.kernels import check_finite, numpy_ops, to_numpy
+
+MAX_CANDIDATES = 16
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def candidate_seed(seed: int, index: int) -> int:
+    """The rotation seed of candidate ``index`` (0: ``seed`` itself)."""
+    return seed if index == 0 else (seed + index * _GOLDEN) & SEED_MAX
+
+
+def _packed(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+class TurboMixCodec(Codec):
+    codec_id = "turbomix"
+    checks_finite = True
+
+    def __init__(self, bits: int = 3, outliers: int = 0, outlier_bits: int = 4,
+                 center: bool = False, candidates: int = 1, seed: int = DEFAULT_SEED):
+        who = self.codec_id
+        self.bits = check_choice(who, "bits", bits, (2, 3, 4))
+        self.outliers = check_int(who, "outliers", outliers, 0, 1 << 16)
+        self.outlier_bits = check_choice(who, "outlier_bits", outlier_bits, (2, 3, 4, 5, 6, 8))
+        self.center = check_bool(who, "center", center)
+        self.candidates = check_int(who, "candidates", candidates, 1, MAX_CANDIDATES)
+        self.seed = check_int(who, "seed", seed, 0, SEED_MAX)
+
+    def _params(self) -> dict[str, Any]:
+        return {"bits": self.bits, "outliers": self.outliers, "outlier_bits": self.outlier_bits,
+                "center": self.center, "candidates": self.candidates, "seed": self.seed}
+
+    # -- sizes -----------------------------------------------------------------------------------
+    def _split(self, dim: int) -> tuple[int, int]:
+        """(outlier channels, other channels) at ``dim``."""
+        if self.outliers and dim - self.outliers < 2:
+            raise CodecError(f"{self.codec_id}: outliers={self.outliers} leaves fewer than 2 "
+                             f"of head_dim {dim} channels; use fewer outliers")
+        if self.outliers == 1:
+            raise CodecError(f"{self.codec_id}: outliers must be 0 or at least 2")
+        return self.outliers, dim - self.outliers
+
+    def bits_per_element(self, head_dim: int) -> float:
+        n_hi, n_lo = self._split(head_dim)
+        code_bits = 8 * (_packed(n_lo, self.bits) + (_packed(n_hi, self.outlier_bits)
+                                                     if n_hi else 0))
+        return (code_bits + 16 * (2 if n_hi else 1)) / head_dim
+
+    def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
+        lead, dim = tuple(shape[:-1]), shape[-1]
+        group = tuple(shape[:-2])
+        n_hi, n_lo = self._split(dim)
+        arrays = {"codes": ArraySpec((*lead, _packed(n_lo, self.bits)), "uint8"),
+                  "norms": ArraySpec(lead, "float16", low=0.0)}
+        if n_hi:
+            arrays["codes_hi"] = ArraySpec((*lead, _packed(n_hi, self.outlier_bits)), "uint8")
+            arrays["norms_hi"] = ArraySpec(lead, "float16", low=0.0)
+            arrays["outlier_mask"] = ArraySpec((*group, 1, (dim + 7) // 8), "uint8")
+        if self.center:
+            arrays["mean"] = ArraySpec((*group, 1, dim), "float16")
+        if self.candidates > 1:
+            arrays["rotation"] = ArraySpec((*group, 1), "uint8", low=0,
+                                           high=self.candidates - 1)
+        return arrays
+
+    # -- encode ----------------------------------------------------------------------------------
+    def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
+        shape, dim = tuple(x.shape), x.shape[-1]
+        n_hi, _ = self._split(dim)
+        if dim < 2:
+            raise CodecError(f"{self.codec_id}: head_dim must be at least 2")
+        if not xp.all_finite(x):
+            check_finite(xp, x, self.codec_id)
+        g = np.asarray(to_numpy(x)).astype(np.float32).reshape(-1, shape[-2] if len(shape) > 1
+                                                               else 1, dim)
+        out: dict[str, np.ndarray] = {}
+        if self.center:
+            mean = g.mean(axis=1, keepdims=True, dtype=np.float32).astype(np.float16)
+            out["mean"] = mean
+            g = g - mean.astype(np.float32)
+        hi_idx = lo_idx = None
+        if n_hi:
+            energy = (g.astype(np.float64) ** 2).sum(axis=1)  # [G, D]
+            hi = np.sort(np.argsort(-energy, axis=-1, kind="stable")[:, :n_hi], axis=-1)
+            mask = np.zeros(energy.shape, dtype=bool)
+            np.put_along_axis(mask, hi, True, axis=-1)
+            out["outlier_mask"] = np.packbits(mask, axis=-1, bitorder="little")[:, None, :]
+            hi_idx = hi[:, None, :]
+            lo_idx = np.sort(np.argsort(mask, axis=-1, kind="stable")[:, :dim - n_hi],
+                             axis=-1)[:, None, :]
+        parts = self._parts(g, hi_idx, lo_idx)
+        best, best_err = None, None
+        for c in range(self.candidates):
+            seed = candidate_seed(self.seed, c)
+            enc = [self._encode_part(p, bits, seed) for p, bits in parts]
+            err = sum(((p - self._decode_part(codes, norms, p.shape[-1], bits, seed)) ** 2)
+                      .astype(np.float64).sum(axis=(1, 2))
+                      for (p, bits), (codes, norms) in zip(parts, enc, strict=True))
+            if best is None:
+                best, best_err, choice = enc, err, np.zeros(len(g), dtype=np.uint8)
+                continue
+            better = err < best_err
+            choice[better] = c
+            best_err = np.where(better, err, best_err)
+            best = [(np.where(better[:, None, None], e[0], b[0]),
+                     np.where(better[:, None], e[1], b[1])) for e, b in zip(enc, best,
+                                                                           strict=True)]
+        (codes, norms), *rest = best
+        out["codes"], out["norms"] = codes, norms
+        if rest:
+            out["codes_hi"], out["norms_hi"] = rest[0]
+        if self.candidates > 1:
+            out["rotation"] = choice[:, None]
+        return {name: _to_backend(xp, a.reshape(self.expected_arrays(shape, "float32")[name]
+                                               .shape), x) for name, a in out.items()}
+
+    def _parts(self, g: np.ndarray, hi_idx: Any, lo_idx: Any) -> list[tuple[np.ndarray, int]]:
+        """[(vectors, bits)]: the other channels first, then the outlier channels."""
+        if hi_idx is None:
+            return [(g, self.bits)]
+        return [(np.take_along_axis(g, lo_idx, axis=-1), self.bits),
+                (np.take_along_axis(g, hi_idx, axis=-1), self.outlier_bits)]
+
+    @staticmethod
+    def _encode_part(x: np.ndarray, bits: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """turbo's reference rows: (packed codes [G, T, bytes], fp16 norms [G, T])."""
+        dim = x.shape[-1]
+        norms = numpy_ops.norm(x)
+        if not bool((norms <= FP16_MAX).all()):
+            raise CodecError("turbomix: vector norm exceeds the fp16 range")
+        rotated = np.matmul(x, rotation_matrix_t(dim, seed))
+        rotated *= 1 / np.where(norms > 0, norms, norms + 1)
+        codes = numpy_ops.bucketize(rotated, sphere_marginal_codebook(dim, 1 << bits).boundaries)
+        return numpy_ops.pack_bits(codes, bits), norms[..., 0].astype(np.float16)
+
+    @staticmethod
+    def _decode_part(codes: np.ndarray, norms: np.ndarray, dim: int, bits: int,
+                     seed: int) -> np.ndarray:
+        y = numpy_ops.unpack_lookup(codes, bits, dim,
+                                    sphere_marginal_codebook(dim, 1 << bits).centroids)
+        return np.matmul(y, rotation_matrix(dim, seed)) * norms.astype(np.float32)[..., None]
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _decode(self, xp: Any, enc: Encoded) -> Any:
+        shape, dim = enc.shape, enc.shape[-1]
+        n_hi, n_lo = self._split(dim)
+        a = {k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()}
+        groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
+        tokens = shape[-2] if len(shape) > 1 else 1
+
+        def flat(name: str) -> np.ndarray:
+            return a[name].reshape(groups, tokens, *a[name].shape[len(shape) - 1:])
+
+        choice = a["rotation"].reshape(groups) if "rotation" in a else np.zeros(groups, np.uint8)
+        specs = [("codes", "norms", n_lo, self.bits)]
+        if n_hi:
+            specs.append(("codes_hi", "norms_hi", n_hi, self.outlier_bits))
+        decoded = [np.empty((groups, tokens, n), np.float32) for _, _, n, _ in specs]
+        for c in np.unique(choice).tolist():
+            rows = choice == c
+            for out, (codes, norms, n, bits) in zip(decoded, specs, strict=True):
+                out[rows] = self._decode_part(flat(codes)[rows], flat(norms)[rows], n, bits,
+                                              candidate_seed(self.seed, c))
+        if n_hi:
+            mask = np.unpackbits(a["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
+                                 bitorder="little").astype(bool)
+            x = np.empty((groups, tokens, dim), np.float32)
+            np.put_along_axis(x, np.nonzero(~mask)[1].reshape(groups, 1, n_lo), decoded[0], -1)
+            np.put_along_axis(x, np.nonzero(mask)[1].reshape(groups, 1, n_hi), decoded[1], -1)
+        else:
+            x = decoded[0]
+        if self.center:
+            x += a["mean"].reshape(groups, 1, dim).astype(np.float32)
+        return _to_backend(xp, x.reshape(shape), next(iter(enc.arrays.values())))
+
+
+def _to_backend(xp: Any, a: np.ndarray, like: Any) -> Any:
+    """``a`` as an array of ``like``'s backend (and device)."""
+    if xp.name == "numpy":
+        return a
+    if xp.name == "torch":
+        from kvtool.kernels import to_torch
+
+        return to_torch(np.ascontiguousarray(a), like.device).reshape(a.shape)  # 0-d stays 0-d
+    from kvtool.kernels import to_mlx
+
+    return to_mlx(np.ascontiguousarray(a)).reshape(a.shape)
+
+
+__all__ = ["TurboMixCodec", "candidate_seed"]
