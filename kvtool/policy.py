@@ -75,6 +75,17 @@ class CodecPolicy:
             auto_sinks=auto_sinks,
         )
 
+    def is_lossy(self, dtype: str | None = None) -> bool:
+        """Whether this policy changes K/V computed in ``dtype``: any codec but ``raw`` at
+        that width (``raw:dtype=float16`` narrows a float32 or bfloat16 cache)."""
+        for codec in (self.key, self.value):
+            if codec.codec_id != "raw":
+                return True
+            narrow = getattr(codec, "dtype", None)
+            if narrow is not None and narrow != dtype:
+                return True
+        return False
+
     def codec_for(self, role: str, layer: int, num_layers: int) -> Codec:
         """The main codec of ``role`` in ``layer`` (lossless for protected layers)."""
         if layer < self.protect_layers or layer >= num_layers - self.protect_layers:

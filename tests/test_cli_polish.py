@@ -372,3 +372,28 @@ def test_prompt_cache_saves_then_restores(runner, fast_model, tmp_path):
     other = json.loads(runner.invoke(cli, [*args[:2], "Something else entirely", *args[3:]])
                        .stdout)
     assert other["prompt_cache"]["action"] == "saved"  # another prompt: captured again
+
+
+# -- 10. honest reports, no silent re-quantization --------------------------------------------
+def test_raw_float32_reports_its_own_dtype_ratio(runner, kvz, tmp_path):
+    out = runner.invoke(cli, ["compress", str(kvz), "--codec", "raw", "-o", str(tmp_path / "r.kvz"),
+                              "--json"])
+    report = json.loads(out.output)
+    assert report["source_dtype"] == "float32" and report["ratio"] < 0.6  # vs fp16: < 1
+    assert 0.9 < report["ratio_vs_source"] <= 1.0  # raw float32 is float32-sized
+    text = runner.invoke(cli, ["compress", str(kvz), "--codec", "turbo3", "-o",
+                               str(tmp_path / "t.kvz")]).output
+    assert "smaller than its float32 K/V" in text and "vs fp16" not in text
+
+
+def test_compressing_a_lossy_file_again_is_refused(runner, kvz, tmp_path):
+    lossy, again = tmp_path / "t3.kvz", tmp_path / "again.kvz"
+    assert runner.invoke(cli, ["compress", str(kvz), "--codec", "turbo3", "-o",
+                               str(lossy)]).exit_code == 0
+    out = runner.invoke(cli, ["compress", str(lossy), "--codec", "turbo2", "-o", str(again)])
+    assert out.exit_code != 0 and "already lossy (turbo3)" in out.output
+    assert str(lossy) in out.output and not again.exists()
+    assert runner.invoke(cli, ["compress", str(lossy), "--codec", "raw", "-o",
+                               str(again)]).exit_code == 0  # lossless: nothing is added
+    assert runner.invoke(cli, ["compress", str(lossy), "--codec", "turbo2", "--force", "-o",
+                               str(again)]).exit_code == 0

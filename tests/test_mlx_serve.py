@@ -44,6 +44,8 @@ def test_command_line(runner, tmp_path):
     assert plan["url"] == "http://127.0.0.1:8123/v1" and plan["policy"] == "turbo3"
     assert plan["connector"]["cache"] == "KvtoolMLXCache" and plan["lossy"] is True
     assert _plan(runner, "--codec", "raw")["lossy"] is False
+    text = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run"]).output
+    assert "kvtool.engines.mlx_serve" in text and "metrics:" not in text  # no /metrics in mlx
     out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--pin", "x.kvz"])
     assert out.exit_code == 2 and "vLLM-only" in out.output
 

@@ -137,12 +137,11 @@ def _exposition(registry) -> str:
 
 
 def test_policy_lossiness():
-    from kvtool.engines.vllm.activity import is_lossy
     from kvtool.policy import CodecPolicy
 
-    assert not is_lossy(CodecPolicy.from_options(codec="raw"), "bfloat16")
-    assert is_lossy(CodecPolicy.from_options(codec="raw:dtype=float16"), "bfloat16")
-    assert is_lossy(CodecPolicy.from_options(key_codec="raw", value_codec="turbo3"), "bfloat16")
+    assert not CodecPolicy.from_options(codec="raw").is_lossy("bfloat16")
+    assert CodecPolicy.from_options(codec="raw:dtype=float16").is_lossy("bfloat16")
+    assert CodecPolicy.from_options(key_codec="raw", value_codec="turbo3").is_lossy("bfloat16")
 
 
 def test_store_stats_sum_every_process_file(runner, tmp_path):

@@ -127,5 +127,6 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
     click.echo(f"captured {report['num_tokens']} tokens × {cache.num_layers} layers from "
                f"{loaded.name} ({dtype}, {engine}) in {capture_s:.2f} s")
     click.echo(f"wrote {output}: {human_bytes(report['file_bytes'])} "
-               f"({report['ratio']:.2f}x compression vs fp16; {report['policy']}) "
+               f"({report['ratio_vs_source']:.2f}x smaller than its {report['source_dtype']} "
+               f"K/V; {report['policy']}) "
                f"in {save_s:.2f} s")

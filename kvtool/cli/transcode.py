@@ -48,9 +48,22 @@ def _report(report: dict[str, Any], as_json: bool) -> None:
     from kvtool.cli.inspect import human_bytes
 
     click.echo(f"wrote {report['path']}: {human_bytes(report['file_bytes'])}, "
-               f"{report['ratio']:.2f}x vs fp16 "
+               f"{report['ratio_vs_source']:.2f}x smaller than its {report['source_dtype']} K/V "
                f"({report['num_layers']} layers, {report['num_tokens']} tokens, "
                f"{report['policy']})")
+
+
+def _refuse_requantizing(src: str, policy: Any) -> None:
+    """Refuse to quantize decoded values a second time: its error adds to the first, unseen."""
+    from kvtool.errors import KvtoolError
+    from kvtool.formats import open_kvz
+
+    with open_kvz(src, verify=False) as f:
+        lossy = sorted(c for c in f.info()["codecs"] if c != "raw")
+    if lossy and policy.is_lossy():
+        raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): compressing it again "
+                          "quantizes decoded values a second time; compress the raw capture "
+                          "instead, or pass --force")
 
 
 def _mlx_engine():
@@ -76,10 +89,12 @@ def _mlx_engine():
 @_with_zstd_options
 @click.option("--entropy", is_flag=True,
               help="rANS-code each tensor (codes at their entropy: turbo3 ~2.7 bits/element).")
+@click.option("--force", is_flag=True,
+              help="Re-encode an already lossy IN with a lossy policy (errors add up).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
-                     entropy: bool, as_json: bool, **opts: Any) -> None:
+                     entropy: bool, force: bool, as_json: bool, **opts: Any) -> None:
     """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
     if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
         raise click.UsageError("give --codec (or --key-codec/--value-codec; raw: lossless)")
@@ -95,6 +110,8 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
     else:
         from kvtool.formats import transcode
 
+        if not force:
+            _refuse_requantizing(src, policy)
         report = transcode(src, output, policy, zstd=level, progress=progress_enabled(),
                            entropy=entropy)
     _report(report, as_json)

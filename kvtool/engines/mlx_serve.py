@@ -67,7 +67,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     out = ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                     policy=policy.describe(), pins=[], connector=launcher)
     # reused prompts attend to decoded K/V unless both codecs are lossless
-    out.lossy = not (policy.key == policy.lossless and policy.value == policy.lossless)
+    out.lossy = policy.is_lossy(dtype)
     return out
 
 

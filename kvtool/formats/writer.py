@@ -156,7 +156,7 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         enc.add(C.TOKENS_TENSOR, ids.astype(np.int32) if small else ids)
         ids_entry = {"tensor": C.TOKENS_TENSOR, "count": int(ids.size)}
     layer_entries: list[dict[str, Any]] = []
-    num_tokens, fp16_bytes, dtype = 0, 0, "float32"
+    num_tokens, fp16_bytes, source_bytes, dtype = 0, 0, 0, "float32"
     with tqdm(total=num_layers, desc="encoding", unit="layer", disable=not progress,
               leave=False) as bar:
         for i, (k, v) in enumerate(layers):
@@ -169,6 +169,8 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
             dtype = dtype if i else entry["key"]["dtype"]
             num_tokens = max(num_tokens, entry["key"]["shape"][1])
             fp16_bytes += sum(2 * int(np.prod(entry[r]["shape"])) for r in C.ROLES)
+            source_bytes += sum(C.ITEMSIZE[entry[r]["dtype"]] * int(np.prod(entry[r]["shape"]))
+                                for r in C.ROLES)
             layer_entries.append(entry)
             bar.update(1)
     if len(layer_entries) != num_layers:
@@ -204,6 +206,9 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         "stored_bytes": enc.stored_bytes,
         "fp16_bytes": fp16_bytes,
         "ratio": round(fp16_bytes / file_bytes, 4) if file_bytes else 0.0,
+        "source_dtype": dtype,
+        "source_bytes": source_bytes,
+        "ratio_vs_source": round(source_bytes / file_bytes, 4) if file_bytes else 0.0,
         "num_layers": num_layers,
         "num_tokens": num_tokens,
         "policy": policy.describe(),

@@ -122,24 +122,13 @@ def summary() -> str:
             f"{t['invalid_files']:.0f} bad files")
 
 
-def is_lossy(policy: Any, dtype: str | None = None) -> bool:
-    """Whether ``policy`` changes K/V: any codec but ``raw`` at the model's own width."""
-    for codec in (policy.key, policy.value):
-        if codec.codec_id != "raw":
-            return True
-        narrow = getattr(codec, "dtype", None)
-        if narrow is not None and narrow != dtype:
-            return True
-    return False
-
-
 def log_policy(policy: Any, dtype: str | None) -> None:
     """Say once per process and policy which policy the store uses, and if it is lossy."""
     label = policy.describe()
     if label in _POLICIES_LOGGED:
         return
     _POLICIES_LOGGED.add(label)
-    if is_lossy(policy, dtype):
+    if policy.is_lossy(dtype):
         log.info("kvtool store: policy %s is lossy: answers served from the store may differ "
                  "slightly from recomputing them (codec raw keeps them exact)", label)
     else:
@@ -237,7 +226,7 @@ def stats_writer(store: Any, dtype: str | None, interval: float = 5.0) -> StatsW
             if not _WRITERS:
                 atexit.register(close_writers)
             _WRITERS[key] = StatsWriter(store, store.policy.describe(),
-                                        is_lossy(store.policy, dtype), interval)
+                                        store.policy.is_lossy(dtype), interval)
         return _WRITERS[key]
 
 

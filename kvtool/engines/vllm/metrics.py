@@ -149,7 +149,7 @@ class KvtoolPromMetrics(KVConnectorPromMetrics):
         transfer = vllm_config.kv_transfer_config
         policy = policy_from_extra(dict(transfer.kv_connector_extra_config or {}))
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        lossy = str(activity.is_lossy(policy, dtype)).lower()
+        lossy = str(policy.is_lossy(dtype)).lower()
         for values in per_engine_labelvalues.values():
             info.labels(*values, policy.describe(), lossy).set(1)
 

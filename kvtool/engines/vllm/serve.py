@@ -115,12 +115,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
                 * DTYPE_BYTES.get(ident_dtype, 2)
             argv += ["--kv-cache-memory-bytes", str(per_token * 4 * max_model_len + (64 << 20))]
     argv += list(engine_args)
-    from kvtool.engines.vllm.activity import is_lossy
     from kvtool.engines.vllm.common import policy_from_extra
 
     policy = policy_from_extra(connector)
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
-                     lossy=is_lossy(policy, ident_dtype),
+                     lossy=policy.is_lossy(ident_dtype),
                      notes=[f"--pin {p}: {note}"
                             for p, (_, note) in zip(pins, checked, strict=True) if note])
