@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class KvtoolError(Exception):
     """Base class of every error kvtool reports to a user. Its message is one line: control
@@ -13,6 +15,16 @@ class KvtoolError(Exception):
         if len(args) == 1 and isinstance(args[0], str):
             args = (_one_line(args[0]),)
         super().__init__(*args)
+
+
+def did_you_mean(value: object, choices: Iterable[object]) -> str:
+    """``"; did you mean 'x'?"`` with the closest of ``choices`` to a mistyped string, or ``""``."""
+    import difflib
+
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _one_line(message: str) -> str:

@@ -357,3 +357,19 @@ def test_store_stats_count_both_servers(runner, server_b):
     assert counters["requests_hit"] >= 10 and counters["requests_missed"] >= 1
     assert counters["tokens_loaded"] >= 512 and counters["chunks_saved"] >= 2
     assert counters["load_failures"] == counters["save_failures"] == 0
+
+
+def test_connector_options_are_checked_and_presets_honoured():
+    from kvtool.engines.vllm.common import DEFAULT_PRESET, check_extra, policy_from_extra
+    from kvtool.errors import CodecError, KvtoolError
+    from kvtool.policy import preset_policy
+
+    assert policy_from_extra({}) == preset_policy(DEFAULT_PRESET)
+    assert policy_from_extra({"preset": "balanced"}) == preset_policy("balanced")
+    assert policy_from_extra({"codec": "raw"}).describe() == "raw"
+    assert policy_from_extra({"sink_tokens": 0}).sink_tokens == 0  # explicit 0 is kept
+    with pytest.raises(CodecError, match="unknown preset"):
+        policy_from_extra({"preset": "tiny"})
+    check_extra({"store_path": "/x", "preset": "small", "max_bytes": "1G"})
+    with pytest.raises(KvtoolError, match="'codek'; did you mean 'codec'"):
+        check_extra({"codek": "turbo3"})

@@ -26,11 +26,10 @@ def check_int(who: str, name: str, value: Any, low: int, high: int) -> int:
 
 def check_choice(who: str, name: str, value: Any, choices: Sequence[Any]) -> Any:
     if not any(type(value) is type(c) and value == c for c in choices):
-        import difflib
+        from kvtool.errors import did_you_mean
 
         shown = ", ".join("null" if c is None else str(c) for c in choices)
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close and isinstance(value, str) else ""
+        hint = did_you_mean(value, choices)
         raise CodecError(f"{who}: {name} must be one of {shown}, got {value!r}{hint}")
     return value
 

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvtool.codecs.abc import Codec
-from kvtool.errors import CodecError, CodecVersionError, UnknownCodecError
+from kvtool.errors import CodecError, CodecVersionError, UnknownCodecError, did_you_mean
 
 ENTRY_POINT_GROUP = "kvtool.codecs"
 
@@ -71,10 +71,7 @@ def _resolve(codec_id: str) -> type[Codec]:
     table = _load_table()
     target = table.get(codec_id)
     if target is None:
-        import difflib
-
-        close = difflib.get_close_matches(str(codec_id), list(table), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(str(codec_id), table)
         raise UnknownCodecError(f"unknown codec {codec_id!r}{hint} (not built in and no "
                                 "installed plugin provides it through the entry-point group "
                                 f"{ENTRY_POINT_GROUP!r}; known: {', '.join(sorted(table))})")
@@ -187,7 +184,6 @@ def option_table(codec_id: str) -> list[dict[str, Any]]:
 
 def _check_option_names(cls: type[Codec], codec_id: str, config: dict[str, Any]) -> None:
     """Unknown option names are an error that names the options the codec does take."""
-    import difflib
     import inspect
 
     if cls.__init__ is not object.__init__ and any(
@@ -196,8 +192,7 @@ def _check_option_names(cls: type[Codec], codec_id: str, config: dict[str, Any])
     known = codec_options(cls)
     for name in config:
         if name not in known:
-            close = difflib.get_close_matches(str(name), list(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(str(name), known)
             takes = ", ".join(known) or "no options"
             raise CodecError(f"codec {codec_id!r} has no option {str(name)[:40]!r}{hint} "
                              f"(it takes: {takes})")

@@ -42,13 +42,12 @@ def ensure_visible_logs() -> None:
     root.addHandler(handler)
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     root.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
-# the store's default policy, k=turbo4:center=true v=turbo3 sink=4 (3.75 bits/element): of the
-# ≤ 4-bit policies measured (benchmarks/store_policy.py, fp32, 32 greedy tokens after a restore
-# of the bundled eval prompts) the one whose answers stay with recompute longest: 2/3 identical,
-# the third diverging at token 24 (kivi4/turbo3, the default before: at token 5)
-DEFAULT_KEY_CODEC = "turbo4:center=true"
-DEFAULT_VALUE_CODEC = "turbo3"
-DEFAULT_SINK_TOKENS = 4
+# the store's default policy is the ``quality`` preset, k=turbo4:center=true v=turbo3 sink=4
+# (3.78 bits/element): of the ≤ 4-bit policies measured (benchmarks/store_policy.py, fp32, 32
+# greedy tokens after a restore of the bundled eval prompts) the one whose answers stay with
+# recompute longest: 2/3 identical, the third diverging at token 24 (kivi4/turbo3, the default
+# before: at token 5); benchmarks/quality.py gives its mean KL and Δppl over seeds × texts
+DEFAULT_PRESET = "quality"
 DEFAULT_ZSTD = True
 MIN_CHUNK_TOKENS = 256
 COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_loaded",
@@ -112,20 +111,40 @@ def add_time(name: str, seconds: float) -> None:
         _TIMES[name] += seconds
 
 
+#: every ``kv_connector_extra_config`` key the connector reads; any other is refused
+CONNECTOR_OPTIONS = frozenset({
+    "store_path", "storage_options", "model_name", "tokenizer_fingerprint", "chunk_tokens",
+    "preset", "codec", "key_codec", "value_codec", "protect_layers", "sink_tokens",
+    "recent_tokens", "zstd", "max_bytes", "load", "save", "save_mode", "on_load_error",
+    "kvz_files", "kvz_dirs", "capture_dir", "capture_all", "stats_interval"})
+
+
+def check_extra(extra: dict[str, Any]) -> None:
+    """Refuse a connector option kvtool does not read (a typo would be ignored silently)."""
+    from kvtool.errors import KvtoolError, did_you_mean
+
+    for key in sorted(set(extra) - CONNECTOR_OPTIONS):
+        raise KvtoolError(f"kv_connector_extra_config: unknown kvtool option {str(key)[:40]!r}"
+                          f"{did_you_mean(key, CONNECTOR_OPTIONS)} (it takes: "
+                          f"{', '.join(sorted(CONNECTOR_OPTIONS))})")
+
+
 def policy_from_extra(extra: dict[str, Any]):
-    """The store's :class:`~kvtool.policy.CodecPolicy` from connector options; without
-    ``codec``, the default ``k=turbo4:center=true v=turbo3 sink=4`` fills what is not given."""
+    """The store's :class:`~kvtool.policy.CodecPolicy` from connector options: ``preset`` (by
+    default :data:`DEFAULT_PRESET` unless ``codec`` is given) with any codec and token options
+    given on top."""
     from kvtool.policy import CodecPolicy
 
+    import dataclasses
+
     codec = extra.get("codec")
-    sinks = extra.get("sink_tokens")
-    return CodecPolicy.from_options(
-        codec=codec,
-        key_codec=extra.get("key_codec") or (None if codec else DEFAULT_KEY_CODEC),
-        value_codec=extra.get("value_codec") or (None if codec else DEFAULT_VALUE_CODEC),
-        protect_layers=int(extra.get("protect_layers", 0)),
-        sink_tokens=int(sinks) if sinks is not None else (0 if codec else DEFAULT_SINK_TOKENS),
-        recent_tokens=int(extra.get("recent_tokens", 0)))
+    preset = extra.get("preset") or (None if codec else DEFAULT_PRESET)
+    counts = {k: int(extra[k]) for k in ("protect_layers", "sink_tokens", "recent_tokens")
+              if extra.get(k) is not None}
+    policy = CodecPolicy.from_options(codec=codec, key_codec=extra.get("key_codec"),
+                                      value_codec=extra.get("value_codec"), preset=preset,
+                                      **counts)
+    return dataclasses.replace(policy, **counts)  # an explicit 0 overrides the preset's count
 
 
 def common_prefix(a: np.ndarray, b: list[int]) -> int:

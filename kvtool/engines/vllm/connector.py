@@ -133,6 +133,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                  kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        check_extra(extra)
         self.block_size = int(vllm_config.cache_config.block_size)
         chunk = int(extra.get("chunk_tokens") or MIN_CHUNK_TOKENS)
         self.chunk_tokens = -(-chunk // self.block_size) * self.block_size
