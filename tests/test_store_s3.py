@@ -298,6 +298,15 @@ def test_store_cli_on_a_url(s3, url, runner, tmp_path):
     assert json.loads(out.output)["removed_files"] == 2  # only the unpinned ones
     assert len(make(url).lookup(ids)) == 2
     assert "unpinned 2 chunks" in runner.invoke(cli, ["store", "unpin", url, str(kvz)]).output
+    from kvtool.engines.vllm import activity  # what a server wrote under stats/ is summed
+
+    writer = activity.StatsWriter(store, "raw", False, interval=0)
+    activity.record("bytes_loaded", 1000)
+    assert writer.write() is True
+    assert any(k.startswith("stats/") for k in objects(s3, url))
+    act = json.loads(runner.invoke(cli, ["store", "stats", url, "--json"]).output)["activity"]
+    assert act["processes"] == 1 and act["counters"]["bytes_loaded"] == 1000
+    assert act["policies"] == {"raw": False} and act["unreadable"] == 0
     missing = runner.invoke(cli, ["store", "stats", "s3://no-such-kvtool-bucket/x"])
     assert missing.exit_code != 0 and "does not exist" in missing.output
     assert "Traceback" not in missing.output

@@ -26,6 +26,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvtool.engines.vllm.common import COUNTER_NAMES, log, stats
@@ -238,35 +239,56 @@ def close_writers() -> None:
 def store_activity(root: str | os.PathLike) -> dict[str, Any]:
     """The sum of every process's counters in ``<root>/stats/`` (JSON-ready): ``processes``
     (files read), ``counters``, ``policies`` (labels seen, with ``lossy``), ``last_update``,
-    ``unreadable`` (files skipped). Symlinks and non-regular files are never read."""
+    ``unreadable`` (files skipped). ``root`` is a directory (symlinks and non-regular files
+    are never read) or an ``s3://`` URL."""
     out: dict[str, Any] = {"processes": 0, "counters": dict.fromkeys(_counter_keys(), 0),
                            "policies": {}, "last_update": None, "unreadable": 0}
-    directory = os.path.join(os.fspath(root), STATS_DIR)
-    with contextlib.suppress(OSError), os.scandir(directory) as it:
+    for blob in _stats_blobs(os.fspath(root)):
+        try:
+            if blob is None:
+                raise ValueError("not a regular file of stats")
+            data = json.loads(blob)
+            counters = {k: float(v) for k, v in data["counters"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            out["unreadable"] += 1
+            continue
+        out["processes"] += 1
+        for k, v in counters.items():
+            out["counters"][k] = out["counters"].get(k, 0) + v
+        if isinstance(data.get("policy"), str):
+            out["policies"][data["policy"]] = bool(data.get("lossy"))
+        updated = data.get("updated")
+        if isinstance(updated, (int, float)):
+            out["last_update"] = max(out["last_update"] or 0, updated)
+    out["counters"] = {k: int(v) if float(v).is_integer() else v
+                       for k, v in out["counters"].items()}
+    return out
+
+
+def _stats_blobs(root: str) -> Iterator[bytes | None]:
+    """The contents of each ``stats/*.json`` under ``root`` (None: one that must not be read:
+    a symlink, a special file, or over :data:`MAX_STATS_FILE`)."""
+    from kvtool.engines.vllm.store_backend import is_url, open_backend
+
+    if is_url(root):
+        backend = open_backend(root, writable=False)
+        for name, size in backend.list_names(f"{STATS_DIR}/"):
+            if name.endswith(".json"):
+                yield backend.read_small(name) if size <= MAX_STATS_FILE else None
+        return
+    with contextlib.suppress(OSError), os.scandir(os.path.join(root, STATS_DIR)) as it:
         for e in it:
             if not e.name.endswith(".json"):
                 continue
             try:
                 st = e.stat(follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATS_FILE:
-                    raise ValueError("not a regular file of stats")
+                    yield None
+                    continue
                 with open(e.path, "rb") as f:
-                    data = json.loads(f.read(MAX_STATS_FILE))
-                counters = {k: float(v) for k, v in data["counters"].items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                out["unreadable"] += 1
-                continue
-            out["processes"] += 1
-            for k, v in counters.items():
-                out["counters"][k] = out["counters"].get(k, 0) + v
-            if isinstance(data.get("policy"), str):
-                out["policies"][data["policy"]] = bool(data.get("lossy"))
-            updated = data.get("updated")
-            if isinstance(updated, (int, float)):
-                out["last_update"] = max(out["last_update"] or 0, updated)
-    out["counters"] = {k: int(v) if float(v).is_integer() else v
-                       for k, v in out["counters"].items()}
-    return out
+                    yield f.read(MAX_STATS_FILE)
+            except OSError:
+                yield None
 
 
 def _counter_keys() -> list[str]:

@@ -133,9 +133,9 @@ def policy_from_extra(extra: dict[str, Any]):
     """The store's :class:`~kvtool.policy.CodecPolicy` from connector options: ``preset`` (by
     default :data:`DEFAULT_PRESET` unless ``codec`` is given) with any codec and token options
     given on top."""
-    from kvtool.policy import CodecPolicy
-
     import dataclasses
+
+    from kvtool.policy import CodecPolicy
 
     codec = extra.get("codec")
     preset = extra.get("preset") or (None if codec else DEFAULT_PRESET)

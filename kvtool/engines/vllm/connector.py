@@ -91,6 +91,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     allow_kvz,
     capture_name,
     check_cache,
+    check_extra,
     common_prefix,
     count,
     ensure_visible_logs,

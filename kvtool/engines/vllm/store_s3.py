@@ -252,6 +252,11 @@ class S3Backend:
         except (BotoCoreError, ClientError) as e:
             raise self._error(e, under, "list") from None
 
+    def list_names(self, under: str) -> Iterator[tuple[str, int]]:
+        """(name, size) of every object whose name starts with ``under``."""
+        for obj in self._list(under):
+            yield obj["Key"][len(self.prefix):], int(obj["Size"])
+
     def walk(self, model: str | None = None) -> Iterator[Entry]:
         """Chunk objects (of one model, or all) with their last hits, and for the whole store
         the quarantine: one listing of the store (two for one model)."""
