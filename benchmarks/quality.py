@@ -45,7 +45,9 @@ METHODS = [
     "k=turbo3:center=true v=turbo3 sink=auto",
     "k=turbomix:center=true,outliers=16 v=turbo3 sink=4",
     "k=turbomix:bits=2,outliers=32,outlier_bits=4,center=true v=turbo2 sink=4",
+    "k=turbo4:center=true v=turbo2 sink=4",
     "k=turbo4:center=true v=turbo3 sink=4",
+    "k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true v=turbo2 sink=4",
 ]
 PEERS = [("quanto", 4), ("quanto", 2)]
 
@@ -67,33 +69,48 @@ def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
     return Sweep(f"peer: {backend}-{nbits} QuantizedCache", {}, runs, mean, spread, std)
 
 
-def plot(sweeps: list[Sweep], path: str, names: dict[str, str]) -> None:
-    """Δppl and KL against bits/element, mean with min–max bars, one point per policy."""
+def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float = 6.0,
+         max_delta_ppl: float = 5.0) -> None:
+    """Δppl and KL against bits/element, mean with min–max bars, one point per policy. Lossless
+    policies (KL 0) and points beyond ``max_bits`` are left out; a Δppl above ``max_delta_ppl``
+    is drawn at the top edge with its value written next to it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats)"),
+    shown = [s for s in sweeps if s.mean.get("kl", 0) > 0
+             and s.mean["bits_per_element"] <= max_bits]
+    markers = "osD^vP*Xh<>p"
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6))
+    for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats, log)"),
                               (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
-        for i, s in enumerate(sweeps):
+        for i, s in enumerate(shown):
             values = [r[metric] for r in s.runs]
             x, y = s.mean["bits_per_element"], s.mean[metric]
             label = names.get(s.label, s.label)
-            style = "s" if label.startswith("preset") else ("^" if "peer" in label else "o")
-            ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]], fmt=style,
-                        capsize=3, color=f"C{i % 10}", label=label)
+            color = "black" if "peer" in label else f"C{i % 10}"
+            marker = "s" if label.startswith("preset") else markers[i % len(markers)]
+            if metric == "delta_ppl_pct" and y > max_delta_ppl:
+                ax.plot(x, max_delta_ppl, marker="^", color=color, label=label)
+                ax.annotate(f"{y:+.0f}%", (x, max_delta_ppl), textcoords="offset points",
+                            xytext=(6, -4), fontsize=7)
+                continue
+            ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]], fmt=marker,
+                        capsize=3, color=color, label=label,
+                        markersize=8 if label.startswith("preset") else 6)
         ax.set_xlabel("bits / element")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if metric == "kl":
             ax.set_yscale("log")
+        else:
+            ax.set_ylim(top=max_delta_ppl * 1.05)
     axes[0].set_title("KL, mean and min–max over seeds × texts")
     axes[1].set_title("Δppl, mean and min–max over seeds × texts")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.24, 1, 1))
+    fig.tight_layout(rect=(0, 0.26, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -114,7 +131,12 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' QuantizedCache")
     ap.add_argument("--json", default=None, help="also write every run to this JSON file")
     ap.add_argument("--plot", default=None, help="draw Δppl and KL against bits to this PNG")
+    ap.add_argument("--from-json", action="append", default=None, metavar="FILE",
+                    help="no runs: print the table (and --plot) of earlier --json files")
     args = ap.parse_args()
+    if args.from_json:
+        report(load_sweeps(args.from_json), args)
+        return
     torch.set_num_threads(args.threads)
 
     loaded = load_model(args.model, dtype=args.dtype)
@@ -128,6 +150,9 @@ def main() -> None:
           + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     labels = args.policy if args.policy is not None else [*PRESETS, *METHODS]
+    preset_labels = {CodecPolicy.from_label(PRESETS[p][0]).describe() for p in PRESETS}
+    labels = [x for x in labels if x in PRESETS
+              or CodecPolicy.from_label(x).describe() not in preset_labels]  # measured once
     sweeps, names = [], {}
     for label in labels:
         policy = CodecPolicy.from_label(label)
@@ -151,7 +176,32 @@ def main() -> None:
                 sweeps.append(s)
                 print(f"{s.label:<58} KL {s.mean['kl']:.5f}  Δppl "
                       f"{s.mean['delta_ppl_pct']:+.3f}%", flush=True)
-    print("\n# ranked by mean next-token KL; spread = max − min over seeds × texts")
+    report(sweeps, args)
+
+
+def preset_names(sweeps: list[Sweep]) -> dict[str, str]:
+    """Sweep label → "preset NAME: label" for the policies the presets name."""
+    by_label = {CodecPolicy.from_label(label).describe(): name
+                for name, (label, _) in PRESETS.items()}
+    return {s.label: f"preset {by_label[s.label]}: {s.label}" for s in sweeps
+            if s.label in by_label}
+
+
+def load_sweeps(paths: list[str]) -> list[Sweep]:
+    """The sweeps of earlier ``--json`` files (a policy measured twice: its first run)."""
+    sweeps: dict[str, Sweep] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for row in json.load(f):
+                sweeps.setdefault(row["label"], Sweep(row["label"], row["policy"], row["runs"],
+                                                      row["mean"], row["spread"], row["std"]))
+    return list(sweeps.values())
+
+
+def report(sweeps: list[Sweep], args: argparse.Namespace) -> None:
+    names = preset_names(sweeps)
+    print("\n# ranked by mean next-token KL; spread = max − min over seeds × texts; seed sprd ="
+          " Δppl max − min over seeds, mean over texts")
     print(format_table(sweeps, names))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -36,6 +36,8 @@ DEFAULT_POLICIES = (
     "k=turbo4:center=true v=turbo4 sink=4",
     "k=kivi4 v=turbo4 sink=4",
     "turbo4 sink=4",
+    "quality",  # the store's default (a preset)
+    "balanced",
 )
 
 

@@ -35,6 +35,11 @@ class Sweep:
     mean: dict[str, float] = field(default_factory=dict)
     spread: dict[str, float] = field(default_factory=dict)
     std: dict[str, float] = field(default_factory=dict)
+    seed_spread: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.seed_spread:
+            self.seed_spread = seed_spread(self.runs)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +57,28 @@ def aggregate(runs: list[dict[str, Any]], metrics: tuple[str, ...] = METRICS
         spread[name] = max(values) - min(values)
         std[name] = statistics.pstdev(values)
     return mean, spread, std
+
+
+def seed_spread(runs: list[dict[str, Any]], metrics: tuple[str, ...] = METRICS
+                ) -> dict[str, float]:
+    """The spread due to the rotation seed alone: per text, max − min over its seeds; the mean
+    over texts (texts differ by more than seeds do, so :func:`aggregate`'s spread mixes both).
+    Empty when no text has two seeded runs."""
+    by_text: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("seed") is not None:
+            by_text.setdefault(str(r.get("text")), []).append(r)
+    out = {}
+    for name in metrics:
+        spreads = []
+        for group in by_text.values():
+            values = [float(r[name]) for r in group
+                      if name in r and not math.isnan(float(r[name]))]
+            if len(values) >= 2:
+                spreads.append(max(values) - min(values))
+        if spreads:
+            out[name] = statistics.fmean(spreads)
+    return out
 
 
 def load_baselines(loaded: Any, texts: dict[str, str | None] | None = None, *, chunk: int = 256,
@@ -86,17 +113,19 @@ def sweep(loaded: Any, policy: CodecPolicy, baselines: dict[str, Baseline],
 
 
 def format_table(sweeps: list[Sweep], names: dict[str, str] | None = None) -> str:
-    """A table ranked by mean KL: bits, KL and Δppl as mean ± spread (max − min)."""
+    """A table ranked by mean KL: bits, KL and Δppl as mean ± spread (max − min over every
+    run), and the Δppl spread across seeds alone (:func:`seed_spread`)."""
     names = names or {}
     lines = [f"{'policy':<58} {'bits/el':>7} {'KL mean':>8} {'KL sprd':>8} "
-             f"{'Δppl% mean':>10} {'Δppl sprd':>9} {'runs':>4}"]
+             f"{'Δppl% mean':>10} {'Δppl sprd':>9} {'seed sprd':>9} {'runs':>4}"]
     for s in sorted(sweeps, key=lambda s: s.mean.get("kl", math.inf)):
         m, sp = s.mean, s.spread
         label = names.get(s.label, s.label)
         lines.append(f"{label:<58} {m.get('bits_per_element', math.nan):>7.3f} "
                      f"{m.get('kl', math.nan):>8.5f} {sp.get('kl', math.nan):>8.5f} "
                      f"{m.get('delta_ppl_pct', math.nan):>+10.3f} "
-                     f"{sp.get('delta_ppl_pct', math.nan):>9.3f} {len(s.runs):>4}")
+                     f"{sp.get('delta_ppl_pct', math.nan):>9.3f} "
+                     f"{s.seed_spread.get('delta_ppl_pct', math.nan):>9.3f} {len(s.runs):>4}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from kvtool.cache import KVCache  # noqa: E402
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.errors import CodecError  # noqa: E402
 from kvtool.evaluate import next_token_kl, top_logp  # noqa: E402
-from kvtool.evaluate_grid import aggregate  # noqa: E402
+from kvtool.evaluate_grid import aggregate, seed_spread  # noqa: E402
 from kvtool.policy import PRESETS, CodecPolicy  # noqa: E402
 from kvtool.sinks import detect_sinks  # noqa: E402
 
@@ -28,6 +28,10 @@ def test_aggregate_mean_spread_over_seeds_and_texts():
     assert mean["kl"] == pytest.approx(0.035) and spread["kl"] == pytest.approx(0.05)
     assert mean["delta_ppl_pct"] == pytest.approx(1.0) and spread["delta_ppl_pct"] == 5.0
     assert std["bits_per_element"] == 0.0 and "attention_kl" not in mean
+    by_seed = seed_spread(runs)  # per text max − min over seeds (a: 2.0, b: 5.0), then the mean
+    assert by_seed["delta_ppl_pct"] == pytest.approx(3.5)
+    assert by_seed["kl"] == pytest.approx(0.02)
+    assert seed_spread([dict(r, seed=None) for r in runs]) == {}  # unseeded: no seed spread
 
 
 def test_next_token_kl_is_zero_for_equal_and_matches_the_full_kl():
@@ -144,3 +148,21 @@ def test_sink_detection_finds_planted_tokens():
     assert resolved.sink_tokens == 3 and resolved.auto_sinks == 0
     assert CodecPolicy.from_label("turbo3 sink=8").resolve(cache).sink_tokens == 8
     assert not math.isnan(resolved.segments("key", 0, 4, 50)[0].stop)
+
+
+def test_codecs_presets_lists_the_measured_policies():
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["codecs", "--presets", "--json", "--head-dim", "64"])
+    assert out.exit_code == 0, out.output
+    rows = {r["name"]: r for r in json.loads(out.output)["presets"]}
+    assert list(rows) == list(PRESETS)
+    for name in ("quality", "balanced", "small"):
+        assert "KL" in rows[name]["measured"] and "Δppl" in rows[name]["measured"]
+        assert CodecPolicy.from_label(rows[name]["label"]) == CodecPolicy.from_label(name)
+    text = CliRunner().invoke(cli, ["codecs", "--presets"]).output
+    assert all(name in text for name in PRESETS) and "Δppl" in text

@@ -90,8 +90,10 @@ def _mk(path: str) -> str:
 
 
 def test_default_policy_roundtrip(tmp_path):
+    from kvtool.policy import CodecPolicy
+
     policy = policy_from_extra({})
-    assert policy.describe() == "k=turbo4:center=true v=turbo3 sink=4"
+    assert policy == CodecPolicy.from_label("quality")  # the preset names the store default
     s = PrefixStore(tmp_path, MODEL, 128, policy, zstd=True)
     keys, values = kv(128, seed=3)
     keys = [k.to(torch.bfloat16) for k in keys]
@@ -107,4 +109,4 @@ def test_default_policy_roundtrip(tmp_path):
         a, b = a.float(), b.float()
         assert ((a - b) ** 2).sum() / (b**2).sum() < 0.05
     assert policy_from_extra({"codec": "turbo4"}).value.codec_id == "turbo4"
-    assert policy_from_extra({"value_codec": "int8"}).key.codec_id == "turbo4"
+    assert policy_from_extra({"value_codec": "int8"}).key == policy.key  # the rest: the preset

@@ -42,11 +42,9 @@ def ensure_visible_logs() -> None:
     root.addHandler(handler)
     level = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
     root.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
-# the store's default policy is the ``quality`` preset, k=turbo4:center=true v=turbo3 sink=4
-# (3.78 bits/element): of the ≤ 4-bit policies measured (benchmarks/store_policy.py, fp32, 32
-# greedy tokens after a restore of the bundled eval prompts) the one whose answers stay with
-# recompute longest: 2/3 identical, the third diverging at token 24 (kivi4/turbo3, the default
-# before: at token 5); benchmarks/quality.py gives its mean KL and Δppl over seeds × texts
+# the store's default policy is the ``quality`` preset (3.78 bits/element): the best mean KL
+# and Δppl at ≤ 4 bits over seeds × texts (benchmarks/quality.py); its one-rotation form kept
+# greedy answers after a restore closest to recompute (benchmarks/store_policy.py)
 DEFAULT_PRESET = "quality"
 DEFAULT_ZSTD = True
 MIN_CHUNK_TOKENS = 256

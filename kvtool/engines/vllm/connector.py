@@ -11,13 +11,10 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  environment); none: no store
 ``storage_options`` for an S3 store: options of its boto3 client (``endpoint_url``, ...)
 ``codec``, ``key_codec``, ``value_codec``, ``protect_layers``, ``sink_tokens``, ``zstd``
-                 the codec policy of stored chunks. Default: ``k=turbo4:center=true v=turbo3
-                 sink=4``, zstd on (3.75 bits/element; ~3.8 on disk): of the ≤ 4-bit policies
-                 measured (``benchmarks/store_policy.py``), the one whose greedy answers after
-                 a restore stay with a recompute longest (bundled eval prompts, 32 tokens: 2/3
-                 identical, the third diverging at token 24; ``k=kivi4 v=turbo3``, the earlier
-                 default: at token 5). Still lossy: the startup log says so; ``codec: raw``
-                 stores exact K/V (identical answers).
+                 the codec policy of stored chunks; ``preset``: a named one. Default: the
+                 ``quality`` preset (3.78 bits/element, zstd on; see ``DEFAULT_PRESET``).
+                 Still lossy: the startup log says so; ``codec: raw`` stores exact K/V
+                 (identical answers).
 ``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
                  chunks share finer prefixes but cost more per-file overhead on load)
 ``max_bytes``    bound the whole store (every model): after its writes, a writer evicts least
