@@ -53,6 +53,9 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
     assert dry_run(runner, "--codec", "turbo3")["lossy"] is True
     own = dry_run(runner, "--", "--kv-cache-memory-bytes", "123")["argv"]
     assert own.count("--kv-cache-memory-bytes") == 1  # the user's own value wins
+    assert argv[argv.index("--shutdown-timeout") + 1] == "30"  # queued saves finish on stop
+    own = dry_run(runner, "--", "--shutdown-timeout=0")["argv"]
+    assert "--shutdown-timeout" not in own and own[-1] == "--shutdown-timeout=0"
 
 
 def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loaded,

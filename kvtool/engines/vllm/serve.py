@@ -61,6 +61,9 @@ def check_pin(path: str, fingerprint: str, dtype: str) -> tuple[str, str | None]
         return str(real), cast_note(f.model, dtype)
 
 
+SHUTDOWN_TIMEOUT_S = 30
+
+
 def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          store: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
          policy_options: dict[str, Any] | None = None, max_store_bytes: str | None = None,
@@ -107,6 +110,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--kv-transfer-config", json.dumps(transfer)]
     given = set(engine_args)
+    if not any(a.startswith("--shutdown-timeout") for a in given):
+        # vLLM's default (0) SIGKILLs the engine at once on SIGTERM: give the connector time
+        # to finish its queued store writes and its last stats file
+        argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if not cuda:  # vLLM's CPU backend: no graphs, and an explicit KV budget
         if "--enforce-eager" not in given:
             argv.append("--enforce-eager")
