@@ -18,6 +18,8 @@ import os
 import tempfile
 import time
 
+from persistence import best  # benchmarks/ is the script's directory
+
 from kvtool.cache import KVCache
 from kvtool.formats import load, open_kvz, save
 
@@ -42,15 +44,6 @@ def parts_bits(path: str, elements: int) -> dict[str, float]:
             part = name.rsplit(".", 1)[-1]
             out[part] = out.get(part, 0.0) + 8 * f._entries[name].nbytes / elements
     return out
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:

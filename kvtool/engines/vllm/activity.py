@@ -271,7 +271,7 @@ def _stats_blobs(root: str) -> Iterator[bytes | None]:
     from kvtool.engines.vllm.store_backend import is_url, open_backend
 
     if is_url(root):
-        backend = open_backend(root, writable=False)
+        backend = open_backend(root, writable=False)  # an S3Backend: it lists by prefix
         for name, size in backend.list_names(f"{STATS_DIR}/"):
             if name.endswith(".json"):
                 yield backend.read_small(name) if size <= MAX_STATS_FILE else None
