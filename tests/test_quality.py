@@ -129,6 +129,65 @@ def test_outlier_channels_get_more_bits():
         mixed.encode(x[..., :17])
 
 
+# -- 2-D codebooks (vq=2) -----------------------------------------------------------------------
+@pytest.mark.parametrize("bits,scalar_mse", [(2, 0.1175), (3, 0.03454), (4, 0.009497)])
+def test_pair_codebooks_beat_the_scalar_quantiser_on_gaussian_pairs(bits, scalar_mse):
+    from kvtool.codecs.turbomix import pair_codes, pair_values
+    from kvtool.codecs.vq_tables import pair_codebook
+
+    points = pair_codebook(bits)
+    assert points.shape == (4 ** bits, 2) and points.dtype == np.float32
+    assert np.isfinite(points).all() and len(np.unique(points, axis=0)) == 4 ** bits
+    dim = 64
+    u = np.random.default_rng(bits).standard_normal((4000, dim)).astype(np.float32)
+    u /= np.sqrt(dim)  # the scale of a unit vector's coordinates in R^64
+    codes = pair_codes(u, bits)
+    assert codes.max() < 2 ** bits
+    back = pair_values(codes.astype(np.float32), bits)
+    mse = float(((back - u) ** 2).mean()) * dim
+    assert mse < 0.95 * scalar_mse
+    # each pair went to its nearest point (brute force on a sample)
+    pairs, got = u[:50].reshape(-1, 2) * np.sqrt(dim), back[:50].reshape(-1, 2) * np.sqrt(dim)
+    nearest = points[((pairs[:, None] - points[None]) ** 2).sum(-1).argmin(1)]
+    np.testing.assert_allclose(got, nearest, rtol=0, atol=1e-6)
+
+
+def test_vq2_lowers_the_error_at_the_same_bits_and_round_trips_through_a_file(tmp_path):
+    from kvtool.formats import load, save
+
+    x = _keys((4, 64, 64))
+    for bits in (2, 3, 4):
+        pair = get_codec(f"turbomix:bits={bits},center=true,vq=2")
+        scalar = get_codec(f"turbomix:bits={bits},center=true")
+        assert pair.bits_per_element(64) == scalar.bits_per_element(64)
+        assert _err(pair, x) < 0.95 * _err(scalar, x)
+    codec = get_codec("turbomix:center=true,outliers=16,candidates=3,vq=2")
+    enc = codec.encode(x)
+    torch_enc = codec.encode(torch.from_numpy(x))
+    for name in enc.arrays:  # every backend writes the same bytes
+        np.testing.assert_array_equal(np.asarray(torch_enc.arrays[name]), enc.arrays[name])
+    cache = KVCache([x], [x])
+    save(cache, tmp_path / "vq.kvz", policy=CodecPolicy.from_options(key_codec=codec.get_config(),
+                                                                   value_codec="turbo3"))
+    back = load(tmp_path / "vq.kvz")
+    np.testing.assert_allclose(np.asarray(back.keys[0], np.float32),
+                               np.asarray(codec.decode(enc, "float32")), rtol=0, atol=1e-6)
+
+
+def test_vq_option_is_checked_and_named_only_when_set():
+    assert "vq" not in get_codec("turbomix").get_config()  # configs from before stay the same
+    assert get_codec(get_codec("turbomix:vq=2").get_config()).vq == 2
+    with pytest.raises(CodecError, match="vq"):
+        get_codec("turbomix:vq=3")
+    with pytest.raises(CodecError, match="even"):
+        get_codec("turbomix:vq=2").encode(np.ones((2, 4, 9), np.float32))
+    with pytest.raises(CodecError, match="even"):
+        get_codec("turbomix:vq=2,outliers=3").encode(np.ones((2, 4, 64), np.float32))
+    with pytest.raises(CodecError, match="outlier_bits=5"):
+        get_codec("turbomix:vq=2,outliers=4,outlier_bits=5").encode(
+            np.ones((2, 4, 64), np.float32))
+
+
 # -- attention sinks by norm ------------------------------------------------------------------
 def test_sink_detection_finds_planted_tokens():
     rng = np.random.default_rng(3)

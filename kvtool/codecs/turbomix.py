@@ -11,7 +11,12 @@ being every vector that shares the leading indices (one head of one block: ``x[.
   are quantised apart at ``outlier_bits``, the rest at ``bits`` — the TurboQuant paper's split
   (e.g. D=128, n=32: 3/2 bits give 2.5, 4/3 bits give 3.5). Each part has its own norm and
   rotation; the channel set is stored as a bit mask (``outlier_mask``);
-- ``center``: subtract the per-channel mean over the tokens first (fp16, as turbo does).
+- ``center``: subtract the per-channel mean over the tokens first (fp16, as turbo does);
+- ``vq=2``: quantise the rotated coordinates in pairs with a 2-D codebook of ``4**bits`` points
+  (:mod:`kvtool.codecs.vq_tables`, Lloyd's algorithm on the 2-D Gaussian, scaled by
+  1/sqrt(dim)) instead of one scalar Lloyd–Max codebook per coordinate: the same code bits (the
+  pair's index is stored as two ``bits``-wide codes, coordinate 2j the high half), ~10% less
+  squared error on real keys and values (the cells of a 2-D codebook pack better than squares).
 
 ``turbomix:bits=3`` with defaults writes exactly turbo3's codes and norms. The math runs on the
 numpy reference ops whatever the input backend (torch and mlx inputs are converted there and
@@ -29,6 +34,7 @@ from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.params import SEED_MAX, check_bool, check_choice, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
+from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, numpy_ops, to_numpy
 
@@ -50,18 +56,24 @@ class TurboMixCodec(Codec):
     checks_finite = True
 
     def __init__(self, bits: int = 3, outliers: int = 0, outlier_bits: int = 4,
-                 center: bool = False, candidates: int = 1, seed: int = DEFAULT_SEED):
+                 center: bool = False, candidates: int = 1, vq: int = 1,
+                 seed: int = DEFAULT_SEED):
         who = self.codec_id
         self.bits = check_choice(who, "bits", bits, (2, 3, 4))
         self.outliers = check_int(who, "outliers", outliers, 0, 1 << 16)
         self.outlier_bits = check_choice(who, "outlier_bits", outlier_bits, (2, 3, 4, 5, 6, 8))
         self.center = check_bool(who, "center", center)
         self.candidates = check_int(who, "candidates", candidates, 1, MAX_CANDIDATES)
+        self.vq = check_choice(who, "vq", vq, (1, 2))
         self.seed = check_int(who, "seed", seed, 0, SEED_MAX)
 
     def _params(self) -> dict[str, Any]:
-        return {"bits": self.bits, "outliers": self.outliers, "outlier_bits": self.outlier_bits,
-                "center": self.center, "candidates": self.candidates, "seed": self.seed}
+        params = {"bits": self.bits, "outliers": self.outliers,
+                  "outlier_bits": self.outlier_bits, "center": self.center,
+                  "candidates": self.candidates, "seed": self.seed}
+        if self.vq != 1:  # named only when set: configs (files, store keys) from before stay
+            params["vq"] = self.vq
+        return params
 
     # -- sizes -----------------------------------------------------------------------------------
     def _split(self, dim: int) -> tuple[int, int]:
@@ -71,6 +83,12 @@ class TurboMixCodec(Codec):
                              f"of head_dim {dim} channels; use fewer outliers")
         if self.outliers == 1:
             raise CodecError(f"{self.codec_id}: outliers must be 0 or at least 2")
+        if self.vq == 2 and (dim - self.outliers) % 2 + self.outliers % 2:
+            raise CodecError(f"{self.codec_id}: vq=2 quantises channel pairs, so head_dim "
+                             f"({dim}) and outliers ({self.outliers}) must be even")
+        if self.vq == 2 and self.outliers and self.outlier_bits > 4:
+            raise CodecError(f"{self.codec_id}: vq=2 has codebooks for 2..4 bits, not "
+                             f"outlier_bits={self.outlier_bits}")
         return self.outliers, dim - self.outliers
 
     def bits_per_element(self, head_dim: int) -> float:
@@ -125,8 +143,9 @@ class TurboMixCodec(Codec):
         best, best_err = None, None
         for c in range(self.candidates):
             seed = candidate_seed(self.seed, c)
-            enc = [self._encode_part(p, bits, seed) for p, bits in parts]
-            err = sum(((p - self._decode_part(codes, norms, p.shape[-1], bits, seed)) ** 2)
+            enc = [self._encode_part(p, bits, seed, self.vq) for p, bits in parts]
+            err = sum(((p - self._decode_part(codes, norms, p.shape[-1], bits, seed, self.vq))
+                       ** 2)
                       .astype(np.float64).sum(axis=(1, 2))
                       for (p, bits), (codes, norms) in zip(parts, enc, strict=True))
             if best is None:
@@ -155,7 +174,8 @@ class TurboMixCodec(Codec):
                 (np.take_along_axis(g, hi_idx, axis=-1), self.outlier_bits)]
 
     @staticmethod
-    def _encode_part(x: np.ndarray, bits: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def _encode_part(x: np.ndarray, bits: int, seed: int,
+                     vq: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """turbo's reference rows: (packed codes [G, T, bytes], fp16 norms [G, T])."""
         dim = x.shape[-1]
         norms = numpy_ops.norm(x)
@@ -163,14 +183,21 @@ class TurboMixCodec(Codec):
             raise CodecError("turbomix: vector norm exceeds the fp16 range")
         rotated = np.matmul(x, rotation_matrix_t(dim, seed))
         rotated *= 1 / np.where(norms > 0, norms, norms + 1)
-        codes = numpy_ops.bucketize(rotated, sphere_marginal_codebook(dim, 1 << bits).boundaries)
+        if vq == 2:
+            codes = pair_codes(rotated, bits)
+        else:
+            codes = numpy_ops.bucketize(rotated,
+                                        sphere_marginal_codebook(dim, 1 << bits).boundaries)
         return numpy_ops.pack_bits(codes, bits), norms[..., 0].astype(np.float16)
 
     @staticmethod
     def _decode_part(codes: np.ndarray, norms: np.ndarray, dim: int, bits: int,
-                     seed: int) -> np.ndarray:
-        y = numpy_ops.unpack_lookup(codes, bits, dim,
-                                    sphere_marginal_codebook(dim, 1 << bits).centroids)
+                     seed: int, vq: int = 1) -> np.ndarray:
+        if vq == 2:
+            y = pair_values(numpy_ops.unpack_lookup(codes, bits, dim, _LEVELS[bits]), bits)
+        else:
+            y = numpy_ops.unpack_lookup(codes, bits, dim,
+                                        sphere_marginal_codebook(dim, 1 << bits).centroids)
         return np.matmul(y, rotation_matrix(dim, seed)) * norms.astype(np.float32)[..., None]
 
     # -- decode ----------------------------------------------------------------------------------
@@ -193,7 +220,7 @@ class TurboMixCodec(Codec):
             rows = choice == c
             for out, (codes, norms, n, bits) in zip(decoded, specs, strict=True):
                 out[rows] = self._decode_part(flat(codes)[rows], flat(norms)[rows], n, bits,
-                                              candidate_seed(self.seed, c))
+                                              candidate_seed(self.seed, c), self.vq)
         if n_hi:
             mask = np.unpackbits(a["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
                                  bitorder="little").astype(bool)
@@ -205,6 +232,32 @@ class TurboMixCodec(Codec):
         if self.center:
             x += a["mean"].reshape(groups, 1, dim).astype(np.float32)
         return _to_backend(xp, x.reshape(shape), next(iter(enc.arrays.values())))
+
+
+_LEVELS = {bits: np.arange(1 << bits, dtype=np.float32) for bits in (2, 3, 4)}
+_PAIR_CHUNK = 1 << 15  # pairs per distance block: 32K × 256 points × 2 coordinates of float32
+
+
+def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [..., dim] of rotated unit vectors [..., dim] quantised in coordinate pairs: the
+    nearest point of the 2-D codebook (ties: the lowest index), its index ``hi·2**bits + lo``
+    written as ``hi`` at coordinate 2j and ``lo`` at 2j+1. Distances are plain differences
+    (no BLAS), so every machine picks the same point."""
+    points = pair_codebook(bits) / np.float32(np.sqrt(unit.shape[-1]))
+    pairs = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1, 2)
+    index = np.empty(len(pairs), dtype=np.int64)
+    for at in range(0, len(pairs), _PAIR_CHUNK):
+        d = pairs[at:at + _PAIR_CHUNK, None, :] - points[None]
+        index[at:at + _PAIR_CHUNK] = np.einsum("npk,npk->np", d, d).argmin(axis=1)
+    codes = np.stack([index >> bits, index & ((1 << bits) - 1)], axis=-1)
+    return codes.reshape(unit.shape).astype(np.uint8)
+
+
+def pair_values(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The unit-vector coordinates [..., dim] of pair codes [..., dim] (as floats)."""
+    index = codes.reshape(*codes.shape[:-1], -1, 2).astype(np.int64)
+    points = pair_codebook(bits) / np.float32(np.sqrt(codes.shape[-1]))
+    return points[(index[..., 0] << bits) + index[..., 1]].reshape(codes.shape)
 
 
 def _to_backend(xp: Any, a: np.ndarray, like: Any) -> Any:

@@ -12,6 +12,11 @@ for all of them) and appended to the encoded store, so at least ``recent_tokens`
 ``recent_tokens + block_size``) of the latest tokens always stay exact. Protected layers (and a
 policy whose codec is the lossless one) never encode: they behave like ``DynamicLayer``.
 
+Sliding-window layers (Gemma 3: ``layer_types``/``sliding_window`` in the config) keep no sinks
+and let go of whole blocks once they fall out of the window, so they hold fewer than
+``sliding_window + block_size`` tokens; the mask (``get_mask_sizes``' offset) hides the older
+tokens of a partly visible block. Their attention always decodes, then attends.
+
 Memory/speed trade-off: **no decoded copy is kept**; the resident footprint is the encoded
 bytes plus the full-precision sinks and window (:meth:`CompressedCache.nbytes`). A decoded copy
 would hold *more* memory than ``DynamicCache`` (copy + codes), and any lower-precision copy
@@ -106,9 +111,11 @@ class _Stream:
     when keys and values share a codec and are encoded and decoded together (one call each).
     """
 
-    def __init__(self, codec: Codec | None, sink_tokens: int, recent_tokens: int, block: int):
+    def __init__(self, codec: Codec | None, sink_tokens: int, recent_tokens: int, block: int,
+                 sliding: bool = False):
         self.codec = codec  # None: lossless, everything stays in ``tail``
         self.sink_tokens, self.recent_tokens, self.block = sink_tokens, recent_tokens, block
+        self.sliding = sliding  # blocks must be droppable one by one (see drop_front)
         self.reset()
 
     def reset(self) -> None:
@@ -189,14 +196,39 @@ class _Stream:
         x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
         enc = self.codec.encode(x)
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
-        merged, self._np = None, None
+        self._np = None
+        self.stored += cut
+        if self.sliding and n_blocks > 1 and not _blocked(enc, (*lead, n_blocks)):
+            # a layout without a block axis cannot be cut: one chunk per block, dropped whole
+            self.chunks.extend(self.codec.encode(x[..., i:i + 1, :, :]) for i in range(n_blocks))
+            return
+        merged = None
         if self.chunks and _blocked(enc, (*lead, n_blocks)):
             merged = _concat(self.chunks[-1], enc, len(lead))
         if merged is not None:
             self.chunks[-1] = merged
         else:
             self.chunks.append(enc)
-        self.stored += cut
+
+    def drop_front(self, n: int) -> None:
+        """Let go of the ``n`` oldest tokens (a multiple of ``block`` while any are encoded):
+        whole encoded blocks first, then window tokens. Sliding layers keep no sinks."""
+        while n and self.chunks:
+            enc = self.chunks[0]
+            axis = len(enc.shape) - 3
+            total, k = enc.shape[axis], min(n // self.block, enc.shape[axis])
+            if k == total:
+                self.chunks.pop(0)
+            else:
+                arrays = {name: a.narrow(axis, k, total - k).clone()
+                          for name, a in enc.arrays.items()}
+                shape = (*enc.shape[:axis], total - k, *enc.shape[axis + 1:])
+                self.chunks[0] = Encoded(arrays, shape, enc.dtype)
+            n -= k * self.block
+            self.stored -= k * self.block
+            self._np = None
+        if n:
+            self.tail = self.tail[..., n:, :].clone()
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], axis: int) -> None:
         """Apply ``fn`` (which works on axis 0) to the batch ``axis`` of every part."""
@@ -230,16 +262,27 @@ class CompressedLayer(DynamicLayer):
     is_croppable = False
 
     def __init__(self, key_codec: Codec | None, value_codec: Codec | None, sink_tokens: int = 0,
-                 recent_tokens: int = 0, block_size: int = DEFAULT_BLOCK_SIZE):
+                 recent_tokens: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
+                 sliding_window: int | None = None):
         super().__init__()
         if block_size < 1:
             raise KvtoolError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 2:
+            raise KvtoolError(f"sliding_window must be >= 2, got {sliding_window}")
         self.joint = key_codec is not None and key_codec == value_codec
         codecs = [key_codec] if self.joint else [key_codec, value_codec]
-        self.streams = [_Stream(c, sink_tokens, recent_tokens, block_size) for c in codecs]
+        #: a sliding-window layer (Gemma 3 style) keeps no sinks: the window never sees them
+        self.sliding_window, self.is_sliding = sliding_window, sliding_window is not None
+        sinks = 0 if self.is_sliding else sink_tokens
+        self.streams = [_Stream(c, sinks, recent_tokens, block_size, self.is_sliding)
+                        for c in codecs]
+        self.block_size = block_size
         self.cumulative_length = 0
-        #: whether attention may read this layer's codes (both roles uncentered turbo)
-        self.codes_capable = codes_codec(key_codec) and codes_codec(value_codec)
+        self.dropped = 0  # the oldest tokens a sliding layer has let go of
+        #: whether attention may read this layer's codes (both roles uncentered turbo; a
+        #: sliding window's mask hides encoded tokens, which the kernel does not do)
+        self.codes_capable = codes_codec(key_codec) and codes_codec(value_codec) \
+            and not self.is_sliding
         self._pending: CodesView | None = None
 
     @property
@@ -289,7 +332,24 @@ class CompressedLayer(DynamicLayer):
             keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
             setattr(keys, ATTR, view)
             self._pending = view
+        if self.is_sliding:
+            self._slide()
         return keys, values
+
+    def _slide(self) -> None:
+        """Drop what the next query cannot see (older than ``sliding_window - 1`` tokens back), in
+        whole blocks counted from the first token held, so every sliding layer of a cache —
+        lossless or encoded — holds the same tokens and one mask fits them all."""
+        excess = self.cumulative_length - (self.sliding_window - 1) - self.dropped
+        drop = excess // self.block_size * self.block_size
+        if drop > 0:
+            for s in self.streams:
+                s.drop_front(drop)
+            self.dropped += drop
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset): the tokens held plus the query's, after those dropped."""
+        return self.cumulative_length - self.dropped + query_length, self.dropped
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -309,7 +369,7 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         for s in self.streams:
             s.reset()
-        self.cumulative_length = 0
+        self.cumulative_length = self.dropped = 0
         self._pending = None
         self.is_initialized = False
 
@@ -336,19 +396,26 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def _num_layers(config: Any) -> int:
+def _layer_windows(config: Any) -> list[int | None]:
+    """Per layer: the sliding window of a ``sliding_attention`` layer, None for full attention."""
     text = _text_config(config)
-    types = getattr(text, "layer_types", None)
-    if types and any(t != "full_attention" for t in types):
-        raise KvtoolError("CompressedCache supports full-attention layers only; this model has "
-                          f"{sorted(set(types) - {'full_attention'})} layers")
-    return int(text.num_hidden_layers)
+    n = int(text.num_hidden_layers)
+    types = getattr(text, "layer_types", None) or ["full_attention"] * n
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise KvtoolError("CompressedCache supports full and sliding-window attention layers; "
+                          f"this model has {other} layers")
+    window = getattr(text, "sliding_window", None)
+    if "sliding_attention" in types and not window:
+        raise KvtoolError("the model has sliding_attention layers but no sliding_window")
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 class CompressedCache(Cache):
     """A transformers ``Cache`` that keeps K/V compressed by ``policy`` while generating.
 
-    ``config`` (the model's config) or ``num_layers`` tells which layers the policy protects.
+    ``config`` (the model's config) or ``num_layers`` tells which layers the policy protects
+    and which are sliding-window layers (``sliding_windows`` per layer with ``num_layers``).
     Sinks and the recent window come from ``policy.sink_tokens``/``policy.recent_tokens``;
     ``block_size`` is the number of tokens encoded together. Use it like ``DynamicCache``::
 
@@ -359,10 +426,17 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, policy: CodecPolicy, config: Any = None, *, num_layers: int | None = None,
+                 sliding_windows: list[int | None] | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, attention_from_codes: bool | None = None):
         if (config is None) == (num_layers is None):
             raise KvtoolError("CompressedCache needs exactly one of config or num_layers")
-        n = _num_layers(config) if config is not None else int(num_layers)
+        if config is not None:
+            windows = _layer_windows(config)
+        else:
+            windows = list(sliding_windows or [None] * int(num_layers))
+            if len(windows) != num_layers:
+                raise KvtoolError(f"{len(windows)} sliding windows for {num_layers} layers")
+        n = len(windows)
         self.policy, self.block_size = policy, block_size
         self.attention_from_codes = attention_from_codes
         self._armed_layers: set[int] = set()  # see get_mask_sizes
@@ -373,7 +447,7 @@ class CompressedCache(Cache):
             layers.append(CompressedLayer(
                 None if key == policy.lossless else key,
                 None if value == policy.lossless else value,
-                policy.sink_tokens, policy.recent_tokens, block_size))
+                policy.sink_tokens, policy.recent_tokens, block_size, windows[i]))
         super().__init__(layers=layers)
         if attention_from_codes is not False and any(x.codes_capable for x in layers):
             install()
@@ -418,20 +492,32 @@ class CompressedCache(Cache):
         Usable as ``past_factory`` of :func:`kvtool.engines.hf.continue_generation` via
         ``lambda c, m: CompressedCache.from_kvcache(c, policy, m)``.
         """
+        from kvtool.engines.hf import _total_tokens
         from kvtool.kernels import to_torch
 
         if model is not None:
             out = cls(policy, config=model.config, **kwargs)
             dtype, device = model.dtype, next(model.parameters()).device
         else:
-            out = cls(policy, num_layers=cache.num_layers, **kwargs)
+            windows = [(i or {}).get("sliding_window")
+                       for i in cache.layer_info or [{}] * cache.num_layers]
+            out = cls(policy, num_layers=cache.num_layers, sliding_windows=windows, **kwargs)
             dtype = device = None
         if len(out.layers) != cache.num_layers:
             raise KvtoolError(f"cache has {cache.num_layers} layers, model has {len(out.layers)}")
-        for layer, (k, v) in zip(out.layers, zip(cache.keys, cache.values, strict=True),
-                                 strict=True):
+        total = _total_tokens(cache)
+        for i, (layer, (k, v)) in enumerate(zip(out.layers, zip(cache.keys, cache.values,
+                                                                 strict=True), strict=True)):
             k, v = (to_torch(a)[None].to(device=device, dtype=dtype) for a in (k, v))
+            if layer.is_sliding:  # the last window - 1 tokens are all the next step can see
+                keep = layer.sliding_window - 1
+                k, v = k[..., -keep:, :], v[..., -keep:, :]
+            elif k.shape[-2] != total:
+                raise KvtoolError(f"layer {i} holds {k.shape[-2]} of {total} tokens (a "
+                                  "sliding-window cache?) but is full attention here")
             layer.update(k, v)
+            if layer.is_sliding:
+                layer.dropped, layer.cumulative_length = total - k.shape[-2], total
         return out
 
     def nbytes(self) -> int:

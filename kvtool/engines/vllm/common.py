@@ -113,7 +113,7 @@ def add_time(name: str, seconds: float) -> None:
 CONNECTOR_OPTIONS = frozenset({
     "store_path", "storage_options", "model_name", "tokenizer_fingerprint", "chunk_tokens",
     "preset", "codec", "key_codec", "value_codec", "protect_layers", "sink_tokens",
-    "recent_tokens", "zstd", "max_bytes", "load", "save", "save_mode", "on_load_error",
+    "recent_tokens", "zstd", "entropy", "max_bytes", "load", "save", "save_mode", "on_load_error",
     "kvz_files", "kvz_dirs", "capture_dir", "capture_all", "stats_interval"})
 
 

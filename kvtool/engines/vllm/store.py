@@ -82,7 +82,7 @@ class PrefixStore:
     """Chunk files of one model under ``root``; see the module docstring."""
 
     def __init__(self, root: str | os.PathLike, model: dict[str, Any], chunk_tokens: int,
-                 policy: CodecPolicy, *, zstd: int | bool = False,
+                 policy: CodecPolicy, *, zstd: int | bool = False, entropy: bool = False,
                  tokenizer_fingerprint: str | None = None, writable: bool = True,
                  backend: Backend | None = None):
         if chunk_tokens <= 0:
@@ -95,7 +95,7 @@ class PrefixStore:
         self.fingerprint = str(self.model["fingerprint"])
         self.chunk_tokens = int(chunk_tokens)
         self.policy = policy
-        self.zstd = zstd
+        self.zstd, self.entropy = zstd, entropy
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.model_dir = self.fingerprint[:16]  # this model's directory (key prefix) in the store
         self.dir = self.backend.path(self.model_dir)
@@ -282,7 +282,7 @@ class PrefixStore:
         # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
         # symlink, never writing through it); S3: one conditional PUT of the whole object
         return self.backend.write_new(self._name(chunk), lambda path: int(
-            save(cache, path, policy, zstd=self.zstd)["file_bytes"]))
+            save(cache, path, policy, zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
 
     # -- housekeeping -----------------------------------------------------------------------------
     def size_bytes(self) -> int:
