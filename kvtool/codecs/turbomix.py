@@ -235,20 +235,25 @@ class TurboMixCodec(Codec):
 
 
 _LEVELS = {bits: np.arange(1 << bits, dtype=np.float32) for bits in (2, 3, 4)}
-_PAIR_CHUNK = 1 << 15  # pairs per distance block: 32K × 256 points × 2 coordinates of float32
+_PAIR_CHUNK = 1 << 15  # pairs per block of scores: 32K × 256 points of float32
 
 
 def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
     """Codes [..., dim] of rotated unit vectors [..., dim] quantised in coordinate pairs: the
     nearest point of the 2-D codebook (ties: the lowest index), its index ``hi·2**bits + lo``
-    written as ``hi`` at coordinate 2j and ``lo`` at 2j+1. Distances are plain differences
-    (no BLAS), so every machine picks the same point."""
+    written as ``hi`` at coordinate 2j and ``lo`` at 2j+1. The nearest point maximises
+    ``x·c − |c|²/2``, computed with elementwise float32 products (no BLAS, so every machine
+    picks the same point)."""
     points = pair_codebook(bits) / np.float32(np.sqrt(unit.shape[-1]))
+    half_sq = (points ** 2).sum(axis=1) * np.float32(0.5)
     pairs = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1, 2)
     index = np.empty(len(pairs), dtype=np.int64)
     for at in range(0, len(pairs), _PAIR_CHUNK):
-        d = pairs[at:at + _PAIR_CHUNK, None, :] - points[None]
-        index[at:at + _PAIR_CHUNK] = np.einsum("npk,npk->np", d, d).argmin(axis=1)
+        x = pairs[at:at + _PAIR_CHUNK]
+        score = x[:, :1] * points[None, :, 0]
+        score += x[:, 1:] * points[None, :, 1]
+        score -= half_sq
+        index[at:at + _PAIR_CHUNK] = score.argmax(axis=1)
     codes = np.stack([index >> bits, index & ((1 << bits) - 1)], axis=-1)
     return codes.reshape(unit.shape).astype(np.uint8)
 
