@@ -65,6 +65,9 @@ class TurboMixCodec(Codec):
         self.center = check_bool(who, "center", center)
         self.candidates = check_int(who, "candidates", candidates, 1, MAX_CANDIDATES)
         self.vq = check_choice(who, "vq", vq, (1, 2))
+        if self.vq == 2 and self.outliers and self.outlier_bits > 4:
+            raise CodecError(f"{who}: vq=2 has codebooks for 2..4 bits, not "
+                             f"outlier_bits={self.outlier_bits}")
         self.seed = check_int(who, "seed", seed, 0, SEED_MAX)
 
     def _params(self) -> dict[str, Any]:
@@ -86,9 +89,6 @@ class TurboMixCodec(Codec):
         if self.vq == 2 and (dim - self.outliers) % 2 + self.outliers % 2:
             raise CodecError(f"{self.codec_id}: vq=2 quantises channel pairs, so head_dim "
                              f"({dim}) and outliers ({self.outliers}) must be even")
-        if self.vq == 2 and self.outliers and self.outlier_bits > 4:
-            raise CodecError(f"{self.codec_id}: vq=2 has codebooks for 2..4 bits, not "
-                             f"outlier_bits={self.outlier_bits}")
         return self.outliers, dim - self.outliers
 
     def bits_per_element(self, head_dim: int) -> float:
@@ -194,7 +194,7 @@ class TurboMixCodec(Codec):
     def _decode_part(codes: np.ndarray, norms: np.ndarray, dim: int, bits: int,
                      seed: int, vq: int = 1) -> np.ndarray:
         if vq == 2:
-            y = pair_values(numpy_ops.unpack_lookup(codes, bits, dim, _LEVELS[bits]), bits)
+            y = pair_values(numpy_ops.unpack_bits(codes, bits, dim), bits)
         else:
             y = numpy_ops.unpack_lookup(codes, bits, dim,
                                         sphere_marginal_codebook(dim, 1 << bits).centroids)
@@ -234,8 +234,12 @@ class TurboMixCodec(Codec):
         return _to_backend(xp, x.reshape(shape), next(iter(enc.arrays.values())))
 
 
-_LEVELS = {bits: np.arange(1 << bits, dtype=np.float32) for bits in (2, 3, 4)}
 _PAIR_CHUNK = 1 << 15  # pairs per block of scores: 32K × 256 points of float32
+
+
+def _pair_points(bits: int, dim: int) -> np.ndarray:
+    """The 2-D codebook at the scale of a unit vector's coordinates in R^dim."""
+    return pair_codebook(bits) / np.float32(np.sqrt(dim))
 
 
 def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
@@ -244,7 +248,7 @@ def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
     written as ``hi`` at coordinate 2j and ``lo`` at 2j+1. The nearest point maximises
     ``x·c − |c|²/2``, computed with elementwise float32 products (no BLAS, so every machine
     picks the same point)."""
-    points = pair_codebook(bits) / np.float32(np.sqrt(unit.shape[-1]))
+    points = _pair_points(bits, unit.shape[-1])
     half_sq = (points ** 2).sum(axis=1) * np.float32(0.5)
     pairs = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1, 2)
     index = np.empty(len(pairs), dtype=np.int64)
@@ -259,9 +263,9 @@ def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
 
 
 def pair_values(codes: np.ndarray, bits: int) -> np.ndarray:
-    """The unit-vector coordinates [..., dim] of pair codes [..., dim] (as floats)."""
+    """The unit-vector coordinates [..., dim] of pair codes [..., dim]."""
     index = codes.reshape(*codes.shape[:-1], -1, 2).astype(np.int64)
-    points = pair_codebook(bits) / np.float32(np.sqrt(codes.shape[-1]))
+    points = _pair_points(bits, codes.shape[-1])
     return points[(index[..., 0] << bits) + index[..., 1]].reshape(codes.shape)
 
 

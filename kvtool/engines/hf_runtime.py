@@ -86,10 +86,14 @@ from kvtool.policy import CodecPolicy
 DEFAULT_BLOCK_SIZE = 64
 
 
-def _blocked(enc: Encoded, lead: tuple[int, ...]) -> bool:
-    """Whether every array of ``enc`` starts with the ``lead`` axes (…, n_blocks)."""
-    return all(a.ndim > len(lead) and tuple(a.shape[: len(lead)]) == lead
-               for a in enc.arrays.values())
+def _blocked(shapes: Any, lead: tuple[int, ...]) -> bool:
+    """Whether every array shape (of an ``Encoded`` or a codec's declared arrays) starts with
+    the ``lead`` axes (…, n_blocks)."""
+    return all(len(s) > len(lead) and tuple(s[: len(lead)]) == lead for s in shapes)
+
+
+def _shapes(enc: Encoded) -> list[tuple[int, ...]]:
+    return [tuple(a.shape) for a in enc.arrays.values()]
 
 
 def _concat(a: Encoded, b: Encoded, axis: int) -> Encoded | None:
@@ -194,21 +198,27 @@ class _Stream:
             return
         cut, lead = n_blocks * self.block, tuple(self.tail.shape[:-2])
         x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
-        enc = self.codec.encode(x)
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
         self._np = None
         self.stored += cut
-        if self.sliding and n_blocks > 1 and not _blocked(enc, (*lead, n_blocks)):
+        if self.sliding and n_blocks > 1 and not self._declares_blocks(x):
             # a layout without a block axis cannot be cut: one chunk per block, dropped whole
             self.chunks.extend(self.codec.encode(x[..., i:i + 1, :, :]) for i in range(n_blocks))
             return
+        enc = self.codec.encode(x)
         merged = None
-        if self.chunks and _blocked(enc, (*lead, n_blocks)):
+        if self.chunks and _blocked(_shapes(enc), (*lead, n_blocks)):
             merged = _concat(self.chunks[-1], enc, len(lead))
         if merged is not None:
             self.chunks[-1] = merged
         else:
             self.chunks.append(enc)
+
+    def _declares_blocks(self, x: torch.Tensor) -> bool:
+        """Whether the codec declares every array of ``x`` [*lead, n_blocks, block, dim] with
+        the block axis (so encoded blocks can later be dropped one by one)."""
+        spec = self.codec.expected_arrays(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+        return _blocked((a.shape for a in spec.values()), tuple(x.shape[:-2]))
 
     def drop_front(self, n: int) -> None:
         """Let go of the ``n`` oldest tokens (a multiple of ``block`` while any are encoded):
@@ -239,7 +249,7 @@ class _Stream:
         self.tail = None if self.tail is None else on_axis(self.tail)
         chunks = []
         for enc in self.chunks:
-            if not _blocked(enc, tuple(enc.shape[:axis + 3])):
+            if not _blocked(_shapes(enc), tuple(enc.shape[:axis + 3])):
                 raise KvtoolError(f"{self.codec.codec_id}: its encoded arrays have no leading "
                                   "batch axis, so this cache cannot reorder or expand batches")
             arrays = {k: on_axis(a) for k, a in enc.arrays.items()}

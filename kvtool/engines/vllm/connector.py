@@ -13,10 +13,10 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
 ``codec``, ``key_codec``, ``value_codec``, ``protect_layers``, ``sink_tokens``, ``zstd``
                  the codec policy of stored chunks; ``preset``: a named one. Default: the
                  ``quality`` preset (3.78 bits/element, zstd on; see ``DEFAULT_PRESET``).
-``entropy``      rANS-code stored chunks (codes at their entropy: ~12% smaller for 3-bit
-                 codes, loads ~2.5× slower to decode than fixed-width; default off)
                  Still lossy: the startup log says so; ``codec: raw`` stores exact K/V
                  (identical answers).
+``entropy``      rANS-code stored chunks (codes at their entropy: ~12% smaller for 3-bit
+                 codes, loads ~2.5× slower to decode than fixed-width; default off)
 ``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
                  chunks share finer prefixes but cost more per-file overhead on load)
 ``max_bytes``    bound the whole store (every model): after its writes, a writer evicts least
