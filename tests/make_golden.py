@@ -62,6 +62,11 @@ def goldens() -> dict[str, dict[str, Any]]:
     # rANS-coded tensors (format.md 6.2): enough tokens that coding beats fixed-width codes
     specs["entropy"] = {"cache": {"layers": 1, "tokens": 192},
                         "save": {"codec": "turbo3", "sink_tokens": 2, "entropy": True}}
+    # turbomix's options that add arrays: 2-D codebooks, uint8 norms, outliers, candidates
+    specs["turbomix-options"] = {
+        "cache": {}, "save": {"key_codec": "turbomix:center=true,outliers=8,candidates=3,vq=2,"
+                                           "norm_bits=8",
+                              "value_codec": "turbomix:vq=2,norm_bits=8", "sink_tokens": 1}}
     specs["policy"] = {"cache": {"layers": 4},
                        "save": {"key_codec": "turbo4", "value_codec": "turbo3",
                                 "protect_layers": 1, "sink_tokens": 2, "recent_tokens": 3}}

@@ -188,6 +188,64 @@ def test_vq_option_is_checked_and_named_only_when_set():
             np.ones((2, 4, 64), np.float32))
 
 
+# -- uint8 norms (norm_bits=8) -----------------------------------------------------------------
+def test_norm_codes_keep_zero_and_both_ends_and_stay_within_half_a_step():
+    from kvtool.codecs.turbomix import norm_codes, norm_values
+
+    rng = np.random.default_rng(3)
+    norms = np.exp(rng.uniform(-3, 3, (5, 100))).astype(np.float16)
+    norms[0, 7] = 0
+    norms[1] = 0  # an all-zero group
+    norms[2] = 1.5  # one value: the range is a point
+    codes, ranges = norm_codes(norms)
+    assert codes.dtype == np.uint8 and ranges.shape == (5, 1, 2) and ranges.dtype == np.float16
+    back = norm_values(codes, ranges.reshape(5, 2))
+    assert back[0, 7] == 0 and (back[1] == 0).all() and np.allclose(back[2], 1.5, rtol=1e-3)
+    ref = norms.astype(np.float64)
+    rel = np.abs(back - ref)[ref > 0] / ref[ref > 0]
+    step = np.log(np.e ** 6) / 254  # the grid's relative step for a range of e^6
+    assert rel.max() <= step / 2 + 2e-3 and rel.mean() < step / 4 + 1e-3
+    for g in (0, 3, 4):  # the least and the greatest norm land on the grid's ends
+        nz = ref[g][ref[g] > 0]
+        assert back[g][ref[g] == nz.max()][0] == pytest.approx(nz.max(), rel=1e-3)
+        assert back[g][ref[g] == nz.min()][0] == pytest.approx(nz.min(), rel=1e-3)
+    crafted = ranges.reshape(5, 2)[:, ::-1].copy()  # least above greatest: refused
+    with pytest.raises(CodecError, match="no writer"):
+        norm_values(codes, crafted)
+    zero_lo = ranges.reshape(5, 2).copy()
+    zero_lo[:, 0] = 0  # a zero least norm with nonzero codes still decodes to finite values
+    assert np.isfinite(norm_values(codes, zero_lo)).all()
+
+
+def test_norm_bits_8_halves_the_norm_bits_at_nearly_the_same_error(tmp_path):
+    from kvtool.formats import load, save
+
+    x = _keys((4, 64, 64))
+    x *= np.exp(np.random.default_rng(5).standard_normal((4, 64, 1))).astype(np.float32)
+    for spec in ("turbomix:center=true,vq=2", "turbomix:outliers=8,candidates=3"):
+        fp16 = get_codec(spec)
+        small = get_codec(spec + ",norm_bits=8")
+        parts = 2 if "outliers" in spec else 1
+        assert fp16.bits_per_element(64) - small.bits_per_element(64) == parts * 8 / 64
+        assert small.encode(x).nbytes < fp16.encode(x).nbytes
+        assert _err(small, x) < 1.01 * _err(fp16, x)
+    codec = get_codec("turbomix:center=true,outliers=8,candidates=3,vq=2,norm_bits=8")
+    enc = codec.encode(x)
+    assert enc.arrays["norms"].dtype == np.uint8 and "norm_range_hi" in enc.arrays
+    torch_enc = codec.encode(torch.from_numpy(x))
+    for name in enc.arrays:
+        np.testing.assert_array_equal(np.asarray(torch_enc.arrays[name]), enc.arrays[name])
+    save(KVCache([x], [x]), tmp_path / "n8.kvz", policy=CodecPolicy.from_options(
+        key_codec=codec.get_config(), value_codec="turbomix:norm_bits=8"))
+    back = load(tmp_path / "n8.kvz")
+    np.testing.assert_allclose(np.asarray(back.keys[0], np.float32),
+                               np.asarray(codec.decode(enc, "float32")), rtol=0, atol=1e-6)
+    assert "norm_bits" not in get_codec("turbomix").get_config()
+    assert get_codec(codec.get_config()).norm_bits == 8
+    with pytest.raises(CodecError, match="norm_bits"):
+        get_codec("turbomix:norm_bits=4")
+
+
 # -- attention sinks by norm ------------------------------------------------------------------
 def test_sink_detection_finds_planted_tokens():
     rng = np.random.default_rng(3)
