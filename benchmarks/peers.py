@@ -18,6 +18,7 @@ import numpy as np
 
 from kvtool.codecs.lloyd_max import lloyd_max
 from kvtool.kernels import bitpack, numpy_ops
+from kvtool.models import kv_layout
 
 # (backend, bits) of every peer row benchmarks/quality.py measures where the backend is installed
 QUALITY_PEERS = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 3), ("hqq", 2),
@@ -95,13 +96,20 @@ def peer_available(backend: str) -> bool:
     return module is None or importlib.util.find_spec(module) is not None
 
 
+def peer_label(backend: str, nbits: int) -> str:
+    """The row label of a peer in benchmarks/quality.py's tables and plot."""
+    if backend == "manthanquant":
+        return "peer: ManthanQuant scheme (norm, Lloyd–Max, no rotation)"
+    return f"peer: {backend}-{nbits} QuantizedCache"
+
+
 def peer_cache(config: Any, backend: str, nbits: int) -> tuple[Any, float]:
     """(a fresh transformers ``Cache`` for the peer, its bits/element)."""
     if backend == "manthanquant":
         peer = ManthanQuant()
         if nbits != peer.bits:
             raise ValueError(f"manthanquant is {peer.bits}-bit only")
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = kv_layout(config)["head_dim"]
         return round_trip_cache(config, peer.round_trip), peer.bits_per_element(dim)
     from transformers import QuantizedCache
 

@@ -23,7 +23,7 @@ import math
 import time
 
 import torch
-from peers import QUALITY_PEERS, peer_available, peer_cache
+from peers import QUALITY_PEERS, peer_available, peer_cache, peer_label
 
 from kvtool.evaluate import read_text, run_with_past
 from kvtool.evaluate_grid import (
@@ -63,9 +63,7 @@ def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
         runs.append({"text": name, "seed": None, "delta_ppl_pct": 100 * (ppl / base.ppl - 1),
                      "kl": kl, "bits_per_element": bits})
     mean, spread, std = aggregate(runs)
-    label = ("ManthanQuant scheme (norm, Lloyd–Max, no rotation)" if backend == "manthanquant"
-             else f"{backend}-{nbits} QuantizedCache")
-    return Sweep(f"peer: {label}", {}, runs, mean, spread, std)
+    return Sweep(peer_label(backend, nbits), {}, runs, mean, spread, std)
 
 
 def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float = 6.0,
