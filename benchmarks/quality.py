@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=len(DEFAULT_SEEDS),
                     help="rotation seeds per text (default 3)")
+    ap.add_argument("--seed-list", default=None, metavar="S1,S2,...",
+                    help="these rotation seeds instead (e.g. 3,4,5: a second draw of three)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -146,7 +148,8 @@ def main() -> None:
              else {name: None for name in DEFAULT_TEXTS})
     start = time.perf_counter()
     baselines = load_baselines(loaded, texts, chunk=args.chunk, max_tokens=args.max_tokens)
-    seeds = (DEFAULT_SEEDS + tuple(range(3, 64)))[:args.seeds]
+    seeds = (tuple(int(x) for x in args.seed_list.split(",")) if args.seed_list
+             else (DEFAULT_SEEDS + tuple(range(3, 64)))[:args.seeds])
     print(f"# {loaded.name} ({args.dtype}), texts "
           + ", ".join(f"{n} ({b.ids.shape[1]} tok, ppl {b.ppl:.3f})" for n, b in baselines.items())
           + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "

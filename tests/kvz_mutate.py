@@ -47,12 +47,15 @@ BASES: list[tuple[str, dict[str, Any]]] = [
                "recent_tokens": 3, "protect_layers": 1}),
     ("mixed+zstd", {"key_codec": "int4:group_size=8", "value_codec": "prism", "sink_tokens": 1,
                     "zstd": True}),
+    ("turbomix", {"key_codec": "turbomix:center=true,outliers=8,candidates=2,trellis=true,"
+                               "norm_bits=8", "value_codec": "turbomix:vq=2,candidates=2",
+                  "sink_tokens": 1}),
 ]
 SAME_SIZE = {1: ["uint8", "int8", "bool", "float8_e4m3fn", "float8_e5m2"],
              2: ["float16", "bfloat16", "uint16", "int16"],
              4: ["float32", "int32", "uint32"], 8: ["float64", "int64", "uint64"]}
 CODEC_IDS = ["raw", "fp8", "int8", "int4", "kivi2", "kivi4", "turbo2", "turbo3", "turbo4",
-             "prism", "nosuch"]
+             "prism", "turbomix", "nosuch"]
 
 
 @dataclass
@@ -162,7 +165,8 @@ def m_reshape(p: Parsed, rng: random.Random) -> str:
 
 def _config_edit(config: dict[str, Any], rng: random.Random) -> None:
     key = rng.choice(["id", "seed", "center", "axis", "group_size", "z_bits", "r_bits",
-                      "theta_bits", "dtype", "codec_version", "unknown", "drop"])
+                      "theta_bits", "dtype", "codec_version", "trellis", "norm_bits", "vq",
+                      "unknown", "drop"])
     value: Any
     if key == "id":
         value = rng.choice(CODEC_IDS)
@@ -182,6 +186,9 @@ def _config_edit(config: dict[str, Any], rng: random.Random) -> None:
             "group_size": [1, 2, 5, 16, 32, 64, 128, 1000, 0, -3, True, 2.5],
             "dtype": [None, "float16", "bfloat16", "float32", "fp16", "float64"],
             "codec_version": [0, 1, 2, True, "1"],
+            "trellis": [True, False, 1, "yes"],
+            "norm_bits": [8, 16, 4, True],
+            "vq": [1, 2, 3],
         }.get(key, [1, 2, 3, 4, 5, 8, 9, 0, False]))
     config[key] = value
 

@@ -67,6 +67,11 @@ def goldens() -> dict[str, dict[str, Any]]:
         "cache": {}, "save": {"key_codec": "turbomix:center=true,outliers=8,candidates=3,vq=2,"
                                            "norm_bits=8",
                               "value_codec": "turbomix:vq=2,norm_bits=8", "sink_tokens": 1}}
+    # trellis-coded quantisation: codes whose meaning depends on the trellis tables
+    specs["turbomix-trellis"] = {
+        "cache": {}, "save": {"key_codec": "turbomix:center=true,outliers=8,candidates=2,"
+                                           "trellis=true,norm_bits=8",
+                              "value_codec": "turbomix:bits=2,trellis=true", "sink_tokens": 1}}
     specs["policy"] = {"cache": {"layers": 4},
                        "save": {"key_codec": "turbo4", "value_codec": "turbo3",
                                 "protect_layers": 1, "sink_tokens": 2, "recent_tokens": 3}}

@@ -17,6 +17,10 @@ being every vector that shares the leading indices (one head of one block: ``x[.
   1/sqrt(dim)) instead of one scalar Lloyd–Max codebook per coordinate: the same code bits (the
   pair's index is stored as two ``bits``-wide codes, coordinate 2j the high half), ~10% less
   squared error on real keys and values (the cells of a 2-D codebook pack better than squares);
+- ``trellis=true``: trellis-coded quantisation of the rotated coordinates
+  (:mod:`kvtool.codecs.trellis`: a 32-state trellis over a codebook of twice the levels, the
+  path picked by the Viterbi algorithm): the same code bits, a third less squared error than
+  the scalar codebook on Gaussian rows at 2..4 bits (``vq=2``: 8..14%), no side information;
 - ``norm_bits=8``: each vector's norm as a uint8 code on a log-spaced grid between its group's
   least and greatest norm (stored in fp16, ``norm_range``) instead of fp16: half the norm's
   side information (0.125 bits/element at head_dim 64) for a relative norm error under 1%.
@@ -36,6 +40,7 @@ from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.params import SEED_MAX, check_bool, check_choice, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
+from kvtool.codecs.trellis import trellis_codes, trellis_values
 from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
@@ -60,7 +65,7 @@ class TurboMixCodec(Codec):
 
     def __init__(self, bits: int = 3, outliers: int = 0, outlier_bits: int = 4,
                  center: bool = False, candidates: int = 1, vq: int = 1,
-                 norm_bits: int = 16, seed: int = DEFAULT_SEED):
+                 norm_bits: int = 16, trellis: bool = False, seed: int = DEFAULT_SEED):
         who = self.codec_id
         self.bits = check_choice(who, "bits", bits, (2, 3, 4))
         self.outliers = check_int(who, "outliers", outliers, 0, 1 << 16)
@@ -68,8 +73,13 @@ class TurboMixCodec(Codec):
         self.center = check_bool(who, "center", center)
         self.candidates = check_int(who, "candidates", candidates, 1, MAX_CANDIDATES)
         self.vq = check_choice(who, "vq", vq, (1, 2))
-        if self.vq == 2 and self.outliers and self.outlier_bits > 4:
-            raise CodecError(f"{who}: vq=2 has codebooks for 2..4 bits, not "
+        self.trellis = check_bool(who, "trellis", trellis)
+        if self.trellis and self.vq == 2:
+            raise CodecError(f"{who}: trellis=true and vq=2 are two quantisers of the same "
+                             "coordinates; choose one")
+        if self.quantizer != "scalar" and self.outliers and self.outlier_bits > 4:
+            option = "trellis=true" if self.trellis else "vq=2"
+            raise CodecError(f"{who}: {option} has codebooks for 2..4 bits, not "
                              f"outlier_bits={self.outlier_bits}")
         self.norm_bits = check_choice(who, "norm_bits", norm_bits, (8, 16))
         self.seed = check_int(who, "seed", seed, 0, SEED_MAX)
@@ -82,7 +92,14 @@ class TurboMixCodec(Codec):
             params["vq"] = self.vq
         if self.norm_bits != 16:
             params["norm_bits"] = self.norm_bits
+        if self.trellis:
+            params["trellis"] = True
         return params
+
+    @property
+    def quantizer(self) -> str:
+        """How rotated coordinates become codes: ``scalar``, ``pair`` (vq=2) or ``trellis``."""
+        return "trellis" if self.trellis else "pair" if self.vq == 2 else "scalar"
 
     # -- sizes -----------------------------------------------------------------------------------
     def _split(self, dim: int) -> tuple[int, int]:
@@ -155,8 +172,9 @@ class TurboMixCodec(Codec):
         best, best_err = None, None
         for c in range(self.candidates):
             seed = candidate_seed(self.seed, c)
-            enc = [self._encode_part(p, bits, seed, self.vq) for p, bits in parts]
-            err = sum(((p - self._decode_part(codes, norms, p.shape[-1], bits, seed, self.vq))
+            enc = [self._encode_part(p, bits, seed, self.quantizer) for p, bits in parts]
+            err = sum(((p - self._decode_part(codes, norms, p.shape[-1], bits, seed,
+                                              self.quantizer))
                        ** 2)
                       .astype(np.float64).sum(axis=(1, 2))
                       for (p, bits), (codes, norms) in zip(parts, enc, strict=True))
@@ -189,7 +207,7 @@ class TurboMixCodec(Codec):
 
     @staticmethod
     def _encode_part(x: np.ndarray, bits: int, seed: int,
-                     vq: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                     quantizer: str = "scalar") -> tuple[np.ndarray, np.ndarray]:
         """turbo's reference rows: (packed codes [G, T, bytes], fp16 norms [G, T])."""
         dim = x.shape[-1]
         norms = numpy_ops.norm(x)
@@ -197,8 +215,10 @@ class TurboMixCodec(Codec):
             raise CodecError("turbomix: vector norm exceeds the fp16 range")
         rotated = np.matmul(x, rotation_matrix_t(dim, seed))
         rotated *= 1 / np.where(norms > 0, norms, norms + 1)
-        if vq == 2:
+        if quantizer == "pair":
             codes = pair_codes(rotated, bits)
+        elif quantizer == "trellis":
+            codes = trellis_codes(rotated, bits)
         else:
             codes = numpy_ops.bucketize(rotated,
                                         sphere_marginal_codebook(dim, 1 << bits).boundaries)
@@ -206,9 +226,11 @@ class TurboMixCodec(Codec):
 
     @staticmethod
     def _decode_part(codes: np.ndarray, norms: np.ndarray, dim: int, bits: int,
-                     seed: int, vq: int = 1) -> np.ndarray:
-        if vq == 2:
+                     seed: int, quantizer: str = "scalar") -> np.ndarray:
+        if quantizer == "pair":
             y = pair_values(numpy_ops.unpack_bits(codes, bits, dim), bits)
+        elif quantizer == "trellis":
+            y = trellis_values(numpy_ops.unpack_bits(codes, bits, dim), bits)
         else:
             y = numpy_ops.unpack_lookup(codes, bits, dim,
                                         sphere_marginal_codebook(dim, 1 << bits).centroids)
@@ -238,7 +260,7 @@ class TurboMixCodec(Codec):
             for out, (suffix, n, bits) in zip(decoded, specs, strict=True):
                 out[rows] = self._decode_part(flat("codes" + suffix)[rows],
                                               norms[suffix][rows], n, bits,
-                                              candidate_seed(self.seed, c), self.vq)
+                                              candidate_seed(self.seed, c), self.quantizer)
         if n_hi:
             mask = np.unpackbits(a["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
                                  bitorder="little").astype(bool)
