@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from make_vq_tables import table_entry  # scripts/ (this script's folder is on sys.path)
 
 from kvtool.codecs.lloyd_max import lloyd_max
 from kvtool.codecs.trellis import MEMORY, STATES, subset_table, viterbi
@@ -70,13 +71,7 @@ def write(taps: tuple[int, int], tables: dict[int, tuple[np.ndarray, float]]) ->
              "import numpy as np", "", f"UNION_TAPS = {taps[0]}", f"SUBSET_TAPS = {taps[1]}", "",
              "_LEVELS: dict[int, tuple[float, ...]] = {"]
     for bits, (levels, err) in sorted(tables.items()):
-        flat = [np.format_float_positional(np.float32(v), unique=True, trim="-")
-                for v in levels]
-        lines.append(f"    # {len(levels)} levels, MSE per coordinate {err:.5f}")
-        lines.append(f"    {bits}: (")
-        for i in range(0, len(flat), 6):
-            lines.append("        " + ", ".join(flat[i:i + 6]) + ",")
-        lines.append("    ),")
+        lines += table_entry(bits, levels, f"{len(levels)} levels, MSE per coordinate {err:.5f}")
     lines += ["}", "", "", "@cache", "def trellis_levels(bits: int) -> np.ndarray:",
               '    """The sorted ``2**(bits+1)`` levels of the ``bits``-bit trellis codebook."""',
               "    levels = np.array(_LEVELS[bits], dtype=np.float32)",

@@ -36,6 +36,20 @@ def synthetic_cache(layers: int = 3, heads: int = 2, tokens: int = 12, dim: int 
                    tokenizer_fingerprint=kwargs.pop("tokenizer_fingerprint", "t" * 16), **kwargs)
 
 
+def outlier_keys(shape: tuple[int, ...] = (3, 40, 64), seed: int = 0) -> np.ndarray:
+    """Key-like float32 vectors: a common offset and two outlier channels (5 and 17)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) + 2.0
+    x[..., 5] *= 9
+    x[..., 17] *= 4
+    return x
+
+
+def squared_error(codec, x: np.ndarray) -> float:
+    """‖x − decode(encode(x))‖² of ``codec`` on ``x``."""
+    return float(((np.asarray(codec.decode(codec.encode(x), "float32")) - x) ** 2).sum())
+
+
 def codec_available(codec_id: str) -> bool:
     """False for a built-in whose module has not been written yet (skip, don't fail)."""
     target = BUILTIN_CODECS.get(codec_id)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from kvz_util import outlier_keys, squared_error
 
 torch = pytest.importorskip("torch")
 
@@ -71,20 +72,8 @@ def test_preset_with_codec_override_and_seeds():
 
 
 # -- turbomix ---------------------------------------------------------------------------------
-def _keys(shape=(3, 40, 64), seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape).astype(np.float32) + 2.0
-    x[..., 5] *= 9
-    x[..., 17] *= 4
-    return x
-
-
-def _err(codec, x):
-    return float(((np.asarray(codec.decode(codec.encode(x), "float32")) - x) ** 2).sum())
-
-
 def test_turbomix_defaults_write_turbo3_codes():
-    x = _keys()
+    x = outlier_keys()
     a, b = get_codec("turbomix").encode(x), get_codec("turbo3").encode(x)
     assert sorted(a.arrays) == ["codes", "norms"]
     for name in a.arrays:
@@ -96,15 +85,15 @@ def test_data_aware_rotation_keeps_the_lower_error_seed(tmp_path):
     from kvtool.formats import load, save
     from kvtool.policy import CodecPolicy as P
 
-    x = _keys()
+    x = outlier_keys()
     codec = get_codec("turbomix", candidates=4, seed=11)
     enc = codec.encode(x)
     rot = np.asarray(enc.arrays["rotation"]).reshape(-1)
     for g in range(x.shape[0]):  # each head's choice is the best of the four seeds, alone
-        errs = [_err(get_codec("turbomix", seed=candidate_seed(11, c)), x[g:g + 1])
+        errs = [squared_error(get_codec("turbomix", seed=candidate_seed(11, c)), x[g:g + 1])
                 for c in range(4)]
         assert rot[g] == int(np.argmin(errs)), (g, errs)
-    assert _err(codec, x) <= _err(get_codec("turbomix", seed=11), x)
+    assert squared_error(codec, x) <= squared_error(get_codec("turbomix", seed=11), x)
     cache = KVCache([x], [x])
     policy = P.from_options(key_codec=codec.get_config(), value_codec="turbomix:outliers=16,"
                             "center=true,candidates=3")
@@ -115,14 +104,14 @@ def test_data_aware_rotation_keeps_the_lower_error_seed(tmp_path):
 
 
 def test_outlier_channels_get_more_bits():
-    x = _keys()
+    x = outlier_keys()
     mixed = get_codec("turbomix:center=true,outliers=16,outlier_bits=4")
     assert mixed.bits_per_element(64) == pytest.approx((16 * 4 + 48 * 3 + 32) / 64)
     enc = mixed.encode(x)
     mask = np.unpackbits(np.asarray(enc.arrays["outlier_mask"]).reshape(3, -1), axis=-1,
                          bitorder="little")
     assert mask.sum(-1).tolist() == [16] * 3 and mask[:, [5, 17]].all()
-    assert _err(mixed, x) < _err(get_codec("turbomix:center=true"), x)
+    assert squared_error(mixed, x) < squared_error(get_codec("turbomix:center=true"), x)
     d = np.asarray(mixed.decode(mixed.encode(torch.from_numpy(x)), "float32"))
     np.testing.assert_array_equal(d, np.asarray(mixed.decode(enc, "float32")))  # any backend
     with pytest.raises(CodecError, match="fewer than 2"):
@@ -155,12 +144,12 @@ def test_pair_codebooks_beat_the_scalar_quantiser_on_gaussian_pairs(bits, scalar
 def test_vq2_lowers_the_error_at_the_same_bits_and_round_trips_through_a_file(tmp_path):
     from kvtool.formats import load, save
 
-    x = _keys((4, 64, 64))
+    x = outlier_keys((4, 64, 64))
     for bits in (2, 3, 4):
         pair = get_codec(f"turbomix:bits={bits},center=true,vq=2")
         scalar = get_codec(f"turbomix:bits={bits},center=true")
         assert pair.bits_per_element(64) == scalar.bits_per_element(64)
-        assert _err(pair, x) < 0.95 * _err(scalar, x)
+        assert squared_error(pair, x) < 0.95 * squared_error(scalar, x)
     codec = get_codec("turbomix:center=true,outliers=16,candidates=3,vq=2")
     enc = codec.encode(x)
     torch_enc = codec.encode(torch.from_numpy(x))
@@ -220,7 +209,7 @@ def test_norm_codes_keep_zero_and_both_ends_and_stay_within_half_a_step():
 def test_norm_bits_8_halves_the_norm_bits_at_nearly_the_same_error(tmp_path):
     from kvtool.formats import load, save
 
-    x = _keys((4, 64, 64))
+    x = outlier_keys((4, 64, 64))
     x *= np.exp(np.random.default_rng(5).standard_normal((4, 64, 1))).astype(np.float32)
     for spec in ("turbomix:center=true,vq=2", "turbomix:outliers=8,candidates=3"):
         fp16 = get_codec(spec)
@@ -228,7 +217,7 @@ def test_norm_bits_8_halves_the_norm_bits_at_nearly_the_same_error(tmp_path):
         parts = 2 if "outliers" in spec else 1
         assert fp16.bits_per_element(64) - small.bits_per_element(64) == parts * 8 / 64
         assert small.encode(x).nbytes < fp16.encode(x).nbytes
-        assert _err(small, x) < 1.01 * _err(fp16, x)
+        assert squared_error(small, x) < 1.01 * squared_error(fp16, x)
     codec = get_codec("turbomix:center=true,outliers=8,candidates=3,vq=2,norm_bits=8")
     enc = codec.encode(x)
     assert enc.arrays["norms"].dtype == np.uint8 and "norm_range_hi" in enc.arrays

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+from kvz_util import outlier_keys, squared_error
 
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
@@ -93,27 +94,16 @@ def test_viterbi_is_chunk_independent():
         np.testing.assert_array_equal(whole[i], np.concatenate([h[i] for h in halves]))
 
 
-def _keys(shape=(4, 64, 64), seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape).astype(np.float32) + 2.0
-    x[..., 5] *= 9
-    return x
-
-
-def _err(codec, x):
-    return float(((np.asarray(codec.decode(codec.encode(x), "float32")) - x) ** 2).sum())
-
-
 def test_trellis_codec_beats_vq2_at_the_same_bits_and_round_trips(tmp_path):
     torch = pytest.importorskip("torch")
     from kvtool.formats import load, save
 
-    x = _keys()
+    x = outlier_keys((4, 64, 64))
     for bits in (2, 3, 4):
         trellis = get_codec(f"turbomix:bits={bits},center=true,trellis=true")
         pair = get_codec(f"turbomix:bits={bits},center=true,vq=2")
         assert trellis.bits_per_element(64) == pair.bits_per_element(64)
-        assert _err(trellis, x) < 0.92 * _err(pair, x)
+        assert squared_error(trellis, x) < 0.92 * squared_error(pair, x)
     codec = get_codec("turbomix:center=true,outliers=8,candidates=3,trellis=true,norm_bits=8")
     enc = codec.encode(x)
     assert sorted(enc.arrays) == sorted(codec.expected_arrays(x.shape, "float32"))

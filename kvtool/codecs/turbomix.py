@@ -215,25 +215,21 @@ class TurboMixCodec(Codec):
             raise CodecError("turbomix: vector norm exceeds the fp16 range")
         rotated = np.matmul(x, rotation_matrix_t(dim, seed))
         rotated *= 1 / np.where(norms > 0, norms, norms + 1)
-        if quantizer == "pair":
-            codes = pair_codes(rotated, bits)
-        elif quantizer == "trellis":
-            codes = trellis_codes(rotated, bits)
-        else:
+        if quantizer == "scalar":
             codes = numpy_ops.bucketize(rotated,
                                         sphere_marginal_codebook(dim, 1 << bits).boundaries)
+        else:
+            codes = _VECTOR_QUANTIZERS[quantizer][0](rotated, bits)
         return numpy_ops.pack_bits(codes, bits), norms[..., 0].astype(np.float16)
 
     @staticmethod
     def _decode_part(codes: np.ndarray, norms: np.ndarray, dim: int, bits: int,
                      seed: int, quantizer: str = "scalar") -> np.ndarray:
-        if quantizer == "pair":
-            y = pair_values(numpy_ops.unpack_bits(codes, bits, dim), bits)
-        elif quantizer == "trellis":
-            y = trellis_values(numpy_ops.unpack_bits(codes, bits, dim), bits)
-        else:
+        if quantizer == "scalar":
             y = numpy_ops.unpack_lookup(codes, bits, dim,
                                         sphere_marginal_codebook(dim, 1 << bits).centroids)
+        else:
+            y = _VECTOR_QUANTIZERS[quantizer][1](numpy_ops.unpack_bits(codes, bits, dim), bits)
         return np.matmul(y, rotation_matrix(dim, seed)) * norms.astype(np.float32)[..., None]
 
     # -- decode ----------------------------------------------------------------------------------
@@ -350,6 +346,11 @@ def pair_values(codes: np.ndarray, bits: int) -> np.ndarray:
     index = codes.reshape(*codes.shape[:-1], -1, 2).astype(np.int64)
     points = _pair_points(bits, codes.shape[-1])
     return points[(index[..., 0] << bits) + index[..., 1]].reshape(codes.shape)
+
+
+#: quantizer → (codes of rotated unit rows, their values): the ``bits``-wide codes, one per
+#: coordinate, of the quantisers that look at more than one coordinate at a time
+_VECTOR_QUANTIZERS = {"pair": (pair_codes, pair_values), "trellis": (trellis_codes, trellis_values)}
 
 
 def _to_backend(xp: Any, a: np.ndarray, like: Any) -> Any:
