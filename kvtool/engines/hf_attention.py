@@ -286,8 +286,10 @@ def _numba_threads() -> int:
         return 1
     import numba
 
+    from kvtool.kernels.numba_support import num_threads
+
     threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if threads > 1 and numba.get_num_threads() != threads:
+    if threads > 1 and num_threads() != threads:
         numba.set_num_threads(threads)
     return threads
 

@@ -37,6 +37,7 @@ from kvtool.kernels.numba_support import (
     f32_to_f16,
     jit,
     kernel_view,
+    num_threads,
     u32_as_f32,
 )
 
@@ -407,7 +408,7 @@ def turbo_encode(x: Any, bits: int, seed: int) -> tuple[Any, Any]:
     s1, s2 = _signs(dim, seed)
     bounds = sphere_marginal_codebook(dim, 1 << bits).boundaries
     turbo_encode_kernel(view, _words(view), s1, s2, bounds, bits, codes_v, _words(codes_v),
-                        norms_v, numba.get_num_threads(), TILE)
+                        norms_v, num_threads(), TILE)
     return codes, norms
 
 
@@ -419,7 +420,7 @@ def turbo_decode(codes: Any, norms: Any, dim: int, bits: int, seed: int, dtype: 
     codes_v = np.ascontiguousarray(kernel_view(codes))
     turbo_decode_kernel(codes_v, _words(codes_v), np.ascontiguousarray(kernel_view(norms)), s1, s2,
                         sphere_marginal_codebook(dim, 1 << bits).centroids, bits, out_v,
-                        numba.get_num_threads(), TILE)
+                        num_threads(), TILE)
     return out
 
 

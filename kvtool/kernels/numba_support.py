@@ -9,6 +9,7 @@ instruction each on x86-64 CPUs that have it, which every AVX2 CPU does), bf16 w
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -54,15 +55,79 @@ def jit(**options: Any) -> Callable[[Callable], Callable]:
 
     numba refuses ``cache=True`` at decoration time when neither the package's ``__pycache__``
     nor a user cache directory is writable; the kernels must still work there (compiled on each
-    first call). ``NUMBA_CACHE_DIR`` picks another cache directory.
+    first call). ``NUMBA_CACHE_DIR`` picks another cache directory. A ``parallel=True`` kernel
+    comes wrapped in :class:`ParallelKernel` (it must be called from Python, not from other
+    compiled code).
     """
     def wrap(fn: Callable) -> Callable:
         try:
-            return numba.njit(cache=True, **options)(fn)
+            kernel = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
-            return numba.njit(cache=False, **options)(fn)
+            kernel = numba.njit(cache=False, **options)(fn)
+        return ParallelKernel(kernel) if options.get("parallel") else kernel
 
     return wrap
+
+
+_LAUNCHED = threading.Event()
+_LAUNCH_LOCK = threading.Lock()
+
+
+def launch_threading_layer() -> None:
+    """Start numba's threading layer on a thread of its own (once per process).
+
+    numba starts its layer on the first parallel call, in the calling thread, and the OpenMP
+    layer's start calls ``omp_set_num_threads(NUMBA_NUM_THREADS)`` and ``omp_set_nested(1)``
+    there. torch and vLLM load the same ``libgomp.so.1``, whose settings are per thread: an
+    engine thread that ran a kernel first would find its OpenMP thread count changed under it
+    (vLLM's CPU attention then aborts with ``thread_num == thread_num (2 vs. 1)``). Started on
+    a short-lived thread, the layer changes only that thread's settings; the parallel regions
+    of the kernels name their thread count explicitly and change none.
+    """
+    if _LAUNCHED.is_set():
+        return
+    with _LAUNCH_LOCK:
+        if _LAUNCHED.is_set():
+            return
+        from numba.np.ufunc import parallel
+
+        failed: list[BaseException] = []
+
+        def launch() -> None:
+            try:
+                parallel._launch_threads()
+            except BaseException as e:  # re-raised in the caller: no layer, no kernels
+                failed.append(e)
+
+        thread = threading.Thread(target=launch, name="kvtool-numba-launch", daemon=True)
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        _LAUNCHED.set()
+
+
+def num_threads() -> int:
+    """``numba.get_num_threads()``, the layer started aside first (numba's own call would start
+    it in the calling thread)."""
+    launch_threading_layer()
+    return numba.get_num_threads()
+
+
+class ParallelKernel:
+    """A ``parallel=True`` numba dispatcher that starts the threading layer aside
+    (:func:`launch_threading_layer`) before its first call; other attributes are the
+    dispatcher's (``signatures``, ``py_func``, ...)."""
+
+    def __init__(self, dispatcher: Any):
+        self.dispatcher = dispatcher
+
+    def __call__(self, *args: Any) -> Any:
+        launch_threading_layer()
+        return self.dispatcher(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dispatcher, name)
 
 
 @intrinsic
