@@ -6,9 +6,14 @@ after a ``stat`` and before any ``open`` (opening a FIFO blocks). Outputs are wr
 symlink (the file it points to is replaced atomically, in its own directory; the link stays) and
 never replace anything but a regular file.
 
-A temp file is named ``.<target name>.<host>.<pid>.<random>.kvtmp`` next to its target. A later
-write into the same directory removes those whose writer is dead (same host, pid gone) or that
-are older than :data:`STALE_TEMP_SECONDS` (a writer on another host of a shared directory).
+A temp file is named ``.<target name>.<host>.<pid>.<random>.kvtmp`` next to its target
+(:func:`temp_name`: unique per call, so threads of one process never share one). A later write
+into the same directory removes those whose writer is dead (same host, pid gone) or that are
+older than :data:`STALE_TEMP_SECONDS` (a writer on another host of a shared directory).
+
+:func:`atomic_write` to a path that is itself one of this process's temp names (a caller that
+publishes the file itself, like the prefix store's ``write_new``) writes that file in place:
+no second temp file, no rename.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import socket
 import stat
 import tempfile
@@ -103,16 +109,28 @@ def read_text_file(path: str) -> str:
                           f"offset {e.start})") from None
 
 
-def _host() -> str:
+def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
 def temp_prefix(path: str) -> str:
     """The name prefix of this process's temp files for ``path`` (see the module docstring)."""
-    return f".{os.path.basename(path)}.{_host()}.{os.getpid()}."
+    return f".{os.path.basename(path)}.{host_name()}.{os.getpid()}."
 
 
-def _pid_alive(pid: int) -> bool:
+def temp_name(path: str) -> str:
+    """A fresh temp file name (no directory) for ``path``: unique per call, of the shape that
+    :func:`is_stale_temp` knows."""
+    return f"{temp_prefix(path)}{secrets.token_hex(8)}{TEMP_SUFFIX}"
+
+
+def is_own_temp(path: str) -> bool:
+    """Whether ``path``'s name is a temp name of this process (see :func:`temp_name`)."""
+    m = _TEMP_RE.match(os.path.basename(path))
+    return m is not None and m["host"] == host_name() and int(m["pid"]) == os.getpid()
+
+
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -132,8 +150,8 @@ def is_stale_temp(path: str, now: float | None = None) -> bool:
     except OSError:
         return False
     age = (time.time() if now is None else now) - st.st_mtime
-    if m["host"] == _host() and int(m["pid"]) != os.getpid():
-        return not _pid_alive(int(m["pid"])) or age > STALE_TEMP_SECONDS
+    if m["host"] == host_name() and int(m["pid"]) != os.getpid():
+        return not pid_alive(int(m["pid"])) or age > STALE_TEMP_SECONDS
     return age > STALE_TEMP_SECONDS
 
 
@@ -183,8 +201,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int], *,
     FIFO, device or socket is never replaced.
     On any exception the temp file is removed and an existing ``path`` is left untouched; an
     ``OSError`` of the write itself (e.g. ENOSPC) carries ``path`` as its filename.
+    A ``path`` named like this process's temp files (:func:`is_own_temp`) is written in place
+    (its caller publishes it) and removed on failure.
     """
     path = os.fspath(path)
+    if is_own_temp(path):
+        return _write_in_place(path, write)
     replace_link = not follow_symlinks and os.path.islink(path)
     target = os.path.abspath(path) if replace_link else check_output_path(path)
     directory = os.path.dirname(target)
@@ -211,4 +233,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int], *,
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    return written
+
+
+def _write_in_place(path: str, write: Callable[[BinaryIO], int]) -> int:
+    """``write(f)`` into the temp file ``path`` (created if missing, never through a symlink),
+    fsync'ed; removed on any exception."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    try:
+        with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
+            written = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            e.filename = path
+        raise
     return written

@@ -216,7 +216,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_temps_are_collected_by_the_next_write(tmp_path):
-    host = fileio._host()
+    host = fileio.host_name()
     dead = tmp_path / f".x.kvz.{host}.{_dead_pid()}.abc123{fileio.TEMP_SUFFIX}"
     live = tmp_path / f".x.kvz.{host}.{os.getppid()}.abc123{fileio.TEMP_SUFFIX}"
     other_new = tmp_path / f".x.kvz.otherhost.1.abc123{fileio.TEMP_SUFFIX}"

@@ -132,9 +132,10 @@ def test_verify_finds_damage_and_foreign_files(root, runner):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["prune", "{root}"], "--max-bytes"),
-    (["prune", "{root}", "--max-bytes", "lots"], "not a size"),
-    (["prune", "{root}", "--older-than", "soon"], "not a duration"),
+    (["prune", "{root}", "--max-bytes", "lots"], "Invalid value for '--max-bytes': 'lots' is "
+     "not a size"),
+    (["prune", "{root}", "--older-than", "soon"], "Invalid value for '--older-than': 'soon' "
+     "is not a duration"),
     (["stats", "{root}/missing"], "does not exist"),
 ])
 def test_bad_options_and_paths_are_one_line_errors(root, runner, args, message):
@@ -142,6 +143,12 @@ def test_bad_options_and_paths_are_one_line_errors(root, runner, args, message):
     assert out.exit_code != 0
     assert message in out.output
     assert "Traceback" not in out.output
+
+
+def test_prune_with_no_option_removes_no_chunk(root, runner):
+    out = runner.invoke(cli, ["store", "prune", str(root)])
+    assert out.exit_code == 0, out.output
+    assert "removed 0 chunks" in out.output and len(store_admin.scan(root).chunks) == 5
 
 
 def test_sizes_and_durations_parse():

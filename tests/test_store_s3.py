@@ -1,15 +1,22 @@
 """The prefix store on an S3-compatible object store (kvtool.engines.vllm.store_s3), against
 moto's S3 server started on 127.0.0.1: the same layout and bytes as a directory store, atomic
 writes, the shared-store rules (no deletes on read errors, quarantine, newer versions left
-alone), last-hit markers, pruning and ``max_bytes``, ``kvtool store`` on the URL, and two
-server processes sharing one bucket (B is served A's prefixes)."""
+alone), last-hit markers, pruning and ``max_bytes``, ``kvtool store`` on the URL, one download
+per chunk judged and loaded, bounded timeouts against a frozen (SIGSTOPped) server, one-line
+errors (rejected credentials, denied access, a missing bucket, an unreachable endpoint), the
+local temp dirs of killed writers, and two server processes sharing one bucket (B is served
+A's prefixes)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,9 +36,19 @@ from kvz_util import read_parts, write_parts  # noqa: E402
 from kvtool.cli.main import cli  # noqa: E402
 from kvtool.engines.vllm import store_admin  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra, stats  # noqa: E402
+from kvtool.engines.vllm.guard import StoreGuard  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore, open_store  # noqa: E402
-from kvtool.engines.vllm.store_s3 import HITS_DIR  # noqa: E402
-from kvtool.errors import NewerVersionError  # noqa: E402
+from kvtool.engines.vllm.store_s3 import (  # noqa: E402
+    HITS_DIR,
+    AccessDeniedError,
+    CredentialsError,
+    EndpointUnavailableError,
+    MissingBucketError,
+    S3Backend,
+    collect_local_temps,
+)
+from kvtool.errors import KvtoolError, NewerVersionError  # noqa: E402
+from kvtool.fileio import STALE_TEMP_SECONDS, host_name  # noqa: E402
 from kvtool.formats import constants as KC  # noqa: E402
 
 BUCKET = "kvtool-test"
@@ -40,34 +57,55 @@ CHUNK = 16
 IDS = list(range(300, 364))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(**env: str) -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free port of 127.0.0.1 (``env``: moto settings), once it accepts
+    connections (waited for without a request: moto can count requests); (process, URL)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, **env))
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGCONT)  # in case a test left it stopped
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 @pytest.fixture(scope="module")
 def s3():
     """moto's S3 server on a free port of 127.0.0.1, with the standard AWS environment
     pointing at it, and one bucket; a boto3 client for the test's own checks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+    server, endpoint = start_moto()
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = boto3.client("s3")
     try:
-        for _ in range(300):
-            try:
-                client.list_buckets()
-                break
-            except Exception:
-                time.sleep(0.1)
+        client = boto3.client("s3")
         client.create_bucket(Bucket=BUCKET)
         yield client
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -119,12 +157,15 @@ def name_of(store: PrefixStore, chunk) -> str:
 
 
 # -- layout and round trip ------------------------------------------------------------------------
-def test_same_layout_and_bytes_as_the_directory_store(s3, url, tmp_path):
-    local, remote = make(tmp_path), make(url)
+def test_same_layout_and_bytes_as_the_directory_store(s3, url, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local temp dirs
+    (tmp_path / "tmp").mkdir()
+    local, remote = make(tmp_path / "store"), make(url)
     lc, rc = fill(local), fill(remote)
     assert [c.key for c in lc] == [c.key for c in rc]
     assert rc[0].path == f"{url}/{'d' * 16}/{rc[0].key[:2]}/{rc[0].key}.kvz"
-    names = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*.kvz")}
+    names = {str(p.relative_to(tmp_path / "store")): p.read_bytes()
+             for p in (tmp_path / "store").rglob("*.kvz")}
     assert set(objects(s3, url)) == set(names)  # same names, nothing else (no temp objects)
     assert all(body(s3, url, n) == data for n, data in names.items())  # same bytes
     assert remote.lookup(IDS) == rc and remote.lookup(IDS[:20] + [1] * 44) == rc[:1]
@@ -139,7 +180,7 @@ def test_same_layout_and_bytes_as_the_directory_store(s3, url, tmp_path):
     assert list(got.token_ids) == IDS[16:32]
     assert torch.equal(got.keys[2], kv(seed=1)[0][2])
     assert remote.size_bytes() == local.size_bytes() > 0
-    assert remote.collect_garbage() == (0, 0)
+    assert remote.collect_garbage() == (0, 0) and not os.listdir(tmp_path / "tmp")
 
 
 def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
@@ -204,20 +245,32 @@ def test_consumer_and_read_errors_never_change_the_bucket(s3, url, caplog):
             reader.write(c2, *kv(), IDS)
     assert "left in place" in caplog.text
     assert objects(s3, url) == snapshot
-    # a failing GET (network, permissions) is a miss for a writer too: never a delete
-    from botocore.exceptions import EndpointConnectionError
+    # a failing GET is never a delete: access refused is a miss; an unreachable endpoint is
+    # raised (the connector's guard takes the store out of service), a miss for the caller
+    from botocore.exceptions import ClientError, EndpointConnectionError
 
     def down(**kw):
         raise EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
 
+    def denied(**kw):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}},
+                          "GetObject")
+
     fresh = PrefixStore(url, MODEL, CHUNK, policy_from_extra({"codec": "raw"}),
                         backend=type(writer.backend)(url))
-    fresh.backend.client.get_object = down
     c3 = fresh.chunks(IDS)[3]
     put(s3, url, name_of(fresh, c3), b"x")  # unseen by the verdict cache
     snapshot = objects(s3, url)
-    assert not fresh.is_valid(c3, IDS)
+    fresh.backend.client.get_object = down
+    with pytest.raises(EndpointUnavailableError):
+        fresh.is_valid(c3, IDS)
     with pytest.raises(OSError):
+        fresh.read(c3)
+    fresh.backend.client.get_object = denied
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert not fresh.is_valid(c3, IDS)
+    assert "access denied" in caplog.text
+    with pytest.raises(PermissionError):
         fresh.read(c3)
     assert objects(s3, url) == snapshot
 
@@ -310,6 +363,292 @@ def test_store_cli_on_a_url(s3, url, runner, tmp_path):
     missing = runner.invoke(cli, ["store", "stats", "s3://no-such-kvtool-bucket/x"])
     assert missing.exit_code != 0 and "does not exist" in missing.output
     assert "Traceback" not in missing.output
+
+
+# -- downloads ------------------------------------------------------------------------------------
+def test_a_chunk_judged_then_loaded_is_downloaded_once(s3, url):
+    c0, c1 = fill(make(url), 2)
+    reader = PrefixStore(url, MODEL, CHUNK, policy_from_extra({"codec": "raw"}),
+                         backend=S3Backend(url))
+    client, gets = reader.backend.client, []
+    real_get = client.get_object
+
+    def spy(**kw):
+        try:
+            got = real_get(**kw)
+        except Exception as e:
+            gets.append((kw.get("IfNoneMatch"), getattr(e, "response", {})["Error"]["Code"]))
+            raise
+        gets.append((kw.get("IfNoneMatch"), got["ContentLength"]))
+        return got
+
+    client.get_object = spy
+    assert reader.lookup(IDS[:16]) == [c0]  # first seen: downloaded and judged
+    ((tag, size),) = gets
+    assert tag is None and size > 0
+    reader.read(c0)  # the load revalidates the body it judged: 304, nothing downloaded
+    assert gets[1] == (objects(s3, url)[name_of(reader, c0)], "304")
+    assert torch.equal(reader.read(c0).keys[0], kv()[0][0])  # a hot chunk: still no download
+    assert len(gets) == 3 and gets[2][1] == "304"
+    # a rewritten object is downloaded afresh (and judged again)
+    put(s3, url, name_of(reader, c0), body(s3, url, name_of(reader, c1)))
+    assert reader.lookup(IDS[:16]) == []
+    assert gets[-1][0] is not None and gets[-1][1] == len(body(s3, url, name_of(reader, c1)))
+
+
+# -- options, timeouts, errors -----------------------------------------------------------------
+def test_timeouts_and_retries_have_bounded_defaults(s3, url):
+    backend = S3Backend(url)
+    config = backend.client.meta.config
+    assert (config.connect_timeout, config.read_timeout) == (2.0, 5.0)
+    assert config.retries == {"total_max_attempts": 2, "mode": "standard"}
+    assert backend.worst_case_seconds == 2 * (2 + 5) + 1 + 5
+    fast = S3Backend(url, {"connect_timeout": 0.5, "read_timeout": 1, "max_attempts": 3})
+    assert fast.worst_case_seconds == 3 * 1.5 + (1 + 2) + 1
+    for options, words in (({"config": {}}, "unknown storage option 'config'"),
+                           ({"read_timeot": 1}, "unknown storage option 'read_timeot'"),
+                           ({"read_timeout": 0}, "read_timeout must be a positive number"),
+                           ({"connect_timeout": "2"}, "connect_timeout must be a positive"),
+                           ({"max_attempts": 0}, "max_attempts must be a whole number")):
+        with pytest.raises(KvtoolError, match=words):
+            S3Backend(url, options)
+
+
+def test_a_frozen_endpoint_costs_at_most_worst_case_seconds(s3):
+    """A SIGSTOPped server accepts connections (the kernel's backlog) and never answers:
+    every call ends within worst_case_seconds, as a timeout; the store recovers after."""
+    server, endpoint = start_moto()
+    try:
+        setup = boto3.client("s3", endpoint_url=endpoint)
+        setup.create_bucket(Bucket=BUCKET)
+        setup.put_object(Bucket=BUCKET, Key="frozen/m/00/k.kvz", Body=b"x" * 1000)
+        backend = S3Backend(f"s3://{BUCKET}/frozen", {
+            "endpoint_url": endpoint, "connect_timeout": 0.5, "read_timeout": 0.5,
+            "max_attempts": 2})
+        assert backend.exists("m/00/k.kvz")
+        server.send_signal(signal.SIGSTOP)
+        for call in (backend.exists, backend.peek, backend.pin, backend.check):
+            start = time.monotonic()
+            with pytest.raises((EndpointUnavailableError, KvtoolError)) as info:
+                call(*(() if call == backend.check else ("m/00/k.kvz",)))
+            took = time.monotonic() - start  # two attempts of 0.5 s, no more
+            assert 0.9 < took < backend.worst_case_seconds + 2, (call, took)
+            assert "timed out after 0.5 s" in str(info.value) and endpoint in str(info.value)
+            if call != backend.check:
+                assert info.value.errno == errno.ETIMEDOUT
+        server.send_signal(signal.SIGCONT)
+        for _ in range(40):  # it answers the requests queued while stopped first
+            with contextlib.suppress(EndpointUnavailableError):
+                if backend.exists("m/00/k.kvz"):
+                    break
+            time.sleep(0.25)
+        with backend.pin("m/00/k.kvz") as (path, _):
+            assert open(path, "rb").read() == b"x" * 1000
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="module")
+def auth_s3(s3):
+    """A moto server that checks credentials after its first 4 requests (a bucket, an
+    object, an IAM user without permissions and its key); (endpoint, the user's key)."""
+    server, endpoint = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="4")
+    try:
+        setup = boto3.client("s3", endpoint_url=endpoint)
+        setup.create_bucket(Bucket=BUCKET)
+        setup.put_object(Bucket=BUCKET, Key="auth/m/00/k.kvz", Body=b"x")
+        iam = boto3.client("iam", endpoint_url=endpoint)
+        iam.create_user(UserName="reader")
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        yield endpoint, key
+    finally:
+        stop(server)
+
+
+def test_rejected_credentials_and_denied_access_say_so(auth_s3, runner, monkeypatch):
+    endpoint, key = auth_s3
+    url = f"s3://{BUCKET}/auth"
+    cases = [({"aws_access_key_id": "AKIANOSUCHKEY0000000", "aws_secret_access_key": "x"},
+              CredentialsError,
+              "credentials rejected (InvalidAccessKeyId: "),
+             ({"aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": "wrong"},
+              CredentialsError, "credentials rejected (SignatureDoesNotMatch: "),
+             ({"aws_access_key_id": key["AccessKeyId"],
+               "aws_secret_access_key": key["SecretAccessKey"]}, AccessDeniedError,
+              f"access denied (check the credentials' permissions on bucket {BUCKET})")]
+    for options, kind, words in cases:
+        backend = S3Backend(url, {"endpoint_url": endpoint, **options})
+        for call in (backend.pin, backend.peek, backend.exists, backend.read_small):
+            with pytest.raises(kind) as info:  # a HEAD's bare 403 is explained by a GET
+                call("m/00/k.kvz")
+            assert str(info.value).startswith(f"cannot read {url}/m/00/k.kvz: {words}")
+            assert isinstance(info.value, PermissionError) and "\n" not in str(info.value)
+        with pytest.raises(KvtoolError, match=f"^cannot list {url}: {re.escape(words)}"):
+            backend.check()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # `kvtool store` with the environment's
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000001")
+    out = runner.invoke(cli, ["store", "stats", f"s3://{BUCKET}/auth-cli"])
+    assert out.exit_code != 0 and "credentials rejected (InvalidAccessKeyId" in out.output
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_missing_bucket_is_not_a_miss(s3, caplog):
+    url = "s3://no-such-kvtool-bucket/x"
+    backend = S3Backend(url)
+    for call in (backend.pin, backend.peek, backend.exists, backend.read_small):
+        with pytest.raises(MissingBucketError) as info:
+            call("m/00/k.kvz")
+        assert not isinstance(info.value, FileNotFoundError) and info.value.errno == errno.ENXIO
+        assert str(info.value) == (f"cannot read {url}/m/00/k.kvz: bucket "
+                                   "no-such-kvtool-bucket does not exist")
+    with pytest.raises(KvtoolError, match="the bucket no-such-kvtool-bucket does not exist"):
+        backend.check()
+    store = PrefixStore(url, MODEL, CHUNK, policy_from_extra({"codec": "raw"}),
+                        backend=backend)
+    with pytest.raises(MissingBucketError):  # the store's fault, not a chunk's: raised ...
+        store.lookup(IDS)
+    guard = StoreGuard(url, timeout=5)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert guard.lookup(store.lookup, IDS) == []  # ... and, through the connector's guard,
+    assert "does not exist" in caplog.text  # a miss said in the log, not a silent one
+    assert guard.is_down  # and the store is skipped for a while
+    guard.shutdown()
+    with pytest.raises(MissingBucketError):
+        store.write(store.chunks(IDS)[0], *kv(), IDS)
+
+
+def test_missing_objects_and_unreachable_endpoints(s3, url):
+    backend = S3Backend(url)
+    with pytest.raises(FileNotFoundError):
+        backend.pin("m/00/none.kvz")
+    with pytest.raises(FileNotFoundError):
+        backend.peek("m/00/none.kvz")
+    assert backend.exists("m/00/none.kvz") is False and backend.read_small("none") is None
+    assert backend.remove("m/00/none.kvz") is None
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    down = S3Backend(url, {"endpoint_url": endpoint, "connect_timeout": 0.5,
+                           "read_timeout": 0.5})
+    for call in (down.pin, down.peek, down.exists, down.read_small, down.remove):
+        with pytest.raises(EndpointUnavailableError) as info:
+            call("m/00/k.kvz")
+        assert info.value.errno == errno.ECONNREFUSED and isinstance(info.value, ConnectionError)
+        assert f"endpoint {endpoint} unreachable ([Errno" in str(info.value)
+    with pytest.raises(KvtoolError, match=f"^cannot list {url}: endpoint {endpoint} unreachable"):
+        down.check()
+    with pytest.raises(EndpointUnavailableError):
+        down.write_new("m/00/k.kvz", lambda path: pytest.fail("encoded for nothing"))
+
+
+def test_error_mapping(s3, url):
+    """What moto cannot send: expired or invalid session tokens, no credentials, timeouts."""
+    from botocore import exceptions as bx
+
+    backend = S3Backend(url, {"connect_timeout": 1.5, "read_timeout": 2.5})
+    where = f"{url}/m/00/k.kvz"
+
+    def client_error(code: str, message: str = "") -> Exception:
+        return bx.ClientError({"Error": {"Code": code, "Message": message}}, "GetObject")
+
+    for code in ("ExpiredToken", "InvalidToken"):
+        e = backend._error(client_error(code, "The token has expired."), "m/00/k.kvz", "read")
+        assert type(e) is CredentialsError and e.errno == errno.EACCES
+        assert str(e) == (f"cannot read {where}: credentials rejected "
+                          f"({code}: The token has expired)")
+    e = backend._error(client_error("AccessDenied"), "m/00/k.kvz", "write")
+    assert type(e) is AccessDeniedError and str(e).startswith(f"cannot write {where}: access ")
+    assert type(backend._error(client_error("NoSuchKey"), "x", "read")) is FileNotFoundError
+    assert type(backend._error(client_error("NoSuchBucket"), "x", "read")) is MissingBucketError
+    e = backend._error(client_error("SlowDown", "Reduce your request rate"), "x", "read")
+    assert type(e) is OSError and e.errno == errno.EIO and "SlowDown" in str(e)
+    e = backend._error(bx.NoCredentialsError(), "x", "read")
+    assert type(e) is CredentialsError and "no usable credentials" in str(e)
+    endpoint = backend.client.meta.endpoint_url
+    e = backend._error(bx.ConnectTimeoutError(endpoint_url=endpoint), "x", "read")
+    assert type(e) is EndpointUnavailableError and e.errno == errno.ETIMEDOUT
+    assert f"endpoint {endpoint} unreachable: connect timed out after 1.5 s" in str(e)
+    e = backend._error(bx.ReadTimeoutError(endpoint_url=endpoint), "x", "read")
+    assert e.errno == errno.ETIMEDOUT and "timed out after 2.5 s (up to 2 attempts)" in str(e)
+    e = backend._error(bx.ConnectionClosedError(endpoint_url=endpoint), "x", "read")
+    assert type(e) is EndpointUnavailableError and e.errno == errno.ECONNRESET
+
+
+# -- local temp dirs ------------------------------------------------------------------------------
+def temp_dir(root, name: str, files: dict[str, bytes]) -> str:
+    path = root / name
+    path.mkdir()
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    return name
+
+
+def test_local_temp_dirs_of_dead_writers_are_collected(tmp_path):
+    root, outside = tmp_path / "tmp", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"k" * 7)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    host = host_name()
+    try:
+        gone = temp_dir(root, f"kvtool-s3-{host}.{dead.pid}.ab12cd34",
+                        {"chunk.kvz": b"x" * 100, "sub/part": b"y" * 50})
+        os.symlink(outside / "keep.bin", root / gone / "link")  # removed, never followed
+        kept = [temp_dir(root, f"kvtool-s3-{host}.{live.pid}.ab12cd34", {"c": b"z"}),
+                temp_dir(root, f"kvtool-s3-{host}.{os.getpid()}.ab12cd34", {"c": b"z"}),
+                temp_dir(root, f"kvtool-s3-otherhost.{dead.pid}.ab12cd34", {"c": b"z"}),
+                temp_dir(root, "kvtool-s3-ab12cd34", {"c": b"z"})]  # an older kvtool's name
+        old = temp_dir(root, "kvtool-s3-zz12cd34", {"c": b"o" * 10})
+        os.utime(root / old, (time.time() - STALE_TEMP_SECONDS - 60,) * 2)
+        os.symlink(outside, root / f"kvtool-s3-{host}.{dead.pid}.link1234")
+        (root / f"kvtool-s3-{host}.{dead.pid}.file1234").write_bytes(b"f")
+        others = {"unrelated", f"kvtool-s3-{host}.{dead.pid}.link1234",
+                  f"kvtool-s3-{host}.{dead.pid}.file1234"}
+        (root / "unrelated").mkdir()
+        assert collect_local_temps(directory=str(root)) == (3 + 1, 150 + 10)
+        assert set(os.listdir(root)) == set(kept) | others
+        assert collect_local_temps(directory=str(root)) == (0, 0)
+        # past STALE_TEMP_SECONDS every owner's dir goes; links and files never
+        later = time.time() + STALE_TEMP_SECONDS + 60
+        assert collect_local_temps(later, directory=str(root)) == (4, 4)
+        assert set(os.listdir(root)) == others
+        assert (outside / "keep.bin").read_bytes() == b"k" * 7
+    finally:
+        live.kill()
+        live.wait()
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from kvtool.engines.vllm.store_s3 import S3Backend
+
+    def encode(path):
+        with open(path, "wb") as f:
+            f.write(b"x" * 1000)
+        print("ENCODING", flush=True)
+        time.sleep(120)
+
+    S3Backend(sys.argv[1]).write_new("m/00/k.kvz", encode)
+""")
+
+
+def test_a_killed_writers_temp_dir_is_collected(s3, url, tmp_path, monkeypatch):
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, url], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    try:
+        assert writer.stdout.readline().strip() == "ENCODING"
+        (name,) = os.listdir(tmp_path)
+        assert name.startswith(f"kvtool-s3-{host_name()}.{writer.pid}.")
+        assert collect_local_temps(directory=str(tmp_path)) == (0, 0)  # alive: kept
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    finally:
+        writer.kill()
+        writer.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert make(url).collect_garbage() == (1, 1000)  # the connector's startup, on S3
+    assert os.listdir(tmp_path) == [] and "m/00/k.kvz" not in objects(s3, url)
 
 
 # -- two servers, one bucket ----------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """``kvtool store``: a prefix store at rest — list, measure, verify and prune it (in the style of
-``hf cache``)."""
+``hf cache``). Every command takes a store directory (a symlink to one is fine) or an
+``s3://bucket/prefix`` URL, and is safe while servers use the store: a chunk pruned or
+quarantined during ``verify`` is reported as gone, not damaged; ``prune`` exits 1, naming the
+file, when it cannot remove what it chose. Sizes and durations are refused by their option's
+name (:data:`SIZE`, :data:`DURATION`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,49 @@ from typing import Any
 import click
 
 from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+
+
+class SizeType(click.ParamType):
+    """A byte count: ``500MB``, ``2GiB``, ``10G``, ``1000``."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> int:
+        from kvtool.engines.vllm.store_admin import parse_size
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class DurationType(click.ParamType):
+    """Seconds: ``30d``, ``12h``, ``90m``, ``2w`` (``never``: None, where allowed)."""
+
+    name = "duration"
+
+    def __init__(self, never: bool = False):
+        self.never = never
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> float | None:
+        from kvtool.engines.vllm.store_admin import parse_duration
+
+        if value is None or isinstance(value, float):
+            return value
+        if self.never and str(value).strip().lower() == "never":
+            return None
+        try:
+            return parse_duration(str(value))
+        except ValueError as e:
+            self.fail(str(e).replace(")", ", or never)") if self.never else str(e), param, ctx)
+
+
+SIZE = SizeType()
+DURATION = DurationType()
 
 
 def _when(ts: float) -> str:
@@ -122,57 +169,95 @@ def stats_command(root: str, as_json: bool) -> None:
 @handle_errors
 def verify_command(root: str, as_json: bool) -> None:
     """Check every chunk's checksums and layers (reads every byte; changes nothing).
-    Exit code 4 if any chunk is damaged."""
+    Exit code 4 if any chunk is damaged; a chunk pruned or quarantined while the scan runs is
+    reported as gone (exit code 0)."""
     from tqdm import tqdm
 
     from kvtool.engines.vllm import store_admin
 
     found = _scan(root)
-    bad = store_admin.verify(found, lambda chunks: tqdm(chunks, desc="verifying", unit="chunk",
-                                                        leave=False, disable=None))
+    report = store_admin.verify(found, lambda chunks: tqdm(chunks, desc="verifying",
+                                                           unit="chunk", leave=False,
+                                                           disable=None))
+    bad, gone = report.damaged, report.gone
     if as_json:
-        echo_json({"chunks": len(found.chunks), "damaged": [{"path": p, "problem": why}
-                                                            for p, why in bad]})
+        echo_json({"chunks": len(found.chunks), "gone": gone,
+                   "damaged": [{"path": p, "problem": why} for p, why in bad]})
     else:
+        for path in gone:
+            click.echo(f"GONE {path} (removed during the scan)")
         for path, why in bad:
             click.echo(f"DAMAGED {path}: {why}")
-        click.echo(f"{len(found.chunks) - len(bad)} of {len(found.chunks)} chunks ok")
+        checked = len(found.chunks) - len(gone)
+        click.echo(f"{checked - len(bad)} of {checked} chunks ok"
+                   + (f"; {len(gone)} removed during the scan" if gone else ""))
     if bad:
         raise SystemExit(4)
 
 
 @store_group.command("prune")
 @click.argument("root", type=click.Path(file_okay=False))
-@click.option("--max-bytes", help="Remove least recently hit chunks until the store fits "
-              "(e.g. 500MB, 2GiB).")
-@click.option("--older-than", help="Remove chunks not hit for this long (e.g. 30d, 12h).")
+@click.option("--max-bytes", type=SIZE, help="Remove least recently hit chunks until the whole "
+              "store (chunks, quarantine, temp files) fits (e.g. 500MB, 2GiB).")
+@click.option("--older-than", type=DURATION, help="Remove chunks not hit for this long "
+              "(e.g. 30d, 12h).")
+@click.option("--quarantine-older-than", type=DurationType(never=True), default="7d",
+              show_default=True, help="Remove quarantined (damaged) files moved aside longer "
+              "ago than this; 'never' keeps them.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @handle_errors
-def prune_command(root: str, max_bytes: str | None, older_than: str | None, dry_run: bool,
-                  as_json: bool) -> None:
-    """Remove chunks by last hit (LRU); safe while servers use the store."""
+def prune_command(root: str, max_bytes: int | None, older_than: float | None,
+                  quarantine_older_than: float | None, dry_run: bool, as_json: bool) -> None:
+    """Remove stale temp files of dead writers, quarantined files older than
+    --quarantine-older-than, and chunks by last hit (LRU: --max-bytes, --older-than); safe while
+    servers use the store. With no option, only the temp files and the aged quarantine go.
+    Pinned chunks are never removed. Exit code 1, naming the file, if something chosen cannot
+    be removed (read-only filesystem, permissions)."""
     from kvtool.cli.inspect import human_bytes
     from kvtool.engines.vllm import store_admin
 
-    if max_bytes is None and older_than is None:
-        raise click.UsageError("give --max-bytes and/or --older-than")
-    try:
-        limit = store_admin.parse_size(max_bytes) if max_bytes is not None else None
-        age = store_admin.parse_duration(older_than) if older_than is not None else None
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
     found = _scan(root)
-    doomed = store_admin.prune_plan(found, max_bytes=limit, older_than=age)
-    files, freed = ((len(doomed), sum(c.bytes for c in doomed)) if dry_run
-                    else store_admin.remove(doomed, root))
-    left = sum(c.bytes for c in found.chunks) - freed
+    now = time.time()
+    aged = store_admin.quarantine_plan(found, older_than=quarantine_older_than, now=now)
+    failures: list[store_admin.RemoveError] = []
+
+    def run(step: Any, *args: Any) -> tuple[int, int]:
+        try:
+            return step(*args)
+        except store_admin.RemoveError as e:
+            failures.append(e)
+            return e.removed
+
+    if dry_run:
+        stale = store_admin.stale_temps(found)
+        temps = len(stale), sum(t.size for t in stale)
+        quarantined = len(aged), sum(e.size for e in aged)
+    else:
+        temps = run(store_admin.collect_temps, found)
+        quarantined = run(store_admin.remove, aged, found.backend)
+    doomed = []
+    if max_bytes is not None or older_than is not None:
+        other = found.quarantined_bytes - quarantined[1] + max(0, found.temp_bytes - temps[1])
+        doomed = store_admin.prune_plan(found, max_bytes=max_bytes, older_than=older_than,
+                                        now=now, other_bytes=other)
+    chunks = ((len(doomed), sum(c.bytes for c in doomed)) if dry_run
+              else run(store_admin.remove, doomed, found.backend))
+    left = max(0, found.total_bytes - temps[1] - quarantined[1] - chunks[1])
     if as_json:
-        echo_json({"removed_files": files, "removed_bytes": freed, "dry_run": dry_run,
+        echo_json({"removed_files": chunks[0], "removed_bytes": chunks[1],
+                   "removed_temp_files": temps[0], "removed_temp_bytes": temps[1],
+                   "removed_quarantined_files": quarantined[0],
+                   "removed_quarantined_bytes": quarantined[1], "dry_run": dry_run,
                    "bytes_left": left})
-        return
-    verb = "would remove" if dry_run else "removed"
-    click.echo(f"{verb} {files} chunks ({human_bytes(freed)}); {human_bytes(left)} left")
+    else:
+        verb = "would remove" if dry_run else "removed"
+        click.echo(f"{verb} {chunks[0]} chunks ({human_bytes(chunks[1])}); "
+                   f"{human_bytes(left)} left in the store")
+        click.echo(f"{verb} {temps[0]} stale temp files ({human_bytes(temps[1])})")
+        click.echo(f"{verb} {quarantined[0]} quarantined files ({human_bytes(quarantined[1])})")
+    if failures:
+        raise failures[0]
 
 
 @store_group.command("pin")

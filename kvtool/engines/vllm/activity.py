@@ -36,7 +36,7 @@ MAX_STATS_FILE = 1 << 20
 MAX_OBSERVATIONS = 4096  # latencies kept between two drains
 EXTRA_NAMES = ("requests_hit", "requests_missed", "prompt_tokens_hit", "prompt_tokens_missed",
                "bytes_loaded", "chunks_evicted", "bytes_evicted")
-OPS = ("load", "save")
+OPS = ("lookup", "load", "save")
 _EXTRA: dict[str, int] = dict.fromkeys(EXTRA_NAMES, 0)
 _LATENCY: dict[str, list[float]] = {op: [0, 0.0] for op in OPS}  # count, seconds
 _OBSERVED: dict[str, list[float]] = {op: [] for op in OPS}  # since the last drain
@@ -93,17 +93,21 @@ def drain() -> dict[str, Any] | None:
     return {"counters": counters, **{f"{op}_seconds": observed[op] for op in OPS}}
 
 
-def lookup(request_id: str, matched: int, prompt_tokens: int, files: int) -> None:
-    """Count and log a request's first lookup: ``matched`` of its tokens are stored."""
+def lookup(request_id: str, matched: int, prompt_tokens: int, files: int,
+           seconds: float) -> None:
+    """Count and log a request's lookup: ``matched`` of its tokens are stored; it took
+    ``seconds``."""
     record("requests_hit" if matched else "requests_missed")
     record("prompt_tokens_hit", matched)
     record("prompt_tokens_missed", prompt_tokens - matched)
+    observe("lookup", seconds)
     if matched:
-        log.info("kvtool store: hit: request %s: %d of %d prompt tokens from %d file(s) (%s)",
-                 request_id, matched, prompt_tokens, files, summary())
+        log.info("kvtool store: hit: request %s: %d of %d prompt tokens from %d file(s) in "
+                 "%.0f ms (%s)", request_id, matched, prompt_tokens, files, seconds * 1e3,
+                 summary())
     else:
-        log.info("kvtool store: miss: request %s (%d prompt tokens) (%s)", request_id,
-                 prompt_tokens, summary())
+        log.info("kvtool store: miss: request %s (%d prompt tokens) in %.0f ms (%s)",
+                 request_id, prompt_tokens, seconds * 1e3, summary())
 
 
 def file_bytes(path: str) -> int:
@@ -118,9 +122,11 @@ def summary() -> str:
     """Running totals for log lines: hit rate and failures."""
     t = totals()
     seen = t["requests_hit"] + t["requests_missed"]
+    timeouts = t["lookup_timeouts"] + t["load_timeouts"]
     return (f"{t['requests_hit']:.0f} of {seen:.0f} requests hit; failures: "
             f"{t['load_failures']:.0f} load, {t['save_failures']:.0f} save, "
-            f"{t['invalid_files']:.0f} bad files")
+            f"{t['invalid_files']:.0f} bad files"
+            + (f", {timeouts:.0f} timeouts" if timeouts else ""))
 
 
 def log_policy(policy: Any, dtype: str | None) -> None:
@@ -142,12 +148,12 @@ class StatsWriter:
     the store's backend (a directory or an object store)."""
 
     def __init__(self, store: Any, policy: str, lossy: bool, interval: float = 5.0):
-        from kvtool.fileio import _host
+        from kvtool.fileio import host_name
 
         self.store, self.root, self.interval = store, str(store.root), interval
         self.local = "://" not in self.root
-        self.name = f"{_host()}-{os.getpid()}-{secrets.token_hex(3)}.json"
-        self.head = {"host": _host(), "pid": os.getpid(), "started": time.time(),
+        self.name = f"{host_name()}-{os.getpid()}-{secrets.token_hex(3)}.json"
+        self.head = {"host": host_name(), "pid": os.getpid(), "started": time.time(),
                      "policy": policy, "lossy": lossy}
         self._base = totals()
         self._written: dict[str, float] | None = None

@@ -51,9 +51,11 @@ MIN_CHUNK_TOKENS = 256
 COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_loaded",
                  "tokens_saved", "chunks_saved", "bytes_saved", "captures", "invalid_files",
                  "load_failures", "save_failures", "refused_files", "quarantined_files",
-                 "newer_files")
+                 "newer_files", "lookup_timeouts", "load_timeouts", "store_unavailable",
+                 "saves_dropped", "disk_full")
 _COUNTERS: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 _TIMES: dict[str, float] = {"load_seconds": 0.0, "save_seconds": 0.0, "write_seconds": 0.0}
+MAX_PENDING_SAVES = 64  # queued save batches (copies of K/V) before new ones are dropped
 _SAVER: ThreadPoolExecutor | None = None
 _PENDING: set[Future] = set()
 _LOCK = threading.Lock()
@@ -64,7 +66,8 @@ def stats() -> dict[str, Any]:
     seconds spent loading and saving."""
     out: dict[str, Any] = dict(_COUNTERS)
     out["failures"] = (out["invalid_files"] + out["load_failures"] + out["save_failures"]
-                       + out["refused_files"])
+                       + out["refused_files"] + out["lookup_timeouts"] + out["load_timeouts"]
+                       + out["store_unavailable"] + out["saves_dropped"])
     out.update(_TIMES)
     return out
 
@@ -81,16 +84,25 @@ def count(name: str, n: int = 1) -> None:
         _COUNTERS[name] += n
 
 
-def submit(fn: Any, *args: Any) -> Future:
-    """Run ``fn(*args)`` on the process's one saver thread (writes happen in order)."""
+def submit(fn: Any, *args: Any, bounded: bool = False) -> Future | None:
+    """Run ``fn(*args)`` on the process's one saver thread (writes happen in order).
+    ``bounded``: None, and nothing queued, when :data:`MAX_PENDING_SAVES` calls wait already
+    (a stalled store must not pile up copies of K/V in memory)."""
     global _SAVER
     with _LOCK:
+        if bounded and len(_PENDING) >= MAX_PENDING_SAVES:
+            return None
         if _SAVER is None:
             _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-saver")
         future = _SAVER.submit(fn, *args)
         _PENDING.add(future)
     future.add_done_callback(_PENDING.discard)
     return future
+
+
+def pending_saves() -> int:
+    """Background saves queued or running in this process."""
+    return len(_PENDING)
 
 
 def flush(timeout: float | None = None) -> bool:
@@ -114,7 +126,8 @@ CONNECTOR_OPTIONS = frozenset({
     "store_path", "storage_options", "model_name", "tokenizer_fingerprint", "chunk_tokens",
     "preset", "codec", "key_codec", "value_codec", "protect_layers", "sink_tokens",
     "recent_tokens", "zstd", "entropy", "max_bytes", "load", "save", "save_mode", "on_load_error",
-    "kvz_files", "kvz_dirs", "capture_dir", "capture_all", "stats_interval"})
+    "kvz_files", "kvz_dirs", "capture_dir", "capture_all", "stats_interval", "store_timeout",
+    "quarantine_max_bytes", "quarantine_max_age"})
 
 
 def check_extra(extra: dict[str, Any]) -> None:
@@ -143,6 +156,44 @@ def policy_from_extra(extra: dict[str, Any]):
                                       value_codec=extra.get("value_codec"), preset=preset,
                                       **counts)
     return dataclasses.replace(policy, **counts)  # an explicit 0 overrides the preset's count
+
+
+def store_timeout(extra: dict[str, Any]) -> float:
+    """``store_timeout``: seconds a lookup, or one chunk's read, may take before it counts as
+    a miss (default :data:`~kvtool.engines.vllm.guard.DEFAULT_TIMEOUT`)."""
+    from kvtool.engines.vllm.guard import DEFAULT_TIMEOUT
+    from kvtool.errors import KvtoolError
+
+    value = extra.get("store_timeout", DEFAULT_TIMEOUT)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds <= 3600:
+        raise KvtoolError(f"kv_connector_extra_config: store_timeout must be a number of "
+                          f"seconds in (0, 3600], got {value!r}")
+    return seconds
+
+
+def budget_options(extra: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~kvtool.engines.vllm.store_admin.StoreBudget` keyword arguments of the
+    connector options ``max_bytes``, ``quarantine_max_bytes`` (sizes) and
+    ``quarantine_max_age`` (a duration); each refused, by name, when malformed."""
+    from kvtool.engines.vllm.store_admin import parse_duration, parse_size
+    from kvtool.errors import KvtoolError
+
+    out: dict[str, Any] = {}
+    for option, arg, parse in (("max_bytes", "max_bytes", parse_size),
+                               ("quarantine_max_bytes", "quarantine_bytes", parse_size),
+                               ("quarantine_max_age", "quarantine_age", parse_duration)):
+        if extra.get(option) is None:
+            continue
+        try:
+            out[arg] = parse(str(extra[option]))
+        except ValueError as e:
+            raise KvtoolError(f"kv_connector_extra_config: {option}: {e}") from None
+    out.setdefault("max_bytes", None)
+    return out
 
 
 def common_prefix(a: np.ndarray, b: list[int]) -> int:
@@ -290,3 +341,5 @@ class ReqState:
     capture: bool = False
     files: list[tuple[str, np.ndarray]] = field(default_factory=list)
     logged: bool = False  # its hit or miss has been logged
+    match: tuple[int, list[Source]] | None = None  # its lookup's (tokens, sources), once
+    stored: int = 0  # leading chunks the lookup found in the store (never saved again)

@@ -10,6 +10,12 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  ``s3://bucket/prefix`` URL (endpoint and credentials from the standard AWS
                  environment); none: no store
 ``storage_options`` for an S3 store: options of its boto3 client (``endpoint_url``, ...)
+                 and its timeouts ``connect_timeout`` (2 s), ``read_timeout`` (5 s),
+                 ``max_attempts`` (2) (see :mod:`~kvtool.engines.vllm.store_s3`)
+``store_timeout`` seconds a lookup, or one chunk's read, may take before it counts as a
+                 miss and the prefix is computed (default 1); a store that times out or is
+                 unreachable is skipped, and saves to it dropped, for a backoff that doubles
+                 from 2 s to 30 s while it lasts (:mod:`~kvtool.engines.vllm.guard`)
 ``codec``, ``key_codec``, ``value_codec``, ``protect_layers``, ``sink_tokens``, ``zstd``
                  the codec policy of stored chunks; ``preset``: a named one. Default: the
                  ``quality`` preset (3.78 bits/element, zstd on; see ``DEFAULT_PRESET``).
@@ -19,9 +25,13 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  codes, loads ~2.5× slower to decode than fixed-width; default off)
 ``chunk_tokens`` tokens per stored chunk, rounded up to whole blocks (default: ≥ 256; smaller
                  chunks share finer prefixes but cost more per-file overhead on load)
-``max_bytes``    bound the whole store (every model): after its writes, a writer evicts least
-                 recently hit chunks down to 90% of it (``500MB``, ``2GiB`` or bytes;
-                 default: unbounded; see ``kvtool store prune``)
+``max_bytes``    bound the whole store (every model; chunks, quarantine and temp files): a
+                 writer makes room before each write, evicting least recently hit chunks down
+                 to 90% of it (``500MB``, ``2GiB`` or bytes; default: unbounded; see
+                 ``kvtool store prune``). A full disk (ENOSPC, EDQUOT) makes room the same way
+                 and the write is tried once more (:mod:`~kvtool.engines.vllm.saver`)
+``quarantine_max_bytes``, ``quarantine_max_age`` bound the quarantine folder (default: 10%
+                 of ``max_bytes`` or 1 GiB, and 7 days); the oldest files go first
 ``load``, ``save`` turn reading / writing the store off (default: both on)
 ``save_mode``    ``async`` (default: chunks are copied out of the paged cache in the step that
                  computes them, then encoded and written by a background thread; see
@@ -81,6 +91,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtool.engines.vllm import activity
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
+    MAX_PENDING_SAVES,
     MIN_CHUNK_TOKENS,
     LoadSpec,
     ReqState,
@@ -88,6 +99,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     Source,
     add_time,
     allow_kvz,
+    budget_options,
     capture_name,
     check_cache,
     check_extra,
@@ -97,18 +109,22 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     flush,
     log,
     model_info,
+    pending_saves,
     policy_from_extra,
     read_kvz_ids,
     request_kvz,
     reset_stats,
     stats,
+    store_timeout,
     submit,
     tokenizer_fingerprint_of,
 )
+from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.safeio import pin_file
-from kvtool.engines.vllm.store import Chunk, open_store
+from kvtool.engines.vllm.saver import save_failed, write_chunks
+from kvtool.engines.vllm.store import open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -146,6 +162,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self.capture_all = bool(extra.get("capture_all", False))
         kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
         self.store = None
+        self.guard: StoreGuard | None = None
         if extra.get("store_path"):
             self.store = open_store(
                 extra["store_path"], self.model_info, self.chunk_tokens, self.policy,
@@ -156,16 +173,16 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                 submit(self.store.collect_garbage)
             if role == KVConnectorRole.SCHEDULER:
                 activity.log_policy(self.policy, self.model_info.get("dtype"))
+            self.guard = StoreGuard(str(self.store.root), store_timeout(extra))
         self._stats_file = None
         if self.store is not None and self.store.writable:
             self._stats_file = activity.stats_writer(self.store, self.model_info.get("dtype"),
                                                      float(extra.get("stats_interval", 5)))
         self.budget = None
-        if extra.get("max_bytes") is not None and self.store is not None \
-                and self.store.writable:
-            from kvtool.engines.vllm.store_admin import StoreBudget, parse_size
+        if self.store is not None and self.store.writable:
+            from kvtool.engines.vllm.store_admin import StoreBudget
 
-            self.budget = StoreBudget(self.store.backend, parse_size(str(extra["max_bytes"])))
+            self.budget = StoreBudget(self.store.backend, **budget_options(extra))
         self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
         self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
             and kv_role != "kv_consumer"
@@ -214,11 +231,19 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         return self._reqs[request.request_id]
 
     def _match(self, req: ReqState) -> tuple[int, list[Source]]:
-        """The longest loadable prefix of the prompt (at least one token left to compute)."""
+        """The longest loadable prefix of the prompt (at least one token left to compute),
+        looked up once per request: vLLM asks again while a request waits for blocks. A store
+        that does not answer within ``store_timeout`` counts as a miss (see :mod:`guard`)."""
+        if req.match is None:
+            req.match = self._lookup(req)
+        return req.match
+
+    def _lookup(self, req: ReqState) -> tuple[int, list[Source]]:
         limit = len(req.prompt) - 1
         best, sources = 0, []
-        if self.store is not None:
-            chunks = self.store.lookup(req.prompt, limit)
+        if self.store is not None and self.guard is not None:
+            chunks = self.guard.lookup(self.store.lookup, req.prompt, limit)
+            req.stored = len(chunks)
             if chunks:
                 best = chunks[-1].stop
                 sources = [Source(c.path, c.start, c.stop, c) for c in chunks]
@@ -234,10 +259,12 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         if not req.load or (self.store is None and not self._files and not req.files):
             return 0, False
         count("lookups")
+        began = time.perf_counter()
         matched, sources = self._match(req)
         if not req.logged:
             req.logged = True
-            activity.lookup(request.request_id, matched, len(req.prompt), len(sources))
+            activity.lookup(request.request_id, matched, len(req.prompt), len(sources),
+                            time.perf_counter() - began)
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any,
@@ -289,7 +316,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                 req.chunks = self.store.chunks(req.prompt)
             ready = [c for c in req.chunks[req.next_chunk:] if c.stop <= done]
             req.next_chunk += len(ready)
-            spec.chunks = [c for c in ready if not self.store.exists(c)]
+            # chunks the lookup found are stored; the writer skips any other that exists
+            # (no existence check here: on S3 it would be a request on the scheduler's path)
+            spec.chunks = [c for c in ready if c.stop > req.stored * self.chunk_tokens]
         if self.capture_dir and req.capture and not req.captured \
                 and done >= len(req.prompt) > 0:
             req.captured = True
@@ -382,8 +411,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         :meth:`PrefixStore.read`: quarantined or skipped, never deleted)."""
         from kvtool.formats import load
 
-        if src.chunk is not None and self.store is not None:
-            return self.store.read(src.chunk, tokens)
+        if src.chunk is not None and self.store is not None and self.guard is not None:
+            fetched = self.guard.call("load", self.store.fetch, src.chunk)  # I/O: a deadline
+            return self.store.read(src.chunk, tokens, fetched)
         with pin_file(src.path) as (path, _):
             cache = load(path, tokens=tokens, backend="torch")
         check_cache(cache, self.model_info, tokens)
@@ -420,61 +450,34 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         step); encode and write them on the saver thread unless ``save_mode`` is ``sync``."""
         if spec.chunks and self.store.tokenizer_fingerprint is None:
             self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
+        chunks = spec.chunks
+        if chunks and (self.guard.is_down or (self.async_save and pending_saves()
+                                              >= MAX_PENDING_SAVES)):
+            count("saves_dropped", len(chunks))  # a stalled store: a future miss, not a pile-up
+            chunks = []
         copies = []
-        for chunk in spec.chunks:
+        for chunk in chunks:
             try:
                 copies.append((chunk, *self._gather(spec.block_ids, chunk.start, chunk.stop)))
             except Exception as e:
-                self._save_failed(chunk, e)
+                save_failed(chunk, e)
                 break
         if copies:
             ids = spec.token_ids[:copies[-1][0].stop]
-            if self.async_save:
-                submit(self._write, copies, ids)
-            else:
+            if not self.async_save:
                 self._write(copies, ids)
+            elif submit(self._write, copies, ids, bounded=True) is None:
+                count("saves_dropped", len(copies))
         if spec.capture_path:
             self._capture(spec)
 
     def _write(self, copies: list, token_ids: list[int]) -> None:
-        start = time.perf_counter()
-        total = 0
-        for chunk, keys, values in copies:
-            try:
-                written = self.store.write(chunk, keys, values, token_ids)
-            except Exception as e:  # full disk, permissions, ...: a future miss, not a crash
-                self._save_failed(chunk, e)
-                break
-            if written:
-                total += written
-                count("chunks_saved")
-                count("tokens_saved", chunk.stop - chunk.start)
-                count("bytes_saved", written)
-        seconds = time.perf_counter() - start
-        if total:
-            activity.observe("save", seconds)
-            log.info("kvtool store: saved %d chunk(s), %d bytes, in %.0f ms (%s)", len(copies),
-                     total, seconds * 1e3, activity.summary())
-        if total and self.budget is not None:
-            try:
-                files, freed = self.budget.added(total)
-            except Exception as e:  # eviction must never take the saver down
-                log.warning("kvtool store: eviction failed (%s)", e)
-            else:
-                if files:
-                    activity.record("chunks_evicted", files)
-                    activity.record("bytes_evicted", freed)
-                    log.info("kvtool store: evicted %d least recently hit chunks (%d bytes) to "
-                             "stay under max_bytes=%d", files, freed, self.budget.max_bytes)
-        add_time("write_seconds", time.perf_counter() - start)
-
-    def _save_failed(self, chunk: Chunk, e: Exception) -> None:
-        log.warning("kvtool: cannot write %s (%s: %s); the prefix stays unstored",
-                    chunk.path, type(e).__name__, str(e)[:200])
-        count("save_failures")
+        write_chunks(self.store, self.budget, copies, token_ids, self.guard)
 
     def shutdown(self) -> None:
         flush()
+        if self.guard is not None:
+            self.guard.shutdown()
         if self._stats_file is not None:
             self._stats_file.write()
 

@@ -17,7 +17,10 @@ Exported (labels ``model_name``, ``engine``, plus those shown):
 ``kvtool_store_loaded_tokens_total``   tokens loaded into vLLM's cache (also ``_bytes``, ``_files``)
 ``kvtool_store_saved_tokens_total``    tokens saved to the store (also ``_bytes``, ``_chunks``)
 ``kvtool_store_evicted_bytes_total``   bytes evicted to stay under ``max_bytes`` (also ``_chunks``)
-``kvtool_store_failures_total``        ``kind``: load, save, invalid_file, refused_file, ...
+``kvtool_store_failures_total``        ``kind``: load, save, invalid_file, refused_file,
+                                       lookup_timeout, load_timeout, unavailable (skipped while
+                                       the store recovers), save_dropped, disk_full, ...
+``kvtool_store_lookup_seconds``        histogram: one request's lookup in the store
 ``kvtool_store_load_seconds``          histogram: one request's load from the store
 ``kvtool_store_save_seconds``          histogram: one batch of chunks encoded and written
 ``kvtool_store_policy_info``           1, labelled ``policy`` and ``lossy`` (true / false)
@@ -40,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvtool.engines.vllm import activity
 
 PREFIX = "kvtool_store_"
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0,
                    10.0, 30.0)
 # counter in the stats payload → (metric, extra label values)
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -62,6 +65,11 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "refused_files": ("failures", ("refused_file",)),
     "quarantined_files": ("failures", ("quarantined_file",)),
     "newer_files": ("failures", ("newer_file",)),
+    "lookup_timeouts": ("failures", ("lookup_timeout",)),
+    "load_timeouts": ("failures", ("load_timeout",)),
+    "store_unavailable": ("failures", ("unavailable",)),
+    "saves_dropped": ("failures", ("save_dropped",)),
+    "disk_full": ("failures", ("disk_full",)),
 }
 DOCS: dict[str, tuple[str, list[str]]] = {  # metric → (help, extra label names)
     "requests": ("Requests looked up in kvtool's prefix store, by result", ["result"]),
@@ -76,6 +84,10 @@ DOCS: dict[str, tuple[str, list[str]]] = {  # metric → (help, extra label name
     "evicted_bytes": ("Bytes evicted to keep the store under max_bytes", []),
     "failures": ("Store failures by kind (the prefix is recomputed / left unstored)", ["kind"]),
 }
+
+
+_OP_DOCS = {"lookup": "(one request's prompt, on the scheduler's path)",
+            "load": "(one request's prefix)", "save": "(a batch of chunks)"}
 
 
 class KvtoolStats(KVConnectorStats):
@@ -139,8 +151,7 @@ class KvtoolPromMetrics(KVConnectorPromMetrics):
             _unregister(f"{PREFIX}{op}_seconds")
             self._histograms[op] = self._histogram_cls(
                 name=f"{PREFIX}{op}_seconds", buckets=LATENCY_BUCKETS, labelnames=labelnames,
-                documentation=f"Seconds per {op} of kvtool's store "
-                + ("(one request's prefix)" if op == "load" else "(a batch of chunks)"))
+                documentation=f"Seconds per {op} of kvtool's store " + _OP_DOCS[op])
         _unregister(PREFIX + "policy_info")
         info = self._gauge_cls(name=PREFIX + "policy_info", labelnames=labelnames
                                + ["policy", "lossy"], multiprocess_mode="mostrecent",

@@ -4,23 +4,32 @@ may have side effects on open).
 
 A file is *pinned*: opened once (``O_NOFOLLOW | O_NONBLOCK``, directories walked one
 ``dir_fd`` at a time), checked with ``fstat``, and handed to the .kvz reader as
-``/proc/self/fd/<fd>``, so that what is read is exactly the inode that was checked. Nothing
-here imports vLLM.
+``/proc/self/fd/<fd>``, so that what is read is exactly the inode that was checked.
+
+A new file is written under a temp name in a pinned directory and *published* by
+:func:`publish_new`: a hard link to its final name (``renameat2(RENAME_NOREPLACE)`` or a
+checked rename where links are missing), which never replaces a file another writer published
+first. Errors raised through an fd path name the store's path instead (:func:`with_path`).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import re
 import stat
 from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
 Stamp = tuple[int, int, int]  # (inode, size, mtime_ns): a rewritten file gets a new stamp
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _FILE_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_RENAME_NOREPLACE = 1  # renameat2 flag (linux/fs.h)
 _FD_DIR = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
 
 
@@ -139,3 +148,95 @@ def confine(path: str, dirs: Collection[str], files: Collection[str]) -> str:
 
 def _under(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory and path != directory
+
+
+def with_path(error: BaseException, path: str, hidden: str | None = None) -> BaseException:
+    """``error`` naming ``path`` (a file of the store as the user knows it) instead of the
+    ``/proc/self/fd/...`` or temp path it was raised with (``hidden``: that path's directory,
+    replaced in a :class:`KvtoolError`'s text). Raise the result."""
+    from kvtool.errors import KvtoolError
+
+    if isinstance(error, OSError):
+        if error.errno is None:
+            return error if path in str(error) else OSError(f"{path}: {error}")
+        error.filename, error.filename2 = path, None
+    elif isinstance(error, KvtoolError) and hidden and hidden in str(error):
+        return type(error)(re.sub(re.escape(hidden) + r"/[^\s:'\"]*", path, str(error)))
+    return error
+
+
+def publish_new(dir_fd: int, tmp: str, name: str) -> bool:
+    """Give the finished file ``tmp`` (in ``dir_fd``) the name ``name`` unless a regular file
+    has it already: True if this call published it, False if another writer did first (``tmp``
+    is left for the caller to remove either way). Never replaces a regular file; a symlink or
+    special file in the way is removed (never written through).
+
+    A hard link where the filesystem has them (atomic: one of two writers wins), else
+    ``renameat2(RENAME_NOREPLACE)`` (atomic), else a rename after a check (not atomic)."""
+    for _ in range(8):
+        try:
+            _link_new(dir_fd, tmp, name)
+            return True
+        except FileExistsError:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile: try again
+            if stat.S_ISREG(st.st_mode):
+                return False
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, f"{name} is a directory") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dir_fd)  # a symlink (the link, not its target) or FIFO
+    raise FileExistsError(errno.EEXIST, f"{name} keeps being replaced by non-regular files")
+
+
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}  # no hard links here
+
+
+def _link_new(dir_fd: int, tmp: str, name: str) -> None:
+    """Create ``name`` for ``tmp``'s file; ``FileExistsError`` if ``name`` exists."""
+    try:
+        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        return
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+    if _rename_noreplace(dir_fd, tmp, name):
+        return
+    try:  # no atomic way on this filesystem: a writer racing us here may be replaced
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (Linux, glibc >= 2.28), or None."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, ImportError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _rename_noreplace(dir_fd: int, tmp: str, name: str) -> bool:
+    """Rename without replacing (``FileExistsError`` if ``name`` exists); False where the
+    kernel, libc or filesystem cannot."""
+    import ctypes
+
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(dir_fd, os.fsencode(tmp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), name)

@@ -37,7 +37,7 @@ import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,8 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.engines.vllm.common import check_cache, count, log
-from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError
+from kvtool.engines.vllm.guard import is_down
+from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, pinned
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
 from kvtool.models import identity_key, portable_identity
@@ -56,6 +57,14 @@ MAX_VERDICTS = 1 << 16
 # per chunk path: (stamp of the file judged, usable?). Shared by the process's stores, so that
 # a chunk the worker half failed to load is skipped by the scheduler half's next lookup.
 _VERDICTS: dict[str, tuple[Stamp, bool]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A chunk file's bytes as read (:meth:`PrefixStore.fetch`) and the stamp of the file."""
+
+    data: bytes
+    stamp: Stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +128,21 @@ class PrefixStore:
         return out
 
     # -- lookup -----------------------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int], limit: int | None = None) -> list[Chunk]:
-        """The longest run of valid stored chunks from the start of ``token_ids[:limit]``."""
-        found = []
+    def lookup(self, token_ids: Sequence[int], limit: int | None = None, *,
+               found: list[Chunk] | None = None, deadline: float | None = None) -> list[Chunk]:
+        """The longest run of valid stored chunks from the start of ``token_ids[:limit]``.
+
+        ``found``: a list the chunks are appended to as they are validated (what a caller
+        that stopped waiting can still use); ``deadline``: a ``time.monotonic()`` after which
+        no further chunk is looked at (see :class:`~kvtool.engines.vllm.guard.StoreGuard`)."""
+        found = [] if found is None else found
         for chunk in self.chunks(token_ids, limit):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             if not self.is_valid(chunk, token_ids):
                 break
             found.append(chunk)
-        return found
+        return list(found)
 
     def exists(self, chunk: Chunk) -> bool:
         """Whether a regular file (not a symlink) is stored for ``chunk``."""
@@ -155,18 +171,25 @@ class PrefixStore:
                 self._check_header(chunk, path, token_ids)
         except (FileNotFoundError, NotADirectoryError):
             return False
-        except UnsafeFileError as e:
-            self._warn_once(chunk, f"kvtool store: ignoring {chunk.path}: {e.strerror}; "
-                            "symlinks and special files in the store are never followed")
-            return False
-        except (KvtoolError, OSError, ValueError) as e:
-            if stamp is None:
-                self._warn_once(chunk, f"kvtool store: cannot open {chunk.path} ({e}); skipped")
-            else:
-                self.reject(chunk, e, stamp)
-            return False
+        except OSError as e:
+            if is_down(e):
+                raise  # the store, not this file: the caller's guard takes it out of service
+            return self._unreadable(chunk, e, stamp)
+        except (KvtoolError, ValueError) as e:
+            return self._unreadable(chunk, e, stamp)
         _remember(chunk.path, stamp, True)
         return True
+
+    def _unreadable(self, chunk: Chunk, e: BaseException, stamp: Stamp | None) -> bool:
+        """False, after a warning (unsafe or unopenable file) or :meth:`reject`."""
+        if isinstance(e, UnsafeFileError):
+            self._warn_once(chunk, f"kvtool store: ignoring {chunk.path}: {e.strerror}; "
+                            "symlinks and special files in the store are never followed")
+        elif stamp is None:
+            self._warn_once(chunk, f"kvtool store: cannot open {chunk.path} ({e}); skipped")
+        else:
+            self.reject(chunk, e, stamp)
+        return False
 
     def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> None:
         """Raise unless the (pinned) file's header can serve ``chunk``."""
@@ -246,25 +269,33 @@ class PrefixStore:
         return self._name_of(chunk.key)
 
     # -- read / write -----------------------------------------------------------------------------
-    def read(self, chunk: Chunk, tokens: int | None = None) -> KVCache:
+    def fetch(self, chunk: Chunk) -> Fetched:
+        """The chunk's file read whole into memory: all of a load's I/O, which the connector
+        bounds with a deadline; decoding it (:meth:`read`) is computation, which it does not.
+        ``FileNotFoundError`` when absent."""
+        with self.pin(chunk) as (path, stamp), open(path, "rb") as f:
+            return Fetched(f.read(), stamp)
+
+    def read(self, chunk: Chunk, tokens: int | None = None,
+             fetched: Fetched | None = None) -> KVCache:
         """The chunk's first ``tokens`` (default: all) decoded K/V (torch), every checksum
-        verified and checked against this model; a failure is passed to :meth:`reject` and
-        raised."""
+        verified and checked against this model, from ``fetched`` (default: :meth:`fetch`
+        now); a failure of the file is passed to :meth:`reject` and raised."""
         from kvtool.formats import load
 
-        stamp = None
+        fetched = self.fetch(chunk) if fetched is None else fetched
         want = chunk.stop - chunk.start if tokens is None else tokens
         try:
-            with self.pin(chunk) as (path, stamp):
+            with in_memory(fetched.data, chunk.path) as path:
                 cache = load(path, tokens=tokens, backend="torch")
-                check_cache(cache, self.model, want)
-                # the last hit, for `kvtool store prune` (LRU); see the backends
-                self.backend.mark_hit(self._name(chunk), path, stamp)
-            return cache
+            check_cache(cache, self.model, want)
         except Exception as e:
-            if stamp is not None:
-                self.reject(chunk, e, stamp)
+            self.reject(chunk, e, fetched.stamp)
             raise
+        # the last hit, for `kvtool store prune` (LRU); see the backends
+        name = self._name(chunk)
+        self.backend.mark_hit(name, self.backend.path(name), fetched.stamp)
+        return cache
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int]) -> int:
@@ -301,6 +332,28 @@ class PrefixStore:
             log.info("kvtool store: removed %d stale temp files (%d bytes) under %s",
                      files, freed, self.dir)
         return files, freed
+
+
+@contextlib.contextmanager
+def in_memory(data: bytes, shown: str) -> Iterator[str]:
+    """A path reading ``data`` from an anonymous in-memory file (errors name ``shown``)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("kvtool-chunk", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - every Linux has memfd_create
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    with pinned(fd, shown) as (path, _):
+        yield path
 
 
 def _remember(path: str, stamp: Stamp | None, ok: bool) -> None:

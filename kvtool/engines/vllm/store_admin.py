@@ -1,8 +1,10 @@
-"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``).
+"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``), and the
+connector's byte budget (:class:`StoreBudget`).
 
 Works on the layout of :mod:`~kvtool.engines.vllm.store` (``<root>/<fingerprint[:16]>/<key[:2]>/
 <key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM, on a directory
-or an ``s3://bucket/prefix`` URL (:mod:`~kvtool.engines.vllm.store_backend`).
+(its root may be a symlink) or an ``s3://bucket/prefix`` URL
+(:mod:`~kvtool.engines.vllm.store_backend`).
 
 "Last hit" is a chunk file's access time: :meth:`PrefixStore.read` sets it on every load it
 serves (explicitly, so ``noatime``/``relatime`` mounts do not matter); a chunk never served
@@ -10,8 +12,17 @@ since it was written has its write time. On S3, which has no access time, it is 
 chunk's hit marker (:mod:`~kvtool.engines.vllm.store_s3`). Pruning is safe while servers run: a
 file is removed by unlinking its name (an object by one DELETE), so a server that has it open
 finishes reading it, and a server that looks for it next finds a miss and recomputes (then
-stores the chunk again). Symlinks and other non-regular files are never followed, counted or
-removed.
+stores the chunk again). A chunk that vanishes while it is verified was pruned or quarantined
+meanwhile: it is *gone*, not damaged. Symlinks and other non-regular files are never followed,
+counted or removed. A file chosen for removal that is there but cannot be removed (read-only
+filesystem, permissions) is a :class:`RemoveError`, never a silent "removed 0".
+
+Rules of a byte budget (the connector's ``max_bytes``, and ``kvtool store prune``): the bytes
+counted are the whole store's (chunks, quarantine, temp files); stale temp files of dead
+writers are collected (``Backend.collect_garbage`` of every model directory); quarantined
+files go oldest first (by the time they were quarantined), and the quarantine has bounds of
+its own (:class:`StoreBudget`: 10% of ``max_bytes`` and 7 days by default); then least recently
+hit chunks go, pinned chunks never.
 """
 
 from __future__ import annotations
@@ -19,18 +30,32 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvtool.engines.vllm.store_backend import PINS_FILE, QUARANTINE_DIR, Backend, open_backend
+from kvtool.engines.vllm.store_backend import (
+    MODEL_DIR,
+    PINS_FILE,
+    QUARANTINE_DIR,
+    Backend,
+    Entry,
+    is_url,
+    open_backend,
+)
 from kvtool.errors import KvtoolError
-from kvtool.fileio import TEMP_SUFFIX
+from kvtool.fileio import TEMP_SUFFIX, is_stale_temp
 
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
+_QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.kvz
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+GIB = 1 << 30
+QUARANTINE_SHARE = 0.1  # default quarantine bound: this share of max_bytes (1 GiB without one)
+QUARANTINE_AGE = 7 * 86400.0  # default: quarantined files older than this are removed
+RELIEF_SHARE = 0.1  # relieve() frees this share of max_bytes (or of the store) beyond the need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +84,31 @@ class StoreScan:
     ignored: int = 0  # symlinks, special files, names not of the store's layout
     pins: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunk key → pin record
     backend: Backend | None = None
+    quarantine: list[Entry] = dataclasses.field(default_factory=list)
+    temps: list[Entry] = dataclasses.field(default_factory=list)
+    models: list[str] = dataclasses.field(default_factory=list)  # model directories seen
+
+    @property
+    def total_bytes(self) -> int:
+        """What a byte budget counts: chunks, quarantine and temp files."""
+        return sum(c.bytes for c in self.chunks) + self.quarantined_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` found."""
+
+    damaged: list[tuple[str, str]]  # (path, problem)
+    gone: list[str]  # chunks removed (pruned, quarantined) while the scan ran: not damaged
+
+
+class RemoveError(KvtoolError):
+    """Files chosen for removal that are there but could not be removed; ``removed``: the
+    (files, bytes) that were."""
+
+    def __init__(self, message: str, removed: tuple[int, int] = (0, 0)):
+        super().__init__(message)
+        self.removed = removed
 
 
 def backend_of(root: str | os.PathLike | Backend,
@@ -69,24 +119,32 @@ def backend_of(root: str | os.PathLike | Backend,
     return open_backend(root, storage_options)  # type: ignore[arg-type]
 
 
-def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None) -> StoreScan:
+def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None, *,
+         missing_ok: bool = False) -> StoreScan:
     """Walk the store at ``root`` (a :class:`KvtoolError` if it is not a directory, or its
-    bucket cannot be reached)."""
+    bucket cannot be reached; ``missing_ok``: a directory not made yet is an empty store)."""
     backend = backend_of(root, storage_options)
+    if missing_ok and not is_url(backend.location) and not os.path.lexists(backend.location):
+        return StoreScan(backend.location, [], backend=backend)
     backend.check()
     out = StoreScan(backend.location, [], pins=read_pins(backend), backend=backend)
     try:
         entries = list(backend.walk())
     except OSError as e:
         raise KvtoolError(f"cannot list {backend.location}: {e.strerror or e}") from None
+    models = set()
     for e in entries:
         parts = e.name.split("/")
+        if MODEL_DIR.match(parts[0]):
+            models.add(parts[0])
         if parts[0] == QUARANTINE_DIR:
+            out.quarantine.append(e)
             out.quarantined_files += 1
             out.quarantined_bytes += e.size
         elif not e.regular:
             out.ignored += 1
         elif parts[-1].endswith(TEMP_SUFFIX):
+            out.temps.append(e)
             out.temp_files += 1
             out.temp_bytes += e.size
         elif _CHUNK.match(parts[-1]):
@@ -94,6 +152,7 @@ def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None)
                                           e.last_hit, parts[-1][:-4] in out.pins, e.name))
         else:
             out.ignored += 1
+    out.models = sorted(models)
     return out
 
 
@@ -120,15 +179,14 @@ def stats(found: StoreScan) -> dict[str, Any]:
     }
 
 
-def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter
-           ) -> list[tuple[str, str]]:
-    """``(path, problem)`` for every chunk file whose checksums or layers fail, or whose
-    content contradicts its place (model directory). Reads every byte; changes nothing.
-    ``progress`` wraps the iteration over the chunks (a tqdm bar)."""
+def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) -> VerifyReport:
+    """Every chunk file whose checksums or layers fail, or whose content contradicts its place
+    (model directory); and the chunks that vanished since the scan (gone, not damaged). Reads
+    every byte; changes nothing. ``progress`` wraps the iteration over the chunks (a tqdm bar)."""
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
 
-    bad = []
+    report = VerifyReport([], [])
     backend = backend_of(found.backend or found.root)
     for c in progress(found.chunks):
         try:
@@ -138,12 +196,15 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter
                 if fingerprint[:16] != c.model:
                     problems.append(f"it belongs to model {fingerprint[:16] or '?'}, "
                                     f"stored under {c.model}")
+        except (FileNotFoundError, NotADirectoryError):
+            report.gone.append(c.path)  # pruned or quarantined since the scan
+            continue
         except KvtoolError as e:
             problems = [str(e).replace(f"{c.path}: ", "")]
         except OSError as e:
             problems = [f"unreadable ({e.strerror or e})"]
-        bad += [(c.path, p) for p in problems[:1]]
-    return bad
+        report.damaged += [(c.path, p) for p in problems[:1]]
+    return report
 
 
 def parse_duration(text: str) -> float:
@@ -164,16 +225,17 @@ def parse_size(text: str) -> int:
 
 
 def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
-               older_than: float | None = None, now: float | None = None) -> list[StoredChunk]:
+               older_than: float | None = None, now: float | None = None,
+               other_bytes: int = 0) -> list[StoredChunk]:
     """The chunks to remove, least recently hit first: every chunk not hit within
-    ``older_than`` seconds, then more until the rest fits in ``max_bytes``. Pinned chunks
-    stay (and count against ``max_bytes``)."""
+    ``older_than`` seconds, then more until the rest, with ``other_bytes`` (what stays of the
+    quarantine and temp files), fits in ``max_bytes``. Pinned chunks stay (and count)."""
     now = time.time() if now is None else now
-    by_age = sorted((c for c in found.chunks if not c.pinned), key=lambda c: (c.last_hit, c.path))
+    by_age = _lru(found)
     doomed = [c for c in by_age if older_than is not None and now - c.last_hit > older_than]
     if max_bytes is not None:
         gone = {c.path for c in doomed}
-        left = sum(c.bytes for c in found.chunks) - sum(c.bytes for c in doomed)
+        left = sum(c.bytes for c in found.chunks) - sum(c.bytes for c in doomed) + other_bytes
         for c in by_age:
             if left <= max_bytes:
                 break
@@ -183,43 +245,210 @@ def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
     return doomed
 
 
-def remove(chunks: list[StoredChunk], root: str | os.PathLike | Backend) -> tuple[int, int]:
-    """Remove the chunk files (never through a symlinked directory); (files, bytes) removed.
-    A file already gone (another prune, a quarantine) is skipped."""
+def quarantined_at(entry: Entry) -> float:
+    """When a file was quarantined (its name says; else its mtime)."""
+    m = _QUARANTINED_AT.search(entry.name)
+    return int(m.group(1)) / 1e9 if m else entry.mtime
+
+
+def quarantine_plan(found: StoreScan, *, max_bytes: int | None = None,
+                    older_than: float | None = None, now: float | None = None) -> list[Entry]:
+    """Quarantined files to remove, oldest first: those quarantined more than ``older_than``
+    seconds ago, then more until the quarantine fits in ``max_bytes``."""
+    now = time.time() if now is None else now
+    left = found.quarantined_bytes
+    doomed = []
+    for e in sorted(found.quarantine, key=lambda e: (quarantined_at(e), e.name)):
+        if not ((older_than is not None and now - quarantined_at(e) > older_than)
+                or (max_bytes is not None and left > max_bytes)):
+            break
+        doomed.append(e)
+        left -= e.size
+    return doomed
+
+
+def stale_temps(found: StoreScan) -> list[Entry]:
+    """The temp files of the scan whose writers can no longer finish them (dead, or gone
+    for :data:`~kvtool.fileio.STALE_TEMP_SECONDS`)."""
+    backend = backend_of(found.backend or found.root)
+    return [t for t in found.temps if is_stale_temp(backend.path(t.name))]
+
+
+def collect_temps(found: StoreScan) -> tuple[int, int]:
+    """Remove stale temp files: ``Backend.collect_garbage`` of every model directory (on S3,
+    once with no model: the writers' local temp directories); (files, bytes). A
+    :class:`RemoveError` if a stale temp file of the scan is there but cannot be removed."""
+    backend = backend_of(found.backend or found.root)
+    stale = stale_temps(found)
+    files = freed = 0
+    for model in found.models or [""]:
+        n, b = backend.collect_garbage(model)
+        files, freed = files + n, freed + b
+    try:
+        n, b = remove(stale, backend)  # what collect_garbage left: removed now, or its error
+    except RemoveError as e:
+        e.removed = (files + e.removed[0], freed + e.removed[1])
+        raise
+    return files + n, freed + b
+
+
+def remove(items: Sequence[StoredChunk | Entry], root: str | os.PathLike | Backend
+           ) -> tuple[int, int]:
+    """Remove chunk files (or quarantined or temp files), never through a symlinked
+    directory; (files, bytes) removed. A file already gone (another prune, a quarantine) is
+    skipped; one that is there but cannot be removed is a :class:`RemoveError` (naming it),
+    after every other has been tried."""
     backend = backend_of(root)
     files = freed = 0
-    for c in chunks:
-        size = backend.remove(c.name)
+    failed: list[OSError] = []
+    for item in items:
+        try:
+            size = backend.remove(item.name)
+        except OSError as e:
+            failed.append(e)
+            continue
         if size is not None:
             files, freed = files + 1, freed + size
+    if failed:
+        e = failed[0]
+        what = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+        more = f" (and {len(failed) - 1} more files)" if len(failed) > 1 else ""
+        raise RemoveError(f"cannot remove {what}{more}", (files, freed))
     return files, freed
 
 
-class StoreBudget:
-    """The connector's ``max_bytes``: after its writes, keep the whole store (every model) under
-    ``max_bytes``, evicting least recently hit chunks down to ``low_water`` of it so that
-    eviction runs now and then, not after every write."""
+def _lru(found: StoreScan) -> list[StoredChunk]:
+    """Unpinned chunks, least recently hit first."""
+    return sorted((c for c in found.chunks if not c.pinned), key=lambda c: (c.last_hit, c.path))
 
-    def __init__(self, root: str | os.PathLike | Backend, max_bytes: int,
-                 low_water: float = 0.9):
-        if max_bytes <= 0:
+
+class StoreBudget:
+    """The connector's store bounds, kept after its writes (:meth:`added`) and on a full disk
+    (:meth:`relieve`). ``max_bytes`` (None: no bound) bounds the whole store, every model's
+    chunks with the quarantine and temp files; eviction goes down to ``low_water`` of it, so
+    that it runs now and then, not after every write. The quarantine is bounded by
+    ``quarantine_bytes`` (default: 10% of ``max_bytes``, or 1 GiB) and ``quarantine_age``
+    seconds (default: 7 days; ``math.inf``: no age bound).
+
+    Cheap: the store's size is an estimate, counted up by the writes; the store is scanned only
+    when the estimate is over ``max_bytes``, when the oldest quarantined file comes of age, and
+    every :attr:`recheck` seconds (other servers write and prune too). Thread-safe."""
+
+    recheck = 600.0  # seconds between two scans when nothing else calls for one
+    backoff = 60.0  # seconds without a scan after one that could not get under the bounds
+
+    def __init__(self, root: str | os.PathLike | Backend, max_bytes: int | None,
+                 low_water: float = 0.9, quarantine_bytes: int | None = None,
+                 quarantine_age: float | None = None):
+        if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        self.root, self.max_bytes, self.low_water = backend_of(root), int(max_bytes), low_water
+        if quarantine_bytes is not None and quarantine_bytes < 0:
+            raise ValueError(f"quarantine_bytes must not be negative, got {quarantine_bytes}")
+        if quarantine_age is not None and quarantine_age < 0:
+            raise ValueError(f"quarantine_age must not be negative, got {quarantine_age}")
+        self.root, self.low_water = backend_of(root), low_water
+        self.max_bytes = None if max_bytes is None else int(max_bytes)
+        self.quarantine_bytes = int(quarantine_bytes if quarantine_bytes is not None
+                                    else QUARANTINE_SHARE * max_bytes if max_bytes is not None
+                                    else GIB)
+        self.quarantine_age = QUARANTINE_AGE if quarantine_age is None else quarantine_age
+        self.last: dict[str, tuple[int, int]] = {}  # the last removal's (files, bytes) by kind
         self._estimate: int | None = None
+        self._file_bytes = 0  # the largest chunk file lately (decaying): what a write needs
+        self._next_scan = self._backoff_until = 0.0
+        self._lock = threading.Lock()
+
+    def expected(self, raw_bytes: int) -> int:
+        """The size to make room for before writing a chunk of ``raw_bytes`` of K/V: the
+        largest file written lately, or ``raw_bytes`` before the first (an upper bound)."""
+        return self._file_bytes or int(raw_bytes)
+
+    def reserve(self, nbytes: int) -> tuple[int, int]:
+        """Make room for a write of about ``nbytes`` before it starts (its temp file counts):
+        when the estimate plus it would pass ``max_bytes``, evict down to ``low_water`` of
+        it, the write included. (files, bytes) removed."""
+        with self._lock:
+            if self.max_bytes is None:
+                return 0, 0
+            if self._estimate is not None and self._estimate + nbytes <= self.max_bytes:
+                return 0, 0
+            now = time.time()
+            if self._estimate is not None and now < self._backoff_until:
+                return 0, 0
+            try:
+                return self._enforce(now, incoming=nbytes)
+            except BaseException:
+                self._next_scan = self._backoff_until = now + self.backoff
+                raise
 
     def added(self, nbytes: int) -> tuple[int, int]:
-        """Account for ``nbytes`` just written; evict if over budget. (files, bytes) evicted."""
-        if self._estimate is None:
-            self._estimate = sum(c.bytes for c in scan(self.root).chunks)
-        else:
-            self._estimate += nbytes
-        if self._estimate <= self.max_bytes:
-            return 0, 0
-        found = scan(self.root)  # the truth: other servers write and prune too
-        plan = prune_plan(found, max_bytes=int(self.max_bytes * self.low_water))
-        files, freed = remove(plan, self.root)
-        self._estimate = sum(c.bytes for c in found.chunks) - freed
-        return files, freed
+        """Account for ``nbytes`` just written; enforce the bounds when a scan is due (see the
+        class docstring). (files, bytes) removed: quarantined, temp and chunk files."""
+        with self._lock:
+            now = time.time()
+            if nbytes > 0:  # one file (the connector adds each chunk)
+                self._file_bytes = max(int(nbytes), int(self._file_bytes * 0.9))
+            if self._estimate is not None:
+                self._estimate += nbytes
+            over = self.max_bytes is not None and self._estimate is not None \
+                and self._estimate > self.max_bytes
+            if now < self._next_scan and not (over and now >= self._backoff_until):
+                return 0, 0
+            try:
+                return self._enforce(now)
+            except BaseException:
+                self._next_scan = self._backoff_until = now + self.backoff
+                raise
+
+    def relieve(self, needed: int) -> tuple[int, int]:
+        """Make room after a write failed for lack of space (ENOSPC, EDQUOT), before the
+        writer's one retry: stale temp files, then the oldest quarantined files, then least
+        recently hit unpinned chunks, until ``needed`` bytes plus 10% of ``max_bytes`` (or of
+        the store, without one) are free. (files, bytes) removed. Writes nothing."""
+        with self._lock:
+            found = scan(self.root, missing_ok=True)
+            base = self.max_bytes if self.max_bytes is not None else found.total_bytes
+            want = max(0, int(needed)) + int(RELIEF_SHARE * base)
+            files, freed = collect_temps(found)
+            self.last = {"temps": (files, freed)}
+            for kind, items in (("quarantine", sorted(found.quarantine, key=quarantined_at)),
+                                ("chunks", _lru(found))):
+                take, planned = [], freed
+                for item in items:
+                    if planned >= want:
+                        break
+                    take.append(item)
+                    planned += item.bytes if isinstance(item, StoredChunk) else item.size
+                n, b = remove(take, self.root)
+                files, freed = files + n, freed + b
+                self.last[kind] = (n, b)
+            self._estimate = found.total_bytes - freed
+            return files, freed
+
+    def _enforce(self, now: float, incoming: int = 0) -> tuple[int, int]:
+        """Apply every bound now; ``incoming``: bytes about to be written, counted in."""
+        found = scan(self.root, missing_ok=True)
+        total = found.total_bytes
+        aged = quarantine_plan(found, max_bytes=self.quarantine_bytes,
+                               older_than=self.quarantine_age, now=now)
+        q = remove(aged, self.root)
+        t = collect_temps(found)
+        c = (0, 0)
+        if self.max_bytes is not None and total - q[1] - t[1] + incoming > self.max_bytes:
+            other = found.quarantined_bytes - q[1] + max(0, found.temp_bytes - t[1]) + incoming
+            c = remove(prune_plan(found, max_bytes=int(self.max_bytes * self.low_water),
+                                  now=now, other_bytes=other), self.root)
+        self.last = {"quarantine": q, "temps": t, "chunks": c}
+        freed = q[1] + t[1] + c[1]
+        self._estimate = total - freed
+        self._next_scan = now + self.recheck
+        gone = {e.name for e in aged}
+        kept = [quarantined_at(e) for e in found.quarantine if e.name not in gone]
+        if kept and self.quarantine_age != float("inf"):  # when the oldest one left expires
+            self._next_scan = min(self._next_scan, min(kept) + self.quarantine_age + 1)
+        if self.max_bytes is not None and self._estimate > self.max_bytes:
+            self._backoff_until = now + self.backoff  # pinned chunks: no use scanning again
+        return q[0] + t[0] + c[0], freed
 
 
 def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
@@ -247,7 +476,6 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     the connector's)."""
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.store import PrefixStore
-    from kvtool.engines.vllm.store_backend import is_url
     from kvtool.formats import load
 
     cache = load(path)

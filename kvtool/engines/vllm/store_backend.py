@@ -12,10 +12,18 @@ have the same relative names on every backend (``/``-separated)::
 A backend offers what :class:`~kvtool.engines.vllm.store.PrefixStore` and
 :mod:`~kvtool.engines.vllm.store_admin` need: pin an object for reading (a local path that
 reads exactly what was checked, and a :data:`Stamp` that changes when the object is rewritten),
-write a new object atomically (never replacing an existing chunk), move an object to the
-quarantine only if it is still the one judged, mark a hit, walk the store, remove, and read or
-write a small object. The local backend never follows a symlink below the root nor opens a
-special file (:mod:`~kvtool.engines.vllm.safeio`).
+write a new object atomically (never replacing an existing chunk: of writers racing on one
+chunk, exactly one publishes it and counts its bytes, the others get 0), move an object to the
+quarantine only if it is still the one judged, mark a hit, walk the store, remove (None when
+the object is already gone; an ``OSError`` naming it when it is there but cannot be removed),
+read or write a small object, and collect the garbage of dead writers.
+
+The local backend: the root may be a symlink (the operator's choice); below it no symlink is
+followed and no special file opened (:mod:`~kvtool.engines.vllm.safeio`). A chunk is encoded
+into a temp file of its own (``.<name>.<host>.<pid>.<random>.kvtmp``, unique per call) in the
+pinned shard directory, then published by a hard link (a rename that never replaces, where the
+filesystem has no links). Every ``OSError`` of a write, pin, quarantine or removal names the
+object's path in the store, never a ``/proc/self/fd/...`` or temp path.
 """
 
 from __future__ import annotations
@@ -31,13 +39,16 @@ from typing import Protocol
 
 from kvtool.engines.vllm.safeio import (
     Stamp,
+    UnsafeFileError,
     fd_path,
     open_dir,
     open_regular_at,
     pinned,
+    publish_new,
     stamp_of,
+    with_path,
 )
-from kvtool.fileio import TEMP_SUFFIX, remove_stale_temps, temp_prefix
+from kvtool.fileio import remove_stale_temps, temp_name
 
 QUARANTINE_DIR = "quarantine"
 PINS_FILE = "pins.json"
@@ -70,7 +81,7 @@ class Backend(Protocol):
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool: ...
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None: ...
     def walk(self, model: str | None = None) -> Iterator[Entry]: ...
-    def remove(self, name: str) -> int | None: ...
+    def remove(self, name: str) -> int | None: ...  # None: not there; OSError: cannot
     def read_small(self, name: str) -> bytes | None: ...
     def write_small(self, name: str, data: bytes) -> None: ...
     def collect_garbage(self, model: str) -> tuple[int, int]: ...
@@ -102,8 +113,9 @@ def open_backend(location: str | os.PathLike, storage_options: dict | None = Non
 
 
 class LocalBackend:
-    """A store directory. Writes go to a temp file in the pinned directory, then a rename;
-    a crash leaves a temp file that :meth:`collect_garbage` removes."""
+    """A store directory (the root itself may be a symlink). Writes go to a temp file of their
+    own in the pinned directory, then a hard link to the chunk's name; a crash leaves a temp
+    file that :meth:`collect_garbage` (or the next write into its directory) removes."""
 
     def __init__(self, root: str | os.PathLike, *, writable: bool = True):
         self.location = str(root)
@@ -114,13 +126,16 @@ class LocalBackend:
 
     def pin(self, name: str) -> contextlib.AbstractContextManager[tuple[str, Stamp]]:
         """``FileNotFoundError`` when absent, :class:`UnsafeFileError` for a symlink (anywhere
-        below the root) or a non-regular file."""
+        below the root) or a non-regular file; errors name the chunk's path."""
         parts = name.split("/")
-        dir_fd = open_dir(self.location, parts[:-1])
         try:
-            fd = open_regular_at(dir_fd, parts[-1])
-        finally:
-            os.close(dir_fd)
+            dir_fd = open_dir(self.location, parts[:-1])
+            try:
+                fd = open_regular_at(dir_fd, parts[-1])
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            raise with_path(e, self.path(name)) from None
         return pinned(fd, self.path(name))
 
     def peek(self, name: str) -> Stamp | None:
@@ -134,52 +149,79 @@ class LocalBackend:
             return False
 
     def write_new(self, name: str, encode: Callable[[str], int]) -> int:
-        """``encode(path)`` writes the object at a temp path; renamed over ``name`` (replacing a
-        symlink there, never writing through it). 0 if a regular file is there already."""
+        """``encode(path)`` writes the object at a temp path of its own (unique per call) in
+        the pinned directory; it is then published under ``name`` by a hard link that never
+        replaces a file another writer published first (:func:`~.safeio.publish_new`; a
+        symlink there is replaced, never written through). The object's size, or 0 if a
+        regular file was there already or another writer won: one writer counts it. An
+        ``OSError`` names the chunk's path in the store."""
         parts = name.split("/")
-        dir_fd = open_dir(self.location, parts[:-1], create=True)
+        dir_fd = None
         try:
+            dir_fd = open_dir(self.location, parts[:-1], create=True)
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISREG(os.stat(parts[-1], dir_fd=dir_fd,
                                         follow_symlinks=False).st_mode):
                     return 0
-            # save() writes through atomic_write, which also collects stale temps here
-            partial = f"{temp_prefix(parts[-1])}chunk{TEMP_SUFFIX}"
-            size = encode(os.path.join(fd_path(dir_fd), partial))
-            os.rename(partial, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            with contextlib.suppress(OSError):
-                os.fsync(dir_fd)
+            remove_stale_temps(fd_path(dir_fd))  # crash leftovers of this directory
+            partial = _reserve_temp(dir_fd, parts[-1])
+            try:
+                # save() goes through atomic_write, which writes a temp name in place
+                size = encode(os.path.join(fd_path(dir_fd), partial))
+                won = publish_new(dir_fd, partial, parts[-1])
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial, dir_fd=dir_fd)
+            if won:
+                with contextlib.suppress(OSError):
+                    os.fsync(dir_fd)
+            return size if won else 0
+        except Exception as e:
+            raise with_path(e, self.path(name), None if dir_fd is None else fd_path(dir_fd)
+                            ) from None
         finally:
-            os.close(dir_fd)
-        return size
+            if dir_fd is not None:
+                os.close(dir_fd)
 
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool:
-        """Rename ``name`` to ``quarantine/dest`` if it is still the file judged (``stamp``)."""
+        """Rename ``name`` to ``quarantine/dest`` if it is still the file judged (``stamp``).
+        An ``OSError`` names the chunk's path."""
         parts = name.split("/")
-        src = open_dir(self.location, parts[:-1])
         try:
-            st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
-            if stamp is not None and stamp_of(st) != stamp:
-                return False  # rewritten since it was read: judge the new file afresh
-            dst = open_dir(self.location, [QUARANTINE_DIR], create=True)
+            src = open_dir(self.location, parts[:-1])
             try:
-                os.rename(parts[-1], dest, src_dir_fd=src, dst_dir_fd=dst)
+                st = os.stat(parts[-1], dir_fd=src, follow_symlinks=False)
+                if stamp is not None and stamp_of(st) != stamp:
+                    return False  # rewritten since it was read: judge the new file afresh
+                dst = open_dir(self.location, [QUARANTINE_DIR], create=True)
+                try:
+                    os.rename(parts[-1], dest, src_dir_fd=src, dst_dir_fd=dst)
+                finally:
+                    os.close(dst)
             finally:
-                os.close(dst)
-        finally:
-            os.close(src)
+                os.close(src)
+        except OSError as e:
+            raise with_path(e, self.path(name)) from None
         return True
 
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None:
-        """The file's access time, set explicitly (``noatime`` mounts do not matter); its mtime
-        (part of the stamp) is kept."""
+        """The file's access time, set explicitly (``noatime`` mounts do not matter), if it is
+        still the file read (``stamp``; never through a symlink); its mtime is kept."""
+        parts = name.split("/")
         with contextlib.suppress(OSError):
-            os.utime(path, ns=(time.time_ns(), stamp[2]))
+            dir_fd = open_dir(self.location, parts[:-1])
+            try:
+                if stamp_of(os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)) == stamp:
+                    os.utime(parts[-1], dir_fd=dir_fd, ns=(time.time_ns(), stamp[2]),
+                             follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
 
     def walk(self, model: str | None = None) -> Iterator[Entry]:
         """Every entry of the chunk shards (of one model directory, or all) and, for the whole
         store, of the quarantine. Symlinked directories are not entered."""
-        models = [model] if model else [e.name for e in _dirs(self.location, MODEL_DIR)]
+        models = [model] if model else [e.name for e in _dirs(self.location, MODEL_DIR,
+                                                              root=True)]
         for m in models:
             for shard in _dirs(os.path.join(self.location, m), SHARD_DIR):
                 yield from _files(shard.path, f"{m}/{shard.name}/")
@@ -188,23 +230,28 @@ class LocalBackend:
                                           f"{QUARANTINE_DIR}/") if e.regular)
 
     def remove(self, name: str) -> int | None:
-        """Unlink a regular file (never through a symlinked directory); its size, or None if
-        it was not there."""
+        """Unlink a regular file (never through a symlinked directory); its size, or None if it
+        was not there (nor a regular file: that is never removed). An ``OSError`` naming the
+        file if it is there but cannot be removed (read-only filesystem, permissions)."""
         parts = name.split("/")
         try:
             dir_fd = open_dir(self.location, parts[:-1])
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError, UnsafeFileError):
             return None
+        except OSError as e:
+            raise with_path(e, self.path(name)) from None
         try:
             st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                os.unlink(parts[-1], dir_fd=dir_fd)
-                return st.st_size
-        except OSError:
-            pass
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            os.unlink(parts[-1], dir_fd=dir_fd)
+            return st.st_size
+        except FileNotFoundError:
+            return None  # removed meanwhile (another prune, a quarantine)
+        except OSError as e:
+            raise with_path(e, self.path(name)) from None
         finally:
             os.close(dir_fd)
-        return None
 
     def read_small(self, name: str) -> bytes | None:
         path = self.path(name)
@@ -222,6 +269,10 @@ class LocalBackend:
         atomic_write(self.path(name), lambda f: f.write(data), follow_symlinks=False)
 
     def collect_garbage(self, model: str) -> tuple[int, int]:
+        """Remove the stale temp files of dead writers in a model directory's shards; (files,
+        bytes). Nothing for a name that is not a model directory's (``""`` included)."""
+        if not MODEL_DIR.match(model):
+            return 0, 0
         files = freed = 0
         for shard in _dirs(os.path.join(self.location, model), SHARD_DIR):
             n, b = remove_stale_temps(shard.path)
@@ -229,22 +280,24 @@ class LocalBackend:
         return files, freed
 
     def check(self) -> None:
-        """A :class:`KvtoolError` unless the root is a directory."""
+        """A :class:`KvtoolError` unless the root is a directory (or a symlink to one: the
+        operator's choice; symlinks below the root are never followed)."""
         from kvtool.errors import KvtoolError
 
         try:
-            st = os.lstat(self.location)
-        except FileNotFoundError:
+            st = os.stat(self.location)
+        except (FileNotFoundError, NotADirectoryError):
             raise KvtoolError(f"no store at {self.location}: the directory does not exist"
                               ) from None
         if not stat.S_ISDIR(st.st_mode):
             raise KvtoolError(f"{self.location} is not a store directory")
 
 
-def _dirs(path: str, pattern: re.Pattern) -> list[os.DirEntry]:
-    """Subdirectories of ``path`` whose names match (a symlinked ``path`` is not entered)."""
+def _dirs(path: str, pattern: re.Pattern, *, root: bool = False) -> list[os.DirEntry]:
+    """Subdirectories of ``path`` whose names match (a symlinked ``path`` is not entered,
+    unless it is the store's ``root``)."""
     with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.lstat(path).st_mode):
+        if stat.S_ISDIR((os.stat if root else os.lstat)(path).st_mode):
             with os.scandir(path) as it:
                 return sorted((e for e in it if pattern.match(e.name)
                                and e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
@@ -267,3 +320,17 @@ def _files(path: str, prefix: str) -> Iterator[Entry]:
                             max(st.st_atime, st.st_mtime))
             else:
                 yield Entry(prefix + e.name, 0, st.st_mtime, st.st_mtime, regular=False)
+
+
+def _reserve_temp(dir_fd: int, name: str) -> str:
+    """Create an empty temp file for ``name`` in ``dir_fd``, under a name that no other writer
+    (thread or process) has; its name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = temp_name(name)
+        try:
+            os.close(os.open(tmp, flags, 0o666, dir_fd=dir_fd))
+            return tmp
+        except FileExistsError:
+            continue

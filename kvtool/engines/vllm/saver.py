@@ -1,0 +1,114 @@
+"""Writing computed chunks into the prefix store (the connector's saver thread).
+
+A write never takes the engine down and never wedges the store:
+
+* a chunk that fails to write is a future miss, logged and counted (``save_failures``);
+* a full disk or quota (``ENOSPC``, ``EDQUOT``) makes room first: the budget drops stale
+  temp files, the oldest quarantined files and then least recently hit chunks
+  (:meth:`~kvtool.engines.vllm.store_admin.StoreBudget.relieve`), and the write is tried once
+  more;
+* before each chunk, the budget makes room for it (:meth:`~kvtool.engines.vllm.store_admin.
+  StoreBudget.reserve`), so that the store, the file being written included, stays under
+  ``max_bytes``; after it, the budget accounts for it and keeps the quarantine under its
+  bounds (:meth:`~kvtool.engines.vllm.store_admin.StoreBudget.added`).
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import Any
+
+from kvtool.engines.vllm import activity
+from kvtool.engines.vllm.common import add_time, count, log
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
+                 guard: Any = None) -> int:
+    """Encode and write ``copies`` (``(chunk, keys, values)``, in prompt order; stops at the
+    first failure, since later chunks are keyed by it); bytes written. A failure that says
+    the store is down is reported to ``guard`` (saves are then dropped for a while)."""
+    start = time.perf_counter()
+    total = 0
+    for chunk, keys, values in copies:
+        try:
+            if budget is not None:  # room first: the store stays under max_bytes meanwhile
+                _reserve(budget, raw_bytes(keys, values))
+            written = write_one(store, budget, chunk, keys, values, token_ids)
+        except Exception as e:  # full disk, permissions, a dead endpoint: a future miss
+            save_failed(chunk, e)
+            if guard is not None:
+                guard.report(e)
+            break
+        if written:
+            total += written
+            count("chunks_saved")
+            count("tokens_saved", chunk.stop - chunk.start)
+            count("bytes_saved", written)
+            if budget is not None:
+                _enforce(budget, written)
+    seconds = time.perf_counter() - start
+    if total:
+        activity.observe("save", seconds)
+        log.info("kvtool store: saved %d chunk(s), %d bytes, in %.0f ms (%s)", len(copies),
+                 total, seconds * 1e3, activity.summary())
+    add_time("write_seconds", time.perf_counter() - start)
+    return total
+
+
+def write_one(store: Any, budget: Any, chunk: Any, keys: list, values: list,
+              token_ids: list[int]) -> int:
+    """One chunk's write; on a full disk, room is made and the write tried once more."""
+    try:
+        return store.write(chunk, keys, values, token_ids)
+    except OSError as e:
+        if e.errno not in DISK_FULL or budget is None:
+            raise
+        count("disk_full")
+        files, freed = budget.relieve(budget.expected(raw_bytes(keys, values)))
+        log.warning("kvtool store: %s is full (%s); removed %d files (%d bytes) to make room, "
+                    "writing again", store.root, e.strerror or e, files, freed)
+        if files:
+            activity.record("chunks_evicted", files)
+            activity.record("bytes_evicted", freed)
+        return store.write(chunk, keys, values, token_ids)
+
+
+def raw_bytes(keys: list, values: list) -> int:
+    """Bytes of a chunk's K/V as computed (an upper bound of its file before the first one)."""
+    return sum(int(t.nelement() * t.element_size()) if hasattr(t, "element_size")
+               else int(t.nbytes) for t in (*keys, *values))
+
+
+def _reserve(budget: Any, raw: int) -> None:
+    try:
+        files, freed = budget.reserve(budget.expected(raw))
+    except Exception as e:  # eviction must never stop a write
+        log.warning("kvtool store: eviction failed (%s)", e)
+        return
+    if files:
+        activity.record("chunks_evicted", files)
+        activity.record("bytes_evicted", freed)
+
+
+def _enforce(budget: Any, written: int) -> None:
+    try:
+        files, freed = budget.added(written)
+    except Exception as e:  # eviction must never take the saver down
+        log.warning("kvtool store: eviction failed (%s)", e)
+        return
+    if files:
+        activity.record("chunks_evicted", files)
+        activity.record("bytes_evicted", freed)
+        log.info("kvtool store: evicted %d files (%d bytes) to stay within the store's bounds "
+                 "(max_bytes=%s)", files, freed, budget.max_bytes)
+
+
+def save_failed(chunk: Any, e: BaseException) -> None:
+    log.warning("kvtool: cannot write %s (%s: %s); the prefix stays unstored",
+                chunk.path, type(e).__name__, str(e)[:200])
+    count("save_failures")

@@ -1,0 +1,58 @@
+"""The short form of the soak and fault harness (benchmarks/soak.py): a real ``kvtool serve``
+with the default preset under 8 concurrent clients, its store bounded close to a small tmpfs,
+``kvtool store prune`` running beside it, a SIGTERM and a SIGKILL restart; and on a moto S3
+store frozen mid-run. Every target of the harness must hold (the full 10-minute runs and their
+tables: the README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).parents[1] / "benchmarks" / "soak.py"
+
+
+def soak(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, str(SOAK), "--json", str(out), "--settle", "5",
+                          "--warm-up", "20", *args], capture_output=True, text=True,
+                         timeout=1500)
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-5000:]
+    result = json.loads(out.read_text())
+    assert run.returncode == (0 if result["ok"] else 1)
+    return result | {"table": run.stdout}
+
+
+def check(result: dict) -> None:
+    failed = {k for k, ok in result["checks"].items() if not ok}
+    assert not failed, f"{failed}\n{result['table']}"
+    assert result["requests"] >= 20 and result["restarts"] >= 1
+    assert all(h > 0 for h in result["hits_after_restart"])
+    assert result["samples"] >= 20 and result["prune_runs"] >= 2
+
+
+def test_soak_directory_store_with_restarts_and_a_full_disk(tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("openai")
+    result = soak(tmp_path, "--minutes", "2.5", "--disk-mb", "24", "--prune-every", "15",
+                  "--events", "term@0.35,kill@0.65")
+    check(result)
+    assert result["restarts"] == 2 and result["excused_at_sigkill"] <= 8
+    # the budget was exercised: the store reached close to its bound
+    assert result["max_store_bytes_seen"] >= 0.5 * result["max_bytes"], result["table"]
+
+
+def test_soak_s3_store_frozen_mid_run(tmp_path):
+    pytest.importorskip("vllm")
+    pytest.importorskip("moto")
+    result = soak(tmp_path, "--s3", "--minutes", "2", "--freeze", "12", "--freeze-at", "0.3",
+                  "--events", "term@0.7", "--prune-every", "20")
+    check(result)
+    kinds = result["failures_by_kind"]
+    # the frozen endpoint was noticed (a timeout or a skip), not waited on
+    assert kinds.get("lookup_timeout", 0) + kinds.get("load_timeout", 0) \
+        + kinds.get("unavailable", 0) + kinds.get("save_dropped", 0) > 0, result["table"]
