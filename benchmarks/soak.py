@@ -11,8 +11,10 @@ is missed.
 What is measured:
 
 * requests: every client request's outcome; a failure counts unless the request was in flight
-  when the server was SIGKILLed. Clients send nothing while the server is down, as behind a
-  load balancer; requests in flight at a SIGTERM must finish (vLLM drains them);
+  when the server was SIGKILLed. As behind a load balancer, clients send nothing while the
+  server restarts, and a SIGTERM comes once the requests in flight have finished (in a first
+  run, requests still running when vLLM 0.32 got the signal failed with connection errors);
+  the run is extended by the time spent restarting, so that the load runs ``--minutes``;
 * engine deaths: a server that exits unless stopped, or an engine error in its log;
 * store hits after every restart (from each server's log);
 * each request's wait on the store: its lookup plus its load, from the connector's log lines;
@@ -68,7 +70,7 @@ def session_pids(sid: int) -> list[int]:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == sid:
+            if int(fields[3]) == sid and fields[0] != "Z":  # zombies: already gone
                 pids.append(int(entry))
     return pids
 
@@ -89,7 +91,10 @@ def rss_and_fds(sid: int) -> tuple[int, int]:
 class Server:
     """One ``kvtool serve`` process (its own session) and what was seen of it."""
 
-    def __init__(self, args: argparse.Namespace, store: str, env: dict, log: Path):
+    def __init__(self, args: argparse.Namespace, store: str, env: dict, log: Path,
+                 started: list[Server]):
+        """Start it, registered in ``started`` at once (stopped there however the run ends),
+        and wait until it answers."""
         self.log, self.port, self.began = log, free_port(), time.monotonic()
         cmd = [sys.executable, "-m", "kvtool.cli.main", "serve", "--store", store,
                "--max-store-bytes", str(args.max_bytes), "--port", str(self.port),
@@ -97,9 +102,11 @@ class Server:
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
+        started.append(self)
         self.samples: list[tuple[float, int, int]] = []  # (time, rss, fds)
         self.failures: dict[str, float] = {}
         self.stopping = False
+        self.log_at_stop: int | None = None  # the log's length when it was told to stop
         deadline = time.monotonic() + 600
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -135,6 +142,7 @@ class Server:
 
     def stop(self, sig: int) -> None:
         self.stopping = True
+        self.log_at_stop = self.log.stat().st_size
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig) if sig == signal.SIGKILL else \
                 self.proc.send_signal(sig)
@@ -151,8 +159,11 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def died(self) -> bool:
+        """Exited unasked, or an engine error in its log before it was told to stop (vLLM's
+        API server logs EngineDeadError while it shuts its engine down)."""
         unexpected = self.proc.poll() is not None and not self.stopping
-        return unexpected or bool(ENGINE_DEATH.search(self.log.read_text(errors="replace")))
+        text = self.log.read_bytes()[:self.log_at_stop].decode(errors="replace")
+        return unexpected or bool(ENGINE_DEATH.search(text))
 
     def growth(self, warm_up: float) -> tuple[float, float] | None:
         """(RSS, fds) growth from just after warm-up to the end; None if it ran too briefly."""
@@ -192,15 +203,17 @@ class Load:
         while not self.stop.is_set():
             if not self.gate.wait(0.5):
                 continue
-            server = self.server
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
-                                   api_key="-", timeout=300, max_retries=0)
             prompt = (self.fresh(rng) if rng.random() < FRESH_SHARE
                       else self.prompts[rng.randrange(len(self.prompts))]
                       + [rng.randrange(1000, 30000) for _ in range(rng.randrange(4, 40))])
-            with self.lock:
+            with self.lock:  # admitted only while the gate is open (pause() closes it here)
+                if not self.gate.is_set():
+                    continue
+                server = self.server
                 rid, self._next = self._next, self._next + 1
                 self.inflight[rid] = time.monotonic()
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
+                                   api_key="-", timeout=300, max_retries=0)
             began, error = time.monotonic(), None
             try:
                 client.completions.create(model=server.model, prompt=prompt, max_tokens=4,
@@ -214,8 +227,8 @@ class Load:
 
     def pause(self) -> set[int]:
         """Close the gate; the ids in flight now."""
-        self.gate.clear()
         with self.lock:
+            self.gate.clear()
             return set(self.inflight)
 
     def wait_idle(self, seconds: float) -> None:
@@ -291,16 +304,17 @@ class Storage:
                 total += sum(o["Size"] for o in page.get("Contents", ())
                              if not o["Key"].startswith(("store/stats/", "store/hits/")))
             return total
-        total = 0
+        seen: dict[int, int] = {}  # by inode: a chunk being published is briefly two links
         for root, dirs, files in os.walk(self.location):
             if root == self.location and "stats" in dirs:
                 dirs.remove("stats")
             for name in files:
                 try:
-                    total += os.lstat(os.path.join(root, name)).st_size
+                    st = os.lstat(os.path.join(root, name))
                 except OSError:
-                    pass
-        return total
+                    continue
+                seen[st.st_ino] = st.st_size
+        return sum(seen.values())
 
     def temps(self) -> int:
         """Temp files in the store, and the S3 writer's local temp dirs."""
@@ -367,7 +381,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     log = lambda msg: print(f"[{time.monotonic() - t0:6.0f} s] {msg}", file=sys.stderr)  # noqa: E731
     try:
-        servers.append(Server(args, storage.location, storage.env, work / "server-0.log"))
+        Server(args, storage.location, storage.env, work / "server-0.log", servers)
         log(f"server up; store {storage.location} (tmpfs: {storage.mounted})")
         load.server = servers[-1]
         for t in load.threads:
@@ -393,18 +407,22 @@ def run(args: argparse.Namespace) -> dict:
                     log(f"restart: {kind}")
                     server = servers[-1]
                     server.scrape()
+                    down = time.monotonic()
                     inflight = load.pause()
                     if kind == "kill":
                         load.excused |= inflight
                         server.stop(signal.SIGKILL)
-                    else:
+                    else:  # drained first, as behind a load balancer
                         load.at_term |= inflight
+                        load.wait_idle(120)
                         server.stop(signal.SIGTERM)
                     load.wait_idle(30)
-                    servers.append(Server(args, storage.location, storage.env,
-                                          work / f"server-{len(servers)}.log"))
+                    Server(args, storage.location, storage.env,
+                           work / f"server-{len(servers)}.log", servers)
                     load.server = servers[-1]
                     load.gate.set()
+                    end += time.monotonic() - down  # the load runs its full time
+                    events = [(at + time.monotonic() - down, k) for at, k in events]
                     log("server up again")
             servers[-1].sample()
             sizes.append(storage.size())
@@ -428,7 +446,7 @@ def run(args: argparse.Namespace) -> dict:
         load.stop.set()
         stop_all.set()
         for s in servers:
-            if s.proc.poll() is None:
+            if session_pids(s.proc.pid):
                 s.stop(signal.SIGKILL)
         storage.close()
     return report(args, storage, servers, load, sizes, prunes, temps, work)
@@ -464,6 +482,8 @@ def report(args: argparse.Namespace, storage: Storage, servers: list[Server], lo
         "temps_after": temps, "prune_runs": len(prunes),
         "prune_failures": sum(rc != 0 for rc in prunes),
         "failures_by_kind": kinds, "logs": str(work),
+        "growth_by_server": [s.growth(args.warm_up) for s in servers],
+        "rss_mb_by_server": [[round(x[1] / 2**20) for x in s.samples] for s in servers],
     }
     checks = {
         "failed": out["failed"] == 0,
@@ -537,6 +557,7 @@ def main() -> None:
     ap.add_argument("--no-tmpfs", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.max_bytes = args.max_bytes or int(args.disk_mb * 0.9 * 2**20)
     result = run(args)
     print_table(result)

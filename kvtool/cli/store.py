@@ -142,6 +142,9 @@ def print_activity(a: dict[str, Any]) -> None:
     click.echo(f"  evicted  {c['chunks_evicted']} chunks ({human_bytes(c['bytes_evicted'])})")
     click.echo(f"  failures {c['load_failures']} load, {c['save_failures']} save, "
                f"{c['invalid_files']} bad files ({c['quarantined_files']} quarantined)")
+    click.echo(f"  outages  {c['lookup_timeouts']} lookup and {c['load_timeouts']} load "
+               f"timeouts, {c['store_unavailable']} skipped while the store recovered, "
+               f"{c['saves_dropped']} saves dropped, {c['disk_full']} full-disk retries")
 
 
 @store_group.command("stats")

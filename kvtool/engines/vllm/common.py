@@ -56,8 +56,9 @@ COUNTER_NAMES = ("lookups", "hits", "tokens_matched", "tokens_loaded", "files_lo
 _COUNTERS: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 _TIMES: dict[str, float] = {"load_seconds": 0.0, "save_seconds": 0.0, "write_seconds": 0.0}
 MAX_PENDING_SAVES = 64  # queued save batches (copies of K/V) before new ones are dropped
+MAX_PENDING_SAVE_BYTES = 256 << 20  # ... or this many bytes of them
 _SAVER: ThreadPoolExecutor | None = None
-_PENDING: set[Future] = set()
+_PENDING: dict[Future, int] = {}  # queued or running saves → bytes they hold
 _LOCK = threading.Lock()
 
 
@@ -84,25 +85,35 @@ def count(name: str, n: int = 1) -> None:
         _COUNTERS[name] += n
 
 
-def submit(fn: Any, *args: Any, bounded: bool = False) -> Future | None:
+def submit(fn: Any, *args: Any, bounded: bool = False, nbytes: int = 0) -> Future | None:
     """Run ``fn(*args)`` on the process's one saver thread (writes happen in order).
-    ``bounded``: None, and nothing queued, when :data:`MAX_PENDING_SAVES` calls wait already
-    (a stalled store must not pile up copies of K/V in memory)."""
+    ``bounded``: None, and nothing queued, when the queue is full (:func:`saves_full`, or
+    ``nbytes`` more would pass :data:`MAX_PENDING_SAVE_BYTES`): a slow or stalled store must
+    not pile up copies of K/V in memory."""
     global _SAVER
     with _LOCK:
-        if bounded and len(_PENDING) >= MAX_PENDING_SAVES:
+        if bounded and (len(_PENDING) >= MAX_PENDING_SAVES or _PENDING and
+                        sum(_PENDING.values()) + nbytes > MAX_PENDING_SAVE_BYTES):
             return None
         if _SAVER is None:
             _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-saver")
         future = _SAVER.submit(fn, *args)
-        _PENDING.add(future)
-    future.add_done_callback(_PENDING.discard)
+        _PENDING[future] = nbytes
+    future.add_done_callback(_done)
     return future
 
 
-def pending_saves() -> int:
-    """Background saves queued or running in this process."""
-    return len(_PENDING)
+def _done(future: Future) -> None:
+    with _LOCK:
+        _PENDING.pop(future, None)
+
+
+def saves_full() -> bool:
+    """Whether the saver's queue is full (:data:`MAX_PENDING_SAVES` batches, or
+    :data:`MAX_PENDING_SAVE_BYTES` of K/V copies)."""
+    with _LOCK:
+        return len(_PENDING) >= MAX_PENDING_SAVES \
+            or sum(_PENDING.values()) >= MAX_PENDING_SAVE_BYTES
 
 
 def flush(timeout: float | None = None) -> bool:
@@ -176,7 +187,7 @@ def store_timeout(extra: dict[str, Any]) -> float:
 
 
 def budget_options(extra: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`~kvtool.engines.vllm.store_admin.StoreBudget` keyword arguments of the
+    """The :class:`~kvtool.engines.vllm.store_budget.StoreBudget` keyword arguments of the
     connector options ``max_bytes``, ``quarantine_max_bytes`` (sizes) and
     ``quarantine_max_age`` (a duration); each refused, by name, when malformed."""
     from kvtool.engines.vllm.store_admin import parse_duration, parse_size

@@ -79,7 +79,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -91,7 +90,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtool.engines.vllm import activity
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
-    MAX_PENDING_SAVES,
     MIN_CHUNK_TOKENS,
     LoadSpec,
     ReqState,
@@ -109,11 +107,11 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     flush,
     log,
     model_info,
-    pending_saves,
     policy_from_extra,
     read_kvz_ids,
     request_kvz,
     reset_stats,
+    saves_full,
     stats,
     store_timeout,
     submit,
@@ -123,7 +121,7 @@ from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.safeio import pin_file
-from kvtool.engines.vllm.saver import save_failed, write_chunks
+from kvtool.engines.vllm.saver import raw_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.store import open_store
 
 if TYPE_CHECKING:
@@ -180,7 +178,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                                                      float(extra.get("stats_interval", 5)))
         self.budget = None
         if self.store is not None and self.store.writable:
-            from kvtool.engines.vllm.store_admin import StoreBudget
+            from kvtool.engines.vllm.store_budget import StoreBudget
 
             self.budget = StoreBudget(self.store.backend, **budget_options(extra))
         self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
@@ -319,6 +317,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             # chunks the lookup found are stored; the writer skips any other that exists
             # (no existence check here: on S3 it would be a request on the scheduler's path)
             spec.chunks = [c for c in ready if c.stop > req.stored * self.chunk_tokens]
+            if spec.chunks and self.guard.is_down:  # a store out of service: no save planned
+                count("saves_dropped", len(spec.chunks))
+                spec.chunks = []
         if self.capture_dir and req.capture and not req.captured \
                 and done >= len(req.prompt) > 0:
             req.captured = True
@@ -451,8 +452,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         if spec.chunks and self.store.tokenizer_fingerprint is None:
             self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
         chunks = spec.chunks
-        if chunks and (self.guard.is_down or (self.async_save and pending_saves()
-                                              >= MAX_PENDING_SAVES)):
+        if chunks and (self.guard.is_down or (self.async_save and saves_full())):
             count("saves_dropped", len(chunks))  # a stalled store: a future miss, not a pile-up
             chunks = []
         copies = []
@@ -466,7 +466,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             ids = spec.token_ids[:copies[-1][0].stop]
             if not self.async_save:
                 self._write(copies, ids)
-            elif submit(self._write, copies, ids, bounded=True) is None:
+            elif submit(self._write, copies, ids, bounded=True,
+                        nbytes=sum(raw_bytes(k, v) for _, k, v in copies)) is None:
                 count("saves_dropped", len(copies))
         if spec.capture_path:
             self._capture(spec)
@@ -482,21 +483,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             self._stats_file.write()
 
     def _capture(self, spec: SaveSpec) -> None:
-        from kvtool.cache import KVCache
-        from kvtool.formats import save
-
-        try:
-            keys, values = self._gather(spec.block_ids, 0, len(spec.token_ids))
-            cache = KVCache(keys, values, token_ids=np.asarray(spec.token_ids),
-                            model=self.model_info,
-                            tokenizer_fingerprint=self._tokenizer_fingerprint())
-            os.makedirs(self.capture_dir, exist_ok=True)
-            save(cache, spec.capture_path, codec="raw")  # lossless; callers re-encode
-            count("captures")
-        except Exception as e:
-            log.warning("kvtool: cannot capture %s (%s: %s)", spec.capture_path,
-                        type(e).__name__, str(e)[:200])
-            count("save_failures")
+        write_capture(spec.capture_path, lambda: self._gather(spec.block_ids, 0,
+                                                              len(spec.token_ids)),
+                      spec.token_ids, self.model_info, self._tokenizer_fingerprint())
 
     def _tokenizer_fingerprint(self) -> str | None:
         if self._tokenizer_fp is None:

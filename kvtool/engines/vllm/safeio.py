@@ -4,7 +4,9 @@ may have side effects on open).
 
 A file is *pinned*: opened once (``O_NOFOLLOW | O_NONBLOCK``, directories walked one
 ``dir_fd`` at a time), checked with ``fstat``, and handed to the .kvz reader as
-``/proc/self/fd/<fd>``, so that what is read is exactly the inode that was checked.
+``/proc/self/fd/<fd>``, so that what is read is exactly the inode that was checked. Bytes
+already in memory are handed over the same way, from an anonymous in-memory file
+(:func:`in_memory`).
 
 A new file is written under a temp name in a pinned directory and *published* by
 :func:`publish_new`: a hard link to its final name (``renameat2(RENAME_NOREPLACE)`` or a
@@ -119,6 +121,28 @@ def pinned(fd: int, shown: str) -> Iterator[tuple[str, Stamp]]:
         raise
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def in_memory(data: bytes, shown: str) -> Iterator[str]:
+    """A path reading ``data`` from an anonymous in-memory file (errors name ``shown``)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("kvtool-chunk", getattr(os, "MFD_CLOEXEC", 0))
+    else:  # pragma: no cover - every Linux has memfd_create
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    with pinned(fd, shown) as (path, _):
+        yield path
 
 
 def pin_file(path: str) -> contextlib.AbstractContextManager[tuple[str, Stamp]]:

@@ -5,12 +5,12 @@ A write never takes the engine down and never wedges the store:
 * a chunk that fails to write is a future miss, logged and counted (``save_failures``);
 * a full disk or quota (``ENOSPC``, ``EDQUOT``) makes room first: the budget drops stale
   temp files, the oldest quarantined files and then least recently hit chunks
-  (:meth:`~kvtool.engines.vllm.store_admin.StoreBudget.relieve`), and the write is tried once
+  (:meth:`~kvtool.engines.vllm.store_budget.StoreBudget.relieve`), and the write is tried once
   more;
-* before each chunk, the budget makes room for it (:meth:`~kvtool.engines.vllm.store_admin.
+* before each chunk, the budget makes room for it (:meth:`~kvtool.engines.vllm.store_budget.
   StoreBudget.reserve`), so that the store, the file being written included, stays under
   ``max_bytes``; after it, the budget accounts for it and keeps the quarantine under its
-  bounds (:meth:`~kvtool.engines.vllm.store_admin.StoreBudget.added`).
+  bounds (:meth:`~kvtool.engines.vllm.store_budget.StoreBudget.added`).
 
 Nothing here imports vLLM.
 """
@@ -34,7 +34,10 @@ def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
     the store is down is reported to ``guard`` (saves are then dropped for a while)."""
     start = time.perf_counter()
     total = 0
-    for chunk, keys, values in copies:
+    for i, (chunk, keys, values) in enumerate(copies):
+        if guard is not None and guard.is_down:  # out of service: dropped, not waited on
+            count("saves_dropped", len(copies) - i)
+            break
         try:
             if budget is not None:  # room first: the store stays under max_bytes meanwhile
                 _reserve(budget, raw_bytes(keys, values))
@@ -106,6 +109,29 @@ def _enforce(budget: Any, written: int) -> None:
         activity.record("bytes_evicted", freed)
         log.info("kvtool store: evicted %d files (%d bytes) to stay within the store's bounds "
                  "(max_bytes=%s)", files, freed, budget.max_bytes)
+
+
+def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
+                  tokenizer_fingerprint: str | None) -> None:
+    """A request's whole prompt K/V (``gather()``: keys, values), lossless, at ``path``
+    (``capture_dir``); a failure is logged and counted, never raised."""
+    import os
+
+    import numpy as np
+
+    from kvtool.cache import KVCache
+    from kvtool.formats import save
+
+    try:
+        keys, values = gather()
+        cache = KVCache(keys, values, token_ids=np.asarray(token_ids), model=model,
+                        tokenizer_fingerprint=tokenizer_fingerprint)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save(cache, path, codec="raw")  # lossless; callers re-encode
+        count("captures")
+    except Exception as e:
+        log.warning("kvtool: cannot capture %s (%s: %s)", path, type(e).__name__, str(e)[:200])
+        count("save_failures")
 
 
 def save_failed(chunk: Any, e: BaseException) -> None:

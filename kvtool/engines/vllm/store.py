@@ -37,7 +37,7 @@ import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ import numpy as np
 from kvtool.cache import KVCache
 from kvtool.engines.vllm.common import check_cache, count, log
 from kvtool.engines.vllm.guard import is_down
-from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, pinned
+from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
 from kvtool.models import identity_key, portable_identity
@@ -332,28 +332,6 @@ class PrefixStore:
             log.info("kvtool store: removed %d stale temp files (%d bytes) under %s",
                      files, freed, self.dir)
         return files, freed
-
-
-@contextlib.contextmanager
-def in_memory(data: bytes, shown: str) -> Iterator[str]:
-    """A path reading ``data`` from an anonymous in-memory file (errors name ``shown``)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("kvtool-chunk", getattr(os, "MFD_CLOEXEC", 0))
-    else:  # pragma: no cover - every Linux has memfd_create
-        import tempfile
-
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    with pinned(fd, shown) as (path, _):
-        yield path
 
 
 def _remember(path: str, stamp: Stamp | None, ok: bool) -> None:

@@ -1,5 +1,6 @@
-"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``), and the
-connector's byte budget (:class:`StoreBudget`).
+"""A prefix store at rest: list, measure, verify, prune and pin it (``kvtool store``), with the
+tools that the connector's byte budget (:class:`~kvtool.engines.vllm.store_budget.StoreBudget`,
+re-exported here) applies.
 
 Works on the layout of :mod:`~kvtool.engines.vllm.store` (``<root>/<fingerprint[:16]>/<key[:2]>/
 <key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM, on a directory
@@ -21,8 +22,8 @@ Rules of a byte budget (the connector's ``max_bytes``, and ``kvtool store prune`
 counted are the whole store's (chunks, quarantine, temp files); stale temp files of dead
 writers are collected (``Backend.collect_garbage`` of every model directory); quarantined
 files go oldest first (by the time they were quarantined), and the quarantine has bounds of
-its own (:class:`StoreBudget`: 10% of ``max_bytes`` and 7 days by default); then least recently
-hit chunks go, pinned chunks never.
+its own (:class:`~kvtool.engines.vllm.store_budget.StoreBudget`: 10% of ``max_bytes`` and 7
+days by default); then least recently hit chunks go, pinned chunks never.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -52,10 +52,8 @@ _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-GIB = 1 << 30
-QUARANTINE_SHARE = 0.1  # default quarantine bound: this share of max_bytes (1 GiB without one)
-QUARANTINE_AGE = 7 * 86400.0  # default: quarantined files older than this are removed
-RELIEF_SHARE = 0.1  # relieve() frees this share of max_bytes (or of the store) beyond the need
+# re-exported from store_budget on first use (see __getattr__): it imports this module
+_BUDGET_NAMES = ("StoreBudget", "GIB", "QUARANTINE_SHARE", "QUARANTINE_AGE", "RELIEF_SHARE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +229,7 @@ def prune_plan(found: StoreScan, *, max_bytes: int | None = None,
     ``older_than`` seconds, then more until the rest, with ``other_bytes`` (what stays of the
     quarantine and temp files), fits in ``max_bytes``. Pinned chunks stay (and count)."""
     now = time.time() if now is None else now
-    by_age = _lru(found)
+    by_age = eviction_order(found)
     doomed = [c for c in by_age if older_than is not None and now - c.last_hit > older_than]
     if max_bytes is not None:
         gone = {c.path for c in doomed}
@@ -317,138 +315,9 @@ def remove(items: Sequence[StoredChunk | Entry], root: str | os.PathLike | Backe
     return files, freed
 
 
-def _lru(found: StoreScan) -> list[StoredChunk]:
-    """Unpinned chunks, least recently hit first."""
+def eviction_order(found: StoreScan) -> list[StoredChunk]:
+    """Unpinned chunks, least recently hit first: the order in which chunks are evicted."""
     return sorted((c for c in found.chunks if not c.pinned), key=lambda c: (c.last_hit, c.path))
-
-
-class StoreBudget:
-    """The connector's store bounds, kept after its writes (:meth:`added`) and on a full disk
-    (:meth:`relieve`). ``max_bytes`` (None: no bound) bounds the whole store, every model's
-    chunks with the quarantine and temp files; eviction goes down to ``low_water`` of it, so
-    that it runs now and then, not after every write. The quarantine is bounded by
-    ``quarantine_bytes`` (default: 10% of ``max_bytes``, or 1 GiB) and ``quarantine_age``
-    seconds (default: 7 days; ``math.inf``: no age bound).
-
-    Cheap: the store's size is an estimate, counted up by the writes; the store is scanned only
-    when the estimate is over ``max_bytes``, when the oldest quarantined file comes of age, and
-    every :attr:`recheck` seconds (other servers write and prune too). Thread-safe."""
-
-    recheck = 600.0  # seconds between two scans when nothing else calls for one
-    backoff = 60.0  # seconds without a scan after one that could not get under the bounds
-
-    def __init__(self, root: str | os.PathLike | Backend, max_bytes: int | None,
-                 low_water: float = 0.9, quarantine_bytes: int | None = None,
-                 quarantine_age: float | None = None):
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        if quarantine_bytes is not None and quarantine_bytes < 0:
-            raise ValueError(f"quarantine_bytes must not be negative, got {quarantine_bytes}")
-        if quarantine_age is not None and quarantine_age < 0:
-            raise ValueError(f"quarantine_age must not be negative, got {quarantine_age}")
-        self.root, self.low_water = backend_of(root), low_water
-        self.max_bytes = None if max_bytes is None else int(max_bytes)
-        self.quarantine_bytes = int(quarantine_bytes if quarantine_bytes is not None
-                                    else QUARANTINE_SHARE * max_bytes if max_bytes is not None
-                                    else GIB)
-        self.quarantine_age = QUARANTINE_AGE if quarantine_age is None else quarantine_age
-        self.last: dict[str, tuple[int, int]] = {}  # the last removal's (files, bytes) by kind
-        self._estimate: int | None = None
-        self._file_bytes = 0  # the largest chunk file lately (decaying): what a write needs
-        self._next_scan = self._backoff_until = 0.0
-        self._lock = threading.Lock()
-
-    def expected(self, raw_bytes: int) -> int:
-        """The size to make room for before writing a chunk of ``raw_bytes`` of K/V: the
-        largest file written lately, or ``raw_bytes`` before the first (an upper bound)."""
-        return self._file_bytes or int(raw_bytes)
-
-    def reserve(self, nbytes: int) -> tuple[int, int]:
-        """Make room for a write of about ``nbytes`` before it starts (its temp file counts):
-        when the estimate plus it would pass ``max_bytes``, evict down to ``low_water`` of
-        it, the write included. (files, bytes) removed."""
-        with self._lock:
-            if self.max_bytes is None:
-                return 0, 0
-            if self._estimate is not None and self._estimate + nbytes <= self.max_bytes:
-                return 0, 0
-            now = time.time()
-            if self._estimate is not None and now < self._backoff_until:
-                return 0, 0
-            try:
-                return self._enforce(now, incoming=nbytes)
-            except BaseException:
-                self._next_scan = self._backoff_until = now + self.backoff
-                raise
-
-    def added(self, nbytes: int) -> tuple[int, int]:
-        """Account for ``nbytes`` just written; enforce the bounds when a scan is due (see the
-        class docstring). (files, bytes) removed: quarantined, temp and chunk files."""
-        with self._lock:
-            now = time.time()
-            if nbytes > 0:  # one file (the connector adds each chunk)
-                self._file_bytes = max(int(nbytes), int(self._file_bytes * 0.9))
-            if self._estimate is not None:
-                self._estimate += nbytes
-            over = self.max_bytes is not None and self._estimate is not None \
-                and self._estimate > self.max_bytes
-            if now < self._next_scan and not (over and now >= self._backoff_until):
-                return 0, 0
-            try:
-                return self._enforce(now)
-            except BaseException:
-                self._next_scan = self._backoff_until = now + self.backoff
-                raise
-
-    def relieve(self, needed: int) -> tuple[int, int]:
-        """Make room after a write failed for lack of space (ENOSPC, EDQUOT), before the
-        writer's one retry: stale temp files, then the oldest quarantined files, then least
-        recently hit unpinned chunks, until ``needed`` bytes plus 10% of ``max_bytes`` (or of
-        the store, without one) are free. (files, bytes) removed. Writes nothing."""
-        with self._lock:
-            found = scan(self.root, missing_ok=True)
-            base = self.max_bytes if self.max_bytes is not None else found.total_bytes
-            want = max(0, int(needed)) + int(RELIEF_SHARE * base)
-            files, freed = collect_temps(found)
-            self.last = {"temps": (files, freed)}
-            for kind, items in (("quarantine", sorted(found.quarantine, key=quarantined_at)),
-                                ("chunks", _lru(found))):
-                take, planned = [], freed
-                for item in items:
-                    if planned >= want:
-                        break
-                    take.append(item)
-                    planned += item.bytes if isinstance(item, StoredChunk) else item.size
-                n, b = remove(take, self.root)
-                files, freed = files + n, freed + b
-                self.last[kind] = (n, b)
-            self._estimate = found.total_bytes - freed
-            return files, freed
-
-    def _enforce(self, now: float, incoming: int = 0) -> tuple[int, int]:
-        """Apply every bound now; ``incoming``: bytes about to be written, counted in."""
-        found = scan(self.root, missing_ok=True)
-        total = found.total_bytes
-        aged = quarantine_plan(found, max_bytes=self.quarantine_bytes,
-                               older_than=self.quarantine_age, now=now)
-        q = remove(aged, self.root)
-        t = collect_temps(found)
-        c = (0, 0)
-        if self.max_bytes is not None and total - q[1] - t[1] + incoming > self.max_bytes:
-            other = found.quarantined_bytes - q[1] + max(0, found.temp_bytes - t[1]) + incoming
-            c = remove(prune_plan(found, max_bytes=int(self.max_bytes * self.low_water),
-                                  now=now, other_bytes=other), self.root)
-        self.last = {"quarantine": q, "temps": t, "chunks": c}
-        freed = q[1] + t[1] + c[1]
-        self._estimate = total - freed
-        self._next_scan = now + self.recheck
-        gone = {e.name for e in aged}
-        kept = [quarantined_at(e) for e in found.quarantine if e.name not in gone]
-        if kept and self.quarantine_age != float("inf"):  # when the oldest one left expires
-            self._next_scan = min(self._next_scan, min(kept) + self.quarantine_age + 1)
-        if self.max_bytes is not None and self._estimate > self.max_bytes:
-            self._backoff_until = now + self.backoff  # pinned chunks: no use scanning again
-        return q[0] + t[0] + c[0], freed
 
 
 def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
@@ -515,3 +384,13 @@ def unpin_file(root: str | os.PathLike, path: str) -> int:
     if len(keep) != len(pins):
         _write_pins(root, keep)
     return len(pins) - len(keep)
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :mod:`~kvtool.engines.vllm.store_budget`, re-exported here
+    (``store_admin.StoreBudget``), imported on first use: that module imports this one."""
+    if name in _BUDGET_NAMES:
+        from kvtool.engines.vllm import store_budget
+
+        return getattr(store_budget, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

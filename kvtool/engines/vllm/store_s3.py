@@ -23,7 +23,7 @@ Rules as on a directory (:mod:`~kvtool.engines.vllm.store`): a read error is nev
 a damaged chunk is copied to ``quarantine/`` and then deleted only if its ETag is unchanged
 (``If-Match``); objects of a newer format are skipped and left alone. A chunk being read is
 downloaded whole into an anonymous in-memory file, so the reader checks and decodes exactly
-the bytes it judged. There are no temp objects in the bucket (see below for local temp dirs).
+the bytes it judged. There are no temp objects in the bucket (local temp dirs: see below).
 
 **Last hits (LRU).** S3 has no access time. A load served from chunk ``<model>/<xx>/<key>.kvz``
 PUTs an empty marker ``hits/<model>/<key>``, whose ``LastModified`` is the hit time; at most
@@ -32,39 +32,23 @@ read-only store (``kv_consumer``). ``kvtool store`` lists ``hits/`` together wit
 (one listing) and takes a chunk's last hit as the later of its write and its marker; pruning
 removes the marker with the chunk. Times are the server's, at one-second resolution.
 
-**Timeouts and retries.** Every request has a connect timeout (:data:`CONNECT_TIMEOUT`, 2 s),
-a read timeout (:data:`READ_TIMEOUT`, 5 s: the longest wait for the next bytes of an answer)
-and at most :data:`MAX_ATTEMPTS` (2) attempts, botocore's ``standard`` retry mode. Override
-them with the storage options ``connect_timeout``, ``read_timeout`` (seconds) and
-``max_attempts``; any other option must be a keyword of ``boto3.client`` (``endpoint_url``,
-``region_name``, ``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``,
-``verify``, ...), and an unknown one is refused by name. :attr:`S3Backend.worst_case_seconds`
-bounds one request (its attempts, the backoff between them, and its body) against an endpoint
-that stops answering: with the defaults 2 × (2 + 5) + 1 + 5 = 20 s. Most calls make one
-request; twice that for those that make two (``write_new``: a HEAD, then the PUT; a HEAD's
-404 checked against the bucket, at most once a minute). Not bounded: a server that trickles
-bytes, a DNS lookup, and the first credential lookup from instance metadata.
+**Timeouts, errors and local temp dirs** are described in
+:mod:`~kvtool.engines.vllm.store_s3_common`, whose names (:class:`StoreError` and its
+subclasses, :func:`collect_local_temps`, :func:`worst_case_seconds`, the timeout defaults) are
+re-exported here. :attr:`S3Backend.worst_case_seconds` bounds one request against an endpoint
+that stops answering (20 s with the defaults). Most calls make one request; twice that for
+those that make two (``write_new``: a HEAD, then the PUT; a HEAD's 404 checked against the
+bucket, at most once a minute). A HEAD carries no error code: a 404 is checked against the
+bucket (a ``HeadBucket`` at most once a minute), a 403 is explained by a one-byte GET. Without
+``s3:ListBucket`` S3 answers a missing object with 403, which then reads as access denied. A
+chunk is encoded into a local temp dir named for its writer and uploaded from there;
+:meth:`S3Backend.collect_garbage` removes those of dead writers.
 
-**Errors** are one-line ``OSError`` exceptions naming the object and what failed:
-``FileNotFoundError`` for a missing object (a miss), and :class:`StoreError` subclasses for
-the store itself: :class:`MissingBucketError` (``ENXIO``; not a ``FileNotFoundError``), the
-``PermissionError`` subclasses :class:`AccessDeniedError` (a permission is missing) and
-:class:`CredentialsError` (credentials rejected, or none found), and
-:class:`EndpointUnavailableError` (a ``ConnectionError``; ``ETIMEDOUT``, ``ECONNREFUSED`` or
-``ECONNRESET``) when the endpoint cannot be reached, times out or drops the connection. A HEAD
-carries no error code: a 404 is checked against the bucket (a ``HeadBucket`` at most once a
-minute), a 403 is explained by a one-byte GET. Without ``s3:ListBucket`` S3 answers a missing
-object with 403, which then reads as access denied.
-
-**Local temp dirs.** A chunk is encoded into ``<tmp>/kvtool-s3-<host>.<pid>.<random>/`` and
-uploaded from there; :func:`collect_local_temps` (run by :meth:`S3Backend.collect_garbage`:
-at the connector's startup and by ``kvtool store prune``) removes those of dead writers on this
-host, and any older than :data:`~kvtool.fileio.STALE_TEMP_SECONDS`.
-
-**Downloads.** The last bodies downloaded are kept in memory (:data:`BODY_CACHE_BYTES` in all,
-each for :data:`BODY_CACHE_SECONDS` since its last use), and a later pin of the same object is
-a GET with ``If-None-Match`` on its ETag: a ``304`` serves the kept bytes, so the chunk that a
-lookup judged is not downloaded again by the load that follows, nor a hot chunk by each load.
+**Downloads.** The last bodies downloaded are kept in memory (:class:`BodyCache`:
+:data:`BODY_CACHE_BYTES` in all, each for :data:`BODY_CACHE_SECONDS` since its last use), and a
+later pin of the same object is a GET with ``If-None-Match`` on its ETag: a ``304`` serves the
+kept bytes, so the chunk that a lookup judged is not downloaded again by the load that follows,
+nor a hot chunk by each load.
 """
 
 from __future__ import annotations
@@ -73,110 +57,44 @@ import contextlib
 import errno
 import hashlib
 import os
-import re
 import shutil
-import stat
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-from kvtool.engines.vllm.safeio import Stamp, pinned
+from kvtool.engines.vllm.safeio import Stamp, in_memory
 from kvtool.engines.vllm.store_backend import MODEL_DIR, QUARANTINE_DIR, SHARD_DIR, Entry
+from kvtool.engines.vllm.store_s3_common import (  # noqa: F401  (re-exported)
+    BODY_CACHE_BYTES,
+    BODY_CACHE_SECONDS,
+    CONNECT_TIMEOUT,
+    MAX_ATTEMPTS,
+    MAX_BACKOFF,
+    NOT_FOUND_CODES,
+    READ_TIMEOUT,
+    TEMP_DIR_PREFIX,
+    TIMEOUT_OPTIONS,
+    UNSUPPORTED_CODES,
+    AccessDeniedError,
+    BodyCache,
+    CredentialsError,
+    EndpointUnavailableError,
+    MissingBucketError,
+    StoreError,
+    client_options,
+    collect_local_temps,
+    error_code,
+    request_error,
+    worst_case_seconds,
+)
 from kvtool.errors import KvtoolError
-from kvtool.fileio import STALE_TEMP_SECONDS, host_name, pid_alive
+from kvtool.fileio import host_name
 
 HITS_DIR = "hits"
 HIT_INTERVAL = 300.0  # seconds between two hit marks of one chunk by one process
-CONNECT_TIMEOUT = 2.0  # seconds to open a connection
-READ_TIMEOUT = 5.0  # seconds to wait for the next bytes of an answer
-MAX_ATTEMPTS = 2  # tries of one request, the first included
-MAX_BACKOFF = 20.0  # botocore's cap on the pause between two attempts
 BUCKET_CHECK_INTERVAL = 60.0  # seconds between two checks that a HEAD's 404 is not the bucket's
-BODY_CACHE_BYTES = 64 << 20  # downloaded bodies kept for revalidation (If-None-Match)
-BODY_CACHE_SECONDS = 60.0  # ... each for this long since its last use
-TEMP_DIR_PREFIX = "kvtool-s3-"
-TIMEOUT_OPTIONS = ("connect_timeout", "read_timeout", "max_attempts")
-_TEMP_DIR_RE = re.compile(r"^kvtool-s3-(?:(?P<host>[A-Za-z0-9_-]{1,64})\.(?P<pid>\d{1,10})\.)?"
-                          r"[a-z0-9_]+$")
-_UNSUPPORTED = {"NotImplemented", "InvalidArgument", "InvalidRequest"}  # conditional headers
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled"}
-_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                "TokenRefreshRequired", "InvalidClientTokenId", "ExpiredTokenException"}
-
-
-class StoreError(OSError):
-    """A failed request, said in one line: ``str()`` is the message, without ``[Errno n]``."""
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
-
-
-class MissingBucketError(StoreError):
-    """The store's bucket does not exist (``ENXIO``). Not a ``FileNotFoundError``: that is a
-    missing chunk, a plain miss."""
-
-
-class EndpointUnavailableError(StoreError, ConnectionError):
-    """The endpoint cannot be reached (``ECONNREFUSED``), did not answer in time
-    (``ETIMEDOUT``) or dropped the connection (``ECONNRESET``)."""
-
-
-class AccessDeniedError(StoreError, PermissionError):
-    """The server refused the request: the credentials lack a permission (``EACCES``)."""
-
-
-class CredentialsError(StoreError, PermissionError):
-    """The server rejected the credentials, or none were found (``EACCES``)."""
-
-
-class _Body(NamedTuple):
-    """A downloaded object kept for revalidation."""
-
-    used: float  # time.monotonic() of its last use
-    etag: str
-    stamp: Stamp
-    data: bytes
-
-
-def worst_case_seconds(connect_timeout: float, read_timeout: float, max_attempts: int) -> float:
-    """The longest one request can block on an endpoint that stops answering: each attempt's
-    connect and read timeouts, botocore's backoff between attempts (at most 1, 2, 4, ... s),
-    and one more read timeout for the body."""
-    backoff = sum(min(2.0 ** i, MAX_BACKOFF) for i in range(max_attempts - 1))
-    return max_attempts * (connect_timeout + read_timeout) + backoff + read_timeout
-
-
-def _client_options(url: str, options: dict[str, Any], session: Any
-                    ) -> tuple[dict[str, Any], float, float, int]:
-    """``storage_options`` split into ``boto3.client`` keywords and (connect timeout, read
-    timeout, attempts); a :class:`KvtoolError` naming any unknown option or bad value."""
-    import inspect
-
-    if not isinstance(options, dict):
-        raise KvtoolError(f"{url}: storage_options must be a mapping of option names to "
-                          f"values, got {type(options).__name__}")
-    allowed = set(inspect.signature(session.client).parameters) - {"service_name", "config"}
-    options = dict(options)
-    for key in options:
-        if key not in allowed and key not in TIMEOUT_OPTIONS:
-            known = ", ".join(sorted(allowed | set(TIMEOUT_OPTIONS)))
-            raise KvtoolError(f"{url}: unknown storage option {key!r} (known: {known})")
-    timeouts = []
-    for key, default in (("connect_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
-        value = options.pop(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise KvtoolError(f"{url}: storage option {key} must be a positive number of "
-                              f"seconds, got {value!r}")
-        timeouts.append(float(value))
-    attempts = options.pop("max_attempts", MAX_ATTEMPTS)
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        raise KvtoolError(f"{url}: storage option max_attempts must be a whole number >= 1, "
-                          f"got {attempts!r}")
-    return options, timeouts[0], timeouts[1], attempts
 
 
 class S3Backend:
@@ -203,7 +121,7 @@ class S3Backend:
         self.bucket, self.prefix = bucket, (prefix.strip("/") + "/" if prefix.strip("/") else "")
         self.writable = writable
         session = boto3.session.Session()
-        options, self.connect_timeout, self.read_timeout, self.max_attempts = _client_options(
+        options, self.connect_timeout, self.read_timeout, self.max_attempts = client_options(
             url, storage_options or {}, session)
         self.worst_case_seconds = worst_case_seconds(self.connect_timeout, self.read_timeout,
                                                      self.max_attempts)
@@ -216,8 +134,7 @@ class S3Backend:
             raise KvtoolError(f"{url}: {e}") from None
         self._etags: dict[str, tuple[Stamp, str]] = {}  # name → (stamp, ETag) as last pinned
         self._hits: dict[str, float] = {}  # name → when this process last marked a hit
-        self._bodies: OrderedDict[str, _Body] = OrderedDict()  # least recently used first
-        self._body_bytes = 0
+        self._bodies = BodyCache()  # downloaded bodies, for If-None-Match
         self._bucket_missing = False
         self._bucket_checked = -BUCKET_CHECK_INTERVAL  # time.monotonic() of the last check
         self._lock = threading.Lock()
@@ -231,51 +148,14 @@ class S3Backend:
 
     # -- errors --------------------------------------------------------------------------------
     def _error(self, e: Exception, name: str, action: str) -> OSError:
-        """The one-line ``OSError`` for a failed request (see the module docstring)."""
-        from botocore import exceptions as bx
-
-        where = self.path(name) if name else self.location
-        if isinstance(e, bx.ClientError):
-            error = e.response.get("Error", {})
-            code, message = str(error.get("Code", "")), str(error.get("Message") or "")
-            if code in _NOT_FOUND:
-                return FileNotFoundError(errno.ENOENT, f"{where}: no such object")
-            if code == "NoSuchBucket":
-                self._bucket_missing = True
-                return MissingBucketError(errno.ENXIO, f"cannot {action} {where}: bucket "
-                                          f"{self.bucket} does not exist")
-            if code in _CREDENTIALS:
-                return CredentialsError(errno.EACCES, f"cannot {action} {where}: credentials "
-                                        f"rejected ({code}: {message.rstrip('.')})")
-            if code in _DENIED:
-                return AccessDeniedError(errno.EACCES, f"cannot {action} {where}: access "
-                                         "denied (check the credentials' permissions on "
-                                         f"bucket {self.bucket})")
-            return OSError(errno.EIO, f"cannot {action} {where}: {code}: {message or e}")
-        if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError,
-                          bx.CredentialRetrievalError)):
-            return CredentialsError(errno.EACCES, f"cannot {action} {where}: no usable "
-                                    f"credentials ({e}; set AWS_ACCESS_KEY_ID and "
-                                    "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
-        endpoint = self.client.meta.endpoint_url
-        tries = f"{self.max_attempts} attempt{'s' if self.max_attempts > 1 else ''}"
-        if isinstance(e, bx.ConnectTimeoutError):
-            return EndpointUnavailableError(
-                errno.ETIMEDOUT, f"cannot {action} {where}: endpoint {endpoint} unreachable: "
-                f"connect timed out after {self.connect_timeout:g} s (up to {tries})")
-        if isinstance(e, bx.ReadTimeoutError):
-            return EndpointUnavailableError(
-                errno.ETIMEDOUT, f"cannot {action} {where}: endpoint {endpoint} did not answer: "
-                f"timed out after {self.read_timeout:g} s (up to {tries})")
-        if isinstance(e, (bx.ConnectionClosedError, bx.ResponseStreamingError)):
-            return EndpointUnavailableError(
-                errno.ECONNRESET, f"cannot {action} {where}: endpoint {endpoint} dropped the "
-                "connection")
-        if isinstance(e, bx.ConnectionError):
-            return EndpointUnavailableError(
-                errno.ECONNREFUSED, f"cannot {action} {where}: endpoint {endpoint} unreachable "
-                f"({_cause(e)})")
-        return OSError(errno.EIO, f"cannot {action} {where}: {type(e).__name__}: {e}")
+        """The one-line ``OSError`` for a failed request (:func:`request_error`)."""
+        error = request_error(e, self.path(name) if name else self.location, action,
+                              bucket=self.bucket, endpoint=self.client.meta.endpoint_url,
+                              connect_timeout=self.connect_timeout,
+                              read_timeout=self.read_timeout, max_attempts=self.max_attempts)
+        if isinstance(error, MissingBucketError):
+            self._bucket_missing = True
+        return error
 
     def _not_found(self, name: str, action: str) -> OSError:
         """The error for a HEAD's 404: ``FileNotFoundError``, or :class:`MissingBucketError`
@@ -292,7 +172,7 @@ class S3Backend:
                 self.client.head_bucket(Bucket=self.bucket)
                 self._bucket_missing = False
             except ClientError as e:
-                self._bucket_missing = _code(e) in ("404", "NoSuchBucket", "NotFound")
+                self._bucket_missing = error_code(e) in ("404", "NoSuchBucket", "NotFound")
             except BotoCoreError:
                 pass  # cannot tell: as before
         if self._bucket_missing:
@@ -314,8 +194,8 @@ class S3Backend:
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(name))
         except (BotoCoreError, ClientError) as e:
-            code = _code(e)
-            if code in _NOT_FOUND:
+            code = error_code(e)
+            if code in NOT_FOUND_CODES:
                 raise self._not_found(name, action) from None
             if code in ("403", "Forbidden"):
                 try:
@@ -335,71 +215,30 @@ class S3Backend:
         A body kept from an earlier download is revalidated (``If-None-Match``), not fetched."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        kept = self._kept(name)
+        kept = self._bodies.get(name)
         args = {"Bucket": self.bucket, "Key": self._key(name)}
         try:
             got = self.client.get_object(**args, **({"IfNoneMatch": kept.etag} if kept else {}))
             data = got["Body"].read()
         except (BotoCoreError, ClientError) as e:
-            if kept is None or _code(e) not in ("304", "NotModified"):
+            if kept is None or error_code(e) not in ("304", "NotModified"):
                 error = self._error(e, name, "read")
                 if isinstance(error, FileNotFoundError):
-                    self._forget(name)
+                    self._bodies.drop(name)
                 raise error from None
             etag, stamp, data = kept.etag, kept.stamp, kept.data  # unchanged: the kept bytes
         else:
             etag = got["ETag"]
             stamp = _stamp(etag, len(data), got["LastModified"].timestamp())
-            self._keep(name, etag, stamp, data)
+            self._bodies.put(name, etag, stamp, data)
         self._bucket_found()
         with self._lock:
             self._etags[name] = (stamp, etag)
         return self._pinned(data, name, stamp)
 
-    def _kept(self, name: str) -> _Body | None:
-        """The kept body of ``name`` (expired ones dropped), marked as used."""
-        now = time.monotonic()
-        with self._lock:
-            while self._bodies:
-                oldest = next(iter(self._bodies.values()))
-                if now - oldest.used <= BODY_CACHE_SECONDS:
-                    break
-                self._body_bytes -= len(self._bodies.popitem(last=False)[1].data)
-            kept = self._bodies.get(name)
-            if kept is not None:
-                self._bodies[name] = kept._replace(used=now)
-                self._bodies.move_to_end(name)
-            return kept
-
-    def _keep(self, name: str, etag: str, stamp: Stamp, data: bytes) -> None:
-        """Keep a downloaded body, evicting the least recently used past the budget."""
-        with self._lock:
-            old = self._bodies.pop(name, None)
-            if old is not None:
-                self._body_bytes -= len(old.data)
-            if len(data) > BODY_CACHE_BYTES:
-                return
-            self._bodies[name] = _Body(time.monotonic(), etag, stamp, data)
-            self._body_bytes += len(data)
-            while self._body_bytes > BODY_CACHE_BYTES:
-                self._body_bytes -= len(self._bodies.popitem(last=False)[1].data)
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            old = self._bodies.pop(name, None)
-            if old is not None:
-                self._body_bytes -= len(old.data)
-
     @contextlib.contextmanager
     def _pinned(self, data: bytes, name: str, stamp: Stamp) -> Iterator[tuple[str, Stamp]]:
-        fd = _anonymous_file()
-        try:
-            _write_all(fd, data)
-            os.lseek(fd, 0, os.SEEK_SET)
-        except BaseException:
-            os.close(fd)
-            raise
-        with pinned(fd, self.path(name)) as (path, _):
+        with in_memory(data, self.path(name)) as path:
             yield path, stamp
 
     def peek(self, name: str) -> Stamp | None:
@@ -466,10 +305,10 @@ class S3Backend:
         try:
             self.client.put_object(**args, **({"IfNoneMatch": "*"} if create else {}))
         except (ClientError, ParamValidationError) as e:
-            code = _code(e)
+            code = error_code(e)
             if code in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False
-            if not create or (isinstance(e, ClientError) and code not in _UNSUPPORTED):
+            if not create or (isinstance(e, ClientError) and code not in UNSUPPORTED_CODES):
                 raise self._error(e, name, "write") from None
             try:  # a server without conditional writes: the exists() check above stands
                 self.client.put_object(**args)
@@ -499,10 +338,10 @@ class S3Backend:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(name), IfMatch=etag)
         except (ClientError, ParamValidationError) as e:
-            code = _code(e)
+            code = error_code(e)
             if code in ("PreconditionFailed", "NoSuchKey"):
                 return False  # rewritten (or removed) meanwhile: judge the new one afresh
-            if code not in _UNSUPPORTED and isinstance(e, ClientError):
+            if code not in UNSUPPORTED_CODES and isinstance(e, ClientError):
                 raise self._error(e, name, "quarantine") from None
             try:  # a server (or botocore) without conditional deletes
                 self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
@@ -512,7 +351,7 @@ class S3Backend:
             raise self._error(e, name, "quarantine") from None
         with self._lock:
             self._etags.pop(name, None)
-        self._forget(name)
+        self._bodies.drop(name)
         return True
 
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None:
@@ -580,7 +419,7 @@ class S3Backend:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
         except (BotoCoreError, ClientError) as e:
             raise self._error(e, name, "remove") from None
-        self._forget(name)
+        self._bodies.drop(name)
         with contextlib.suppress(BotoCoreError, ClientError):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(_hit_name(name)))
         return int(head["ContentLength"])
@@ -606,71 +445,6 @@ class S3Backend:
         self._bucket_found()
 
 
-def collect_local_temps(now: float | None = None, directory: str | None = None
-                        ) -> tuple[int, int]:
-    """Remove the local temp dirs of S3 writers (``kvtool-s3-<host>.<pid>.<random>`` in
-    ``directory``, default :func:`tempfile.gettempdir`) whose writer on this host is dead, and
-    any older than :data:`~kvtool.fileio.STALE_TEMP_SECONDS` (unowned names included); (files
-    removed, bytes freed). Only this user's real directories: a symlink is never followed."""
-    root = tempfile.gettempdir() if directory is None else directory
-    now = time.time() if now is None else now
-    try:
-        with os.scandir(root) as it:
-            names = [e.name for e in it if e.name.startswith(TEMP_DIR_PREFIX)]
-    except OSError:
-        return 0, 0
-    files = freed = 0
-    for dirname in names:
-        m = _TEMP_DIR_RE.match(dirname)
-        path = os.path.join(root, dirname)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if m is None or not stat.S_ISDIR(st.st_mode) or (
-                hasattr(os, "getuid") and st.st_uid != os.getuid()):
-            continue
-        age = now - st.st_mtime
-        pid = int(m["pid"]) if m["pid"] else None
-        if pid is not None and m["host"] == host_name() and pid != os.getpid():
-            stale = not pid_alive(pid) or age > STALE_TEMP_SECONDS
-        else:
-            stale = age > STALE_TEMP_SECONDS
-        if not stale:
-            continue
-        n, size = _tree_size(path)
-        try:
-            shutil.rmtree(path)  # refuses a symlink; never follows one inside
-        except OSError:
-            continue
-        files, freed = files + n, freed + size
-    return files, freed
-
-
-def _tree_size(path: str) -> tuple[int, int]:
-    """(entries that are not directories, bytes of regular files) under ``path``."""
-    files = size = 0
-    for top, _dirs, names in os.walk(path, followlinks=False):
-        for n in names:
-            files += 1
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(top, n))
-                size += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return files, size
-
-
-def _code(e: Exception) -> str:
-    """The error code of a botocore error ("" if none)."""
-    response = getattr(e, "response", None)
-    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
-
-
-def _cause(e: Exception) -> str:
-    """The low-level reason of a botocore connection error, short (``[Errno 111] ...``)."""
-    text = str(getattr(e, "kwargs", {}).get("error") or e)
-    return text[text.index("[Errno"):].rstrip(")'\"") if "[Errno" in text else text
-
-
 def _chunk_id(name: str) -> str:
     """``<model>/<key>`` of a chunk name ``<model>/<xx>/<key>.kvz``."""
     parts = name.split("/")
@@ -684,20 +458,4 @@ def _hit_name(name: str) -> str:
 def _stamp(etag: str, size: int, mtime: float) -> Stamp:
     digest = hashlib.sha256(etag.encode()).digest()
     return int.from_bytes(digest[:8], "little"), int(size), int(mtime * 1e9)
-
-
-def _anonymous_file() -> int:
-    """An fd of a file with no name: in memory where the OS can (Linux), else a temp file."""
-    if hasattr(os, "memfd_create"):
-        return os.memfd_create("kvtool-chunk", getattr(os, "MFD_CLOEXEC", 0))
-    f = tempfile.TemporaryFile()
-    fd = os.dup(f.fileno())
-    f.close()
-    return fd
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
