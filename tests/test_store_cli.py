@@ -14,6 +14,7 @@ from kvtool.cli.main import cli  # noqa: E402
 from kvtool.engines.vllm import store_admin  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store_budget import StoreBudget  # noqa: E402
 
 CHUNK = 16
 MODELS = [{"fingerprint": "a" * 64, "name": "m1"}, {"fingerprint": "b" * 64, "name": "m2"}]
@@ -164,12 +165,12 @@ def test_the_connector_budget_evicts_lru_down_to_low_water(tmp_path):
     size = os.path.getsize(chunks[0].path)
     for i, c in enumerate(chunks):
         set_hit(c.path, 1_000_000 + i)  # chunks[0] least recently hit
-    budget = store_admin.StoreBudget(tmp_path, max_bytes=int(3.2 * size))
+    budget = StoreBudget(tmp_path, max_bytes=int(3.2 * size))
     assert budget.added(0) == (2, 2 * size)  # 4 chunks > 3.2: down to 0.9 * 3.2 = 2.88 → 2 left
     assert {c.path for c in store_admin.scan(tmp_path).chunks} == {c.path for c in chunks[2:]}
     assert budget.added(size) == (0, 0)  # under budget: no scan, nothing evicted
     with pytest.raises(ValueError):
-        store_admin.StoreBudget(tmp_path, 0)
+        StoreBudget(tmp_path, 0)
 
 
 def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner):

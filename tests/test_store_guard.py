@@ -162,7 +162,7 @@ def test_compiled_kernels_leave_the_callers_openmp_threads_alone():
 def _store_and_budget(tmp_path, max_bytes):
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.store import PrefixStore
-    from kvtool.engines.vllm.store_admin import StoreBudget
+    from kvtool.engines.vllm.store_budget import StoreBudget
 
     store = PrefixStore(tmp_path / "store", {"fingerprint": "a" * 64, "name": "t"}, 16,
                         policy_from_extra({"codec": "turbo3"}))

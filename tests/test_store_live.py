@@ -21,6 +21,7 @@ from kvtool.engines.vllm import safeio, store_admin
 from kvtool.engines.vllm.common import policy_from_extra
 from kvtool.engines.vllm.store import PrefixStore
 from kvtool.engines.vllm.store_backend import LocalBackend
+from kvtool.engines.vllm.store_budget import StoreBudget
 from kvtool.fileio import TEMP_SUFFIX, atomic_write
 
 CHUNK = 16
@@ -116,6 +117,7 @@ def test_threads_writing_one_chunk_leave_one_intact_file_counted_once(tmp_path, 
 WRITER = """
 import os, sys, time
 from kvtool.engines.vllm.store_backend import LocalBackend
+from kvtool.engines.vllm.store_budget import StoreBudget
 from kvtool.fileio import atomic_write
 
 root, name, sync, fill = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].encode()
@@ -276,7 +278,7 @@ def test_budget_counts_quarantine_and_temp_files(tmp_path):
     quarantined(tmp_path, size // 2, days_ago=1)
     live = os.path.join(os.path.dirname(chunks[0].path), f".x.kvz.h.{os.getpid()}.a{TEMP_SUFFIX}")
     open(live, "wb").write(b"z" * (size // 2))  # a write in progress: counted, kept
-    budget = store_admin.StoreBudget(tmp_path, max_bytes=int(4.5 * size),
+    budget = StoreBudget(tmp_path, max_bytes=int(4.5 * size),
                                      quarantine_bytes=size)
     files, freed = budget.added(0)  # 4 chunks fit, with the quarantine and the temp they do not
     assert (files, freed) == (1, size)  # down to 0.9 * 4.5 = 4.05 sizes: 3 chunks + 1
@@ -290,15 +292,15 @@ def test_budget_bounds_the_quarantine_and_collects_stale_temps(tmp_path):
     mid = quarantined(tmp_path, 300, days_ago=3, key="2" * 64)
     new = quarantined(tmp_path, 300, days_ago=1, key="3" * 64)
     leftover = stale_temp(os.path.dirname(chunks[0].path), 700)
-    budget = store_admin.StoreBudget(tmp_path, None, quarantine_bytes=400)  # no max_bytes
+    budget = StoreBudget(tmp_path, None, quarantine_bytes=400)  # no max_bytes
     assert budget.added(0) == (3, 100 + 300 + 700)
     assert budget.last == {"quarantine": (2, 400), "temps": (1, 700), "chunks": (0, 0)}
     assert not os.path.exists(old) and not os.path.exists(mid)  # too old, then oldest first
     assert os.path.exists(new) and not os.path.exists(leftover)
     assert all(os.path.exists(c.path) for c in chunks)
-    defaults = store_admin.StoreBudget(tmp_path, 10_000)
+    defaults = StoreBudget(tmp_path, 10_000)
     assert (defaults.quarantine_bytes, defaults.quarantine_age) == (1000, 7 * 86400)
-    assert store_admin.StoreBudget(tmp_path, None).quarantine_bytes == 1 << 30
+    assert StoreBudget(tmp_path, None).quarantine_bytes == 1 << 30
 
 
 def test_budget_does_not_rescan_on_every_write(tmp_path, monkeypatch):
@@ -308,7 +310,7 @@ def test_budget_does_not_rescan_on_every_write(tmp_path, monkeypatch):
     real = store_admin.scan
     monkeypatch.setattr(store_admin, "scan",
                         lambda root, **kw: scans.append(1) or real(root, **kw))
-    budget = store_admin.StoreBudget(tmp_path, max_bytes=100 * size)
+    budget = StoreBudget(tmp_path, max_bytes=100 * size)
     for _ in range(50):
         assert budget.added(size // 10) == (0, 0)
     assert len(scans) == 1  # the first call; then the estimate
@@ -349,7 +351,7 @@ def test_enospc_relief_makes_room_for_the_retry(tmp_path):
         store.write(new, *kv(6), IDS)
     assert info.value.errno == errno.ENOSPC and info.value.filename == new.path
     assert temps_under(tmp_path) == [leftover]  # the failed write left nothing
-    budget = store_admin.StoreBudget(store.backend, None)
+    budget = StoreBudget(store.backend, None)
     files, freed = budget.relieve(size)
     want = size + capacity // 10
     assert freed >= want
@@ -359,7 +361,7 @@ def test_enospc_relief_makes_room_for_the_retry(tmp_path):
     assert os.path.exists(chunks[0].path)  # pinned: never evicted
     assert not os.path.exists(chunks[1].path)  # the least recently hit unpinned chunk
     assert store.write(new, *kv(6), IDS) == size  # the retry fits
-    budget2 = store_admin.StoreBudget(tmp_path, max_bytes=20 * size)  # 10% of max_bytes
+    budget2 = StoreBudget(tmp_path, max_bytes=20 * size)  # 10% of max_bytes
     before = store_admin.scan(tmp_path).total_bytes
     assert budget2.relieve(0) == (2, 2 * size)
     assert store_admin.scan(tmp_path).total_bytes == before - 2 * size
@@ -382,7 +384,7 @@ def test_enospc_on_a_real_tiny_tmpfs(tmp_path):
         assert info.value.errno == errno.ENOSPC and written > 2
         assert info.value.filename.startswith(str(mnt)) and "/proc/" not in str(info.value)
         assert temps_under(mnt) == []
-        budget = store_admin.StoreBudget(store.backend, None)
+        budget = StoreBudget(store.backend, None)
         files, freed = budget.relieve(os.path.getsize(chunks[0].path))
         assert files >= 1
         assert store.write(chunks[written], *kv(), IDS * 8) > 0  # the retry fits

@@ -38,6 +38,7 @@ from kvtool.engines.vllm import store_admin  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra, stats  # noqa: E402
 from kvtool.engines.vllm.guard import StoreGuard  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore, open_store  # noqa: E402
+from kvtool.engines.vllm.store_budget import StoreBudget  # noqa: E402
 from kvtool.engines.vllm.store_s3 import (  # noqa: E402
     HITS_DIR,
     AccessDeniedError,
@@ -313,7 +314,7 @@ def test_hits_prune_and_budget_on_s3(s3, url, runner):
     assert out.exit_code == 0 and json.loads(out.output)["removed_files"] == 2, out.output
     left = {c.path for c in store_admin.scan(url).chunks}
     assert chunks[2].path in left and len(left) == 2
-    budget = store_admin.StoreBudget(store.backend, max_bytes=int(1.5 * size))
+    budget = StoreBudget(store.backend, max_bytes=int(1.5 * size))
     assert budget.added(0) == (1, size)  # down to 0.9 * 1.5 chunks: the hit one stays
     assert {c.path for c in store_admin.scan(url).chunks} == {chunks[2].path}
     hits = [k for k in objects(s3, url) if k.startswith(HITS_DIR)]

@@ -52,8 +52,6 @@ _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-# re-exported from store_budget on first use (see __getattr__): it imports this module
-_BUDGET_NAMES = ("StoreBudget", "GIB", "QUARANTINE_SHARE", "QUARANTINE_AGE", "RELIEF_SHARE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,13 +382,3 @@ def unpin_file(root: str | os.PathLike, path: str) -> int:
     if len(keep) != len(pins):
         _write_pins(root, keep)
     return len(pins) - len(keep)
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :mod:`~kvtool.engines.vllm.store_budget`, re-exported here
-    (``store_admin.StoreBudget``), imported on first use: that module imports this one."""
-    if name in _BUDGET_NAMES:
-        from kvtool.engines.vllm import store_budget
-
-        return getattr(store_budget, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,9 @@ write and on a full disk, by the rules of :mod:`~kvtool.engines.vllm.store_admin
 store's bytes count; stale temp files are collected, then the oldest quarantined files go,
 then least recently hit chunks, pinned chunks never).
 
-Re-exported by :mod:`~kvtool.engines.vllm.store_admin` (lazily: this module imports it). The
-store's tools are looked up on that module at each call (``admin.scan``, ...), so that a tool
-replaced there is the one the budget uses too. Nothing here imports vLLM.
+The store's tools are looked up on :mod:`~kvtool.engines.vllm.store_admin` at each call
+(``admin.scan``, ...), so that a tool replaced there is the one the budget uses too. Nothing
+here imports vLLM.
 """
 
 from __future__ import annotations
