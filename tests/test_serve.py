@@ -31,7 +31,8 @@ def dry_run(runner, *args: str) -> dict:
 
 def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_path):
     plan = dry_run(runner, "--store", str(tmp_path), "--port", "8123", "--codec", "raw",
-                   "--max-store-bytes", "1GB", "--", "--max-num-seqs", "3")
+                   "--max-store-bytes", "1GB", "--store-timeout", "0.5", "--",
+                   "--max-num-seqs", "3")
     argv = plan["argv"]
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -39,6 +40,7 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
     assert transfer["kv_connector"] == "KvtoolConnector"
     assert (extra["store_path"], extra["codec"], extra["max_bytes"]) == (str(tmp_path), "raw",
                                                                         "1GB")
+    assert extra["store_timeout"] == 0.5
     assert argv[argv.index("--port") + 1] == "8123"
     assert argv[-2:] == ["--max-num-seqs", "3"]  # passed through, last
     assert "--enforce-eager" in argv and "--kv-cache-memory-bytes" in argv  # no CUDA here

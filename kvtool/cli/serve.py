@@ -34,6 +34,9 @@ def _store_line(store: str | None) -> str:
               "persist here, compressed.")
 @click.option("--max-store-bytes", help="Bound the store (e.g. 2GB): least recently hit chunks "
               "are evicted.")
+@click.option("--store-timeout", type=click.FloatRange(0, 3600, min_open=True),
+              help="Seconds a store lookup, or one chunk's read, may take before the prefix is "
+              "computed instead (default 1).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
               help="Model dtype (default: bfloat16 on CPU, the model's on CUDA).")
 @click.option("--max-model-len", type=click.IntRange(16), help="Context length (default: the "
@@ -46,7 +49,8 @@ def _store_line(store: str | None) -> str:
 @click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 @handle_errors
 def serve_command(model: str, engine: str, host: str, port: int, store: str | None,
-                  max_store_bytes: str | None, dtype: str | None, max_model_len: int | None,
+                  max_store_bytes: str | None, store_timeout: float | None, dtype: str | None,
+                  max_model_len: int | None,
                   pins: tuple[str, ...], dry_run: bool, as_json: bool,
                   engine_args: tuple[str, ...], **codec_opts: Any) -> None:
     """Start an OpenAI-compatible server with kvtool's persistent prefix store.
@@ -57,9 +61,9 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
     if engine == "mlx":
         from kvtool.engines import mlx_serve
 
-        if pins or max_store_bytes or max_model_len:
-            raise click.UsageError("--pin, --max-store-bytes and --max-model-len are "
-                                   "vLLM-only; --engine mlx takes --store DIR")
+        if pins or max_store_bytes or max_model_len or store_timeout:
+            raise click.UsageError("--pin, --max-store-bytes, --store-timeout and "
+                                   "--max-model-len are vLLM-only; --engine mlx takes --store DIR")
         plan = mlx_serve.plan(model, host=host, port=port, store=store, dtype=dtype,
                               policy_options=codec_opts, engine_args=engine_args)
     else:
@@ -67,7 +71,8 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
 
         plan = serve.plan(model, host=host, port=port, store=store, dtype=dtype,
                           max_model_len=max_model_len, policy_options=codec_opts,
-                          max_store_bytes=max_store_bytes, pins=pins, engine_args=engine_args)
+                          max_store_bytes=max_store_bytes, store_timeout=store_timeout,
+                          pins=pins, engine_args=engine_args)
     if dry_run and as_json:
         echo_json({"argv": plan.argv, "url": plan.url, "model": plan.model, "store": plan.store,
                    "policy": plan.policy, "lossy": plan.lossy, "pins": plan.pins,

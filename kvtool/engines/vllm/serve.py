@@ -67,6 +67,7 @@ SHUTDOWN_TIMEOUT_S = 30
 def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          store: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
          policy_options: dict[str, Any] | None = None, max_store_bytes: str | None = None,
+         store_timeout: float | None = None,
          pins: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> ServePlan:
     """The server's command line and summary (nothing is started)."""
     from transformers import AutoConfig
@@ -98,6 +99,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         except ValueError as e:
             raise KvtoolError(f"--max-store-bytes: {e}") from None
         connector["max_bytes"] = max_store_bytes
+    if store_timeout is not None:
+        connector["store_timeout"] = store_timeout
     checked = [check_pin(p, info["fingerprint"], ident_dtype) for p in pins]
     real_pins = [real for real, _ in checked]
     if real_pins:
