@@ -166,10 +166,11 @@ class Server:
         return unexpected or bool(ENGINE_DEATH.search(text))
 
     def growth(self, warm_up: float) -> tuple[float, float] | None:
-        """(RSS, fds) growth from just after warm-up to the end; None if it ran too briefly."""
+        """(RSS, fds) growth from just after warm-up to the end; None if it ran less than a
+        minute after warm-up."""
         after = [s for s in self.samples if s[0] - self.up >= warm_up]
-        if len(after) < 10:
-            return None
+        if len(after) < 10 or after[-1][0] - after[0][0] < 60:
+            return None  # too short a life after warm-up to tell growth from start-up
         head, tail = after[:5], after[-5:]
 
         def med(xs: list[int]) -> float:

@@ -218,7 +218,14 @@ def test_hf_restores_a_float32_capture_in_bf16(bf16_model, f32_cache, caplog):
     assert hf.to_dynamic_cache(f32_cache, model=bf16_model.model).layers[0].keys.dtype \
         == torch.bfloat16
     full = hf.full_ids_for(f32_cache, bf16_model.tokenizer, QUESTION)
-    assert out.new_token_ids[0] == hf.recompute_generation(bf16_model, full, 1).new_token_ids[0]
+    with torch.no_grad():
+        logits = bf16_model.model(torch.tensor([list(full)])).logits[0, -1].float()
+    # K/V computed in float32 and rounded are not K/V computed in bfloat16: the first token is
+    # bf16's own pick, or, on a near tie, its runner-up within a couple of bf16 steps (here the
+    # float32 pick, 0.06 behind: rounding K/V cannot move a clear winner)
+    token, top = out.new_token_ids[0], torch.topk(logits, 2)
+    assert token in top.indices.tolist(), (token, top)
+    assert float(logits.max() - logits[token]) <= 0.125, (token, top)
 
 
 @needs_model

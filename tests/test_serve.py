@@ -211,6 +211,7 @@ def test_cold_request_misses_then_fills_the_store(server_a, cold):
     assert cold.strip()
     assert len(_chunks(server_a.store)) >= 2, server_a.log.read_text()[-3000:]
     assert server_a.wait_metric("kvtool_store_requests_total", 1, result="miss") >= 1
+    server_a.complete("Hi.", max_tokens=1)  # async saves show with the engine's next step
     assert server_a.wait_metric("kvtool_store_saved_chunks_total", 2) >= 2
     policy = default_policy()
     assert server_a.metric("kvtool_store_policy_info", policy=policy, lossy="true") == 1
