@@ -342,9 +342,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self._layers = None
         if self.store is not None:  # the codecs' compiled kernels, before the first load
             from kvtool.kernels import warm_up_async
-
-            warm_up_async([self.policy.key, self.policy.value],
-                          self.model_info.get("dtype") or "float32")
+            warm_up_async([self.policy.key, self.policy.value], self.model_info["dtype"])
 
     def _layer_table(self) -> list[tuple[str, PagedLayout, int]]:
         """(layer name, layout, kernel blocks per scheduler block), in model layer order."""
@@ -488,9 +486,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             self._stats_file.write()
 
     def _capture(self, spec: SaveSpec) -> None:
-        write_capture(spec.capture_path, lambda: self._gather(spec.block_ids, 0,
-                                                              len(spec.token_ids)),
-                      spec.token_ids, self.model_info, self._tokenizer_fingerprint())
+        gather = lambda: self._gather(spec.block_ids, 0, len(spec.token_ids))  # noqa: E731
+        write_capture(spec.capture_path, gather, spec.token_ids, self.model_info,
+                      self._tokenizer_fingerprint())
 
     def _tokenizer_fingerprint(self) -> str | None:
         if self._tokenizer_fp is None:
