@@ -71,7 +71,7 @@ class StoreGuard:
         """Whether the store is being skipped now (a recent timeout or endpoint failure)."""
         return time.monotonic() < self._closed_until
 
-    def _admit(self, kind: str) -> None:
+    def _admit(self) -> None:
         with self._lock:
             if time.monotonic() < self._closed_until:
                 count("store_unavailable")
@@ -121,7 +121,7 @@ class StoreGuard:
         :class:`StoreUnavailable` on a timeout (counted as ``<kind>_timeout``) or while the
         store is skipped; ``fn``'s own exceptions pass through (an unreachable endpoint's
         also opens the breaker)."""
-        self._admit(kind)
+        self._admit()
         future = self._pool.submit(fn, *args, **kwargs)
         future.add_done_callback(self._done)
         try:
