@@ -92,8 +92,7 @@ def submit(fn: Any, *args: Any, bounded: bool = False, nbytes: int = 0) -> Futur
     not pile up copies of K/V in memory."""
     global _SAVER
     with _LOCK:
-        if bounded and (len(_PENDING) >= MAX_PENDING_SAVES or _PENDING and
-                        sum(_PENDING.values()) + nbytes > MAX_PENDING_SAVE_BYTES):
+        if bounded and _full(nbytes):
             return None
         if _SAVER is None:
             _SAVER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-saver")
@@ -112,8 +111,13 @@ def saves_full() -> bool:
     """Whether the saver's queue is full (:data:`MAX_PENDING_SAVES` batches, or
     :data:`MAX_PENDING_SAVE_BYTES` of K/V copies)."""
     with _LOCK:
-        return len(_PENDING) >= MAX_PENDING_SAVES \
-            or sum(_PENDING.values()) >= MAX_PENDING_SAVE_BYTES
+        return _full(1)
+
+
+def _full(nbytes: int) -> bool:
+    """Whether ``nbytes`` more would not fit in the saver's queue (the caller holds _LOCK)."""
+    return len(_PENDING) >= MAX_PENDING_SAVES or bool(_PENDING) and \
+        sum(_PENDING.values()) + nbytes > MAX_PENDING_SAVE_BYTES
 
 
 def flush(timeout: float | None = None) -> bool:

@@ -40,7 +40,7 @@ def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
             break
         try:
             if budget is not None:  # room first: the store stays under max_bytes meanwhile
-                _reserve(budget, raw_bytes(keys, values))
+                _evict(budget.reserve, budget.expected(raw_bytes(keys, values)))
             written = write_one(store, budget, chunk, keys, values, token_ids)
         except Exception as e:  # full disk, permissions, a dead endpoint: a future miss
             save_failed(chunk, e)
@@ -53,7 +53,7 @@ def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
             count("tokens_saved", chunk.stop - chunk.start)
             count("bytes_saved", written)
             if budget is not None:
-                _enforce(budget, written)
+                _evict(budget.added, written)
     seconds = time.perf_counter() - start
     if total:
         activity.observe("save", seconds)
@@ -76,8 +76,7 @@ def write_one(store: Any, budget: Any, chunk: Any, keys: list, values: list,
         log.warning("kvtool store: %s is full (%s); removed %d files (%d bytes) to make room, "
                     "writing again", store.root, e.strerror or e, files, freed)
         if files:
-            activity.record("chunks_evicted", files)
-            activity.record("bytes_evicted", freed)
+            _evicted(files, freed)
         return store.write(chunk, keys, values, token_ids)
 
 
@@ -87,28 +86,23 @@ def raw_bytes(keys: list, values: list) -> int:
                else int(t.nbytes) for t in (*keys, *values))
 
 
-def _reserve(budget: Any, raw: int) -> None:
+def _evict(make_room: Any, nbytes: int) -> None:
+    """``make_room(nbytes)`` (the budget's ``reserve`` or ``added``), its evictions counted;
+    a failure is logged: eviction must never stop a write nor take the saver down."""
     try:
-        files, freed = budget.reserve(budget.expected(raw))
-    except Exception as e:  # eviction must never stop a write
+        files, freed = make_room(nbytes)
+    except Exception as e:
         log.warning("kvtool store: eviction failed (%s)", e)
         return
     if files:
-        activity.record("chunks_evicted", files)
-        activity.record("bytes_evicted", freed)
+        _evicted(files, freed)
+        log.info("kvtool store: evicted %d files (%d bytes) to stay within the store's bounds",
+                 files, freed)
 
 
-def _enforce(budget: Any, written: int) -> None:
-    try:
-        files, freed = budget.added(written)
-    except Exception as e:  # eviction must never take the saver down
-        log.warning("kvtool store: eviction failed (%s)", e)
-        return
-    if files:
-        activity.record("chunks_evicted", files)
-        activity.record("bytes_evicted", freed)
-        log.info("kvtool store: evicted %d files (%d bytes) to stay within the store's bounds "
-                 "(max_bytes=%s)", files, freed, budget.max_bytes)
+def _evicted(files: int, freed: int) -> None:
+    activity.record("chunks_evicted", files)
+    activity.record("bytes_evicted", freed)
 
 
 def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
