@@ -32,6 +32,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -317,6 +318,19 @@ class Storage:
                 seen[st.st_ino] = st.st_size
         return sum(seen.values())
 
+    def list_to(self, path: Path, now: float) -> None:
+        """Every file of a directory store (size, age, name) written to ``path``."""
+        if self.moto is not None:
+            return
+        lines, wall = [f"at {now:.1f} s"], time.time()
+        for root, _, files in os.walk(self.location):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(root, name))
+                    lines.append(f"{st.st_size:>10} {wall - st.st_mtime:8.2f}s "
+                                 f"{st.st_ino} {os.path.join(root, name)}")
+        path.write_text("\n".join(lines) + "\n")
+
     def temps(self) -> int:
         """Temp files in the store, and the S3 writer's local temp dirs."""
         found = sum(name.endswith(".kvtmp") for _, _, files in os.walk(self.location)
@@ -427,6 +441,8 @@ def run(args: argparse.Namespace) -> dict:
                     log("server up again")
             servers[-1].sample()
             sizes.append(storage.size())
+            if sizes[-1] > args.max_bytes:  # what was there, for the logs
+                storage.list_to(work / f"over-budget-{len(sizes)}.txt", now)
             if now >= next_scrape:
                 servers[-1].scrape()
                 next_scrape = now + 10

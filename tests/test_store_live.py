@@ -321,6 +321,16 @@ def test_budget_does_not_rescan_on_every_write(tmp_path, monkeypatch):
     assert len(scans) == 3
 
 
+def test_budget_makes_room_for_a_chunk_larger_than_the_last_ones(tmp_path):
+    """A prompt's first chunk keeps its sinks raw, and compressed sizes vary: the room made
+    before a write has a margin over the largest file lately, never more than the raw K/V."""
+    budget = StoreBudget(tmp_path, max_bytes=1 << 20)
+    assert budget.expected(50_000) == 50_000  # nothing written yet: the raw bytes
+    budget.added(10_000)
+    assert budget.expected(50_000) == 12_500
+    assert budget.expected(11_000) == 11_000
+
+
 def test_enospc_relief_makes_room_for_the_retry(tmp_path):
     """A fake full disk: the store may hold ``capacity`` bytes; a write past it writes part of
     its temp file and fails with ENOSPC. The connector's recovery: relieve, then retry once."""

@@ -196,23 +196,31 @@ def row_blocks(xp: ModuleType, like: Array, rows: int, width: int) -> list[slice
     return [slice(i * rows // count, (i + 1) * rows // count) for i in range(count)]
 
 
-def warm_up_async(codecs: Iterable[Any], dtype: str) -> threading.Thread | None:
-    """Load (or compile) the compiled kernels ``codecs`` will use on ``dtype`` input, in a
-    background thread, so a later encode does not pay it: loading a cached numba kernel takes
-    about half a second, a cold compile ~15 s. numba specialises on array types, not shapes,
-    so a tiny array warms the real thing. None where no compiled CPU backend is active."""
+def warm_up(codecs: Iterable[Any], dtype: str) -> None:
+    """Load (or compile) the compiled kernels ``codecs`` will use on ``dtype`` input, so that a
+    later encode or decode does not pay it: loading a cached numba kernel takes about half a
+    second, a cold compile ~15 s, and numba holds the GIL meanwhile. numba specialises on array
+    types, not shapes, so a tiny array warms the real thing. A no-op where no compiled CPU
+    backend is active."""
     if cpu_kernels() is None:
-        return None
+        return
     import numpy as np
 
     from kvtool.kernels import numpy_ops
 
-    def warm() -> None:
-        x = np.ones((2, 64), dtype=numpy_ops._DTYPES[dtype])
-        for codec in codecs:
-            with contextlib.suppress(Exception):  # a warm-up must never break the real job
-                codec.decode(codec.encode(x), dtype)
+    x = np.ones((2, 64), dtype=numpy_ops._DTYPES[dtype])
+    for codec in codecs:
+        with contextlib.suppress(Exception):  # a warm-up must never break the real job
+            codec.decode(codec.encode(x), dtype)
 
-    thread = threading.Thread(target=warm, name="kvtool-kernel-warm-up", daemon=True)
+
+def warm_up_async(codecs: Iterable[Any], dtype: str) -> threading.Thread | None:
+    """:func:`warm_up` in a background thread (None where no compiled CPU backend is active),
+    to overlap it with other start-up work."""
+    if cpu_kernels() is None:
+        return None
+    codecs = list(codecs)
+    thread = threading.Thread(target=warm_up, args=(codecs, dtype),
+                              name="kvtool-kernel-warm-up", daemon=True)
     thread.start()
     return thread

@@ -340,9 +340,11 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layers = None
-        if self.store is not None:  # the codecs' compiled kernels, before the first load
-            from kvtool.kernels import warm_up_async
-            warm_up_async([self.policy.key, self.policy.value], self.model_info["dtype"])
+        if self.store is not None:
+            # before the engine serves: a warm-up beside the first loads held the GIL for
+            # seconds while they waited (a 4.7 s load after a restart)
+            from kvtool.kernels import warm_up
+            warm_up([self.policy.key, self.policy.value], self.model_info["dtype"])
 
     def _layer_table(self) -> list[tuple[str, PagedLayout, int]]:
         """(layer name, layout, kernel blocks per scheduler block), in model layer order."""

@@ -21,6 +21,7 @@ GIB = 1 << 30
 QUARANTINE_SHARE = 0.1  # default quarantine bound: this share of max_bytes (1 GiB without one)
 QUARANTINE_AGE = 7 * 86400.0  # default: quarantined files older than this are removed
 RELIEF_SHARE = 0.1  # relieve() frees this share of max_bytes (or of the store) beyond the need
+FILE_MARGIN = 1.25  # expected(): room made for a chunk file, over the largest one lately
 
 
 class StoreBudget:
@@ -61,8 +62,12 @@ class StoreBudget:
 
     def expected(self, raw_bytes: int) -> int:
         """The size to make room for before writing a chunk of ``raw_bytes`` of K/V: the
-        largest file written lately, or ``raw_bytes`` before the first (an upper bound)."""
-        return self._file_bytes or int(raw_bytes)
+        largest file written lately with :data:`FILE_MARGIN` to spare (a prompt's first chunk
+        keeps its sink tokens raw, and compressed sizes vary with the content), at most
+        ``raw_bytes``; ``raw_bytes`` before the first write (an upper bound)."""
+        if not self._file_bytes:
+            return int(raw_bytes)
+        return min(int(raw_bytes), int(self._file_bytes * FILE_MARGIN))
 
     def reserve(self, nbytes: int) -> tuple[int, int]:
         """Make room for a write of about ``nbytes`` before it starts (its temp file counts):
