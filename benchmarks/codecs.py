@@ -12,6 +12,7 @@ row is a peer: the ManthanQuant scheme (norm, ×√D, 8-level Gaussian Lloyd–M
 
     python benchmarks/codecs.py          # 1M vectors, D=128, every codec and backend
     python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch+numba
+    python benchmarks/codecs.py --codecs quality/k,quality/v,balanced/k,balanced/v,small/k,small/v
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from peers import ManthanQuant  # benchmarks/peers.py (this script's folder is o
 
 from kvtool.codecs import get_codec, list_codecs
 from kvtool.kernels import available_backends, cpu_kernels
+from kvtool.policy import PRESETS, preset_policy
 
 
 @contextmanager
@@ -81,8 +83,23 @@ def memcpy_mbps(x: np.ndarray, repeats: int) -> float:
     return x.nbytes / best_seconds(lambda: np.copyto(dst, x), repeats) / 1e6
 
 
+PRESET_ROLES = {"k": "key", "v": "value"}
+
+
+def codec_for(spec: str):
+    """A codec spec, or a preset's key or value codec: ``quality/k``, ``balanced/v``."""
+    name, sep, role = spec.partition("/")
+    if sep and name in PRESETS and role in PRESET_ROLES:
+        return getattr(preset_policy(name), PRESET_ROLES[role])
+    return get_codec(spec)
+
+
+def preset_specs() -> list[str]:
+    return [f"{name}/{role}" for name in PRESETS if name != "lossless" for role in PRESET_ROLES]
+
+
 def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict:
-    codec = get_codec(codec_spec)
+    codec = codec_for(codec_spec)
     if backend.startswith("torch"):
         import torch
 
@@ -115,7 +132,8 @@ def main() -> None:
     ap.add_argument("--vectors", type=int, default=1 << 20)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=1 << 16, help="vectors per encode call")
-    ap.add_argument("--codecs", default=",".join(list_codecs()))
+    ap.add_argument("--codecs", default=",".join(list_codecs() + preset_specs()),
+                    help="codec specs, or a preset's key or value codec (quality/k, small/v)")
     ap.add_argument("--backends", default=",".join(backend_labels()))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")

@@ -44,7 +44,7 @@ from kvtool.codecs.trellis import trellis_codes, trellis_values
 from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
-from kvtool.kernels import check_finite, numpy_ops, to_numpy
+from kvtool.kernels import check_finite, compiled_for, numpy_ops, to_numpy
 
 MAX_CANDIDATES = 16
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -149,13 +149,20 @@ class TurboMixCodec(Codec):
         n_hi, _ = self._split(dim)
         if dim < 2:
             raise CodecError(f"{self.codec_id}: head_dim must be at least 2")
+        fused = self._fused(x)
+        if fused is not None:
+            expected = self.expected_arrays(shape, "float32")
+            return {name: _to_backend(xp, a.reshape(expected[name].shape), x)
+                    for name, a in fused.encode(self, x).items()}
         if not xp.all_finite(x):
             check_finite(xp, x, self.codec_id)
         g = np.asarray(to_numpy(x)).astype(np.float32).reshape(-1, shape[-2] if len(shape) > 1
                                                                else 1, dim)
         out: dict[str, np.ndarray] = {}
         if self.center:
-            mean = g.mean(axis=1, keepdims=True, dtype=np.float32).astype(np.float16)
+            # summed in float64: within rounding of exact, so every backend stores the same
+            mean = g.mean(axis=1, keepdims=True, dtype=np.float64).astype(np.float32) \
+                .astype(np.float16)
             out["mean"] = mean
             g = g - mean.astype(np.float32)
         hi_idx = lo_idx = None
@@ -233,41 +240,70 @@ class TurboMixCodec(Codec):
         return np.matmul(y, rotation_matrix(dim, seed)) * norms.astype(np.float32)[..., None]
 
     # -- decode ----------------------------------------------------------------------------------
+    def _fused(self, like: Any) -> Any:
+        """The fused CPU kernels (:mod:`kvtool.kernels.numba_turbomix`) where they serve
+        ``like`` (numpy or CPU torch, compiled kernels on), else None: the reference ops."""
+        kernels = compiled_for(like)
+        if getattr(kernels, "name", None) != "numba" or not int(np.prod(like.shape)):
+            return None
+        from kvtool.kernels import numba_turbomix
+
+        return numba_turbomix
+
     def _decode(self, xp: Any, enc: Encoded) -> Any:
+        return self._decode_as(xp, enc, "float32")
+
+    def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Any:
         shape, dim = enc.shape, enc.shape[-1]
         n_hi, n_lo = self._split(dim)
         a = {k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()}
         groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
         tokens = shape[-2] if len(shape) > 1 else 1
-
-        def flat(name: str) -> np.ndarray:
-            return a[name].reshape(groups, tokens, *a[name].shape[len(shape) - 1:])
-
-        choice = a["rotation"].reshape(groups) if "rotation" in a else np.zeros(groups, np.uint8)
-        specs = [("", n_lo, self.bits)]
-        if n_hi:
-            specs.append(("_hi", n_hi, self.outlier_bits))
-        norms = {suffix: flat("norms" + suffix) if self.norm_bits == 16 else
-                 norm_values(flat("norms" + suffix), a["norm_range" + suffix].reshape(groups, 2))
-                 for suffix, _, _ in specs}
-        decoded = [np.empty((groups, tokens, n), np.float32) for _, n, _ in specs]
-        for c in np.unique(choice).tolist():
-            rows = choice == c
-            for out, (suffix, n, bits) in zip(decoded, specs, strict=True):
-                out[rows] = self._decode_part(flat("codes" + suffix)[rows],
-                                              norms[suffix][rows], n, bits,
-                                              candidate_seed(self.seed, c), self.quantizer)
+        channel_sets = [np.arange(dim, dtype=np.int32)[None, :]]
         if n_hi:
             mask = np.unpackbits(a["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
                                  bitorder="little").astype(bool)
-            x = np.empty((groups, tokens, dim), np.float32)
-            np.put_along_axis(x, np.nonzero(~mask)[1].reshape(groups, 1, n_lo), decoded[0], -1)
-            np.put_along_axis(x, np.nonzero(mask)[1].reshape(groups, 1, n_hi), decoded[1], -1)
-        else:
-            x = decoded[0]
+            if bool((mask.sum(axis=-1) != n_hi).any()):
+                raise CodecError(f"{self.codec_id}: an outlier mask does not name {n_hi} of "
+                                 f"{dim} channels, which no writer stores")
+            channel_sets = [np.nonzero(~mask)[1].reshape(groups, n_lo).astype(np.int32),
+                            np.nonzero(mask)[1].reshape(groups, n_hi).astype(np.int32)]
+        norms = [(a["norms" + suffix].reshape(groups, tokens) if self.norm_bits == 16 else
+                  norm_values(a["norms" + suffix].reshape(groups, tokens),
+                              a["norm_range" + suffix].reshape(groups, 2)))
+                 .astype(np.float32).reshape(-1) for suffix in ("", "_hi")[:len(channel_sets)]]
+        first = next(iter(enc.arrays.values()))
+        fused = self._fused(first)
+        if fused is not None:
+            return fused.decode(self, a, shape, first, dtype, channel_sets, norms)
+        return xp.astype(_to_backend(xp, self._decode_reference(a, shape, channel_sets, norms),
+                                     first), dtype)
+
+    def _decode_reference(self, a: dict[str, np.ndarray], shape: tuple[int, ...],
+                          channel_sets: list[np.ndarray], norms: list[np.ndarray]) -> np.ndarray:
+        dim = shape[-1]
+        groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
+        tokens = shape[-2] if len(shape) > 1 else 1
+        choice = a["rotation"].reshape(groups) if "rotation" in a else np.zeros(groups, np.uint8)
+        specs = list(zip(("", "_hi"), channel_sets, norms, (self.bits, self.outlier_bits),
+                         strict=False))
+        x = np.empty((groups, tokens, dim), np.float32)
+        for suffix, channels, part_norms, bits in specs:
+            n = channels.shape[1]
+            codes = a["codes" + suffix].reshape(groups, tokens, -1)
+            part_norms = part_norms.reshape(groups, tokens)
+            decoded = np.empty((groups, tokens, n), np.float32)
+            for c in np.unique(choice).tolist():
+                rows = choice == c
+                decoded[rows] = self._decode_part(codes[rows], part_norms[rows], n, bits,
+                                                  candidate_seed(self.seed, c), self.quantizer)
+            if len(specs) == 1:
+                x = decoded
+            else:
+                np.put_along_axis(x, channels[:, None, :], decoded, -1)
         if self.center:
             x += a["mean"].reshape(groups, 1, dim).astype(np.float32)
-        return _to_backend(xp, x.reshape(shape), next(iter(enc.arrays.values())))
+        return x.reshape(shape)
 
 
 _NORM_STEPS = 254  # uint8 norm codes: 0 is a zero norm, 1..255 a log-spaced grid

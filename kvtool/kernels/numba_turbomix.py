@@ -1,0 +1,548 @@
+"""Compiled CPU backend (numba) for ``turbomix``: every option fused, one pass per part.
+
+A ``turbomix`` vector is split into parts (the other channels, then the outlier channels), each
+with its own rotation, codebook and norm (:mod:`kvtool.codecs.turbomix`). The kernels here take
+one part of the whole input at a time and work on tiles of up to :data:`TILE` rows of one group
+(one head of one block: the rows that share a mean, an outlier set and a rotation), stored
+transposed (``[n, TILE]``) so that each step is a loop over a contiguous run of rows that LLVM
+vectorises:
+
+- :func:`group_stats_kernel`: each group's channel means (accumulated in float64, rounded to
+  fp16 as stored) and channel energies after centering (float64), for the outlier choice;
+- :func:`part_encode_kernel`: gather the part's channels minus the mean, the norm, then per
+  candidate rotation: the rotation (Walsh–Hadamard butterflies at a power-of-two width, else the
+  dense seeded matrix), the quantiser (scalar Lloyd–Max, the 2-D ``vq=2`` codebook, or the
+  32-state trellis by the Viterbi algorithm, its 32 path decisions per coordinate one uint32),
+  the packing, and each row's squared reconstruction error;
+- :func:`part_decode_kernel`: unpack, look up (scalar, pair or trellis tables), rotate back
+  with the group's candidate, scale by the norm, add the mean and write the part's channels of
+  the output in its dtype.
+
+Ties follow the reference: the lowest bucket, the lowest pair index, the lower predecessor
+state, the lowest final state, the lowest candidate. Sums run in another order than the
+reference's matmuls, so a coordinate within float rounding of a decision boundary may decide
+the other way; every other code is the reference's.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numba
+import numpy as np
+from numba import prange
+
+from kvtool.codecs.rotation import hadamard_signs, is_power_of_two, rotation_matrix
+from kvtool.errors import CodecError
+from kvtool.kernels.numba_cpu import _fwht, from_f32, to_f32
+from kvtool.kernels.numba_support import (
+    empty_like_backend,
+    f16_to_f32,
+    f32_to_f16,
+    jit,
+    kernel_view,
+    num_threads,
+)
+
+TILE = 64
+SCALAR, PAIR, TRELLIS = 0, 1, 2
+QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
+STATES = 32
+
+
+# -- tile steps ----------------------------------------------------------------------------------
+@numba.njit(inline="always")
+def _rotate(t, u, signs, dense, c, fwht):
+    """u = R_c t for the columns of the tile (unnormalised for butterflies: times n)."""
+    n, width = t.shape
+    if fwht:
+        for j in range(n):
+            for v in range(width):
+                u[j, v] = t[j, v]
+        _fwht(u, signs[c, 0])
+        _fwht(u, signs[c, 1])
+    else:
+        for i in range(n):
+            for v in range(width):
+                u[i, v] = 0.0
+            for j in range(n):
+                r = dense[c, i, j]
+                for v in range(width):
+                    u[i, v] += r * t[j, v]
+
+
+@numba.njit(inline="always")
+def _rotate_back(y, u, signs, dense, c, fwht):
+    """u = R_cᵀ y for the columns of the tile (times n for butterflies)."""
+    n, width = y.shape
+    if fwht:
+        for j in range(n):
+            for v in range(width):
+                u[j, v] = y[j, v]
+        _fwht(u, signs[c, 2])  # ones
+        s2 = signs[c, 1]
+        for j in range(n):
+            s = s2[j]
+            for v in range(width):
+                u[j, v] *= s
+        _fwht(u, signs[c, 2])
+        s1 = signs[c, 0]
+        for j in range(n):
+            s = s1[j]
+            for v in range(width):
+                u[j, v] *= s
+    else:
+        for j in range(n):
+            for v in range(width):
+                u[j, v] = 0.0
+        for i in range(n):
+            for j in range(n):
+                r = dense[c, i, j]
+                for v in range(width):
+                    u[j, v] += y[i, v] * r
+
+
+@numba.njit(inline="always")
+def _scalar_codes(y, bounds, centroids, q, yhat):
+    n, width = y.shape
+    nb = bounds.shape[0]
+    for j in range(n):
+        for v in range(width):
+            k = np.uint8(0)
+            x = y[j, v]
+            for b in range(nb):
+                k += np.uint8(x > bounds[b])
+            q[j, v] = k
+            yhat[j, v] = centroids[k]
+
+
+@numba.njit(inline="always")
+def _pair_codes(y, points, half_sq, bits, q, yhat, best):
+    n, width = y.shape
+    npoints = points.shape[0]
+    mask = (1 << bits) - 1
+    for j in range(0, n, 2):
+        for v in range(width):
+            best[v] = 0
+        for v in range(width):
+            x0, x1 = y[j, v], y[j + 1, v]
+            top = x0 * points[0, 0]
+            top = top + x1 * points[0, 1]
+            top = top - half_sq[0]
+            at = 0
+            for p in range(1, npoints):
+                s = x0 * points[p, 0]
+                s = s + x1 * points[p, 1]
+                s = s - half_sq[p]
+                if s > top:
+                    top, at = s, p
+            q[j, v] = np.uint8(at >> bits)
+            q[j + 1, v] = np.uint8(at & mask)
+            yhat[j, v] = points[at, 0]
+            yhat[j + 1, v] = points[at, 1]
+
+
+@numba.njit(inline="always")
+def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisions, within,
+                   dist, state):
+    """Viterbi over the tile's rows at once: 32 path costs per row, one uint32 of decisions
+    per coordinate and row; then the traceback."""
+    n, width = y.shape
+    per = edges.shape[1] + 1  # levels per subset
+    for s in range(STATES):
+        for v in range(width):
+            cost[s, v] = np.inf if s else 0.0
+    for t in range(n):
+        for j in range(4):
+            for v in range(width):
+                x = y[t, v]
+                k = 0
+                for e in range(per - 1):
+                    k += x > edges[j, e]
+                within[j, t, v] = k
+                d = x - levels[4 * k + j]
+                dist[j, v] = d * d
+        for v in range(width):
+            decisions[t, v] = 0
+        for s in range(STATES):
+            u = s & 1
+            p0 = s >> 1
+            p1 = p0 | (STATES >> 1)
+            j0, j1 = subsets[p0, u], subsets[p1, u]
+            bit = np.uint32(1) << np.uint32(s)
+            for v in range(width):
+                c0 = cost[p0, v] + dist[j0, v]
+                c1 = cost[p1, v] + dist[j1, v]
+                if c1 < c0:
+                    fresh[s, v] = c1
+                    decisions[t, v] |= bit
+                else:
+                    fresh[s, v] = c0
+        for s in range(STATES):
+            for v in range(width):
+                cost[s, v] = fresh[s, v]
+    for v in range(width):
+        at = 0
+        for s in range(1, STATES):
+            if cost[s, v] < cost[at, v]:
+                at = s
+        state[v] = at
+    top = np.uint8(1 << (bits - 1))
+    for t in range(n - 1, -1, -1):
+        for v in range(width):
+            s = state[v]
+            u = s & 1
+            prev = (s >> 1) | (((decisions[t, v] >> np.uint32(s)) & 1) << (5 - 1))
+            j = subsets[prev, u]
+            k = within[j, t, v]
+            q[t, v] = (top if u else np.uint8(0)) | np.uint8(k)
+            yhat[t, v] = levels[4 * k + j]
+            state[v] = prev
+
+
+@numba.njit(inline="always")
+def _pack_row(q, v, bits, out, r):
+    """Pack column ``v`` of the code tile LSB-first into ``out[r]``."""
+    n = q.shape[0]
+    nbytes = out.shape[1]
+    acc = np.uint32(0)
+    have = 0
+    b = 0
+    for j in range(n):
+        acc |= np.uint32(q[j, v]) << np.uint32(have)
+        have += bits
+        while have >= 8:
+            out[r, b] = np.uint8(acc & 255)
+            acc >>= np.uint32(8)
+            have -= 8
+            b += 1
+    if b < nbytes:
+        out[r, b] = np.uint8(acc & 255)
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@jit(parallel=True, nogil=True)
+def group_stats_kernel(x, tokens, center, energy_wanted, mean, energy, threads):
+    """Per group of ``tokens`` rows: mean[g] (fp16-rounded, as float32; where ``center``) and
+    energy[g] = Σ (x − mean)² per channel (float64; where ``energy_wanted``)."""
+    rows, dim = x.shape
+    groups = rows // tokens
+    for g in prange(groups):
+        acc = np.zeros(dim, np.float64)
+        if center:
+            for t in range(tokens):
+                for d in range(dim):
+                    acc[d] += to_f32(x[g * tokens + t, d])
+            for d in range(dim):
+                mean[g, d] = f16_to_f32(f32_to_f16(np.float32(acc[d] / tokens)))
+        if energy_wanted:
+            for d in range(dim):
+                acc[d] = 0.0
+            for t in range(tokens):
+                for d in range(dim):
+                    a = to_f32(x[g * tokens + t, d])
+                    if center:
+                        a = a - mean[g, d]
+                    acc[d] += np.float64(a) * np.float64(a)
+            for d in range(dim):
+                energy[g, d] = acc[d]
+
+
+@jit(parallel=True, nogil=True)
+def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer, bits, bounds,
+                       centroids, points, half_sq, levels, edges, subsets, codes, norms, err,
+                       threads):
+    """codes[c, r], err[c, r] per candidate rotation c, and norms[r] (float32), of the part of
+    ``x[r]`` at ``channels[g]`` (row 0 for every group where it has one row) minus ``mean[g]``
+    (none where ``mean`` has no rows)."""
+    rows = x.shape[0]
+    n = channels.shape[1]
+    ncand = codes.shape[0]
+    groups = rows // tokens
+    per_group = (tokens + TILE - 1) // TILE
+    items = groups * per_group
+    nchunks = max(1, min(items, threads * 8))
+    scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
+    for chunk in prange(nchunks):
+        t = np.empty((n, TILE), np.float32)
+        u = np.empty((n, TILE), np.float32)
+        y = np.empty((n, TILE), np.float32)
+        yhat = np.empty((n, TILE), np.float32)
+        q = np.empty((n, TILE), np.uint8)
+        inv = np.empty(TILE, np.float32)
+        nrm = np.empty(TILE, np.float32)
+        n16 = np.empty(TILE, np.float32)
+        best = np.empty(TILE, np.int64)
+        cost = np.empty((STATES, TILE), np.float32)
+        fresh = np.empty((STATES, TILE), np.float32)
+        decisions = np.empty((n, TILE), np.uint32)
+        within = np.empty((4, n, TILE), np.uint8)
+        dist = np.empty((4, TILE), np.float32)
+        state = np.empty(TILE, np.int64)
+        for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
+            g = item // per_group
+            r0 = g * tokens + (item % per_group) * TILE
+            w = min(TILE, (g + 1) * tokens - r0)
+            ch = channels[g if channels.shape[0] > 1 else 0]
+            for j in range(n):
+                d = ch[j]
+                m = mean[g, d] if mean.shape[0] else np.float32(0.0)
+                for v in range(w):
+                    t[j, v] = to_f32(x[r0 + v, d]) - m
+                for v in range(w, TILE):
+                    t[j, v] = 0.0
+            for v in range(TILE):
+                nrm[v] = 0.0
+            for j in range(n):
+                for v in range(TILE):
+                    nrm[v] += t[j, v] * t[j, v]
+            for v in range(TILE):
+                norm = np.float32(np.sqrt(nrm[v]))
+                nrm[v] = norm
+                n16[v] = f16_to_f32(f32_to_f16(norm))
+                inv[v] = np.float32(1.0) / (norm if norm > 0 else norm + np.float32(1.0))
+            for v in range(w):
+                norms[r0 + v] = nrm[v]
+            for c in range(ncand):
+                _rotate(t, u, signs, dense, c, fwht)
+                for j in range(n):
+                    for v in range(TILE):
+                        u[j, v] *= scale
+                        y[j, v] = u[j, v] * inv[v]
+                if quantizer == SCALAR:
+                    _scalar_codes(y, bounds, centroids, q, yhat)
+                elif quantizer == PAIR:
+                    _pair_codes(y, points, half_sq, bits, q, yhat, best)
+                else:
+                    _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh,
+                                   decisions, within, dist, state)
+                for v in range(w):
+                    e = 0.0
+                    for j in range(n):
+                        diff = u[j, v] - n16[v] * yhat[j, v]
+                        e += np.float64(diff) * np.float64(diff)
+                    err[c, r0 + v] = e
+                    _pack_row(q, v, bits, codes[c], r0 + v)
+
+
+@jit(parallel=True, nogil=True)
+def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dense, fwht,
+                       quantizer, bits, centroids, points, levels, subsets, out, threads):
+    """out[r, channels[g]] = norms[r] · R_cᵀ values(codes[r]) + mean[g], c = choice[g]
+    (choice of one entry: every group's), in out's dtype."""
+    rows = codes.shape[0]
+    n = channels.shape[1]
+    groups = rows // tokens
+    per_group = (tokens + TILE - 1) // TILE
+    items = groups * per_group
+    nchunks = max(1, min(items, threads * 8))
+    mask = (1 << bits) - 1
+    low = (1 << (bits - 1)) - 1
+    scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
+    for chunk in prange(nchunks):
+        y = np.empty((n, TILE), np.float32)
+        u = np.empty((n, TILE), np.float32)
+        state = np.empty(TILE, np.int64)
+        for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
+            g = item // per_group
+            r0 = g * tokens + (item % per_group) * TILE
+            w = min(TILE, (g + 1) * tokens - r0)
+            c = choice[g if choice.shape[0] > 1 else 0]
+            ch = channels[g if channels.shape[0] > 1 else 0]
+            for v in range(TILE):
+                state[v] = 0
+            for v in range(w, TILE):
+                for j in range(n):
+                    y[j, v] = 0.0
+            for v in range(w):
+                acc = np.uint32(0)
+                have = 0
+                b = 0
+                row = codes[r0 + v]
+                for j in range(n):
+                    if have < bits:
+                        acc |= np.uint32(row[b]) << np.uint32(have)
+                        b += 1
+                        have += 8
+                    k = acc & mask
+                    acc >>= np.uint32(bits)
+                    have -= bits
+                    if quantizer == SCALAR:
+                        y[j, v] = centroids[k]
+                    elif quantizer == PAIR:
+                        if j % 2 == 0:
+                            y[j, v] = np.float32(k)  # the high half, resolved below
+                        else:
+                            at = (np.int64(y[j - 1, v]) << bits) | k
+                            y[j - 1, v] = points[at, 0]
+                            y[j, v] = points[at, 1]
+                    else:
+                        s = state[v]
+                        pbit = k >> np.uint32(bits - 1)
+                        y[j, v] = levels[4 * (k & low) + subsets[s, pbit]]
+                        state[v] = ((s << 1) | pbit) & (STATES - 1)
+            _rotate_back(y, u, signs, dense, c, fwht)
+            for j in range(n):
+                d = ch[j]
+                m = mean[g, d] if mean.shape[0] else np.float32(0.0)
+                for v in range(w):
+                    value = u[j, v] * scale * to_f32(norms[r0 + v]) + m
+                    out[r0 + v, d] = from_f32(value, out[0, 0])
+
+
+# -- Python entry points -------------------------------------------------------------------------
+@cache
+def rotation_tables(n: int, seeds: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(signs [C, 3, n], dense [C, n, n], butterflies?) for the candidates' seeds: the two
+    Hadamard sign vectors and ones where ``n`` is a power of two, else the dense matrices."""
+    fwht = is_power_of_two(n) and n >= 4
+    if fwht:
+        signs = np.stack([np.stack([*(s.astype(np.float32) for s in hadamard_signs(n, seed)),
+                                    np.ones(n, np.float32)]) for seed in seeds])
+        dense = np.zeros((len(seeds), 1, 1), np.float32)
+    else:
+        signs = np.zeros((len(seeds), 3, 1), np.float32)
+        dense = np.stack([rotation_matrix(n, seed) for seed in seeds]).astype(np.float32)
+    for a in (signs, dense):
+        a.setflags(write=False)
+    return signs, dense, fwht
+
+
+@cache
+def quantizer_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, ...]:
+    """(bounds, centroids, points, half_sq, levels, edges, subsets) of one part's quantiser at
+    width ``n``, each the reference's float32 values (unused ones: placeholders)."""
+    from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+    from kvtool.codecs.trellis import subset_table
+    from kvtool.codecs.trellis_tables import trellis_levels
+    from kvtool.codecs.vq_tables import pair_codebook
+
+    bounds = centroids = levels = np.zeros(1, np.float32)
+    points, edges = np.zeros((1, 2), np.float32), np.zeros((4, 1), np.float32)
+    half_sq = np.zeros(1, np.float32)
+    if quantizer == "scalar":
+        book = sphere_marginal_codebook(n, 1 << bits)
+        bounds, centroids = (np.asarray(a, np.float32) for a in (book.boundaries,
+                                                                 book.centroids))
+    elif quantizer == "pair":
+        points = pair_codebook(bits) / np.float32(np.sqrt(n))
+        half_sq = (points ** 2).sum(axis=1) * np.float32(0.5)
+    else:
+        levels = trellis_levels(bits) / np.float32(np.sqrt(n))
+        per_subset = levels.reshape(-1, 4).T
+        edges = np.ascontiguousarray((per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5))
+    tables = (bounds, centroids, np.ascontiguousarray(points), half_sq, levels, edges,
+              subset_table().astype(np.int64))
+    for a in tables:
+        a.setflags(write=False)
+    return tables
+
+
+def _input_rows(x: Any, dim: int) -> np.ndarray:
+    view = np.ascontiguousarray(kernel_view(x)).reshape(-1, dim)
+    return view if view.dtype in (np.float32, np.uint16, np.int16) else view.astype(np.float32)
+
+
+def encode(codec: Any, x: Any) -> dict[str, np.ndarray]:
+    """``turbomix`` arrays (numpy, the reference's shapes flattened to [groups, tokens, ...])
+    of ``x[..., tokens, dim]`` (numpy or CPU torch)."""
+    from kvtool.codecs.turbomix import candidate_seed, norm_codes
+
+    shape, dim = tuple(x.shape), x.shape[-1]
+    tokens = shape[-2] if len(shape) > 1 else 1
+    view = _input_rows(x, dim)
+    rows = view.shape[0]
+    groups, threads = rows // tokens, num_threads()
+    n_hi, n_lo = codec._split(dim)
+    mean = np.zeros((groups if codec.center else 0, dim), np.float32)
+    energy = np.zeros((groups if n_hi else 0, dim), np.float64)
+    if codec.center or n_hi:
+        group_stats_kernel(view, tokens, codec.center, n_hi > 0, mean, energy, threads)
+    out: dict[str, np.ndarray] = {}
+    if codec.center:
+        out["mean"] = mean.astype(np.float16)[:, None, :]
+    parts = [(np.arange(dim, dtype=np.int32)[None, :], codec.bits)]
+    if n_hi:
+        hi = np.sort(np.argsort(-energy, axis=-1, kind="stable")[:, :n_hi], axis=-1)
+        mask = np.zeros(energy.shape, dtype=bool)
+        np.put_along_axis(mask, hi, True, axis=-1)
+        out["outlier_mask"] = np.packbits(mask, axis=-1, bitorder="little")[:, None, :]
+        lo = np.nonzero(~mask)[1].reshape(groups, n_lo)
+        parts = [(lo.astype(np.int32), codec.bits), (hi.astype(np.int32), codec.outlier_bits)]
+    seeds = tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates))
+    err = np.zeros((len(seeds), rows), np.float64)
+    encoded = []
+    for channels, bits in parts:
+        n = channels.shape[1]
+        signs, dense, fwht = rotation_tables(n, seeds)
+        codes = np.empty((len(seeds), rows, (n * bits + 7) // 8), np.uint8)
+        norms = np.empty(rows, np.float32)
+        part_err = np.empty((len(seeds), rows), np.float64)
+        part_encode_kernel(view, tokens, channels, mean, signs, dense, fwht,
+                           QUANTIZERS[codec.quantizer], bits,
+                           *quantizer_tables(n, bits, codec.quantizer), codes, norms,
+                           part_err, threads)
+        err += part_err
+        encoded.append((codes, norms))
+    choice = np.zeros(groups, np.int64)
+    if len(seeds) > 1:  # the least error per group; ties: the lowest candidate
+        choice = err.reshape(len(seeds), groups, tokens).sum(axis=2).argmin(axis=0)
+        out["rotation"] = choice.astype(np.uint8)[:, None]
+    for (codes, norms), suffix in zip(encoded, ("", "_hi"), strict=False):
+        codes = codes.reshape(len(seeds), groups, tokens, -1)
+        out["codes" + suffix] = codes[choice, np.arange(groups)] if len(seeds) > 1 else codes[0]
+        norms = norms.reshape(groups, tokens)
+        check_norms(norms, x, codec.codec_id)
+        if codec.norm_bits == 8:
+            out["norms" + suffix], out["norm_range" + suffix] = norm_codes(
+                norms.astype(np.float16))
+        else:
+            out["norms" + suffix] = norms.astype(np.float16)
+    return out
+
+
+def check_norms(norms: np.ndarray, x: Any, who: str) -> None:
+    """Refuse NaN/Inf input (its norms are not finite) and norms past fp16's range."""
+    from kvtool.codecs.turbo import FP16_MAX
+
+    if not bool((norms <= FP16_MAX).all()):
+        from kvtool.kernels import check_finite, ops_for
+
+        if not bool(np.isfinite(norms).all()):
+            check_finite(ops_for(x), x, who)
+        raise CodecError(f"{who}: vector norm exceeds the fp16 range")
+
+
+def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], like: Any,
+           dtype: str, channel_sets: list[np.ndarray], norms: list[np.ndarray]) -> Any:
+    """x̂ [shape] in ``dtype`` as an array of ``like``'s backend, from the codec's arrays
+    (numpy), each part's channels [groups or 1, n] and float32 norms [rows]."""
+    from kvtool.codecs.turbomix import candidate_seed
+
+    dim = shape[-1]
+    tokens = shape[-2] if len(shape) > 1 else 1
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    groups, threads = rows // tokens, num_threads()
+    result, out = empty_like_backend(like, (rows, dim), dtype)
+    mean = (arrays["mean"].reshape(groups, dim).astype(np.float32) if "mean" in arrays
+            else np.zeros((0, dim), np.float32))
+    choice = (np.ascontiguousarray(arrays["rotation"].reshape(groups)) if "rotation" in arrays
+              else np.zeros(1, np.uint8))
+    seeds = tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates))
+    bit_widths = (codec.bits, codec.outlier_bits)
+    for suffix, channels, part_norms, bits in zip(("", "_hi"), channel_sets, norms, bit_widths,
+                                                  strict=False):
+        n = channels.shape[1]
+        signs, dense, fwht = rotation_tables(n, seeds)
+        bounds, centroids, points, _, levels, _, subsets = quantizer_tables(n, bits,
+                                                                             codec.quantizer)
+        codes = np.ascontiguousarray(arrays["codes" + suffix]).reshape(rows, -1)
+        part_decode_kernel(codes, part_norms, choice, tokens, channels, mean, signs, dense,
+                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points, levels,
+                           subsets, out, threads)
+    return result.reshape(shape)
+
+
+__all__ = ["QUANTIZERS", "TILE", "decode", "encode", "group_stats_kernel",
+           "part_decode_kernel", "part_encode_kernel", "quantizer_tables", "rotation_tables"]

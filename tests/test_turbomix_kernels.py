@@ -1,0 +1,179 @@
+"""The fused ``turbomix`` CPU kernels (:mod:`kvtool.kernels.numba_turbomix`) against the numpy
+reference: the same codes (but for coordinates within float rounding of a decision), decoded
+values within float rounding, and each side decodes the other's bytes. Every preset's codecs
+and every option, on numpy arrays and CPU tensors, in fp16, bf16 and fp32."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtool.codecs import get_codec
+from kvtool.errors import CodecError
+from kvtool.policy import preset_policy
+
+pytest.importorskip("numba")
+
+OPTIONS = [
+    "turbomix:bits=4,center=true,candidates=4",  # quality's key codec
+    "turbomix:candidates=4",  # quality's value codec
+    "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8",  # balanced
+    "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8",
+    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true",  # small
+    "turbomix:bits=2,candidates=4,trellis=true",
+    "turbomix:vq=2,candidates=2,outliers=8,bits=4",
+    "turbomix:vq=2,bits=2,norm_bits=8",
+    "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",
+    "turbomix:bits=4,trellis=true,outliers=6,outlier_bits=2",
+]
+
+
+def test_every_presets_codecs_are_among_the_options():
+    covered = {json.dumps(get_codec(s).get_config(), sort_keys=True) for s in OPTIONS}
+    for name in ("quality", "balanced", "small"):
+        policy = preset_policy(name)
+        for codec in (policy.key, policy.value):
+            assert json.dumps(codec.get_config(), sort_keys=True) in covered, (name, codec)
+
+
+def reference(spec: str):
+    codec = get_codec(spec)
+    codec._fused = lambda like: None  # the numpy reference ops
+    return codec
+
+
+def keys(shape=(2, 3, 150, 64), seed=0, dtype=np.float16) -> np.ndarray:
+    """Key-like rows: a common offset, a few loud channels, Gaussian rest."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., 5] *= 9
+    x[..., shape[-1] // 2 + 3] += 4
+    x += 0.5
+    return x.astype(dtype)
+
+
+def agree(fused, ref) -> None:
+    assert fused.arrays.keys() == ref.arrays.keys()
+    for name, a in ref.arrays.items():
+        a, b = np.asarray(a), np.asarray(fused.arrays[name])
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        wrong = float(np.mean(a != b))
+        if name.startswith("norms") and a.dtype == np.float16:
+            # summed in another order: a norm may round to the neighbouring fp16 value
+            assert wrong <= 0.01, (name, wrong)
+            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
+                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
+                                         + 1e-30)
+            continue
+        # codes (and uint8 norms): only where a value sits within float rounding of a decision
+        assert wrong <= (2e-3 if name.startswith(("codes", "norms")) else 0.0), (name, wrong)
+
+
+@pytest.mark.parametrize("spec", OPTIONS)
+def test_fused_encode_writes_the_reference_codes(spec):
+    x = keys()
+    fused, ref = get_codec(spec).encode(x), reference(spec).encode(x)
+    agree(fused, ref)
+    # each side decodes the other's bytes to the same values, within float rounding
+    for enc in (fused, ref):
+        a = get_codec(spec).decode(enc, "float32")
+        b = reference(spec).decode(enc, "float32")
+        assert a.dtype == np.float32 and a.shape == x.shape
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_fused_kernels_take_every_dtype_and_cpu_tensors(dtype, backend):
+    spec = "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8"
+    x = keys(shape=(3, 70, 64), seed=1, dtype=np.float32)
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        given = torch.from_numpy(x).to(getattr(torch, dtype))
+        as_numpy = given.float().numpy()
+    else:
+        import ml_dtypes
+
+        given = x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+        as_numpy = given.astype(np.float32)
+    fused, ref = get_codec(spec).encode(given), reference(spec).encode(given)
+    agree(fused, ref)
+    out = get_codec(spec).decode(fused)
+    want = reference(spec).decode(fused)
+    if backend == "torch":
+        assert type(out) is type(given) and out.dtype == given.dtype
+        out, want = out.float().numpy(), want.float().numpy()
+    else:
+        assert out.dtype == given.dtype
+        out, want = out.astype(np.float32), want.astype(np.float32)
+    np.testing.assert_allclose(out, want, rtol=1e-2, atol=1e-2)
+    assert np.mean((out - as_numpy) ** 2) < 0.1 * np.mean(as_numpy ** 2)
+
+
+@pytest.mark.parametrize("shape", [(64,), (1, 64), (5, 64), (2, 1, 64), (2, 65, 32),
+                                   (1, 130, 128)])
+def test_fused_kernels_handle_short_groups_and_odd_shapes(shape):
+    spec = "turbomix:bits=3,outliers=4,outlier_bits=4,center=true,candidates=3,trellis=true"
+    x = keys(shape=shape, seed=2)
+    fused, ref = get_codec(spec).encode(x), reference(spec).encode(x)
+    agree(fused, ref)
+    np.testing.assert_allclose(get_codec(spec).decode(fused, "float32"),
+                               reference(spec).decode(fused, "float32"), rtol=1e-4, atol=1e-4)
+
+
+def test_strided_input_encodes_as_its_copy():
+    spec = "turbomix:bits=4,center=true,candidates=4"
+    x = keys(shape=(2, 100, 128), seed=3)[:, ::2, ::2]
+    fused = get_codec(spec).encode(x)
+    agree(fused, get_codec(spec).encode(np.ascontiguousarray(x)))
+
+
+def test_ties_go_to_the_lowest_candidate_and_the_reference_path():
+    """All-zero and constant groups: every candidate has the same error (the lowest wins), and
+    the Viterbi search's ties (lower predecessor, lowest final state) give the reference's
+    path."""
+    x = np.zeros((4, 32, 64), np.float16)
+    x[1] = 1.0  # constant rows: centered away to zero
+    x[2, :, ::2] = 0.25
+    x[3] = np.float16(0.5) * (np.arange(64) % 3 == 0)
+    for spec in ("turbomix:center=true,candidates=4,trellis=true",
+                 "turbomix:candidates=4,bits=2,trellis=true",
+                 "turbomix:candidates=4,vq=2"):
+        fused, ref = get_codec(spec).encode(x), reference(spec).encode(x)
+        agree(fused, ref)
+        rotation = np.asarray(fused.arrays["rotation"]).reshape(-1)
+        assert rotation[0] == 0  # zeros: every candidate's error is 0
+        if "center=true" in spec:
+            assert rotation[1] == 0  # constant rows, centered to zeros
+
+
+def test_nan_and_huge_inputs_are_refused_by_the_fused_path():
+    codec = get_codec("turbomix:bits=4,center=true,candidates=4")
+    x = keys(shape=(2, 20, 64), dtype=np.float32)
+    x[1, 3, 7] = np.nan
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codec.encode(x)
+    x[1, 3, 7] = 3e38
+    with pytest.raises(CodecError, match="fp16 range|NaN or Inf"):
+        codec.encode(x)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_outlier_mask_naming_the_wrong_count_is_refused(fused):
+    spec = "turbomix:outliers=8,candidates=2"
+    codec = get_codec(spec) if fused else reference(spec)
+    enc = codec.encode(keys(shape=(2, 16, 64)))
+    mask = np.array(enc.arrays["outlier_mask"])
+    mask[1, 0, 0] ^= 0b1111  # flips four channels: no longer 8 set
+    enc.arrays["outlier_mask"] = mask
+    with pytest.raises(CodecError, match="outlier mask"):
+        codec.decode(enc)
+
+
+def test_turbomix_defaults_still_write_turbo3s_codes():
+    x = keys(shape=(2, 50, 64))
+    mix, turbo = get_codec("turbomix:bits=3").encode(x), get_codec("turbo3").encode(x)
+    assert np.mean(np.asarray(mix.arrays["codes"]) != np.asarray(turbo.arrays["codes"])) < 2e-3
+    assert np.array_equal(np.asarray(mix.arrays["norms"]), np.asarray(turbo.arrays["norms"]))
