@@ -48,7 +48,8 @@ from kvtool.kernels.numba_support import (
 TILE = 64
 SCALAR, PAIR, TRELLIS = 0, 1, 2
 QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
-STATES = 32
+MEMORY = 5  # path bits in a trellis state
+STATES = 1 << MEMORY
 
 
 # -- tile steps ----------------------------------------------------------------------------------
@@ -104,17 +105,19 @@ def _rotate_back(y, u, signs, dense, c, fwht):
 
 
 @numba.njit(inline="always")
-def _scalar_codes(y, bounds, centroids, q, yhat):
+def _scalar_codes(y, bounds, centroids, q, yhat, k):
     n, width = y.shape
     nb = bounds.shape[0]
     for j in range(n):
         for v in range(width):
-            k = np.uint8(0)
-            x = y[j, v]
-            for b in range(nb):
-                k += np.uint8(x > bounds[b])
-            q[j, v] = k
-            yhat[j, v] = centroids[k]
+            k[v] = 0
+        for b in range(nb):
+            bound = bounds[b]
+            for v in range(width):
+                k[v] += np.uint32(y[j, v] > bound)
+        for v in range(width):
+            q[j, v] = np.uint8(k[v])
+            yhat[j, v] = centroids[k[v]]
 
 
 @numba.njit(inline="always")
@@ -144,48 +147,49 @@ def _pair_codes(y, points, half_sq, bits, q, yhat, best):
 
 
 @numba.njit(inline="always")
-def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisions, within,
-                   dist, state):
-    """Viterbi over the tile's rows at once: 32 path costs per row, one uint32 of decisions
-    per coordinate and row; then the traceback."""
+def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisions, dist,
+                   state, k, decided):
+    """Viterbi over the tile's rows at once: 32 path costs per row (two buffers, taking turns),
+    one uint32 of decisions per coordinate and row; then the traceback, which finds each chosen
+    level within its subset again."""
     n, width = y.shape
     per = edges.shape[1] + 1  # levels per subset
     for s in range(STATES):
         for v in range(width):
             cost[s, v] = np.inf if s else 0.0
     for t in range(n):
+        now, nxt = (cost, fresh) if t % 2 == 0 else (fresh, cost)
         for j in range(4):
             for v in range(width):
-                x = y[t, v]
-                k = 0
-                for e in range(per - 1):
-                    k += x > edges[j, e]
-                within[j, t, v] = k
-                d = x - levels[4 * k + j]
+                k[v] = 0
+            for e in range(per - 1):
+                edge = edges[j, e]
+                for v in range(width):
+                    k[v] += np.uint32(y[t, v] > edge)
+            for v in range(width):
+                d = y[t, v] - levels[4 * k[v] + j]
                 dist[j, v] = d * d
         for v in range(width):
-            decisions[t, v] = 0
+            decided[v] = 0
         for s in range(STATES):
             u = s & 1
             p0 = s >> 1
             p1 = p0 | (STATES >> 1)
             j0, j1 = subsets[p0, u], subsets[p1, u]
-            bit = np.uint32(1) << np.uint32(s)
+            shift = np.uint32(s)
             for v in range(width):
-                c0 = cost[p0, v] + dist[j0, v]
-                c1 = cost[p1, v] + dist[j1, v]
-                if c1 < c0:
-                    fresh[s, v] = c1
-                    decisions[t, v] |= bit
-                else:
-                    fresh[s, v] = c0
-        for s in range(STATES):
-            for v in range(width):
-                cost[s, v] = fresh[s, v]
+                c0 = now[p0, v] + dist[j0, v]
+                c1 = now[p1, v] + dist[j1, v]
+                take = c1 < c0
+                nxt[s, v] = c1 if take else c0
+                decided[v] |= np.uint32(take) << shift
+        for v in range(width):
+            decisions[t, v] = decided[v]
+    last = cost if n % 2 == 0 else fresh
     for v in range(width):
         at = 0
         for s in range(1, STATES):
-            if cost[s, v] < cost[at, v]:
+            if last[s, v] < last[at, v]:
                 at = s
         state[v] = at
     top = np.uint8(1 << (bits - 1))
@@ -193,11 +197,13 @@ def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisi
         for v in range(width):
             s = state[v]
             u = s & 1
-            prev = (s >> 1) | (((decisions[t, v] >> np.uint32(s)) & 1) << (5 - 1))
+            prev = (s >> 1) | (((decisions[t, v] >> np.uint32(s)) & 1) << (MEMORY - 1))
             j = subsets[prev, u]
-            k = within[j, t, v]
-            q[t, v] = (top if u else np.uint8(0)) | np.uint8(k)
-            yhat[t, v] = levels[4 * k + j]
+            level = 0
+            for e in range(per - 1):
+                level += y[t, v] > edges[j, e]
+            q[t, v] = (top if u else np.uint8(0)) | np.uint8(level)
+            yhat[t, v] = levels[4 * level + j]
             state[v] = prev
 
 
@@ -277,9 +283,11 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
         cost = np.empty((STATES, TILE), np.float32)
         fresh = np.empty((STATES, TILE), np.float32)
         decisions = np.empty((n, TILE), np.uint32)
-        within = np.empty((4, n, TILE), np.uint8)
         dist = np.empty((4, TILE), np.float32)
         state = np.empty(TILE, np.int64)
+        k = np.empty(TILE, np.uint32)
+        decided = np.empty(TILE, np.uint32)
+        e = np.empty(TILE, np.float64)
         for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
             g = item // per_group
             r0 = g * tokens + (item % per_group) * TILE
@@ -311,18 +319,20 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                         u[j, v] *= scale
                         y[j, v] = u[j, v] * inv[v]
                 if quantizer == SCALAR:
-                    _scalar_codes(y, bounds, centroids, q, yhat)
+                    _scalar_codes(y, bounds, centroids, q, yhat, k)
                 elif quantizer == PAIR:
                     _pair_codes(y, points, half_sq, bits, q, yhat, best)
                 else:
                     _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh,
-                                   decisions, within, dist, state)
-                for v in range(w):
-                    e = 0.0
-                    for j in range(n):
+                                   decisions, dist, state, k, decided)
+                for v in range(TILE):
+                    e[v] = 0.0
+                for j in range(n):
+                    for v in range(TILE):
                         diff = u[j, v] - n16[v] * yhat[j, v]
-                        e += np.float64(diff) * np.float64(diff)
-                    err[c, r0 + v] = e
+                        e[v] += np.float64(diff) * np.float64(diff)
+                for v in range(w):
+                    err[c, r0 + v] = e[v]
                     _pack_row(q, v, bits, codes[c], r0 + v)
 
 
@@ -343,6 +353,7 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     for chunk in prange(nchunks):
         y = np.empty((n, TILE), np.float32)
         u = np.empty((n, TILE), np.float32)
+        q = np.empty((n, TILE), np.uint8)
         state = np.empty(TILE, np.int64)
         for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
             g = item // per_group
@@ -350,11 +361,6 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
             w = min(TILE, (g + 1) * tokens - r0)
             c = choice[g if choice.shape[0] > 1 else 0]
             ch = channels[g if channels.shape[0] > 1 else 0]
-            for v in range(TILE):
-                state[v] = 0
-            for v in range(w, TILE):
-                for j in range(n):
-                    y[j, v] = 0.0
             for v in range(w):
                 acc = np.uint32(0)
                 have = 0
@@ -365,22 +371,30 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
                         acc |= np.uint32(row[b]) << np.uint32(have)
                         b += 1
                         have += 8
-                    k = acc & mask
+                    q[j, v] = np.uint8(acc & mask)
                     acc >>= np.uint32(bits)
                     have -= bits
-                    if quantizer == SCALAR:
-                        y[j, v] = centroids[k]
-                    elif quantizer == PAIR:
-                        if j % 2 == 0:
-                            y[j, v] = np.float32(k)  # the high half, resolved below
-                        else:
-                            at = (np.int64(y[j - 1, v]) << bits) | k
-                            y[j - 1, v] = points[at, 0]
-                            y[j, v] = points[at, 1]
-                    else:
+            for j in range(n):
+                for v in range(w, TILE):
+                    q[j, v] = 0
+            if quantizer == SCALAR:
+                for j in range(n):
+                    for v in range(TILE):
+                        y[j, v] = centroids[q[j, v]]
+            elif quantizer == PAIR:
+                for j in range(0, n, 2):
+                    for v in range(TILE):
+                        at = (np.int64(q[j, v]) << bits) | np.int64(q[j + 1, v])
+                        y[j, v] = points[at, 0]
+                        y[j + 1, v] = points[at, 1]
+            else:
+                for v in range(TILE):
+                    state[v] = 0
+                for j in range(n):
+                    for v in range(TILE):
                         s = state[v]
-                        pbit = k >> np.uint32(bits - 1)
-                        y[j, v] = levels[4 * (k & low) + subsets[s, pbit]]
+                        pbit = np.int64(q[j, v] >> (bits - 1))
+                        y[j, v] = levels[4 * (np.int64(q[j, v]) & low) + subsets[s, pbit]]
                         state[v] = ((s << 1) | pbit) & (STATES - 1)
             _rotate_back(y, u, signs, dense, c, fwht)
             for j in range(n):
