@@ -7,6 +7,7 @@ compared with loading the whole file.
 
     python benchmarks/persistence.py                  # 8192 tokens
     python benchmarks/persistence.py --tokens 1024 --codecs raw,turbo3
+    python benchmarks/persistence.py --tokens 2048 --codecs turbo3,quality,balanced,small
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.formats import load, open_kvz, save
+from kvtool.policy import preset_policy
 
 SETUPS = {
     "raw": {"codec": "raw"},
@@ -27,6 +29,7 @@ SETUPS = {
     "int8": {"codec": "int8"},
     "turbo3": {"codec": "turbo3"},
     "turbo4": {"codec": "turbo4"},
+    **{name: {"policy": name} for name in ("quality", "balanced", "small")},  # the presets
 }
 
 
@@ -80,7 +83,10 @@ def main() -> None:
         for name in args.codecs.split(","):
             path = os.path.join(tmp, f"{name}.kvz")
             t0 = time.perf_counter()
-            report = save(cache, path, **SETUPS[name])
+            setup = dict(SETUPS[name])
+            if "policy" in setup:
+                setup["policy"] = preset_policy(setup["policy"])
+            report = save(cache, path, **setup)
             t_save = time.perf_counter() - t0
             t_all = best(lambda p=path: load(p), args.repeats)
             t_one = best(lambda p=path: read_one_layer(p, cache.num_layers // 2), args.repeats)

@@ -25,9 +25,11 @@ being every vector that shares the leading indices (one head of one block: ``x[.
   least and greatest norm (stored in fp16, ``norm_range``) instead of fp16: half the norm's
   side information (0.125 bits/element at head_dim 64) for a relative norm error under 1%.
 
-``turbomix:bits=3`` with defaults writes exactly turbo3's codes and norms. The math runs on the
-numpy reference ops whatever the input backend (torch and mlx inputs are converted there and
-back), so every backend writes identical bytes; there are no fused kernels for it.
+``turbomix:bits=3`` with defaults writes turbo3's codes and norms. Numpy arrays and CPU tensors
+run on fused compiled kernels (:mod:`kvtool.kernels.numba_turbomix`) where numba is on; they
+write the reference's codes except within float rounding of a decision. Other inputs (CUDA
+tensors, mlx arrays) and ``KVTOOL_KERNELS=reference`` run the numpy reference here (converted
+there and back).
 """
 
 from __future__ import annotations
