@@ -223,6 +223,17 @@ PRESETS: dict[str, tuple[str, str]] = {
 }
 
 
+#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
+#: ``benchmarks/codecs.py --vectors 262144 --codecs NAME/k,NAME/v --backends numpy+numba``
+#: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels); ``kvtool codecs
+#: --presets --measure`` measures this machine
+PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
+    "quality": {"encode": (366, 430), "decode": (1751, 2021)},
+    "balanced": {"encode": (48, 54), "decode": (707, 920)},
+    "small": {"encode": (53, 60), "decode": (859, 1206)},
+}
+
+
 def preset_policy(name: str) -> CodecPolicy:
     """The policy a preset names."""
     if name not in PRESETS:
@@ -237,6 +248,9 @@ def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
     for name, (label, measured) in PRESETS.items():
         policy = preset_policy(name)
         bits = (policy.key.bits_per_element(head_dim) + policy.value.bits_per_element(head_dim))
+        speed = PRESET_SPEEDS.get(name, {})
         rows.append({"name": name, "label": label, "bits_per_element": round(bits / 2, 4),
-                     "measured": measured})
+                     "measured": measured,
+                     **{f"{op}_mbps": dict(zip(("key", "value"), mbps, strict=True))
+                        for op, mbps in speed.items()}})
     return rows

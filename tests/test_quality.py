@@ -272,3 +272,23 @@ def test_codecs_presets_lists_the_measured_policies():
         assert CodecPolicy.from_label(rows[name]["label"]) == CodecPolicy.from_label(name)
     text = CliRunner().invoke(cli, ["codecs", "--presets"]).output
     assert all(name in text for name in PRESETS) and "Δppl" in text
+
+
+def test_codecs_presets_show_each_presets_speed_and_measure_it_here():
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    text = CliRunner().invoke(cli, ["codecs", "--presets"]).output
+    assert "encode 366/430 MB/s" in text  # quality's recorded key/value encode speeds
+    out = CliRunner().invoke(cli, ["codecs", "--presets", "--measure", "--json",
+                                   "--head-dim", "64"])
+    assert out.exit_code == 0, out.output
+    rows = {r["name"]: r for r in json.loads(out.output)["presets"]}
+    for name in ("quality", "balanced", "small"):
+        for op in ("encode_mbps", "decode_mbps"):
+            assert set(rows[name][op]) == {"key", "value"}
+            assert all(v > 0 for v in rows[name][op].values())
+    assert "lossless" in rows and "encode_mbps" not in rows["lossless"]

@@ -46,7 +46,7 @@ from kvtool.codecs.trellis import trellis_codes, trellis_values
 from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
-from kvtool.kernels import check_finite, compiled_for, numpy_ops, to_numpy
+from kvtool.kernels import check_finite, compiled_for, cpu_kernels, numpy_ops, to_numpy
 
 MAX_CANDIDATES = 16
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -144,6 +144,10 @@ class TurboMixCodec(Codec):
             arrays["rotation"] = ArraySpec((*group, 1), "uint8", low=0,
                                            high=self.candidates - 1)
         return arrays
+
+    def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
+        """Every option is fused on CPU (:mod:`kvtool.kernels.numba_turbomix`)."""
+        return ("encode", "decode") if cpu_kernels() is not None else ()
 
     # -- encode ----------------------------------------------------------------------------------
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:

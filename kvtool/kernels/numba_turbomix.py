@@ -147,18 +147,24 @@ def _pair_codes(y, points, half_sq, bits, q, yhat, best):
 
 
 @numba.njit(inline="always")
-def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisions, dist,
-                   state, k, decided):
+def _trellis_codes(y, levels, edges, subset_bits, bits, q, yhat, cost, fresh, decisions, found,
+                   dist, state, k, decided):
     """Viterbi over the tile's rows at once: 32 path costs per row (two buffers, taking turns),
-    one uint32 of decisions per coordinate and row; then the traceback, which finds each chosen
-    level within its subset again."""
+    one uint32 of decisions per coordinate and row, and the nearest level's index within each
+    of the four subsets (3 bits each, one uint16); then the traceback, lane by lane.
+
+    ``subset_bits``: (low, high) uint32 masks, bit ``p`` of each being bit 0 and bit 1 of the
+    subset that the path bit 0 leaves state ``p`` by; path bit 1 flips the high bit."""
     n, width = y.shape
     per = edges.shape[1] + 1  # levels per subset
+    low_bits, high_bits = subset_bits[0], subset_bits[1]
     for s in range(STATES):
         for v in range(width):
             cost[s, v] = np.inf if s else 0.0
     for t in range(n):
         now, nxt = (cost, fresh) if t % 2 == 0 else (fresh, cost)
+        for v in range(width):
+            found[t, v] = 0
         for j in range(4):
             for v in range(width):
                 k[v] = 0
@@ -167,6 +173,7 @@ def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisi
                 for v in range(width):
                     k[v] += np.uint32(y[t, v] > edge)
             for v in range(width):
+                found[t, v] |= np.uint16(k[v] << np.uint32(3 * j))
                 d = y[t, v] - levels[4 * k[v] + j]
                 dist[j, v] = d * d
         for v in range(width):
@@ -175,7 +182,8 @@ def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisi
             u = s & 1
             p0 = s >> 1
             p1 = p0 | (STATES >> 1)
-            j0, j1 = subsets[p0, u], subsets[p1, u]
+            j0 = ((low_bits >> p0) & 1) | ((((high_bits >> p0) & 1) ^ u) << 1)
+            j1 = ((low_bits >> p1) & 1) | ((((high_bits >> p1) & 1) ^ u) << 1)
             shift = np.uint32(s)
             for v in range(width):
                 c0 = now[p0, v] + dist[j0, v]
@@ -192,17 +200,17 @@ def _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh, decisi
             if last[s, v] < last[at, v]:
                 at = s
         state[v] = at
-    top = np.uint8(1 << (bits - 1))
+    top = np.uint32(bits - 1)
     for t in range(n - 1, -1, -1):
         for v in range(width):
-            s = state[v]
-            u = s & 1
-            prev = (s >> 1) | (((decisions[t, v] >> np.uint32(s)) & 1) << (MEMORY - 1))
-            j = subsets[prev, u]
-            level = 0
-            for e in range(per - 1):
-                level += y[t, v] > edges[j, e]
-            q[t, v] = (top if u else np.uint8(0)) | np.uint8(level)
+            s = np.uint32(state[v])
+            u = s & np.uint32(1)
+            prev = (s >> np.uint32(1)) | (((decisions[t, v] >> s) & np.uint32(1))
+                                          << np.uint32(MEMORY - 1))
+            j = ((low_bits >> prev) & np.uint32(1)) \
+                | ((((high_bits >> prev) & np.uint32(1)) ^ u) << np.uint32(1))
+            level = (np.uint32(found[t, v]) >> (np.uint32(3) * j)) & np.uint32(7)
+            q[t, v] = np.uint8((u << top) | level)
             yhat[t, v] = levels[4 * level + j]
             state[v] = prev
 
@@ -257,7 +265,7 @@ def group_stats_kernel(x, tokens, center, energy_wanted, mean, energy, threads):
 
 @jit(parallel=True, nogil=True)
 def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer, bits, bounds,
-                       centroids, points, half_sq, levels, edges, subsets, codes, norms, err,
+                       centroids, points, half_sq, levels, edges, subset_bits, codes, norms, err,
                        threads):
     """codes[c, r], err[c, r] per candidate rotation c, and norms[r] (float32), of the part of
     ``x[r]`` at ``channels[g]`` (row 0 for every group where it has one row) minus ``mean[g]``
@@ -283,8 +291,9 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
         cost = np.empty((STATES, TILE), np.float32)
         fresh = np.empty((STATES, TILE), np.float32)
         decisions = np.empty((n, TILE), np.uint32)
+        found = np.empty((n, TILE), np.uint16)
         dist = np.empty((4, TILE), np.float32)
-        state = np.empty(TILE, np.int64)
+        state = np.empty(TILE, np.uint32)
         k = np.empty(TILE, np.uint32)
         decided = np.empty(TILE, np.uint32)
         e = np.empty(TILE, np.float64)
@@ -323,8 +332,8 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                 elif quantizer == PAIR:
                     _pair_codes(y, points, half_sq, bits, q, yhat, best)
                 else:
-                    _trellis_codes(y, levels, edges, subsets, bits, q, yhat, cost, fresh,
-                                   decisions, dist, state, k, decided)
+                    _trellis_codes(y, levels, edges, subset_bits, bits, q, yhat, cost, fresh,
+                                   decisions, found, dist, state, k, decided)
                 for v in range(TILE):
                     e[v] = 0.0
                 for j in range(n):
@@ -338,7 +347,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
 
 @jit(parallel=True, nogil=True)
 def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dense, fwht,
-                       quantizer, bits, centroids, points, levels, subsets, out, threads):
+                       quantizer, bits, centroids, points, levels, subset_bits, out, threads):
     """out[r, channels[g]] = norms[r] · R_cᵀ values(codes[r]) + mean[g], c = choice[g]
     (choice of one entry: every group's), in out's dtype."""
     rows = codes.shape[0]
@@ -348,13 +357,13 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     items = groups * per_group
     nchunks = max(1, min(items, threads * 8))
     mask = (1 << bits) - 1
-    low = (1 << (bits - 1)) - 1
+    low = np.uint32((1 << (bits - 1)) - 1)
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
     for chunk in prange(nchunks):
         y = np.empty((n, TILE), np.float32)
         u = np.empty((n, TILE), np.float32)
         q = np.empty((n, TILE), np.uint8)
-        state = np.empty(TILE, np.int64)
+        state = np.empty(TILE, np.uint32)
         for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
             g = item // per_group
             r0 = g * tokens + (item % per_group) * TILE
@@ -388,14 +397,17 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
                         y[j, v] = points[at, 0]
                         y[j + 1, v] = points[at, 1]
             else:
+                low_bits, high_bits = subset_bits[0], subset_bits[1]
                 for v in range(TILE):
                     state[v] = 0
                 for j in range(n):
                     for v in range(TILE):
                         s = state[v]
-                        pbit = np.int64(q[j, v] >> (bits - 1))
-                        y[j, v] = levels[4 * (np.int64(q[j, v]) & low) + subsets[s, pbit]]
-                        state[v] = ((s << 1) | pbit) & (STATES - 1)
+                        pbit = np.uint32(q[j, v]) >> np.uint32(bits - 1)
+                        subset = ((low_bits >> s) & np.uint32(1)) \
+                            | ((((high_bits >> s) & np.uint32(1)) ^ pbit) << np.uint32(1))
+                        y[j, v] = levels[4 * (np.uint32(q[j, v]) & low) + subset]
+                        state[v] = ((s << np.uint32(1)) | pbit) & np.uint32(STATES - 1)
             _rotate_back(y, u, signs, dense, c, fwht)
             for j in range(n):
                 d = ch[j]
@@ -425,8 +437,9 @@ def rotation_tables(n: int, seeds: tuple[int, ...]) -> tuple[np.ndarray, np.ndar
 
 @cache
 def quantizer_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, ...]:
-    """(bounds, centroids, points, half_sq, levels, edges, subsets) of one part's quantiser at
-    width ``n``, each the reference's float32 values (unused ones: placeholders)."""
+    """(bounds, centroids, points, half_sq, levels, edges, subset_bits) of one part's quantiser
+    at width ``n``: the reference's float32 values (unused ones: placeholders), and the trellis
+    subsets as two uint32 masks (see :func:`_trellis_codes`)."""
     from kvtool.codecs.lloyd_max import sphere_marginal_codebook
     from kvtool.codecs.trellis import subset_table
     from kvtool.codecs.trellis_tables import trellis_levels
@@ -446,8 +459,12 @@ def quantizer_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, ...
         levels = trellis_levels(bits) / np.float32(np.sqrt(n))
         per_subset = levels.reshape(-1, 4).T
         edges = np.ascontiguousarray((per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5))
+    subsets = subset_table()[:, 0]  # path bit 0; bit 1 flips the subset's high bit
+    subset_bits = np.array([sum(int(b & 1) << p for p, b in enumerate(subsets)),
+                            sum(int(b >> 1) << p for p, b in enumerate(subsets))], np.uint32)
+    assert (subset_table()[:, 1] == subsets ^ 2).all()
     tables = (bounds, centroids, np.ascontiguousarray(points), half_sq, levels, edges,
-              subset_table().astype(np.int64))
+              subset_bits)
     for a in tables:
         a.setflags(write=False)
     return tables
@@ -549,12 +566,12 @@ def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], li
                                                   strict=False):
         n = channels.shape[1]
         signs, dense, fwht = rotation_tables(n, seeds)
-        bounds, centroids, points, _, levels, _, subsets = quantizer_tables(n, bits,
-                                                                             codec.quantizer)
+        _, centroids, points, _, levels, _, subset_bits = quantizer_tables(n, bits,
+                                                                            codec.quantizer)
         codes = np.ascontiguousarray(arrays["codes" + suffix]).reshape(rows, -1)
         part_decode_kernel(codes, part_norms, choice, tokens, channels, mean, signs, dense,
                            fwht, QUANTIZERS[codec.quantizer], bits, centroids, points, levels,
-                           subsets, out, threads)
+                           subset_bits, out, threads)
     return result.reshape(shape)
 
 
