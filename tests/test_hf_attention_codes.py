@@ -1,5 +1,6 @@
-"""Attention straight from turbo codes (CompressedCache + the ``kvtool`` attention function)
-against decode-then-attend: same outputs, and the codes path really runs where it should."""
+"""Attention straight from turbo and turbomix codes (CompressedCache + the ``kvtool`` attention
+function) against decode-then-attend: same outputs, and the codes path really runs where it
+should."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvtool.policy import CodecPolicy  # noqa: E402
 GROUPS = 3  # query heads per KV head (GQA)
 KV_HEADS = 2
 PREFIX = 100  # 4 sinks, 80 encoded (block 8), 16 in the window
+QUALITY = "turbomix:bits=4,center=true,candidates=4/turbomix:candidates=4"  # the preset's
 
 
 def _module(groups: int = GROUPS) -> SimpleNamespace:
@@ -74,7 +76,8 @@ def _reference(q, keys, values, nq):
 
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("spec", ["turbo2", "turbo3", "turbo4", "turbo4/turbo2",
-                                  "turbo3/turbo3:seed=7"])
+                                  "turbo3/turbo3:seed=7", QUALITY, "turbomix:bits=2,candidates=3",
+                                  "turbomix:center=true,seed=5/turbo3"])
 @pytest.mark.parametrize("nq,masked", [(1, False), (5, False), (5, True)])
 def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
     codes, decoded = _pair(spec, dim)
@@ -150,7 +153,9 @@ def test_reference_kernels_and_other_codecs_take_the_decode_path(monkeypatch):
     _, full_k, _ = _step(decoded, 1, 64)
     assert not hasattr(keys, ATTR) and torch.equal(keys, full_k)
     monkeypatch.delenv("KVTOOL_KERNELS")
-    for spec in ("int4", "turbo3:center=true", "turbo3/int4", "kivi2"):
+    for spec in ("int4", "turbo3:center=true", "turbo3/int4", "kivi2",
+                 "turbomix:outliers=8", "turbomix:trellis=true", "turbomix:vq=2",
+                 "turbomix:norm_bits=8", "turbo3/turbomix:center=true"):
         codes, decoded = _pair(spec, 64)
         assert not codes.layers[0].codes_capable
         _, keys, _ = _step(codes, 1, 64)
@@ -269,7 +274,7 @@ def _logits(model, ids, past, steps: int) -> list[torch.Tensor]:
 
 
 @needs_model
-@pytest.mark.parametrize("spec", ["turbo3", "turbo4/turbo2"])
+@pytest.mark.parametrize("spec", ["turbo3", "turbo4/turbo2", QUALITY])
 def test_model_logits_match_decode_then_attend(loaded, spec):
     model = loaded.model
     layers = model.config.num_hidden_layers

@@ -70,12 +70,18 @@ class CodesView:
     chunks: tuple[tuple[list[Encoded], int | None], tuple[list[Encoded], int | None]]
     sinks: int
     batch: int
+    #: per role, each block's rotation (uint8 [B·Hkv, blocks]; turbomix's candidate) and the
+    #: keys' block means (float32 [B·Hkv, blocks, D], or None: uncentered)
+    rotations: tuple[np.ndarray, np.ndarray] | None = None
+    key_means: np.ndarray | None = None
+    block: int = 0
     consumed: bool = field(default=False)
 
     def release(self) -> None:
         """Drop the references to the store (the layer keeps this view until its next update:
         it must not pin chunks that an encode has since replaced)."""
         self.codes = self.norms = self.chunks = ()  # type: ignore[assignment]
+        self.rotations = self.key_means = None
 
     @property
     def tokens(self) -> int:
@@ -97,10 +103,17 @@ class CodesView:
         return out[0], out[1]
 
 
-def codes_codec(codec: Codec | None) -> bool:
-    """Whether attention can read this codec's codes directly (uncentered turbo2/3/4)."""
+def codes_codec(codec: Codec | None, role: str = "value") -> bool:
+    """Whether attention can read this codec's codes directly in ``role``: uncentered
+    turbo2/3/4, and ``turbomix`` with the scalar codebook at 2..4 bits, fp16 norms and no
+    outlier channels, any candidates, centered only as keys (a block's mean is one dot product
+    per query there)."""
     from kvtool.codecs.turbo import TurboCodec
+    from kvtool.codecs.turbomix import TurboMixCodec
 
+    if isinstance(codec, TurboMixCodec):
+        return codec.bits in CODE_BITS and codec.quantizer == "scalar" and not codec.outliers \
+            and codec.norm_bits == 16 and (role == "key" or not codec.center)
     return isinstance(codec, TurboCodec) and not codec.center and codec.bits in CODE_BITS
 
 
@@ -245,13 +258,21 @@ _CONSTANTS: dict[tuple[int, int], tuple[Codec, np.ndarray, np.ndarray, np.ndarra
 
 
 def _constants(codec: Codec, dim: int) -> tuple[Codec, np.ndarray, np.ndarray, np.ndarray]:
-    """(codec, centroid chunk table, R_kᵀ, R_v) of a turbo codec at ``dim``, cached per codec."""
+    """(codec, centroid chunk table, R_kᵀ, R_v) of a turbo or turbomix codec at ``dim``, the
+    rotations stacked [C, D, D] (turbomix: one per candidate), cached per codec."""
     hit = _CONSTANTS.get((id(codec), dim))
     if hit is None or hit[0] is not codec:
+        from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+        from kvtool.codecs.turbomix import TurboMixCodec, candidate_seed
+
         if len(_CONSTANTS) > 64:
             _CONSTANTS.clear()
-        table = kernels().chunk_table(codec.bits, codec.codebook(dim).centroids)
-        hit = (codec, table, rotation_matrix_t(dim, codec.seed), rotation_matrix(dim, codec.seed))
+        table = kernels().chunk_table(codec.bits,
+                                      sphere_marginal_codebook(dim, 1 << codec.bits).centroids)
+        seeds = [candidate_seed(codec.seed, c) for c in range(codec.candidates)] \
+            if isinstance(codec, TurboMixCodec) else [codec.seed]
+        hit = (codec, table, np.stack([rotation_matrix_t(dim, s) for s in seeds]),
+               np.stack([rotation_matrix(dim, s) for s in seeds]))
         _CONSTANTS[(id(codec), dim)] = hit
     return hit
 
@@ -269,7 +290,8 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
                   view.codes[1], view.norms[1], vcodec.bits, vtab, v_r, _numpy(key),
                   _numpy(value), None if bias is None else bias.numpy(), causal,
                   dim ** -0.5 if scaling is None else float(scaling), out.numpy(),
-                  _numba_threads())
+                  _numba_threads(), *(view.rotations or (None, None)), view.key_means,
+                  view.block)
     except na.BuildError as e:  # the kernel does not build here: decode-then-attend from now on
         if kernel_mode() == "compiled":
             raise

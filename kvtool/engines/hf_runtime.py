@@ -127,7 +127,7 @@ class _Stream:
         self.chunks: list[Encoded] = []  # each encodes [*lead, n_blocks, block, dim]
         self.stored = 0  # tokens in ``chunks``
         self.tail: torch.Tensor | None = None
-        self._np: tuple[np.ndarray, np.ndarray] | None = None  # memo of :meth:`codes_np`
+        self._np: tuple[Any, ...] | None = None  # memo of :meth:`codes_np`
 
     def nbytes(self) -> tuple[int, int]:
         """(encoded bytes, full-precision bytes) actually held."""
@@ -142,19 +142,32 @@ class _Stream:
         parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
         return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
 
-    def codes_np(self) -> tuple[np.ndarray, np.ndarray]:
-        """The store's turbo codes ``[L, B·H, E, bytes]`` (uint8) and norms ``[L, B·H, E]``
-        (fp16 bits as uint16), ``L`` = 2 when keys and values are stacked, else 1: zero-copy
-        numpy views of the single chunk (several chunks are joined, transiently)."""
+    def codes_np(self) -> tuple[np.ndarray, ...]:
+        """The store's codes ``[L, B·H, E, bytes]`` (uint8), norms ``[L, B·H, E]`` (fp16 bits
+        as uint16), each block's rotation ``[L, B·H, blocks]`` (uint8; zeros without one) and
+        mean ``[L, B·H, blocks, D]`` (float32; None: uncentered), ``L`` = 2 when keys and
+        values are stacked, else 1: zero-copy numpy views of the single chunk where they can
+        be (several chunks are joined, transiently)."""
         if self._np is not None:
             return self._np
-        codes, norms = (torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
-                        if len(self.chunks) > 1 else self.chunks[0].arrays[name]
-                        for name, axis in (("codes", -3), ("norms", -2)))
+        axes = {"codes": -3, "norms": -2, "rotation": -2, "mean": -3}  # the blocks' axis
+        joined = {name: torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
+                  if len(self.chunks) > 1 else self.chunks[0].arrays[name]
+                  for name, axis in axes.items() if name in self.chunks[0].arrays}
+        codes, norms = joined["codes"], joined["norms"]
         lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
-        flat = (-1, lead[-2] * lead[-1], codes.shape[-3] * codes.shape[-2])
-        out = (codes.contiguous().reshape(*flat, codes.shape[-1]).numpy(),
-               norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16))
+        heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
+        flat = (-1, heads, blocks * codes.shape[-2])
+        codes_np = codes.contiguous().reshape(*flat, codes.shape[-1]).numpy()
+        rotation = (joined["rotation"].contiguous().reshape(-1, heads, blocks).numpy()
+                    if "rotation" in joined
+                    else np.zeros((codes_np.shape[0], heads, blocks), np.uint8))
+        mean = (joined["mean"].float().reshape(-1, heads, blocks, joined["mean"].shape[-1])
+                .numpy()
+                if "mean" in joined else None)
+        out = (codes_np,
+               norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16),
+               rotation, mean)
         if len(self.chunks) == 1:
             self._np = out
         return out
@@ -165,8 +178,8 @@ class _Stream:
 
         Default: every token's states (the store decoded, ``x`` exact) and None. With
         ``from_codes`` and a non-empty store: only the exact tokens (sinks, window, ``x``) and
-        ``(codes, norms, chunks, sinks)`` of the store as it was before ``x`` (the encoded
-        tokens go after the first ``sinks`` exact ones).
+        ``(codes, norms, rotations, means, chunks, sinks)`` of the store as it was before ``x``
+        (:meth:`codes_np`; the encoded tokens go after the first ``sinks`` exact ones).
         """
         if self.codec is None:
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
@@ -289,9 +302,9 @@ class CompressedLayer(DynamicLayer):
         self.block_size = block_size
         self.cumulative_length = 0
         self.dropped = 0  # the oldest tokens a sliding layer has let go of
-        #: whether attention may read this layer's codes (both roles uncentered turbo; a
-        #: sliding window's mask hides encoded tokens, which the kernel does not do)
-        self.codes_capable = codes_codec(key_codec) and codes_codec(value_codec) \
+        #: whether attention may read this layer's codes (see ``codes_codec``; a sliding
+        #: window's mask hides encoded tokens, which the kernel does not do)
+        self.codes_capable = codes_codec(key_codec, "key") and codes_codec(value_codec) \
             and not self.is_sliding
         self._pending: CodesView | None = None
 
@@ -337,8 +350,11 @@ class CompressedLayer(DynamicLayer):
             view = CodesView(codecs=(self.k.codec, self.v.codec),
                              codes=(ke[0][ki or 0], ve[0][vi or 0]),
                              norms=(ke[1][ki or 0], ve[1][vi or 0]),
-                             chunks=((ke[2], ki), (ve[2], vi)), sinks=ke[3],
-                             batch=key_states.shape[0])
+                             chunks=((ke[4], ki), (ve[4], vi)), sinks=ke[5],
+                             batch=key_states.shape[0],
+                             rotations=(ke[2][ki or 0], ve[2][vi or 0]),
+                             key_means=None if ke[3] is None else ke[3][ki or 0],
+                             block=self.block_size)
             keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
             setattr(keys, ATTR, view)
             self._pending = view

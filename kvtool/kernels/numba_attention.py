@@ -112,8 +112,8 @@ def _dot(a, b):
     return s
 
 
-def _attend_impl(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve, bias, causal,
-                 scale, splits, out):
+def _attend_impl(q, kc, kn, kbits, ktab, k_rt, krot, kmean, vc, vn, vbits, vtab, v_r, vrot,
+                 block, ke, ve, bias, causal, scale, splits, out):
     """See :func:`attend`."""
     batch, hq, nq, dim = q.shape
     bh_count, n_enc = kn.shape
@@ -123,25 +123,33 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve,
     n_exact = ke.shape[2]
     tasks = bh_count * splits
     neg = np.float32(-np.inf)
+    nk, nv = k_rt.shape[0], v_r.shape[0]  # rotations in use (turbomix: its candidates)
+    centered = kmean.shape[0] > 0
     pm = np.empty((tasks, rows), np.float32)
     pl = np.empty((tasks, rows), np.float32)
-    pacc = np.empty((tasks, rows, dim), np.float32)
+    pacc = np.empty((tasks, nv, rows, dim), np.float32)
 
     for task in prange(tasks):  # encoded tokens: a partial softmax per (batch·KV head, range)
         bh, part = task // splits, task % splits
         b, h = bh // hkv, bh % hkv
         lo, hi = part * n_enc // splits, (part + 1) * n_enc // splits
         kcodes, knorms, vcodes, vnorms = kc[bh], kn[bh], vc[bh], vn[bh]
-        qrot = np.zeros((rows, dim), np.float32)  # scale · q @ R_kᵀ
+        qrot = np.zeros((nk, rows, dim), np.float32)  # scale · q @ R_kᵀ, per rotation
+        qs = np.empty((rows, dim), np.float32)  # scale · q, for the blocks' key means
         for r in range(rows):
             qh = q[b, h * groups + r // nq, r % nq]
             for d in range(dim):
-                x = qh[d] * scale
-                for e in range(dim):
-                    qrot[r, e] += x * k_rt[d, e]
+                qs[r, d] = qh[d] * scale
+            for c in range(nk):
+                for d in range(dim):
+                    x = qs[r, d]
+                    for e in range(dim):
+                        qrot[c, r, e] += x * k_rt[c, d, e]
+        qm = np.zeros(rows, np.float32)  # scale · q · mean of the current block's keys
+        current = -1
         m = np.full(rows, neg, np.float32)
         ls = np.zeros(rows, np.float32)
-        acc = np.zeros((rows, dim), np.float32)
+        acc = np.zeros((nv, rows, dim), np.float32)
         kb64 = np.empty((TILE, dim // 2), np.uint64)
         kb = kb64.view(np.float32)
         vb64 = np.empty(dim // 2, np.uint64)
@@ -152,10 +160,16 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve,
             for t in range(n):
                 _unpack(kcodes[t0 + t], kbits, ktab, kb64[t])
             for t in range(n):
+                blk = (t0 + t) // block
+                if centered and blk != current:
+                    current = blk
+                    for r in range(rows):
+                        qm[r] = _dot(qs[r], kmean[bh, blk])
+                rk = qrot[krot[bh, blk]]
                 norm = f16_to_f32(knorms[t0 + t])
                 kt = kb[t]
                 for r in range(rows):
-                    s[r, t] = norm * _dot(qrot[r], kt)
+                    s[r, t] = norm * _dot(rk[r], kt) + qm[r]
             for r in range(rows):
                 top = m[r]
                 for t in range(n):
@@ -169,15 +183,17 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve,
                     total += p
                 ls[r] = total
                 if alpha != 1.0:
-                    for d in range(dim):
-                        acc[r, d] *= alpha
+                    for c in range(nv):
+                        for d in range(dim):
+                            acc[c, r, d] *= alpha
             for t in range(n):
                 _unpack(vcodes[t0 + t], vbits, vtab, vb64)
                 norm = f16_to_f32(vnorms[t0 + t])
+                av = acc[vrot[bh, (t0 + t) // block]]
                 for r in range(rows):
                     w = s[r, t] * norm
                     for d in range(dim):
-                        acc[r, d] += w * vb[d]
+                        av[r, d] += w * vb[d]
         pm[task] = m
         pl[task] = ls
         pacc[task] = acc
@@ -190,21 +206,24 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve,
             for r in range(rows):
                 top[r] = max(top[r], pm[bh * splits + part, r])
         total = np.zeros(rows, np.float32)
-        rot = np.zeros((rows, dim), np.float32)
+        rot = np.zeros((nv, rows, dim), np.float32)
         for part in range(splits):
             task = bh * splits + part
             for r in range(rows):
                 f = _exp(pm[task, r] - top[r]) if pl[task, r] > 0 else np.float32(0.0)
                 total[r] += pl[task, r] * f
-                for d in range(dim):
-                    rot[r, d] += f * pacc[task, r, d]
+                for c in range(nv):
+                    for d in range(dim):
+                        rot[c, r, d] += f * pacc[task, c, r, d]
         o = np.zeros((rows, dim), np.float32)
         qx = np.empty((rows, dim), np.float32)
         for r in range(rows):
-            for d in range(dim):  # (Σ p ‖v‖ c) @ R_v
-                x = rot[r, d]
-                for e in range(dim):
-                    o[r, e] += x * v_r[d, e]
+            for c in range(nv):
+                for d in range(dim):  # Σ over rotations of (Σ p ‖v‖ c) @ R_v
+                    x = rot[c, r, d]
+                    if x != 0.0:
+                        for e in range(dim):
+                            o[r, e] += x * v_r[c, d, e]
             qh = q[b, h * groups + r // nq, r % nq]
             for d in range(dim):
                 qx[r, d] = qh[d] * scale
@@ -253,13 +272,18 @@ _parallel = jit(fastmath=_FAST, nogil=True, parallel=True)(_attend_impl)
 def attend(q: np.ndarray, kc: np.ndarray, kn: np.ndarray, kbits: int, ktab: np.ndarray,
            k_rt: np.ndarray, vc: np.ndarray, vn: np.ndarray, vbits: int, vtab: np.ndarray,
            v_r: np.ndarray, ke: np.ndarray, ve: np.ndarray, bias: np.ndarray | None,
-           causal: bool, scale: float, out: np.ndarray, threads: int = 1) -> np.ndarray:
+           causal: bool, scale: float, out: np.ndarray, threads: int = 1,
+           krot: np.ndarray | None = None, vrot: np.ndarray | None = None,
+           kmean: np.ndarray | None = None, block: int = 0) -> np.ndarray:
     """Softmax attention of ``q`` over encoded tokens and exact ones, into ``out``.
 
     ``q`` float32 [B, Hq, Q, D]; ``kc``/``vc`` uint8 packed codes [B·Hkv, E, D·bits/8] and
     ``kn``/``vn`` fp16 norms as uint16 [B·Hkv, E] of the E encoded tokens, which every query
     sees; ``ktab``/``vtab`` from :func:`chunk_table`; ``k_rt`` = R_kᵀ and ``v_r`` = R_v (float32
-    [D, D]); ``ke``/``ve`` float32 [B, Hkv, X, D]: the exact tokens (sinks, window, and the Q
+    [D, D], or [C, D, D]: one per rotation in use, ``turbomix``'s candidates); then the encoded
+    tokens come in blocks of ``block`` tokens, ``krot``/``vrot`` (uint8 [B·Hkv, E / block])
+    naming each block's rotation and ``kmean`` (float32 [B·Hkv, E / block, D], optional) its
+    keys' mean; ``ke``/``ve`` float32 [B, Hkv, X, D]: the exact tokens (sinks, window, and the Q
     new tokens last; their order matters only for the causal rule). Exact token j is visible to
     query i when ``causal`` is false or ``j ≤ X − Q + i``; ``bias`` (float32 [1 or B, Q, X],
     additive, ``-inf`` hides) is added to exact scores. ``out`` float32 [B, Q, Hq, D] (the
@@ -273,8 +297,13 @@ def attend(q: np.ndarray, kc: np.ndarray, kn: np.ndarray, kbits: int, ktab: np.n
     fn = _parallel if threads > 1 else _serial
     if bias is None:
         bias = np.zeros((0, 0, 0), np.float32)
-    fn(q, kc, kn, kbits, ktab, k_rt, vc, vn, vbits, vtab, v_r, ke, ve, bias, causal,
-       np.float32(scale), splits, out)
+    single = np.zeros((kn.shape[0], 1), np.uint8)  # one rotation, one block of every token
+    block = block if block > 0 else max(1, n_enc)
+    fn(q, kc, kn, kbits, ktab, k_rt.reshape(-1, *k_rt.shape[-2:]),
+       single if krot is None else krot,
+       np.zeros((0, 1, 1), np.float32) if kmean is None else kmean, vc, vn, vbits, vtab,
+       v_r.reshape(-1, *v_r.shape[-2:]), single if vrot is None else vrot, block, ke, ve, bias,
+       causal, np.float32(scale), splits, out)
     return out
 
 
