@@ -63,11 +63,18 @@ def _rotate(t, u, signs, dense, c, fwht):
                 u[j, v] = t[j, v]
         _fwht(u, signs[c, 0])
         _fwht(u, signs[c, 1])
-    else:
+    else:  # four inputs per pass over an output row: a quarter of the stores
+        whole = n - n % 4
         for i in range(n):
             for v in range(width):
                 u[i, v] = 0.0
-            for j in range(n):
+            for j in range(0, whole, 4):
+                r0, r1, r2, r3 = dense[c, i, j], dense[c, i, j + 1], dense[c, i, j + 2], \
+                    dense[c, i, j + 3]
+                for v in range(width):
+                    u[i, v] += (r0 * t[j, v] + r1 * t[j + 1, v]) \
+                        + (r2 * t[j + 2, v] + r3 * t[j + 3, v])
+            for j in range(whole, n):
                 r = dense[c, i, j]
                 for v in range(width):
                     u[i, v] += r * t[j, v]
@@ -93,12 +100,18 @@ def _rotate_back(y, u, signs, dense, c, fwht):
             s = s1[j]
             for v in range(width):
                 u[j, v] *= s
-    else:
+    else:  # four inputs per pass over an output row: a quarter of the stores
+        whole = n - n % 4
         for j in range(n):
             for v in range(width):
                 u[j, v] = 0.0
-        for i in range(n):
-            for j in range(n):
+            for i in range(0, whole, 4):
+                r0, r1, r2, r3 = dense[c, i, j], dense[c, i + 1, j], dense[c, i + 2, j], \
+                    dense[c, i + 3, j]
+                for v in range(width):
+                    u[j, v] += (y[i, v] * r0 + y[i + 1, v] * r1) \
+                        + (y[i + 2, v] * r2 + y[i + 3, v] * r3)
+            for i in range(whole, n):
                 r = dense[c, i, j]
                 for v in range(width):
                     u[j, v] += y[i, v] * r
