@@ -228,9 +228,9 @@ PRESETS: dict[str, tuple[str, str]] = {
 #: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels); ``kvtool codecs
 #: --presets --measure`` measures this machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
-    "quality": {"encode": (366, 430), "decode": (1751, 2021)},
-    "balanced": {"encode": (48, 54), "decode": (707, 920)},
-    "small": {"encode": (53, 60), "decode": (859, 1206)},
+    "quality": {"encode": (389, 442), "decode": (1886, 1882)},
+    "balanced": {"encode": (76, 79), "decode": (822, 648)},
+    "small": {"encode": (79, 85), "decode": (773, 1379)},
 }
 
 
