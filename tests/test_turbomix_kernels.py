@@ -177,3 +177,17 @@ def test_turbomix_defaults_still_write_turbo3s_codes():
     mix, turbo = get_codec("turbomix:bits=3").encode(x), get_codec("turbo3").encode(x)
     assert np.mean(np.asarray(mix.arrays["codes"]) != np.asarray(turbo.arrays["codes"])) < 2e-3
     assert np.array_equal(np.asarray(mix.arrays["norms"]), np.asarray(turbo.arrays["norms"]))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_arrays_no_encode_writes_are_refused_before_any_kernel_reads_them(fused):
+    spec = "turbomix:bits=4,center=true,candidates=4"
+    codec = get_codec(spec) if fused else reference(spec)
+    enc = codec.encode(keys(shape=(2, 16, 64)))
+    for name, bad in (("rotation", lambda a: np.full_like(a, 4)),  # past the candidates
+                      ("codes", lambda a: a[..., :-1].copy()),  # a byte short per row
+                      ("norms", lambda a: a.astype(np.float32))):
+        arrays = dict(enc.arrays)
+        arrays[name] = bad(np.asarray(arrays[name]))
+        with pytest.raises(CodecError, match="no writer stores"):
+            codec.decode(type(enc)(arrays, enc.shape, enc.dtype))

@@ -263,6 +263,7 @@ class TurboMixCodec(Codec):
         shape, dim = enc.shape, enc.shape[-1]
         n_hi, n_lo = self._split(dim)
         a = {k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()}
+        self._check_decodable(a, shape)
         groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
         tokens = shape[-2] if len(shape) > 1 else 1
         channel_sets = [np.arange(dim, dtype=np.int32)[None, :]]
@@ -284,6 +285,19 @@ class TurboMixCodec(Codec):
             return fused.decode(self, a, shape, first, dtype, channel_sets, norms)
         return xp.astype(_to_backend(xp, self._decode_reference(a, shape, channel_sets, norms),
                                      first), dtype)
+
+    def _check_decodable(self, a: dict[str, np.ndarray], shape: tuple[int, ...]) -> None:
+        """Refuse arrays no encode of ``shape`` writes (the compiled kernels index by them):
+        a missing array, a wrong element count or dtype, a rotation past the candidates."""
+        for name, spec in self.expected_arrays(shape, "float32").items():
+            got = a.get(name)
+            if got is None or got.size != int(np.prod(spec.shape, dtype=np.int64)) \
+                    or got.dtype != np.dtype(spec.dtype):
+                raise CodecError(f"{self.codec_id}: array {name!r} does not match an encode "
+                                 f"of shape {shape}, which no writer stores")
+        if "rotation" in a and a["rotation"].size and int(a["rotation"].max()) >= self.candidates:
+            raise CodecError(f"{self.codec_id}: a rotation index is past candidates="
+                             f"{self.candidates}, which no writer stores")
 
     def _decode_reference(self, a: dict[str, np.ndarray], shape: tuple[int, ...],
                           channel_sets: list[np.ndarray], norms: list[np.ndarray]) -> np.ndarray:
