@@ -1,12 +1,16 @@
 """GPU throughput of the Triton turbo kernels (:mod:`kvtool.kernels.triton_cuda`).
 
-Two tables:
+Three tables:
 
 1. turbo2/3/4 encode (fp16 in) and decode (fp16 out) in GB/s next to a device-to-device
    ``dst.copy_(src)`` of the same fp16 array, measured in the same run. Every column counts
    fp16-equivalent bytes, ``vectors * D * 2`` (so the copy, which reads and writes that much,
    shows half its raw traffic).
-2. Decode attention straight from codes (one query per sequence, GQA) against decoding K and V
+2. Each preset's key and value codec (``quality``, ``balanced``, ``small``) through the codec
+   API on CUDA tensors (``codec.encode(x)``, ``codec.decode(enc)``, fp16), GB/s next to the copy:
+   what a vLLM or transformers user on a GPU gets (``turbomix`` has no Triton kernels yet, so
+   this is its host round trip).
+3. Decode attention straight from codes (one query per sequence, GQA) against decoding K and V
    to fp16 and running ``torch.nn.functional.scaled_dot_product_attention``; the SDPA time on
    already-decoded fp16 K/V is shown too.
 
@@ -62,7 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--v-bits", type=int, default=3, help="value codec turbo<v> (attention)")
     p.add_argument("--split-k", type=int, default=None, help="splits (default: heuristic)")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement")
+    p.add_argument("--preset-vectors", type=count, default=count("64K"),
+                   help="vectors per preset codec call (D=--head-dim; default 64K: the host "
+                        "round trip takes seconds per call)")
     p.add_argument("--skip-throughput", action="store_true", help="only the attention table")
+    p.add_argument("--skip-presets", action="store_true", help="no preset table")
     p.add_argument("--skip-attention", action="store_true", help="only the throughput table")
     args = p.parse_args(argv)
     if args.max_vectors is not None:
@@ -171,6 +179,31 @@ def attention(args: argparse.Namespace, torch, tc, measure) -> None:
             torch.cuda.empty_cache()
 
 
+def presets(args: argparse.Namespace, torch) -> None:
+    from kvtool.policy import PRESETS, preset_policy
+
+    measure = timer(torch, 3)
+    n, dim = args.preset_vectors, args.head_dim
+    size = n * dim * 2
+    x = torch.randn((n, dim), device="cuda", dtype=torch.float16)
+    copy = copy_ms(torch, measure, x)
+    print(f"\npresets through the codec API, {human(n)} x {dim} fp16 on the GPU, GB/s "
+          f"(x copy at {size / copy / 1e6:.0f} GB/s)")
+    print(" | ".join(f"{h:>12}" for h in ("preset", "role", "encode", "(x copy)", "decode",
+                                           "(x copy)")))
+    for name in PRESETS:
+        if name == "lossless":
+            continue
+        policy = preset_policy(name)
+        for role, codec in (("key", policy.key), ("value", policy.value)):
+            enc = codec.encode(x)
+            times = (measure(lambda c=codec: c.encode(x)),
+                     measure(lambda c=codec, e=enc: c.decode(e)))
+            cells = [name, role] + [f"{v:.2f}" for ms in times
+                                    for v in (size / ms / 1e6, copy / ms)]
+            print(" | ".join(f"{c:>12}" for c in cells), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -190,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     measure = timer(torch, args.repeats)
     if not args.skip_throughput:
         throughput(args, torch, tc, measure)
+    if not args.skip_presets:
+        presets(args, torch)
     if not args.skip_attention:
         attention(args, torch, tc, measure)
     return 0
