@@ -76,17 +76,23 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
-def rss_and_fds(sid: int) -> tuple[int, int]:
-    rss = fds = 0
+RSS_KINDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def rss_and_fds(sid: int) -> tuple[int, int, dict[str, int]]:
+    """The session's RSS, open fds, and RSS by kind (``RSS_KINDS``, summed over processes)."""
+    fds = 0
+    kinds = dict.fromkeys(RSS_KINDS, 0)
     for pid in session_pids(sid):
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss += int(line.split()[1]) * 1024
+                name, _, value = line.partition(":")
+                if name in kinds:
+                    kinds[name] += int(value.split()[0]) * 1024
             fds += len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
             continue
-    return rss, fds
+    return kinds["VmRSS"], fds, kinds
 
 
 class Server:
@@ -104,7 +110,7 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         started.append(self)
-        self.samples: list[tuple[float, int, int]] = []  # (time, rss, fds)
+        self.samples: list[tuple[float, int, int, dict[str, int]]] = []  # time, rss, fds, kinds
         self.failures: dict[str, float] = {}
         self.stopping = False
         self.log_at_stop: int | None = None  # the log's length when it was told to stop
@@ -501,6 +507,9 @@ def report(args: argparse.Namespace, storage: Storage, servers: list[Server], lo
         "failures_by_kind": kinds, "logs": str(work),
         "growth_by_server": [s.growth(args.warm_up) for s in servers],
         "rss_mb_by_server": [[round(x[1] / 2**20) for x in s.samples] for s in servers],
+        "rss_kinds_mb_by_server": [[[round(x[0] - s.up)]
+                                    + [round(x[3][k] / 2**20) for k in RSS_KINDS]
+                                    for x in s.samples] for s in servers],
     }
     checks = {
         "failed": out["failed"] == 0,

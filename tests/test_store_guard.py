@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -238,3 +239,55 @@ def test_a_dead_store_met_by_a_save_drops_saves_for_a_while(tmp_path, monkeypatc
     write_chunks(store, budget, [(store.chunks(ids)[0], *_chunk_kv(0))], ids, guard)
     assert guard.is_down  # the connector then drops saves instead of queueing them
     guard.shutdown()
+
+
+def test_a_drained_save_queue_hands_its_memory_back_after_the_copies_are_gone(monkeypatch):
+    from kvtool.engines.vllm import common
+
+    alive = []  # whether the last save's copy still existed when the trim ran
+
+    class Copy:
+        pass
+
+    copy = Copy()
+    ref = weakref.ref(copy)
+    monkeypatch.setattr(common, "release_freed_memory", lambda: alive.append(ref() is not None))
+    release = threading.Event()
+    futures = [common.submit(lambda c: release.wait(10), copy, bounded=True,
+                             nbytes=common.TRIM_AFTER_BYTES)]
+    del copy
+    futures.append(common.submit(lambda: None, bounded=True, nbytes=1))
+    release.set()
+    assert common.flush(10)
+    common.submit(lambda: None).result(10)  # the trim was queued behind the last save
+    assert alive == [False]
+    # a queue that never held much does not trim
+    common.submit(lambda: None, bounded=True, nbytes=1).result(10)
+    common.submit(lambda: None).result(10)
+    assert alive == [False]
+
+
+def test_release_freed_memory_returns_a_fragmented_heap_to_the_os():
+    # 300 MB of ~100 KB blocks (the size of a queued chunk's layer), every tenth kept: glibc
+    # cannot shrink the heap from its top, so the freed blocks stay resident until a trim
+    code = """
+import numpy as np
+from pathlib import Path
+from kvtool.engines.vllm.common import release_freed_memory
+
+def anon():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+blocks = [np.ones(100_000, np.uint8) for _ in range(3000)]
+kept = blocks[::10]
+del blocks
+before = anon()
+assert release_freed_memory()
+print(before - anon())
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) > 150e6, run.stdout
