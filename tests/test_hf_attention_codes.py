@@ -26,6 +26,14 @@ GROUPS = 3  # query heads per KV head (GQA)
 KV_HEADS = 2
 PREFIX = 100  # 4 sinks, 80 encoded (block 8), 16 in the window
 QUALITY = "turbomix:bits=4,center=true,candidates=4/turbomix:candidates=4"  # the preset's
+BALANCED = ("turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8/"  # preset's
+            "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8")
+SMALL = ("turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true/"
+         "turbomix:bits=2,candidates=4,trellis=true")
+#: read by numba_attention_parts: pair codes, outliers at 8 bits, centered values, mixed kernels
+PARTS = [BALANCED, SMALL, "turbomix:vq=2,outliers=8,center=true,candidates=2",
+         "turbo3/turbomix:outliers=6,outlier_bits=8,center=true,norm_bits=8",
+         "turbomix:bits=4,trellis=true,seed=9/turbo2"]
 
 
 def _module(groups: int = GROUPS) -> SimpleNamespace:
@@ -77,7 +85,7 @@ def _reference(q, keys, values, nq):
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("spec", ["turbo2", "turbo3", "turbo4", "turbo4/turbo2",
                                   "turbo3/turbo3:seed=7", QUALITY, "turbomix:bits=2,candidates=3",
-                                  "turbomix:center=true,seed=5/turbo3"])
+                                  "turbomix:center=true,seed=5/turbo3", *PARTS])
 @pytest.mark.parametrize("nq,masked", [(1, False), (5, False), (5, True)])
 def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
     codes, decoded = _pair(spec, dim)
@@ -85,6 +93,7 @@ def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
     assert layer.joint == ("/" not in spec)
     q, keys, values = _step(codes, nq, dim)
     view = getattr(keys, ATTR)
+    assert (view.roles is not None) == (spec in PARTS)  # which kernel reads it
     assert keys.shape[-2] == 4 + 16 + nq and view.tokens == 80 and view.sinks == 4
     q2, full_k, full_v = _step(decoded, nq, dim)
     assert not hasattr(full_k, ATTR) and full_k.shape[-2] == PREFIX + nq
@@ -153,9 +162,8 @@ def test_reference_kernels_and_other_codecs_take_the_decode_path(monkeypatch):
     _, full_k, _ = _step(decoded, 1, 64)
     assert not hasattr(keys, ATTR) and torch.equal(keys, full_k)
     monkeypatch.delenv("KVTOOL_KERNELS")
-    for spec in ("int4", "turbo3:center=true", "turbo3/int4", "kivi2",
-                 "turbomix:outliers=8", "turbomix:trellis=true", "turbomix:vq=2",
-                 "turbomix:norm_bits=8", "turbo3/turbomix:center=true"):
+    for spec in ("int4", "turbo3:center=true", "turbo3/int4", "kivi2", "int4/turbomix:vq=2",
+                 "turbomix:trellis=true/turbo3:center=true"):
         codes, decoded = _pair(spec, 64)
         assert not codes.layers[0].codes_capable
         _, keys, _ = _step(codes, 1, 64)
@@ -204,10 +212,11 @@ def test_bfloat16_states_attend_from_codes():
     assert diff <= 1e-2
 
 
-def test_token_ranges_split_over_threads_give_the_same_output():
+@pytest.mark.parametrize("spec", ["turbo4", BALANCED])
+def test_token_ranges_split_over_threads_give_the_same_output(spec):
     from kvtool.kernels import numba_attention
 
-    codes, decoded = _pair("turbo4", 64, prefix=1200)
+    codes, decoded = _pair(spec, 64, prefix=1200)
     q, keys, values = _step(codes, 3, 64)
     view = getattr(keys, ATTR)
     assert view.tokens >= 2 * numba_attention.MIN_TOKENS_PER_TASK
@@ -274,7 +283,7 @@ def _logits(model, ids, past, steps: int) -> list[torch.Tensor]:
 
 
 @needs_model
-@pytest.mark.parametrize("spec", ["turbo3", "turbo4/turbo2", QUALITY])
+@pytest.mark.parametrize("spec", ["turbo3", "turbo4/turbo2", QUALITY, BALANCED])
 def test_model_logits_match_decode_then_attend(loaded, spec):
     model = loaded.model
     layers = model.config.num_hidden_layers

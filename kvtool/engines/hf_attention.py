@@ -75,18 +75,26 @@ class CodesView:
     rotations: tuple[np.ndarray, np.ndarray] | None = None
     key_means: np.ndarray | None = None
     block: int = 0
+    #: per role the :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` when the kernel
+    #: of every ``turbomix`` option reads this layer (``codes``/``norms`` are then None)
+    roles: tuple[Any, Any] | None = None
     consumed: bool = field(default=False)
 
     def release(self) -> None:
         """Drop the references to the store (the layer keeps this view until its next update:
         it must not pin chunks that an encode has since replaced)."""
         self.codes = self.norms = self.chunks = ()  # type: ignore[assignment]
-        self.rotations = self.key_means = None
+        self.rotations = self.key_means = self.roles = None
 
     @property
     def tokens(self) -> int:
         """Encoded tokens."""
-        return int(self.norms[0].shape[1])
+        return int(self.roles[0].norms.shape[2] if self.roles else self.norms[0].shape[1])
+
+    @property
+    def heads(self) -> int:
+        """Rows of encoded tokens: batch · KV heads."""
+        return int(self.roles[0].norms.shape[1] if self.roles else self.norms[0].shape[0])
 
     def materialize(self, key: torch.Tensor, value: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +113,21 @@ class CodesView:
 
 def codes_codec(codec: Codec | None, role: str = "value") -> bool:
     """Whether attention can read this codec's codes directly in ``role``: uncentered
-    turbo2/3/4, and ``turbomix`` with the scalar codebook at 2..4 bits, fp16 norms and no
-    outlier channels, any candidates, centered only as keys (a block's mean is one dot product
-    per query there)."""
+    turbo2/3/4, and ``turbomix`` at 2..4 bits with any other option (the scalar ones through
+    :mod:`kvtool.kernels.numba_attention`, see :func:`scalar_codes`; the rest through
+    :mod:`kvtool.kernels.numba_attention_parts`)."""
+    from kvtool.codecs.turbomix import TurboMixCodec
+
+    if isinstance(codec, TurboMixCodec):
+        return codec.bits in CODE_BITS
+    return scalar_codes(codec, role)
+
+
+def scalar_codes(codec: Codec | None, role: str = "value") -> bool:
+    """Whether :mod:`kvtool.kernels.numba_attention` (the faster kernel) reads this codec's
+    codes in ``role``: uncentered turbo2/3/4, and ``turbomix`` with the scalar codebook at 2..4
+    bits, fp16 norms and no outlier channels, any candidates, centered only as keys (a block's
+    mean is one dot product per query there)."""
     from kvtool.codecs.turbo import TurboCodec
     from kvtool.codecs.turbomix import TurboMixCodec
 
@@ -225,7 +245,7 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
         return False
     if query.device.type != "cpu" or key.device.type != "cpu" or batch != view.batch \
             or key.shape[-1] != dim or value.shape[-1] != dim or hq % hkv \
-            or view.norms[0].shape[0] != batch * hkv or value.shape[2] != n_exact:
+            or view.heads != batch * hkv or value.shape[2] != n_exact:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
@@ -283,13 +303,22 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
     """The kernel's output [B, Q, Hq, D] in the query's dtype (None: it failed to build)."""
     na = kernels()
     batch, hq, nq, dim = query.shape
-    (kcodec, ktab, k_rt, _), (vcodec, vtab, _, v_r) = (_constants(c, dim) for c in view.codecs)
     out = torch.empty((batch, nq, hq, dim), dtype=torch.float32)
+    scale = dim ** -0.5 if scaling is None else float(scaling)
     try:
+        if view.roles is not None:
+            from kvtool.kernels import numba_attention_parts
+
+            numba_attention_parts.attend(_numpy(query), *view.roles, _numpy(key), _numpy(value),
+                                         None if bias is None else bias.numpy(), causal, scale,
+                                         out.numpy(), view.block, _numba_threads())
+            return out if query.dtype == torch.float32 else out.to(query.dtype)
+        (kcodec, ktab, k_rt, _), (vcodec, vtab, _, v_r) = (_constants(c, dim)
+                                                           for c in view.codecs)
         na.attend(_numpy(query), view.codes[0], view.norms[0], kcodec.bits, ktab, k_rt,
                   view.codes[1], view.norms[1], vcodec.bits, vtab, v_r, _numpy(key),
-                  _numpy(value), None if bias is None else bias.numpy(), causal,
-                  dim ** -0.5 if scaling is None else float(scaling), out.numpy(),
+                  _numpy(value), None if bias is None else bias.numpy(), causal, scale,
+                  out.numpy(),
                   _numba_threads(), *(view.rotations or (None, None)), view.key_means,
                   view.block)
     except na.BuildError as e:  # the kernel does not build here: decode-then-attend from now on
@@ -299,6 +328,14 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
         _KERNELS[:] = [None]
         return None
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def role_codes(codec: Codec, arrays: dict[str, np.ndarray], heads: int, tokens: int,
+               block: int, dim: int) -> Any:
+    """:func:`kvtool.kernels.numba_attention_parts.role_codes` (numba imported only here)."""
+    from kvtool.kernels.numba_attention_parts import role_codes as build
+
+    return build(codec, arrays, heads, tokens, block, dim)
 
 
 def _numba_threads() -> int:
@@ -317,4 +354,5 @@ def _numba_threads() -> int:
 
 
 __all__ = ["ATTR", "NAME", "STATS", "CodesView", "codes_codec", "codes_enabled", "install",
-           "kvtool_attention", "routes_through_kvtool", "uninstall"]
+           "kvtool_attention", "role_codes", "routes_through_kvtool", "scalar_codes",
+           "uninstall"]

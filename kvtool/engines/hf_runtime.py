@@ -79,6 +79,7 @@ from kvtool.engines.hf_attention import (
     codes_enabled,
     install,
     routes_through_kvtool,
+    scalar_codes,
 )
 from kvtool.errors import KvtoolError
 from kvtool.policy import CodecPolicy
@@ -120,6 +121,7 @@ class _Stream:
         self.codec = codec  # None: lossless, everything stays in ``tail``
         self.sink_tokens, self.recent_tokens, self.block = sink_tokens, recent_tokens, block
         self.sliding = sliding  # blocks must be droppable one by one (see drop_front)
+        self.parts = False  # codes_np for the kernel of every turbomix option (see there)
         self.reset()
 
     def reset(self) -> None:
@@ -142,33 +144,46 @@ class _Stream:
         parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
         return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
 
-    def codes_np(self) -> tuple[np.ndarray, ...]:
+    def codes_np(self) -> tuple[Any, ...]:
         """The store's codes ``[L, B·H, E, bytes]`` (uint8), norms ``[L, B·H, E]`` (fp16 bits
         as uint16), each block's rotation ``[L, B·H, blocks]`` (uint8; zeros without one) and
         mean ``[L, B·H, blocks, D]`` (float32; None: uncentered), ``L`` = 2 when keys and
         values are stacked, else 1: zero-copy numpy views of the single chunk where they can
-        be (several chunks are joined, transiently)."""
+        be (several chunks are joined, transiently). With ``parts`` (the attention kernel for
+        every ``turbomix`` option reads this layer), instead (None × 4, then one
+        :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` per ``L``)."""
         if self._np is not None:
             return self._np
-        axes = {"codes": -3, "norms": -2, "rotation": -2, "mean": -3}  # the blocks' axis
+        first = self.chunks[0].arrays
+        axis = first["codes"].ndim - 3  # the blocks' axis of every array
         joined = {name: torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
-                  if len(self.chunks) > 1 else self.chunks[0].arrays[name]
-                  for name, axis in axes.items() if name in self.chunks[0].arrays}
-        codes, norms = joined["codes"], joined["norms"]
+                  if len(self.chunks) > 1 else first[name] for name in first}
+        codes = joined["codes"]
         lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
         heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
-        flat = (-1, heads, blocks * codes.shape[-2])
-        codes_np = codes.contiguous().reshape(*flat, codes.shape[-1]).numpy()
-        rotation = (joined["rotation"].contiguous().reshape(-1, heads, blocks).numpy()
-                    if "rotation" in joined
-                    else np.zeros((codes_np.shape[0], heads, blocks), np.uint8))
-        mean = (joined["mean"].float().reshape(-1, heads, blocks, joined["mean"].shape[-1])
-                .numpy()
-                if "mean" in joined else None)
-        out = (codes_np,
-               norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16),
-               rotation, mean)
-        if len(self.chunks) == 1:
+        if self.parts:
+            from kvtool.engines.hf_attention import role_codes
+
+            per_role = {name: a.contiguous().numpy().reshape(-1, heads, *a.shape[axis:])
+                        for name, a in joined.items()}
+            dim = self.chunks[0].shape[-1]
+            out: tuple[Any, ...] = (None, None, None, None, [
+                role_codes(self.codec, {name: a[i] for name, a in per_role.items()}, heads,
+                           blocks * codes.shape[-2], codes.shape[-2], dim)
+                for i in range(len(per_role["codes"]))])
+        else:
+            norms = joined["norms"]
+            flat = (-1, heads, blocks * codes.shape[-2])
+            codes_np = codes.contiguous().reshape(*flat, codes.shape[-1]).numpy()
+            rotation = (joined["rotation"].contiguous().reshape(-1, heads, blocks).numpy()
+                        if "rotation" in joined
+                        else np.zeros((codes_np.shape[0], heads, blocks), np.uint8))
+            mean = (joined["mean"].float().reshape(-1, heads, blocks, joined["mean"].shape[-1])
+                    .numpy() if "mean" in joined else None)
+            out = (codes_np,
+                   norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16),
+                   rotation, mean, None)
+        if len(self.chunks) == 1 or self.parts:
             self._np = out
         return out
 
@@ -178,7 +193,8 @@ class _Stream:
 
         Default: every token's states (the store decoded, ``x`` exact) and None. With
         ``from_codes`` and a non-empty store: only the exact tokens (sinks, window, ``x``) and
-        ``(codes, norms, rotations, means, chunks, sinks)`` of the store as it was before ``x``
+        ``(codes, norms, rotations, means, roles, chunks, sinks)`` of the store as it was before
+        ``x``
         (:meth:`codes_np`; the encoded tokens go after the first ``sinks`` exact ones).
         """
         if self.codec is None:
@@ -306,6 +322,9 @@ class CompressedLayer(DynamicLayer):
         #: window's mask hides encoded tokens, which the kernel does not do)
         self.codes_capable = codes_codec(key_codec, "key") and codes_codec(value_codec) \
             and not self.is_sliding
+        for stream in self.streams:  # the kernel of every turbomix option reads both roles
+            stream.parts = self.codes_capable and not (
+                scalar_codes(key_codec, "key") and scalar_codes(value_codec))
         self._pending: CodesView | None = None
 
     @property
@@ -347,14 +366,17 @@ class CompressedLayer(DynamicLayer):
             encs = [(kenc, None), (venc, None)]
         if encs[0][0] is not None and encs[1][0] is not None:
             (ke, ki), (ve, vi) = encs
+            pick = lambda enc, i, at: None if enc[at] is None else enc[at][i or 0]  # noqa: E731
             view = CodesView(codecs=(self.k.codec, self.v.codec),
-                             codes=(ke[0][ki or 0], ve[0][vi or 0]),
-                             norms=(ke[1][ki or 0], ve[1][vi or 0]),
-                             chunks=((ke[4], ki), (ve[4], vi)), sinks=ke[5],
+                             codes=(pick(ke, ki, 0), pick(ve, vi, 0)),
+                             norms=(pick(ke, ki, 1), pick(ve, vi, 1)),
+                             chunks=((ke[5], ki), (ve[5], vi)), sinks=ke[6],
                              batch=key_states.shape[0],
-                             rotations=(ke[2][ki or 0], ve[2][vi or 0]),
-                             key_means=None if ke[3] is None else ke[3][ki or 0],
-                             block=self.block_size)
+                             rotations=None if ke[2] is None else (ke[2][ki or 0],
+                                                                   ve[2][vi or 0]),
+                             key_means=pick(ke, ki, 3), block=self.block_size,
+                             roles=None if ke[4] is None else (ke[4][ki or 0],
+                                                               ve[4][vi or 0]))
             keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
             setattr(keys, ATTR, view)
             self._pending = view

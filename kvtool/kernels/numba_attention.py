@@ -112,6 +112,81 @@ def _dot(a, b):
     return s
 
 
+@numba.njit(inline="always")
+def merge_exact(bh, q, pm, pl, pacc, v_r, ke, ve, bias, causal, scale, splits, hkv, groups,
+                out):
+    """Merge the tasks' partial softmax states of (batch, KV head) ``bh``, rotate the value sum
+    back (``pacc`` [tasks, rotations, rows, D] times ``v_r`` [rotations, D, D]), continue the
+    same softmax over the exact tokens and write the normalised rows into ``out``."""
+    batch, hq, nq, dim = q.shape
+    rows, nv, n_exact = groups * nq, v_r.shape[0], ke.shape[2]
+    neg = np.float32(-np.inf)
+    b, h = bh // hkv, bh % hkv
+    kx, vx = ke[b, h], ve[b, h]
+    top = np.full(rows, neg, np.float32)
+    for part in range(splits):
+        for r in range(rows):
+            top[r] = max(top[r], pm[bh * splits + part, r])
+    total = np.zeros(rows, np.float32)
+    rot = np.zeros((nv, rows, dim), np.float32)
+    for part in range(splits):
+        task = bh * splits + part
+        for r in range(rows):
+            f = _exp(pm[task, r] - top[r]) if pl[task, r] > 0 else np.float32(0.0)
+            total[r] += pl[task, r] * f
+            for c in range(nv):
+                for d in range(dim):
+                    rot[c, r, d] += f * pacc[task, c, r, d]
+    o = np.zeros((rows, dim), np.float32)
+    qx = np.empty((rows, dim), np.float32)
+    for r in range(rows):
+        for c in range(nv):
+            for d in range(dim):  # Σ over rotations of (Σ p ‖v‖ c) @ R_v
+                x = rot[c, r, d]
+                if x != 0.0:
+                    for e in range(dim):
+                        o[r, e] += x * v_r[c, d, e]
+        qh = q[b, h * groups + r // nq, r % nq]
+        for d in range(dim):
+            qx[r, d] = qh[d] * scale
+    sx = np.empty((rows, n_exact), np.float32)
+    for j in range(n_exact):  # exact scores, masked ones -inf
+        kj = kx[j]
+        for r in range(rows):
+            i = r % nq
+            if causal and j > n_exact - nq + i:
+                sx[r, j] = neg
+                continue
+            v = _dot(qx[r], kj)
+            if bias.shape[0] > 0:
+                v += bias[min(b, bias.shape[0] - 1), i, j]
+            sx[r, j] = v
+    for r in range(rows):
+        new_top = top[r]
+        for j in range(n_exact):
+            new_top = max(new_top, sx[r, j])
+        alpha = _exp(top[r] - new_top)
+        total[r] *= alpha
+        for d in range(dim):
+            o[r, d] *= alpha
+        for j in range(n_exact):
+            p = _exp(sx[r, j] - new_top) if sx[r, j] != neg else np.float32(0.0)
+            sx[r, j] = p
+            total[r] += p
+    for j in range(n_exact):
+        vj = vx[j]
+        for r in range(rows):
+            p = sx[r, j]
+            if p != 0.0:
+                for d in range(dim):
+                    o[r, d] += p * vj[d]
+    for r in range(rows):
+        inv = np.float32(1.0) / total[r]
+        dst = out[b, r % nq, h * groups + r // nq]
+        for d in range(dim):
+            dst[d] = o[r, d] * inv
+
+
 def _attend_impl(q, kc, kn, kbits, ktab, k_rt, krot, kmean, vc, vn, vbits, vtab, v_r, vrot,
                  block, ke, ve, bias, causal, scale, splits, out):
     """See :func:`attend`."""
@@ -120,7 +195,6 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, krot, kmean, vc, vn, vbits, vtab,
     hkv = bh_count // batch
     groups = hq // hkv
     rows = groups * nq  # row r: query head h·groups + r // nq, query token r % nq
-    n_exact = ke.shape[2]
     tasks = bh_count * splits
     neg = np.float32(-np.inf)
     nk, nv = k_rt.shape[0], v_r.shape[0]  # rotations in use (turbomix: its candidates)
@@ -199,70 +273,8 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, krot, kmean, vc, vn, vbits, vtab,
         pacc[task] = acc
 
     for bh in prange(bh_count):  # merge, rotate back, then the exact tokens, normalise
-        b, h = bh // hkv, bh % hkv
-        kx, vx = ke[b, h], ve[b, h]
-        top = np.full(rows, neg, np.float32)
-        for part in range(splits):
-            for r in range(rows):
-                top[r] = max(top[r], pm[bh * splits + part, r])
-        total = np.zeros(rows, np.float32)
-        rot = np.zeros((nv, rows, dim), np.float32)
-        for part in range(splits):
-            task = bh * splits + part
-            for r in range(rows):
-                f = _exp(pm[task, r] - top[r]) if pl[task, r] > 0 else np.float32(0.0)
-                total[r] += pl[task, r] * f
-                for c in range(nv):
-                    for d in range(dim):
-                        rot[c, r, d] += f * pacc[task, c, r, d]
-        o = np.zeros((rows, dim), np.float32)
-        qx = np.empty((rows, dim), np.float32)
-        for r in range(rows):
-            for c in range(nv):
-                for d in range(dim):  # Σ over rotations of (Σ p ‖v‖ c) @ R_v
-                    x = rot[c, r, d]
-                    if x != 0.0:
-                        for e in range(dim):
-                            o[r, e] += x * v_r[c, d, e]
-            qh = q[b, h * groups + r // nq, r % nq]
-            for d in range(dim):
-                qx[r, d] = qh[d] * scale
-        sx = np.empty((rows, n_exact), np.float32)
-        for j in range(n_exact):  # exact scores, masked ones -inf
-            kj = kx[j]
-            for r in range(rows):
-                i = r % nq
-                if causal and j > n_exact - nq + i:
-                    sx[r, j] = neg
-                    continue
-                v = _dot(qx[r], kj)
-                if bias.shape[0] > 0:
-                    v += bias[min(b, bias.shape[0] - 1), i, j]
-                sx[r, j] = v
-        for r in range(rows):
-            new_top = top[r]
-            for j in range(n_exact):
-                new_top = max(new_top, sx[r, j])
-            alpha = _exp(top[r] - new_top)
-            total[r] *= alpha
-            for d in range(dim):
-                o[r, d] *= alpha
-            for j in range(n_exact):
-                p = _exp(sx[r, j] - new_top) if sx[r, j] != neg else np.float32(0.0)
-                sx[r, j] = p
-                total[r] += p
-        for j in range(n_exact):
-            vj = vx[j]
-            for r in range(rows):
-                p = sx[r, j]
-                if p != 0.0:
-                    for d in range(dim):
-                        o[r, d] += p * vj[d]
-        for r in range(rows):
-            inv = np.float32(1.0) / total[r]
-            dst = out[b, r % nq, h * groups + r // nq]
-            for d in range(dim):
-                dst[d] = o[r, d] * inv
+        merge_exact(bh, q, pm, pl, pacc, v_r, ke, ve, bias, causal, scale, splits, hkv, groups,
+                    out)
 
 
 _serial = jit(fastmath=_FAST, nogil=True)(_attend_impl)

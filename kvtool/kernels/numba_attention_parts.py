@@ -1,0 +1,387 @@
+"""Compiled CPU attention straight from ``turbomix`` codes of every option (numba).
+
+:mod:`kvtool.kernels.numba_attention` reads the scalar codebook's codes of one rotated part
+(the ``quality`` preset). This kernel reads what the other presets write: up to two parts per
+vector (the outlier channels and the rest, each with its own channel set per block, rotation,
+bit width and norm), the scalar, ``vq=2`` pair or trellis quantiser, uint8 or fp16 norms
+(dequantised by the caller: one float per token and part), centered keys and values.
+
+Per block (one group: a head's tokens encoded together) and part ``p`` with channels ``ch_p``
+and rotation ``R_p`` (the block's candidate), a key is ``k̂[ch_p] = ‖k_p‖ · (y_p @ R_p) +
+mean[ch_p]`` with ``y_p`` the part's unit-domain values, so a score is ``Σ_p ‖k_p‖ · (R_p
+q[ch_p])·y_p + q·mean``: each query part is rotated once per block, and every score reads the
+values straight from the codes (trellis: walking the path bits' state along the row). Values are
+summed per block in each part's rotated domain and rotated back into their channels when the
+block ends (``n_p²`` multiply-adds per query row and block). The tasks' partial softmax states
+are merged, and the exact tokens attended, by :func:`numba_attention.merge_exact`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numba
+import numpy as np
+from numba import prange
+
+from kvtool.kernels.numba_attention import (
+    _FAST,
+    MIN_TOKENS_PER_TASK,
+    TILE,
+    _dot,
+    _exp,
+    merge_exact,
+)
+from kvtool.kernels.numba_support import jit
+
+SCALAR, PAIR, TRELLIS = 0, 1, 2  # quantiser kinds
+STATES = 32  # trellis states (kvtool.codecs.trellis.STATES)
+
+
+class RoleCodes(NamedTuple):
+    """One role's (keys' or values') encoded tokens for :func:`attend`: ``E`` tokens in blocks
+    of ``block``, ``BH`` = batch · KV heads; part 1 is empty (width 0) without outliers."""
+
+    codes0: np.ndarray  # uint8 [BH, E, bytes0]: the packed codes of part 0 (the other channels)
+    codes1: np.ndarray  # uint8 [BH, E, bytes1]: part 1 (the outlier channels)
+    norms: np.ndarray  # float32 [2, BH, E]: each part's norm
+    channels0: np.ndarray  # int32 [BH, blocks, n0]: part 0's channels per block
+    channels1: np.ndarray  # int32 [BH, blocks, n1]
+    rot0: np.ndarray  # float32 [C, n0, n0]: R of each candidate rotation
+    rot1: np.ndarray  # float32 [C, n1, n1]
+    choice: np.ndarray  # uint8 [BH, blocks]: each block's candidate
+    mean: np.ndarray  # float32 [BH, blocks, D], or [0, 0, 0]: uncentered
+    table0: np.ndarray  # float32: scalar centroids, pair points (flat [x0, y0, ...]), or levels
+    table1: np.ndarray
+    kind: int  # SCALAR, PAIR or TRELLIS
+    bits0: int
+    bits1: int
+    subsets: np.ndarray  # int64 [STATES, 2]: the trellis subset of each state and path bit
+
+
+@numba.njit(inline="always")
+def _code(row, j, bits):
+    """Code ``j`` of an LSB-first packed row (a code spans at most two bytes)."""
+    pos = j * bits
+    at = pos >> 3
+    word = np.int64(row[at])
+    if at + 1 < row.shape[0]:
+        word |= np.int64(row[at + 1]) << 8
+    return (word >> (pos & 7)) & ((1 << bits) - 1)
+
+
+@numba.njit(inline="always")
+def _unit_values(row, n, bits, kind, table, subsets, out):
+    """The part's unit-domain values of one packed code row into ``out[:n]``."""
+    if kind == SCALAR:
+        for j in range(n):
+            out[j] = table[_code(row, j, bits)]
+    elif kind == PAIR:
+        for j in range(0, n, 2):
+            index = (_code(row, j, bits) << bits) + _code(row, j + 1, bits)
+            out[j] = table[2 * index]
+            out[j + 1] = table[2 * index + 1]
+    else:  # the state: the last path bits, the latest in bit 0 (zeros before the first)
+        state = 0
+        low = (1 << (bits - 1)) - 1
+        for j in range(n):
+            c = _code(row, j, bits)
+            u = c >> (bits - 1)
+            out[j] = table[4 * (c & low) + subsets[state, u]]
+            state = ((state << 1) | u) & (STATES - 1)
+
+
+@numba.njit(inline="always")
+def _rotate_query(qs, channels, rot, out):
+    """out[r] = R q_s[r, channels] for every query row."""
+    n = channels.shape[0]
+    for r in range(qs.shape[0]):
+        for i in range(n):
+            acc = np.float32(0.0)
+            for j in range(n):
+                acc += rot[i, j] * qs[r, channels[j]]
+            out[r, i] = acc
+
+
+@numba.njit(inline="always")
+def _flush(acc, channels, rot, o, tmp):
+    """o[r, channels] += acc[r] @ R, then acc = 0: a block's value sum back in its channels."""
+    n = channels.shape[0]
+    for r in range(acc.shape[0]):
+        for e in range(n):
+            tmp[e] = 0.0
+        for i in range(n):
+            x = acc[r, i]
+            if x != 0.0:
+                for e in range(n):
+                    tmp[e] += x * rot[i, e]
+            acc[r, i] = 0.0
+        for e in range(n):
+            o[r, channels[e]] += tmp[e]
+
+
+def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out):
+    """See :func:`attend`."""
+    batch, hq, nq, dim = q.shape
+    bh_count, n_enc = kr.norms.shape[1], kr.norms.shape[2]
+    hkv = bh_count // batch
+    groups = hq // hkv
+    rows = groups * nq
+    tasks = bh_count * splits
+    neg = np.float32(-np.inf)
+    kn0, kn1 = kr.channels0.shape[2], kr.channels1.shape[2]
+    vn0, vn1 = vr.channels0.shape[2], vr.channels1.shape[2]
+    k_centered, v_centered = kr.mean.shape[0] > 0, vr.mean.shape[0] > 0
+    pm = np.empty((tasks, rows), np.float32)
+    pl = np.empty((tasks, rows), np.float32)
+    pacc = np.empty((tasks, 1, rows, dim), np.float32)  # already in the channels
+
+    for task in prange(tasks):
+        bh, part = task // splits, task % splits
+        b, h = bh // hkv, bh % hkv
+        lo, hi = part * n_enc // splits, (part + 1) * n_enc // splits
+        qs = np.empty((rows, dim), np.float32)
+        for r in range(rows):
+            qh = q[b, h * groups + r // nq, r % nq]
+            for d in range(dim):
+                qs[r, d] = qh[d] * scale
+        q0 = np.empty((rows, kn0), np.float32)
+        q1 = np.empty((rows, kn1), np.float32)
+        qm = np.zeros(rows, np.float32)
+        m = np.full(rows, neg, np.float32)
+        ls = np.zeros(rows, np.float32)
+        o = np.zeros((rows, dim), np.float32)
+        acc0 = np.zeros((rows, vn0), np.float32)
+        acc1 = np.zeros((rows, vn1), np.float32)
+        wsum = np.zeros(rows, np.float32)
+        tmp = np.empty(dim, np.float32)
+        kb0 = np.empty((TILE, kn0), np.float32)
+        kb1 = np.empty((TILE, kn1), np.float32)
+        vb0 = np.empty(vn0, np.float32)
+        vb1 = np.empty(vn1, np.float32)
+        s = np.empty((rows, TILE), np.float32)
+        k_block = v_block = -1
+        for t0 in range(lo, hi, TILE):
+            n = min(TILE, hi - t0)
+            for t in range(n):
+                _unit_values(kr.codes0[bh, t0 + t], kn0, kr.bits0, kr.kind, kr.table0,
+                             kr.subsets, kb0[t])
+                if kn1:
+                    _unit_values(kr.codes1[bh, t0 + t], kn1, kr.bits1, kr.kind, kr.table1,
+                                 kr.subsets, kb1[t])
+            for t in range(n):
+                blk = (t0 + t) // block
+                if blk != k_block:
+                    k_block = blk
+                    c = kr.choice[bh, blk]
+                    _rotate_query(qs, kr.channels0[bh, blk], kr.rot0[c], q0)
+                    if kn1:
+                        _rotate_query(qs, kr.channels1[bh, blk], kr.rot1[c], q1)
+                    if k_centered:
+                        for r in range(rows):
+                            qm[r] = _dot(qs[r], kr.mean[bh, blk])
+                norm0 = kr.norms[0, bh, t0 + t]
+                norm1 = kr.norms[1, bh, t0 + t]
+                for r in range(rows):
+                    score = norm0 * _dot(q0[r], kb0[t]) + qm[r]
+                    if kn1:
+                        score += norm1 * _dot(q1[r], kb1[t])
+                    s[r, t] = score
+            for r in range(rows):
+                top = m[r]
+                for t in range(n):
+                    top = max(top, s[r, t])
+                alpha = _exp(m[r] - top)
+                m[r] = top
+                total = ls[r] * alpha
+                for t in range(n):
+                    p = _exp(s[r, t] - top)
+                    s[r, t] = p
+                    total += p
+                ls[r] = total
+                if alpha != 1.0:
+                    for d in range(dim):
+                        o[r, d] *= alpha
+                    for d in range(vn0):
+                        acc0[r, d] *= alpha
+                    for d in range(vn1):
+                        acc1[r, d] *= alpha
+                    wsum[r] *= alpha
+            for t in range(n):
+                blk = (t0 + t) // block
+                if blk != v_block:
+                    if v_block >= 0:
+                        _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
+                    v_block = blk
+                _unit_values(vr.codes0[bh, t0 + t], vn0, vr.bits0, vr.kind, vr.table0,
+                             vr.subsets, vb0)
+                if vn1:
+                    _unit_values(vr.codes1[bh, t0 + t], vn1, vr.bits1, vr.kind, vr.table1,
+                                 vr.subsets, vb1)
+                norm0 = vr.norms[0, bh, t0 + t]
+                norm1 = vr.norms[1, bh, t0 + t]
+                for r in range(rows):
+                    w = s[r, t]
+                    wsum[r] += w
+                    w0 = w * norm0
+                    for d in range(vn0):
+                        acc0[r, d] += w0 * vb0[d]
+                    w1 = w * norm1
+                    for d in range(vn1):
+                        acc1[r, d] += w1 * vb1[d]
+        if v_block >= 0:
+            _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
+        pm[task] = m
+        pl[task] = ls
+        pacc[task, 0] = o
+
+    for bh in prange(bh_count):
+        merge_exact(bh, q, pm, pl, pacc, eye, ke, ve, bias, causal, scale, splits, hkv, groups,
+                    out)
+
+
+@numba.njit(inline="always")
+def _flush_block(vr, bh, blk, acc0, acc1, wsum, o, tmp, centered):
+    """A block's value sums (each part's, and the weights' for its mean) into ``o``."""
+    c = vr.choice[bh, blk]
+    _flush(acc0, vr.channels0[bh, blk], vr.rot0[c], o, tmp)
+    if acc1.shape[1]:
+        _flush(acc1, vr.channels1[bh, blk], vr.rot1[c], o, tmp)
+    if centered:
+        mean = vr.mean[bh, blk]
+        for r in range(o.shape[0]):
+            w = wsum[r]
+            for d in range(o.shape[1]):
+                o[r, d] += w * mean[d]
+    for r in range(o.shape[0]):
+        wsum[r] = 0.0
+
+
+_serial = jit(fastmath=_FAST, nogil=True)(_attend_impl)
+_parallel = jit(fastmath=_FAST, nogil=True, parallel=True)(_attend_impl)
+
+
+def attend(q: np.ndarray, keys: RoleCodes, values: RoleCodes, ke: np.ndarray, ve: np.ndarray,
+           bias: np.ndarray | None, causal: bool, scale: float, out: np.ndarray, block: int,
+           threads: int = 1) -> np.ndarray:
+    """Softmax attention of ``q`` over encoded tokens (``keys``/``values``, :class:`RoleCodes`)
+    and exact ones, into ``out``: the arguments and semantics of
+    :func:`kvtool.kernels.numba_attention.attend` otherwise."""
+    n_enc = keys.norms.shape[2]
+    splits = 1
+    if threads > 1 and n_enc >= 2 * MIN_TOKENS_PER_TASK:
+        splits = int(min(threads, n_enc // MIN_TOKENS_PER_TASK))
+    fn = _parallel if threads > 1 else _serial
+    if bias is None:
+        bias = np.zeros((0, 0, 0), np.float32)
+    dim = q.shape[-1]
+    eye = _eye(dim)
+    fn(q, keys, values, eye, ke, ve, bias, causal, np.float32(scale), splits,
+       block if block > 0 else max(1, n_enc), out)
+    return out
+
+
+_EYES: dict[int, np.ndarray] = {}
+
+
+def _eye(dim: int) -> np.ndarray:
+    if dim not in _EYES:
+        _EYES[dim] = np.eye(dim, dtype=np.float32)[None]
+    return _EYES[dim]
+
+
+def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: int,
+               block: int, dim: int) -> RoleCodes:
+    """:class:`RoleCodes` of a ``turbomix`` (or ``turbo``) codec's arrays for ``heads`` =
+    batch · KV heads rows of ``tokens`` encoded tokens of ``dim`` channels in blocks of
+    ``block`` (numpy arrays of the codec's encode, the blocks joined: ``codes`` [heads, tokens,
+    bytes] and so on)."""
+    from kvtool.codecs.trellis import subset_table
+    from kvtool.codecs.turbomix import norm_values
+
+    n_hi = getattr(codec, "outliers", 0)
+    blocks = tokens // block
+    quantizer = getattr(codec, "quantizer", "scalar")
+    kind = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}[quantizer]
+    groups = heads * blocks
+    if n_hi:
+        mask = np.unpackbits(arrays["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
+                             bitorder="little").astype(bool)
+        channels = [np.nonzero(~mask)[1].reshape(heads, blocks, dim - n_hi),
+                    np.nonzero(mask)[1].reshape(heads, blocks, n_hi)]
+    else:
+        channels = [np.broadcast_to(np.arange(dim), (heads, blocks, dim)),
+                    np.zeros((heads, blocks, 0), np.int64)]
+    norms = np.zeros((2, heads, tokens), np.float32)
+    for p, suffix in enumerate(("", "_hi")[:1 + bool(n_hi)]):
+        raw = arrays["norms" + suffix]
+        if getattr(codec, "norm_bits", 16) == 8:
+            raw = norm_values(raw.reshape(groups, block), arrays["norm_range" + suffix]
+                              .reshape(groups, 2))
+        norms[p] = raw.reshape(heads, tokens)
+    bits = (codec.bits, getattr(codec, "outlier_bits", 0) if n_hi else 0)
+    seeds = _seeds(codec)
+    tables = [_table(quantizer, b, ch.shape[-1]) if ch.shape[-1] else np.zeros(1, np.float32)
+              for b, ch in zip(bits, channels, strict=True)]
+    rots = [_rotations(ch.shape[-1], seeds) for ch in channels]
+    choice = arrays["rotation"].reshape(heads, blocks) if "rotation" in arrays \
+        else np.zeros((heads, blocks), np.uint8)
+    mean = arrays["mean"].reshape(heads, blocks, dim).astype(np.float32) if "mean" in arrays \
+        else np.zeros((0, 0, 0), np.float32)
+    return RoleCodes(
+        np.ascontiguousarray(arrays["codes"].reshape(heads, tokens, -1)),
+        np.ascontiguousarray(arrays["codes_hi"].reshape(heads, tokens, -1)) if n_hi
+        else np.zeros((heads, tokens, 1), np.uint8),
+        norms, np.ascontiguousarray(channels[0], np.int32),
+        np.ascontiguousarray(channels[1], np.int32), rots[0], rots[1],
+        np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
+        kind, bits[0], max(bits[1], 1), subset_table().astype(np.int64))
+
+
+def _seeds(codec: Any) -> list[int]:
+    from kvtool.codecs.turbomix import candidate_seed
+
+    return [candidate_seed(codec.seed, c) for c in range(getattr(codec, "candidates", 1))]
+
+
+_TABLES: dict[tuple[str, int, int], np.ndarray] = {}
+
+
+def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
+    """The unit-domain values a part of width ``n`` decodes codes to (see :class:`RoleCodes`)."""
+    key = (quantizer, bits, n)
+    if key not in _TABLES:
+        if quantizer == "scalar":
+            from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+
+            values = sphere_marginal_codebook(n, 1 << bits).centroids
+        elif quantizer == "pair":
+            from kvtool.codecs.turbomix import _pair_points
+
+            values = _pair_points(bits, n).reshape(-1)
+        else:
+            from kvtool.codecs.trellis_tables import trellis_levels
+
+            values = trellis_levels(bits) / np.float32(np.sqrt(n))
+        _TABLES[key] = np.ascontiguousarray(values, np.float32)
+    return _TABLES[key]
+
+
+_ROTATIONS: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+
+
+def _rotations(n: int, seeds: list[int]) -> np.ndarray:
+    """R [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""
+    key = (n, tuple(seeds))
+    if key not in _ROTATIONS:
+        from kvtool.codecs.rotation import rotation_matrix
+
+        if len(_ROTATIONS) > 64:
+            _ROTATIONS.clear()
+        _ROTATIONS[key] = np.ascontiguousarray(
+            np.stack([rotation_matrix(n, s) for s in seeds]) if n
+            else np.zeros((len(seeds), 0, 0)), np.float32)
+    return _ROTATIONS[key]
+
+
+__all__ = ["PAIR", "SCALAR", "TRELLIS", "RoleCodes", "attend", "role_codes"]
