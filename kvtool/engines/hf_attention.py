@@ -14,9 +14,11 @@ the update comes from a model forward (its mask preparation armed the cache) and
 qualifies, ``update`` returns only the exact tokens (sinks, recent window, this forward's tokens)
 and tags the key tensor with a :class:`CodesView`: the layer's encoded chunks as they were before
 this forward (they sit between the sinks and the window). The attention then runs one softmax
-over encoded tokens (read from their codes by :func:`kvtool.kernels.numba_attention.attend`) and
-exact tokens, with sdpa's semantics: no mask means causal over the new tokens (they come last),
-a mask's columns are matched to the tokens (the encoded columns must be fully visible).
+over encoded tokens (read from their codes by :func:`kvtool.kernels.numba_attention.attend`, or
+:func:`kvtool.kernels.numba_attention_parts.attend` for outlier, pair, trellis and uint8-norm
+``turbomix`` codes) and exact tokens, with sdpa's semantics: no mask means causal over the new
+tokens (they come last), a mask's columns are matched to the tokens (the encoded columns must be
+fully visible).
 
 Anything else decodes the view and calls the delegate on the full K/V
 (:meth:`CodesView.materialize`), the same decode-then-attend computation as without the hook:

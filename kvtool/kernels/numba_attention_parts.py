@@ -60,33 +60,61 @@ class RoleCodes(NamedTuple):
 
 
 @numba.njit(inline="always")
-def _code(row, j, bits):
-    """Code ``j`` of an LSB-first packed row (a code spans at most two bytes)."""
-    pos = j * bits
-    at = pos >> 3
-    word = np.int64(row[at])
-    if at + 1 < row.shape[0]:
-        word |= np.int64(row[at + 1]) << 8
-    return (word >> (pos & 7)) & ((1 << bits) - 1)
+def _unpack_codes(row, n, bits, codes):
+    """The ``n`` LSB-first packed codes of ``row`` into ``codes[:n]`` (uint8)."""
+    if bits == 4:
+        for k in range(n // 2):
+            b = row[k]
+            codes[2 * k] = b & 15
+            codes[2 * k + 1] = b >> 4
+    elif bits == 2:
+        for k in range(n // 4):
+            b = row[k]
+            codes[4 * k] = b & 3
+            codes[4 * k + 1] = (b >> 2) & 3
+            codes[4 * k + 2] = (b >> 4) & 3
+            codes[4 * k + 3] = b >> 6
+    elif bits == 3 and n % 8 == 0:
+        for g in range(n // 8):
+            u = np.uint32(row[3 * g]) | (np.uint32(row[3 * g + 1]) << 8) \
+                | (np.uint32(row[3 * g + 2]) << 16)
+            for k in range(8):
+                codes[8 * g + k] = (u >> (3 * k)) & 7
+    else:  # any width, any count: a bit accumulator
+        acc = np.uint32(0)
+        have = 0
+        at = 0
+        mask = np.uint32((1 << bits) - 1)
+        for j in range(n):
+            if have < bits:
+                acc |= np.uint32(row[at]) << have
+                at += 1
+                have += 8
+            codes[j] = acc & mask
+            acc >>= bits
+            have -= bits
 
 
 @numba.njit(inline="always")
-def _unit_values(row, n, bits, kind, table, subsets, out):
-    """The part's unit-domain values of one packed code row into ``out[:n]``."""
+def _unit_values(row, n, bits, kind, table, subsets, codes, out):
+    """The part's unit-domain values of one packed code row into ``out[:n]`` (``codes``: a
+    uint8 scratch of ``n``)."""
+    _unpack_codes(row, n, bits, codes)
     if kind == SCALAR:
         for j in range(n):
-            out[j] = table[_code(row, j, bits)]
+            out[j] = table[codes[j]]
     elif kind == PAIR:
         for j in range(0, n, 2):
-            index = (_code(row, j, bits) << bits) + _code(row, j + 1, bits)
+            index = (np.int64(codes[j]) << bits) + codes[j + 1]
             out[j] = table[2 * index]
             out[j + 1] = table[2 * index + 1]
     else:  # the state: the last path bits, the latest in bit 0 (zeros before the first)
         state = 0
-        low = (1 << (bits - 1)) - 1
+        top = bits - 1
+        low = (1 << top) - 1
         for j in range(n):
-            c = _code(row, j, bits)
-            u = c >> (bits - 1)
+            c = np.int64(codes[j])
+            u = c >> top
             out[j] = table[4 * (c & low) + subsets[state, u]]
             state = ((state << 1) | u) & (STATES - 1)
 
@@ -155,6 +183,7 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         acc1 = np.zeros((rows, vn1), np.float32)
         wsum = np.zeros(rows, np.float32)
         tmp = np.empty(dim, np.float32)
+        cb = np.empty(dim, np.uint8)
         kb0 = np.empty((TILE, kn0), np.float32)
         kb1 = np.empty((TILE, kn1), np.float32)
         vb0 = np.empty(vn0, np.float32)
@@ -165,10 +194,10 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
             n = min(TILE, hi - t0)
             for t in range(n):
                 _unit_values(kr.codes0[bh, t0 + t], kn0, kr.bits0, kr.kind, kr.table0,
-                             kr.subsets, kb0[t])
+                             kr.subsets, cb, kb0[t])
                 if kn1:
                     _unit_values(kr.codes1[bh, t0 + t], kn1, kr.bits1, kr.kind, kr.table1,
-                                 kr.subsets, kb1[t])
+                                 kr.subsets, cb, kb1[t])
             for t in range(n):
                 blk = (t0 + t) // block
                 if blk != k_block:
@@ -214,10 +243,10 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                         _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
                     v_block = blk
                 _unit_values(vr.codes0[bh, t0 + t], vn0, vr.bits0, vr.kind, vr.table0,
-                             vr.subsets, vb0)
+                             vr.subsets, cb, vb0)
                 if vn1:
                     _unit_values(vr.codes1[bh, t0 + t], vn1, vr.bits1, vr.kind, vr.table1,
-                                 vr.subsets, vb1)
+                                 vr.subsets, cb, vb1)
                 norm0 = vr.norms[0, bh, t0 + t]
                 norm1 = vr.norms[1, bh, t0 + t]
                 for r in range(rows):
