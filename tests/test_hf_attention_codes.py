@@ -33,7 +33,8 @@ SMALL = ("turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,tr
 #: read by numba_attention_parts: pair codes, outliers at 8 bits, centered values, mixed kernels
 PARTS = [BALANCED, SMALL, "turbomix:vq=2,outliers=8,center=true,candidates=2",
          "turbo3/turbomix:outliers=6,outlier_bits=8,center=true,norm_bits=8",
-         "turbomix:bits=4,trellis=true,seed=9/turbo2"]
+         "turbomix:bits=4,trellis=true,seed=9/turbo2",
+         "turbomix:outliers=6,outlier_bits=3,trellis=true,candidates=2"]  # 3-bit parts of 58, 6
 
 
 def _module(groups: int = GROUPS) -> SimpleNamespace:

@@ -26,10 +26,11 @@ being every vector that shares the leading indices (one head of one block: ``x[.
   side information (0.125 bits/element at head_dim 64) for a relative norm error under 1%.
 
 ``turbomix:bits=3`` with defaults writes turbo3's codes and norms. Numpy arrays and CPU tensors
-run on fused compiled kernels (:mod:`kvtool.kernels.numba_turbomix`) where numba is on; they
-write the reference's codes except within float rounding of a decision. Other inputs (CUDA
-tensors, mlx arrays) and ``KVTOOL_KERNELS=reference`` run the numpy reference here (converted
-there and back).
+run on fused compiled kernels (:mod:`kvtool.kernels.numba_turbomix`) where numba is on, mlx
+arrays on vectorised ``mx`` ops (:mod:`kvtool.kernels.mlx_turbomix`), with no numpy round trip;
+both write the reference's codes except within float rounding of a decision. Other inputs
+(CUDA tensors) and ``KVTOOL_KERNELS=reference`` run the numpy reference here (converted there
+and back).
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ from kvtool.codecs.trellis import trellis_codes, trellis_values
 from kvtool.codecs.turbo import DEFAULT_SEED, FP16_MAX
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
-from kvtool.kernels import check_finite, compiled_for, cpu_kernels, numpy_ops, to_numpy
+from kvtool.kernels import (
+    check_finite,
+    compiled_for,
+    cpu_kernels,
+    kernel_mode,
+    numpy_ops,
+    to_numpy,
+)
 
 MAX_CANDIDATES = 16
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -160,6 +168,11 @@ class TurboMixCodec(Codec):
             expected = self.expected_arrays(shape, "float32")
             return {name: _to_backend(xp, a.reshape(expected[name].shape), x)
                     for name, a in fused.encode(self, x).items()}
+        on_mlx = self._mlx(xp, shape)
+        if on_mlx is not None:
+            expected = self.expected_arrays(shape, "float32")
+            return {name: a.reshape(expected[name].shape)
+                    for name, a in on_mlx.encode(self, x).items()}
         if not xp.all_finite(x):
             check_finite(xp, x, self.codec_id)
         g = np.asarray(to_numpy(x)).astype(np.float32).reshape(-1, shape[-2] if len(shape) > 1
@@ -256,12 +269,24 @@ class TurboMixCodec(Codec):
 
         return numba_turbomix
 
+    def _mlx(self, xp: Any, shape: tuple[int, ...]) -> Any:
+        """:mod:`kvtool.kernels.mlx_turbomix` for mlx arrays (not empty; not in reference
+        mode), else None."""
+        if xp.name != "mlx" or kernel_mode() == "reference" or not int(np.prod(shape)):
+            return None
+        from kvtool.kernels import mlx_turbomix
+
+        return mlx_turbomix
+
     def _decode(self, xp: Any, enc: Encoded) -> Any:
         return self._decode_as(xp, enc, "float32")
 
     def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Any:
         shape, dim = enc.shape, enc.shape[-1]
         n_hi, n_lo = self._split(dim)
+        on_mlx = self._mlx(xp, shape)
+        if on_mlx is not None:  # validates and decodes the mx arrays where they are
+            return on_mlx.decode(self, enc.arrays, shape, dtype)
         a = {k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()}
         self._check_decodable(a, shape)
         groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
