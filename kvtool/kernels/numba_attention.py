@@ -112,7 +112,7 @@ def _dot(a, b):
     return s
 
 
-@numba.njit(inline="always")
+@numba.njit(fastmath=_FAST, nogil=True)
 def merge_exact(bh, q, pm, pl, pacc, v_r, ke, ve, bias, causal, scale, splits, hkv, groups,
                 out):
     """Merge the tasks' partial softmax states of (batch, KV head) ``bh``, rotate the value sum
