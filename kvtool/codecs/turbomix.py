@@ -27,10 +27,10 @@ being every vector that shares the leading indices (one head of one block: ``x[.
 
 ``turbomix:bits=3`` with defaults writes turbo3's codes and norms. Numpy arrays and CPU tensors
 run on fused compiled kernels (:mod:`kvtool.kernels.numba_turbomix`) where numba is on, mlx
-arrays on vectorised ``mx`` ops (:mod:`kvtool.kernels.mlx_turbomix`), with no numpy round trip;
-both write the reference's codes except within float rounding of a decision. Other inputs
-(CUDA tensors) and ``KVTOOL_KERNELS=reference`` run the numpy reference here (converted there
-and back).
+arrays on vectorised ``mx`` ops (:mod:`kvtool.kernels.mlx_turbomix`), with no numpy round trip,
+CUDA tensors on fused Triton kernels (:mod:`kvtool.kernels.triton_turbomix`), never leaving
+the device; all write the reference's codes except within float rounding of a decision.
+``KVTOOL_KERNELS=reference`` runs the numpy reference here (converted there and back).
 """
 
 from __future__ import annotations
@@ -173,6 +173,9 @@ class TurboMixCodec(Codec):
             expected = self.expected_arrays(shape, "float32")
             return {name: a.reshape(expected[name].shape)
                     for name, a in on_mlx.encode(self, x).items()}
+        on_cuda = self._cuda(x)
+        if on_cuda is not None:  # device arrays, already in the expected shapes
+            return on_cuda.encode(self, x)
         if not xp.all_finite(x):
             check_finite(xp, x, self.codec_id)
         g = np.asarray(to_numpy(x)).astype(np.float32).reshape(-1, shape[-2] if len(shape) > 1
@@ -278,6 +281,16 @@ class TurboMixCodec(Codec):
 
         return mlx_turbomix
 
+    def _cuda(self, like: Any) -> Any:
+        """:mod:`kvtool.kernels.triton_turbomix` for CUDA tensors (not empty; compiled kernels
+        on and Triton available), else None."""
+        kernels = compiled_for(like)
+        if getattr(kernels, "name", None) != "triton" or not int(np.prod(like.shape)):
+            return None
+        from kvtool.kernels import triton_turbomix
+
+        return triton_turbomix if triton_turbomix.available() else None
+
     def _decode(self, xp: Any, enc: Encoded) -> Any:
         return self._decode_as(xp, enc, "float32")
 
@@ -287,6 +300,13 @@ class TurboMixCodec(Codec):
         on_mlx = self._mlx(xp, shape)
         if on_mlx is not None:  # validates and decodes the mx arrays where they are
             return on_mlx.decode(self, enc.arrays, shape, dtype)
+        first = next(iter(enc.arrays.values()))
+        on_cuda = self._cuda(first)
+        if on_cuda is not None:  # validates and decodes the tensors on their device
+            from kvtool.kernels import to_torch
+
+            return on_cuda.decode(self, {k: to_torch(v, first.device)
+                                         for k, v in enc.arrays.items()}, shape, dtype)
         a = {k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()}
         self._check_decodable(a, shape)
         groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1

@@ -1,0 +1,666 @@
+"""Triton kernels for ``turbomix`` (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
+
+The fused numba design (:mod:`kvtool.kernels.numba_turbomix`) on the GPU, every array staying
+on ``x``'s device (the small tables — rotations, codebooks, trellis subsets — are built once on
+the host and cached per device):
+
+- :func:`_stats_kernel`: per group the channel means (float64 sums, rounded to fp16 as stored)
+  and the channel energies after centering (float64); the top-n outlier channels are a stable
+  ``torch.sort`` of the energies (ties: the lowest channel);
+- :func:`_encode_kernel`, once per part: gather the part's channels minus the mean, the norm,
+  then per candidate rotation ``u = t·R_cᵀ`` as tensor-core dots with exact fp32 products
+  (``t`` split in three bf16 pieces; ``R_c`` is exact in bf16 at power-of-two widths, whose
+  two Hadamard rounds are one dense matrix of k/n entries here, as in
+  :mod:`kvtool.kernels.triton_cuda`, and split too at other widths), the quantiser
+  (scalar by binary search, ``vq=2`` pairs by an argmax over the 2-D codebook, or the 32-state
+  trellis: a Viterbi pass over ``[BLOCK_M, 32]`` path costs with one uint32 of decisions per
+  row and coordinate, then a traceback per row), LSB-first packing and each row's squared
+  error; each group then keeps its least-error candidate (ties: the lowest) on the device;
+- :func:`_decode_kernel`: unpack, look up, rotate back with the group's candidate, scale by the
+  norm, add the mean and store the part's channels in the output dtype.
+
+Ties follow the reference: the lowest bucket, the lowest pair index, the lower predecessor
+state, the lowest final state, the lowest candidate. Sums run in another order than the
+reference's, so a coordinate within float rounding of a decision may decide the other way.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtool.codecs.rotation import is_power_of_two, rotation_matrix
+from kvtool.errors import CodecError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+name = "triton"
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "") == "1"
+_INTERP = tl.constexpr(INTERPRET) if triton is not None else None
+SCALAR, PAIR, TRELLIS = 0, 1, 2
+QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
+_INPUT = (torch.float32, torch.float16, torch.bfloat16)
+_FP16_MAX = 65504.0
+
+
+def available() -> bool:
+    """Triton is importable and its kernels can run here (CUDA, or the interpreter)."""
+    return triton is not None and (INTERPRET or torch.cuda.is_available())
+
+
+def _jit(fn: Any) -> Any:
+    return fn if triton is None else triton.jit(fn)
+
+
+def _tuned(fn: Any) -> Any:
+    """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter); the
+    ``tok_class`` argument (tokens per group, capped at 64) keeps short groups apart."""
+    if triton is None or INTERPRET:
+        return _jit(fn)
+    configs = [triton.Config({"BM": m}, num_warps=w, num_stages=1)
+               for m in (16, 32, 64) for w in (4, 8)]
+    return triton.autotune(configs, key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
+                           prune_configs_by={"early_config_prune": _prune})(triton.jit(fn))
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """No more rows per program than a group has (16 at least), and [BM, NP] tiles that fit
+    in registers."""
+    most = max(16, named_args.get("tok_class", kwargs.get("tok_class", 64)))
+    width = kwargs.get("NP", named_args.get("NP", 128))
+    return [c for c in configs if c.kwargs["BM"] <= most and c.kwargs["BM"] * width <= 8192] \
+        or configs[:2]
+
+
+# -- device helpers ------------------------------------------------------------------------------
+@_jit
+def _bf16(x):
+    """fp32 → bf16, rounding to nearest even (by hand in the interpreter, which truncates)."""
+    if _INTERP:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@_jit
+def _split(x):
+    """fp32 ``x`` as three bf16 pieces whose sum is ``x``."""
+    hi = _bf16(x)
+    r = x - hi.to(tl.float32)
+    mid = _bf16(r)
+    return hi, mid, _bf16(r - mid.to(tl.float32))
+
+
+@_jit
+def _dot(a, m, acc):
+    if _INTERP:  # the interpreter multiplies bf16 operands as their raw bits: widen (exact)
+        a, m = a.to(tl.float32), m.to(tl.float32)
+    return tl.dot(a, m, acc)
+
+
+@_jit
+def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
+    """``acc + t @ M[k0:k0+BK, :]`` in fp32 accuracy for an fp32 chunk ``t`` [BM, BK] and
+    ``M`` [NP, NP] stored as RP bf16 pieces (one where exact); small terms first."""
+    hi, mid, lo = _split(t)
+    offs = (k0 + tl.arange(0, BK))[:, None] * NP + tl.arange(0, NP)[None, :]
+    m1 = tl.load(m_ptr + offs)
+    if RP == 3:
+        m2 = tl.load(m_ptr + NP * NP + offs)
+        acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
+        acc = _dot(mid, m2, acc)
+        acc = _dot(lo, m1, acc)
+        acc = _dot(hi, m2, acc)
+    else:
+        acc = _dot(lo, m1, acc)
+    acc = _dot(mid, m1, acc)
+    return _dot(hi, m1, acc)
+
+
+@_jit
+def _pack(q, row_ptr, rmask, NB: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr,
+          BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
+    """Store int32 codes ``q`` [BM, NP] LSB-first into the rows at ``row_ptr`` [BM]."""
+    shift = tl.arange(0, CPG) * BITS
+    if CPG * BITS > 32:  # 5 and 7 bits: groups of 8 codes in 5 and 7 bytes
+        q, shift = q.to(tl.int64), shift.to(tl.int64)
+    g = tl.sum(tl.reshape(q, [BM, NP // CPG, CPG]) << shift[None, None, :], axis=2)
+    byte = tl.arange(0, NP // CPG) * BPG
+    for k in tl.static_range(BPG):
+        tl.store(row_ptr[:, None] + (byte + k)[None, :], ((g >> (8 * k)) & 0xFF).to(tl.uint8),
+                 mask=rmask[:, None] & (byte + k < NB)[None, :])
+
+
+@_jit
+def _unpack(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
+    """Codes [BM, len(idx)] at code indices ``idx`` (0 outside 0..N-1) of packed rows."""
+    ok = (idx >= 0) & (idx < N)
+    bit = idx * BITS
+    byte = bit >> 3
+    lo = tl.load(row_ptr[:, None] + byte[None, :], mask=rmask[:, None] & ok[None, :], other=0)
+    hi = tl.load(row_ptr[:, None] + byte[None, :] + 1,
+                 mask=rmask[:, None] & (ok & (byte + 1 < NB))[None, :], other=0)
+    word = lo.to(tl.int32) | (hi.to(tl.int32) << 8)
+    return (word >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
+
+
+@_jit
+def _part(x_ptr, mean_ptr, ch_ptr, g, r, rmask, j, N: tl.constexpr, D: tl.constexpr,
+          HAS_MEAN: tl.constexpr):
+    """fp32 ``x[r, ch[g, j]] − mean[g, ch[g, j]]`` [BM, len(j)] (0 where j ≥ N); ``ch_ptr``
+    points at the group's channels."""
+    ch = tl.load(ch_ptr + j, mask=j < N, other=0)
+    t = tl.load(x_ptr + r[:, None] * D + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        t = tl.where((j < N)[None, :], t - tl.load(mean_ptr + g * D + ch)[None, :], 0.0)
+    return t
+
+
+@_jit
+def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, lvl_ptr, sub_ptr, N: tl.constexpr,
+            NB: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
+            BK: tl.constexpr):
+    """Unit-vector coordinates [BM, BK] at code indices ``idx`` (0 where idx ≥ N)."""
+    q = _unpack(row_ptr, rmask, idx, N, NB, BITS)
+    if QUANT == 0:
+        y = tl.load(cent_ptr + q)
+    elif QUANT == 1:
+        a, b = tl.split(tl.reshape(q, [BM, BK // 2, 2]))
+        at = (a << BITS) | b
+        y = tl.reshape(tl.join(tl.load(pts_ptr + 2 * at), tl.load(pts_ptr + 2 * at + 1)),
+                       [BM, BK])
+    else:  # the subset from the path bits of the 5 coordinates before (zeros before the first)
+        state = tl.zeros([BM, BK], tl.int32)
+        for k in tl.static_range(1, 6):
+            state |= (_unpack(row_ptr, rmask, idx - k, N, NB, BITS) >> (BITS - 1)) << (k - 1)
+        subset = tl.load(sub_ptr + state * 2 + (q >> (BITS - 1)))
+        y = tl.load(lvl_ptr + 4 * (q & ((1 << (BITS - 1)) - 1)) + subset)
+    return tl.where((idx < N)[None, :], y, 0.0)
+
+
+@_jit
+def _scalar(y, bnd_ptr, BITS: tl.constexpr):
+    """Number of boundaries strictly below each value (binary search over 2**BITS − 1)."""
+    k = tl.zeros(y.shape, tl.int32)
+    for s in tl.static_range(BITS):
+        step = 1 << (BITS - 1 - s)
+        k += tl.where(y > tl.load(bnd_ptr + k + (step - 1)), step, 0)
+    return k
+
+
+@_jit
+def _pairs(y, pts_ptr, hsq_ptr, BM: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr):
+    """(codes, values) [BM, BN] of the nearest 2-D codebook point per coordinate pair
+    (score ``x·c − |c|²/2``; ties: the lowest index)."""
+    y0, y1 = tl.split(tl.reshape(y, [BM, BN // 2, 2]))
+    top = tl.full([BM, BN // 2], float("-inf"), tl.float32)
+    at = tl.zeros([BM, BN // 2], tl.int32)
+    for p in range(1 << (2 * BITS)):
+        s = y0 * tl.load(pts_ptr + 2 * p)
+        s = s + y1 * tl.load(pts_ptr + 2 * p + 1)
+        s = s - tl.load(hsq_ptr + p)
+        better = s > top
+        top = tl.where(better, s, top)
+        at = tl.where(better, p, at)
+    q = tl.reshape(tl.join(at >> BITS, at & ((1 << BITS) - 1)), [BM, BN])
+    v = tl.reshape(tl.join(tl.load(pts_ptr + 2 * at), tl.load(pts_ptr + 2 * at + 1)), [BM, BN])
+    return q, v
+
+
+@_jit
+def _nearest(y, j, edge_ptr, PER: tl.constexpr):
+    """Index within subset ``j`` of the level nearest ``y`` (edges strictly below)."""
+    k = tl.zeros(y.shape, tl.int32)
+    for e in tl.static_range(PER - 1):
+        k += (y > tl.load(edge_ptr + j * (PER - 1) + e)).to(tl.int32)
+    return k
+
+
+# -- kernels -------------------------------------------------------------------------------------
+@_jit
+def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.constexpr,
+                  BT: tl.constexpr, CENTER: tl.constexpr, ENERGY: tl.constexpr):
+    """mean[g] (fp16-rounded, as fp32) and energy[g] = Σ (x − mean)² (float64) per channel."""
+    g = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = cols < D
+    m = tl.zeros([BD], tl.float32)
+    if CENTER:
+        acc = tl.zeros([BD], tl.float64)
+        for t0 in range(0, tokens, BT):
+            tt = t0 + tl.arange(0, BT)
+            v = tl.load(x_ptr + (g * tokens + tt)[:, None] * D + cols[None, :],
+                        mask=(tt < tokens)[:, None] & cmask[None, :], other=0.0)
+            acc += tl.sum(v.to(tl.float32).to(tl.float64), axis=0)
+        m = (acc / tokens).to(tl.float32).to(tl.float16).to(tl.float32)
+        tl.store(mean_ptr + g * D + cols, m, mask=cmask)
+    if ENERGY:
+        acc2 = tl.zeros([BD], tl.float64)
+        for t0 in range(0, tokens, BT):
+            tt = t0 + tl.arange(0, BT)
+            ok = (tt < tokens)[:, None] & cmask[None, :]
+            v = tl.load(x_ptr + (g * tokens + tt)[:, None] * D + cols[None, :], mask=ok,
+                        other=0.0)
+            a = tl.where(ok, v.to(tl.float32) - m[None, :], 0.0).to(tl.float64)
+            acc2 += tl.sum(a * a, axis=0)
+        tl.store(energy_ptr + g * D + cols, acc2, mask=cmask)
+
+
+@_tuned
+def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr, pts_ptr,
+                   hsq_ptr, lvl_ptr, edge_ptr, sub_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
+                   dec_scr, q_scr, rows, tokens, groups, C, tok_class,
+                   D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
+                   BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
+                   QUANT: tl.constexpr, PER: tl.constexpr, RP: tl.constexpr,
+                   HAS_MEAN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """codes[c, r], err[c, r] per candidate c and norms[r] of one part, for items (token
+    blocks of one group) pid, pid + programs, ...; the rotation is summed over BK-wide chunks
+    of the part (reloaded: few registers); trellis state goes through this program's scratch
+    (stored [NP, BM]: a coordinate's rows are contiguous)."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BM)
+    jp = tl.arange(0, NP)
+    scr = pid.to(tl.int64) * (NP * BM)
+    per_group = tl.cdiv(tokens, BM)
+    for item in range(pid, groups * per_group, tl.num_programs(0)):
+        g = item // per_group
+        tok = (item % per_group) * BM + lanes
+        rmask = tok < tokens
+        r = g.to(tl.int64) * tokens + tok
+        chg = ch_ptr + g * ch_stride
+        t = _part(x_ptr, mean_ptr, chg, g, r, rmask, jp, N, D, HAS_MEAN)
+        nrm = tl.sqrt_rn(tl.sum(t * t, axis=1))
+        tl.store(norms_ptr + r, nrm, mask=rmask)
+        n16 = nrm.to(tl.float16).to(tl.float32)
+        inv = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.where(nrm > 0, nrm, nrm + 1))
+        for c in range(C):
+            u = tl.zeros([BM, NP], tl.float32)
+            for k0 in tl.static_range(0, NP, BK):
+                tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N, D,
+                           HAS_MEAN)
+                u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
+            out = codes_ptr + (c * rows + r) * NB
+            if QUANT == 2:
+                tl.store(u_scr + scr + jp[None, :] * BM + lanes[:, None], u)
+                err = _trellis(u_scr + scr, dec_scr + scr, q_scr + scr, inv, n16, lvl_ptr,
+                               edge_ptr, sub_ptr, N, BM, BITS, PER)
+                q = tl.load(q_scr + scr + jp[None, :] * BM + lanes[:, None],
+                            mask=(jp < N)[None, :], other=0).to(tl.int32)
+                tl.debug_barrier()
+            else:
+                y = u * inv[:, None]
+                if QUANT == 0:
+                    q = _scalar(y, bnd_ptr, BITS)
+                    v = tl.load(cent_ptr + q)
+                else:
+                    q, v = _pairs(y, pts_ptr, hsq_ptr, BM, NP, BITS)
+                d = tl.where((jp < N)[None, :], u - n16[:, None] * v, 0.0)
+                err = tl.sum(d * d, axis=1)
+                q = tl.where((jp < N)[None, :], q, 0)
+            _pack(q, out, rmask, NB, BM, NP, BITS, CPG, BPG)
+            tl.store(err_ptr + c * rows + r, err, mask=rmask)
+
+
+@_jit
+def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.constexpr,
+             BM: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+    """Viterbi over the tile's rows (32 path costs each), decisions as one int32 bit mask per
+    row and coordinate, then the traceback: codes to ``q_ptr``, returns each row's error."""
+    lanes = tl.arange(0, BM)
+    s = tl.arange(0, 32)
+    jj = tl.arange(0, 4)
+    p0 = tl.broadcast_to((s >> 1)[None, :], [BM, 32])
+    p1 = p0 | 16
+    j0 = tl.load(sub_ptr + p0 * 2 + (s & 1)[None, :])
+    j1 = tl.load(sub_ptr + p1 * 2 + (s & 1)[None, :])
+    cost = tl.where(tl.broadcast_to(s[None, :], [BM, 32]) == 0, 0.0, float("inf"))
+    tl.debug_barrier()
+    for t in range(N):
+        y = tl.load(u_ptr + t * BM + lanes) * inv
+        yb = tl.broadcast_to(y[:, None], [BM, 4])
+        k = _nearest(yb, jj[None, :], edge_ptr, PER)
+        diff = yb - tl.load(lvl_ptr + 4 * k + jj[None, :])
+        d = diff * diff
+        c0 = tl.gather(cost, p0, 1) + tl.gather(d, j0, 1)
+        c1 = tl.gather(cost, p1, 1) + tl.gather(d, j1, 1)
+        take = c1 < c0
+        cost = tl.where(take, c1, c0)
+        tl.store(dec_ptr + t * BM + lanes, tl.sum(take.to(tl.int32) << s[None, :], axis=1))
+    tl.debug_barrier()
+    state = tl.argmin(tl.where(cost == cost, cost, float("inf")), axis=1,
+                      tie_break_left=True).to(tl.int32)
+    err = tl.zeros([BM], tl.float32)
+    for i in range(N):
+        t = N - 1 - i
+        bit = (tl.load(dec_ptr + t * BM + lanes) >> state) & 1
+        prev = (state >> 1) | (bit << 4)
+        path = state & 1
+        j = tl.load(sub_ptr + prev * 2 + path)
+        u = tl.load(u_ptr + t * BM + lanes)
+        k = _nearest(u * inv, j, edge_ptr, PER)
+        tl.store(q_ptr + t * BM + lanes, ((path << (BITS - 1)) | k).to(tl.int8))
+        diff = u - n16 * tl.load(lvl_ptr + 4 * k + j)
+        err += diff * diff
+        state = prev
+    tl.debug_barrier()
+    return err
+
+
+@_tuned
+def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr, r_ptr,
+                   cent_ptr, pts_ptr, lvl_ptr, sub_ptr, out_ptr, tokens, tok_class,
+                   D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
+                   BITS: tl.constexpr, QUANT: tl.constexpr, RP: tl.constexpr,
+                   HAS_MEAN: tl.constexpr, HAS_CHOICE: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr):
+    """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g]."""
+    pid = tl.program_id(0)
+    per_group = tl.cdiv(tokens, BM)
+    g = pid // per_group
+    tok = (pid % per_group) * BM + tl.arange(0, BM)
+    rmask = tok < tokens
+    r = g.to(tl.int64) * tokens + tok
+    row_ptr = codes_ptr + r * NB
+    c = 0
+    if HAS_CHOICE:
+        c = tl.load(choice_ptr + g).to(tl.int32)
+    acc = tl.zeros([BM, NP], tl.float32)
+    for k0 in tl.static_range(0, NP, BK):
+        y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, lvl_ptr, sub_ptr,
+                    N, NB, BITS, QUANT, BM, BK)
+        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
+    v = acc * tl.load(norms_ptr + r, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    cols = tl.arange(0, NP)
+    ch = tl.load(ch_ptr + g * ch_stride + cols, mask=cols < N, other=0)
+    if HAS_MEAN:
+        v += tl.load(mean_ptr + g * D + ch).to(tl.float32)[None, :]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        v = _bf16(v)
+    tl.store(out_ptr + r[:, None] * D + ch[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < N)[None, :])
+
+
+# -- host side -----------------------------------------------------------------------------------
+def _width(n: int) -> int:
+    """The padded (power-of-two, ≥ 16: tl.dot's least) tile width of an n-wide part."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@lru_cache(maxsize=64)
+def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> tuple[Any, Any, int]:
+    """(Rᵀ pieces, R pieces) [C, RP, NP, NP] bf16, zero-padded, and RP: 1 where every entry is
+    exact in bf16 (power-of-two widths: entries k/n once the float64 residue is dropped), else
+    3 (hi + mid + lo is the float32 matrix)."""
+    r = np.stack([rotation_matrix(n, seed).astype(np.float64) for seed in seeds])
+    if is_power_of_two(n):  # the Hadamard rounds' k/n: drop the residue (<< fp32's resolution)
+        r = np.round(r * n) / n
+    r = torch.from_numpy(r).float()
+    exact = bool((r.to(torch.bfloat16).float() == r).all())
+    pieces, rest = [], r
+    for _ in range(1 if exact else 3):
+        pieces.append(rest.to(torch.bfloat16))
+        rest = rest - pieces[-1].float()
+    width = _width(n)
+    out = []
+    for mats_c in (torch.stack(pieces, 1).transpose(-1, -2), torch.stack(pieces, 1)):
+        padded = torch.zeros((len(seeds), len(pieces), width, width), dtype=torch.bfloat16)
+        padded[..., :n, :n] = mats_c
+        out.append(padded.contiguous().to(device))
+    return out[0], out[1], len(pieces)
+
+
+@lru_cache(maxsize=64)
+def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str, Any]:
+    """The part's quantiser tables (the reference's float32 values; unused ones: a zero)."""
+    from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+    from kvtool.codecs.trellis import subset_table
+    from kvtool.codecs.trellis_tables import trellis_levels
+    from kvtool.codecs.vq_tables import pair_codebook
+
+    zero = np.zeros(1, np.float32)
+    t = {"bnd": zero, "cent": zero, "pts": zero, "hsq": zero, "lvl": zero, "edge": zero}
+    if quantizer == "scalar":
+        book = sphere_marginal_codebook(n, 1 << bits)
+        t["bnd"], t["cent"] = book.boundaries, book.centroids
+    elif quantizer == "pair":
+        points = pair_codebook(bits) / np.float32(np.sqrt(n))
+        t["pts"], t["hsq"] = points, (points ** 2).sum(axis=1) * np.float32(0.5)
+    else:
+        t["lvl"] = levels = trellis_levels(bits) / np.float32(np.sqrt(n))
+        per_subset = levels.reshape(-1, 4).T
+        t["edge"] = (per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5)
+    out = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32).reshape(-1)).to(device)
+           for k, v in t.items()}
+    out["sub"] = torch.from_numpy(subset_table().astype(np.int32).reshape(-1)).to(device)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _programs(device: torch.device) -> int:
+    """Persistent encode programs: a few per SM (their scratch stays in L2)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
+    """(grid, fixed meta-parameters, tok_class) of a kernel over ``items(BM)`` programs: BM
+    autotuned on GPUs; under the interpreter (whose cost is per op, not per element) a whole
+    group per program where it has up to 64 tokens."""
+    tok_class = min(64, triton.next_power_of_2(tokens))
+    if INTERPRET:
+        block = max(16, tok_class)
+        return (items(block),), {"BM": block, "num_warps": 4}, tok_class
+    return lambda meta: (items(meta["BM"]),), {}, tok_class
+
+
+def _seeds(codec: Any) -> tuple[int, ...]:
+    from kvtool.codecs.turbomix import candidate_seed
+
+    return tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates))
+
+
+def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Tensor,
+                 mean: torch.Tensor | None, bits: int) -> tuple[Any, Any, Any]:
+    """(codes [C, R, nbytes] uint8, norms [R] fp32, errors [C, R] fp32) of one part."""
+    from kvtool.kernels.bitpack import group_shape
+
+    n, device = channels.shape[1], rows.device
+    (nrows, dim), width, nb = rows.shape, _width(n), (n * bits + 7) // 8
+    seeds = _seeds(codec)
+    rt, _, pieces = _rotations(n, seeds, device)
+    tab = _tables(n, bits, codec.quantizer, device)
+    groups, most = nrows // tokens, _programs(device)
+    grid, meta, tok_class = _launch(tokens, lambda bm: min(groups * triton.cdiv(tokens, bm),
+                                                            most))
+    scratch = most * width * 64 if codec.quantizer == "trellis" else 1
+    codes = torch.empty((len(seeds), nrows, nb), dtype=torch.uint8, device=device)
+    norms = torch.empty(nrows, dtype=torch.float32, device=device)
+    err = torch.empty((len(seeds), nrows), dtype=torch.float32, device=device)
+    cpg, bpg = group_shape(bits)
+    _encode_kernel[grid](
+        rows, mean if mean is not None else norms, channels,
+        channels.shape[1] if channels.shape[0] > 1 else 0, rt, tab["bnd"], tab["cent"],
+        tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], tab["sub"], codes, norms, err,
+        torch.empty(scratch, dtype=torch.float32, device=device),
+        torch.empty(scratch, dtype=torch.int32, device=device),
+        torch.empty(scratch, dtype=torch.int8, device=device),
+        nrows, tokens, groups, len(seeds), tok_class, D=dim, N=n, NP=width, NB=nb, BITS=bits,
+        CPG=cpg, BPG=bpg, QUANT=QUANTIZERS[codec.quantizer], PER=1 << (bits - 1),
+        RP=pieces, HAS_MEAN=mean is not None, BK=min(width, 32), enable_fp_fusion=False,
+        **meta)
+    return codes, norms, err
+
+
+def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``turbomix`` arrays of ``x[..., tokens, dim]`` (a CUDA tensor; CPU under the
+    interpreter) on its device, in the shapes of ``codec.expected_arrays``."""
+    shape, dim = tuple(x.shape), x.shape[-1]
+    if dim < 2:
+        raise CodecError(f"{codec.codec_id}: head_dim must be at least 2")
+    n_hi, n_lo = codec._split(dim)
+    tokens = shape[-2] if len(shape) > 1 else 1
+    rows = (x if x.dtype in _INPUT else x.float()).reshape(-1, dim).contiguous()
+    groups, device = rows.shape[0] // tokens, rows.device
+    out: dict[str, torch.Tensor] = {}
+    mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
+    energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
+    if codec.center or n_hi:
+        bd = min(64, triton.next_power_of_2(dim))
+        _stats_kernel[(groups, triton.cdiv(dim, bd))](
+            rows, mean, energy, tokens, D=dim, BD=bd, BT=16, CENTER=codec.center,
+            ENERGY=n_hi > 0)
+    if codec.center:
+        out["mean"] = mean.half()
+    parts = [(torch.arange(dim, dtype=torch.int32, device=device)[None, :], codec.bits)]
+    if n_hi:
+        top = torch.sort(energy, dim=1, descending=True, stable=True).indices[:, :n_hi]
+        mask = torch.zeros((groups, dim), dtype=torch.bool, device=device)
+        mask.scatter_(1, top, True)
+        out["outlier_mask"] = _packbits(mask)
+        lo = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices[:, :n_lo]
+        parts = [(lo.int().contiguous(), codec.bits),
+                 (top.sort(dim=1).values.int().contiguous(), codec.outlier_bits)]
+    encoded = [_encode_part(codec, rows, tokens, ch, mean if codec.center else None, bits)
+               for ch, bits in parts]
+    norms = torch.stack([nrm for _, nrm, _ in encoded])
+    if not bool((norms <= _FP16_MAX).all()):  # NaN/Inf input, or a norm past fp16's range
+        from kvtool.kernels import check_finite, torch_ops
+
+        check_finite(torch_ops, x, codec.codec_id)
+        raise CodecError(f"{codec.codec_id}: vector norm exceeds the fp16 range")
+    cands = codec.candidates
+    choice = None
+    if cands > 1:  # the least error per group; ties: the lowest candidate
+        total = sum(e.double() for _, _, e in encoded).view(cands, groups, tokens).sum(2)
+        choice = total.argmin(0)
+        out["rotation"] = choice.to(torch.uint8)[:, None]
+    for (codes, nrm, _), suffix in zip(encoded, ("", "_hi"), strict=False):
+        codes = codes.view(cands, groups, tokens, -1)
+        out["codes" + suffix] = codes[0] if choice is None else \
+            codes[choice, torch.arange(groups, device=device)]
+        n16 = nrm.view(groups, tokens).half()
+        if codec.norm_bits == 8:
+            out["norms" + suffix], out["norm_range" + suffix] = norm_codes(n16)
+        else:
+            out["norms" + suffix] = n16
+    expected = codec.expected_arrays(shape, "float32")
+    return {k: v.reshape(expected[k].shape) for k, v in out.items()}
+
+
+def _packbits(mask: torch.Tensor) -> torch.Tensor:
+    """uint8 [G, 1, ceil(D/8)] of a bool mask [G, D], LSB-first (``np.packbits`` little)."""
+    groups, dim = mask.shape
+    padded = torch.zeros((groups, -(-dim // 8) * 8), dtype=torch.int32, device=mask.device)
+    padded[:, :dim] = mask.int()
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=mask.device)
+    return (padded.view(groups, -1, 8) * weights).sum(-1).to(torch.uint8)[:, None, :]
+
+
+def _log_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tiny = 2.0 ** -24  # fp16's least step
+    log_lo = torch.log2(lo.double().clamp_min(tiny))
+    return log_lo, (torch.log2(hi.double().clamp_min(tiny)) - log_lo).clamp_min(1e-12)
+
+
+def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvtool.codecs.turbomix.norm_codes` on the device: (uint8 [G, T], fp16 [G, 1, 2])."""
+    n = norms.double()
+    positive = n > 0
+    lo = torch.where(positive, n, torch.inf).amin(1)
+    lo = torch.where(torch.isfinite(lo), lo, 0.0).half()
+    hi = n.amax(1).half()
+    log_lo, span = _log_range(lo, hi)
+    t = (torch.log2(torch.where(positive, n, 1.0)) - log_lo[:, None]) / span[:, None]
+    codes = 1 + torch.round(t.clamp(0.0, 1.0) * 254)
+    return (torch.where(positive, codes, 0).to(torch.uint8),
+            torch.stack([lo, hi], -1)[:, None, :])
+
+
+def norm_values(codes: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """:func:`kvtool.codecs.turbomix.norm_values` on the device: fp32 [G, T]."""
+    lo, hi = ranges[:, 0], ranges[:, 1]
+    if bool((lo > hi).any()):
+        raise CodecError("turbomix: a norm range's least norm is above its greatest, which no "
+                         "writer stores")
+    log_lo, span = _log_range(lo, hi)
+    values = torch.exp2(log_lo[:, None] + (codes.double() - 1) / 254 * span[:, None])
+    return torch.where(codes > 0, values, 0.0).float()
+
+
+def _check(codec: Any, a: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
+    """Refuse arrays no encode of ``shape`` writes (see ``TurboMixCodec._check_decodable``)."""
+    for key, spec in codec.expected_arrays(shape, "float32").items():
+        got = a.get(key)
+        if got is None or got.numel() != int(np.prod(spec.shape, dtype=np.int64)) \
+                or str(got.dtype).removeprefix("torch.") != spec.dtype:
+            raise CodecError(f"{codec.codec_id}: array {key!r} does not match an encode "
+                             f"of shape {shape}, which no writer stores")
+    if "rotation" in a and a["rotation"].numel() \
+            and int(a["rotation"].max()) >= codec.candidates:
+        raise CodecError(f"{codec.codec_id}: a rotation index is past candidates="
+                         f"{codec.candidates}, which no writer stores")
+
+
+def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
+           dtype: str) -> torch.Tensor:
+    """x̂ [shape] in ``dtype`` (float32/float16/bfloat16) from the codec's arrays (tensors on
+    one device: CUDA, or CPU under the interpreter), without leaving the device."""
+    dim = shape[-1]
+    n_hi, n_lo = codec._split(dim)
+    _check(codec, arrays, shape)
+    tokens = shape[-2] if len(shape) > 1 else 1
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    groups = rows // max(tokens, 1)
+    device = next(iter(arrays.values())).device
+    out = torch.empty((rows, dim), dtype=getattr(torch, dtype), device=device)
+    if not rows:
+        return out.reshape(shape)
+    channel_sets = [torch.arange(dim, dtype=torch.int32, device=device)[None, :]]
+    if n_hi:
+        packed = arrays["outlier_mask"].reshape(groups, -1)
+        bits = (packed[..., None].int() >> torch.arange(8, device=device, dtype=torch.int32)) & 1
+        mask = bits.reshape(groups, -1)[:, :dim].to(torch.uint8)
+        if bool((mask.sum(1) != n_hi).any()):
+            raise CodecError(f"{codec.codec_id}: an outlier mask does not name {n_hi} of "
+                             f"{dim} channels, which no writer stores")
+        channel_sets = [torch.sort(m, dim=1, stable=True).indices[:, :n].int().contiguous()
+                        for m, n in ((mask, n_lo), (1 - mask, n_hi))]
+    mean = arrays["mean"].reshape(groups, dim).float().contiguous() if codec.center else None
+    choice = arrays["rotation"].reshape(groups).int().contiguous() \
+        if "rotation" in arrays else None
+    seeds = _seeds(codec)
+    grid, meta, tok_class = _launch(tokens, lambda bm: groups * triton.cdiv(tokens, bm))
+    for suffix, channels, bits in zip(("", "_hi"), channel_sets,
+                                      (codec.bits, codec.outlier_bits), strict=False):
+        n = channels.shape[1]
+        norms = arrays["norms" + suffix].reshape(groups, tokens)
+        if codec.norm_bits == 8:
+            norms = norm_values(norms, arrays["norm_range" + suffix].reshape(groups, 2))
+        _, r, pieces = _rotations(n, seeds, device)
+        tab = _tables(n, bits, codec.quantizer, device)
+        _decode_kernel[grid](
+            arrays["codes" + suffix].reshape(rows, -1).contiguous(), norms.reshape(-1).contiguous(),
+            choice if choice is not None else channels, channels,
+            n if channels.shape[0] > 1 else 0, mean if mean is not None else out, r, tab["cent"],
+            tab["pts"], tab["lvl"], tab["sub"], out, tokens, tok_class, D=dim, N=n,
+            NP=_width(n), NB=(n * bits + 7) // 8, BITS=bits, QUANT=QUANTIZERS[codec.quantizer],
+            RP=pieces, HAS_MEAN=mean is not None, HAS_CHOICE=choice is not None,
+            BK=min(_width(n), 32), enable_fp_fusion=False, **meta)
+    return out.reshape(shape)
+
+
+__all__ = ["INTERPRET", "QUANTIZERS", "available", "decode", "encode", "name", "norm_codes",
+           "norm_values"]

@@ -1,0 +1,292 @@
+"""Triton ``turbomix`` kernels (:mod:`kvtool.kernels.triton_turbomix`) against the numpy reference.
+
+Not collected on its own: ``tests/test_triton_turbomix.py`` runs this file in a fresh process,
+under ``TRITON_INTERPRET=1`` on CPU tensors without CUDA, and its ``gpu`` cases on CUDA (see
+``tests/triton_cases.py`` for why the interpreter must never be set in the main test process).
+
+The kernels must write the reference's codes (but for coordinates within float rounding of a
+decision, as ``tests/test_turbomix_kernels.py`` tolerates for the numba kernels), decode the
+reference's bytes to its values within float rounding, and the reference must decode theirs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+CUDA = torch.cuda.is_available()
+_saved_env = os.environ.get("TRITON_INTERPRET")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def _load() -> ModuleType:
+        if CUDA:
+            from kvtool.kernels import triton_turbomix
+
+            return triton_turbomix
+        origin = importlib.util.find_spec("kvtool.kernels.triton_turbomix").origin
+        spec = importlib.util.spec_from_file_location("_kvtool_triton_turbomix_interpreted",
+                                                      origin)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    tm = _load()
+finally:
+    if _saved_env is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_env
+
+from kvtool.codecs import get_codec  # noqa: E402
+from kvtool.codecs.abc import Encoded  # noqa: E402
+from kvtool.codecs.turbomix import norm_codes, norm_values  # noqa: E402
+from kvtool.errors import CodecError  # noqa: E402
+from kvtool.kernels import to_numpy, to_torch  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+IN_PROCESS = CUDA or isinstance(triton.language.max, InterpretedFunction)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: (quantiser and bit options, head_dim, center, candidates, norm_bits): quantiser × outliers
+#: 0/16 × head_dim 64/128 (128 with 16 outliers: a dense 112-wide part), each run as given and
+#: with center, candidates (1/3) and norm_bits (8/16) all flipped
+_BASES = [
+    ("bits=3", 64, True, 3, 8),
+    ("bits=2,outliers=16,outlier_bits=4", 64, False, 1, 16),
+    ("bits=4", 128, False, 3, 16),
+    ("bits=3,outliers=16,outlier_bits=8", 128, True, 1, 8),
+    ("vq=2,bits=2", 64, True, 1, 16),
+    ("vq=2,bits=4,outliers=16,outlier_bits=4", 64, False, 3, 8),
+    ("vq=2,bits=3", 128, True, 3, 8),
+    ("vq=2,bits=2,outliers=16,outlier_bits=3", 128, False, 1, 16),
+    ("trellis=true,bits=2", 64, False, 3, 8),
+    ("trellis=true,bits=3,outliers=16,outlier_bits=4", 64, True, 1, 16),
+    ("trellis=true,bits=4", 128, True, 1, 8),
+    ("trellis=true,bits=2,outliers=16,outlier_bits=3", 128, True, 3, 8),
+]
+CASES = [(f"turbomix:{opts},center={str(center if keep else not center).lower()},"
+          f"candidates={cands if keep else 4 - cands},norm_bits={bits if keep else 24 - bits}",
+          dim) for opts, dim, center, cands, bits in _BASES for keep in (True, False)]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(request, monkeypatch):
+    if not CUDA:
+        if not IN_PROCESS:
+            pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module: "
+                        "run this file through tests/test_triton_turbomix.py")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def reference(spec: str):
+    codec = get_codec(spec)
+    codec._fused = lambda like: None  # the numpy reference ops
+    return codec
+
+
+def keys(shape, seed: int = 0, dtype=np.float16) -> np.ndarray:
+    """Key-like rows: a common offset, a few loud channels, Gaussian rest (as the numba tests)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., 5] *= 9
+    x[..., shape[-1] // 2 + 3] += 4
+    x += 0.5
+    return x.astype(dtype)
+
+
+def _dev(a) -> torch.Tensor:
+    return to_torch(np.asarray(a), DEVICE)
+
+
+def _np(t) -> np.ndarray:
+    return np.asarray(to_numpy(t))
+
+
+def agree(mine: dict, ref: Encoded) -> None:
+    """Same arrays; codes and uint8 norms differ only where a value sits within float rounding
+    of a decision (≤ 0.2%), fp16 norms by one step (≤ 1%), everything else exactly."""
+    assert mine.keys() == ref.arrays.keys()
+    for key, a in ref.arrays.items():
+        a, b = np.asarray(a), _np(mine[key])
+        assert a.shape == b.shape and a.dtype == b.dtype, key
+        wrong = float(np.mean(a != b))
+        if key.startswith("norms") and a.dtype == np.float16:
+            assert wrong <= 0.01, (key, wrong)
+            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
+                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
+                                         + 1e-30)
+            continue
+        assert wrong <= (2e-3 if key.startswith(("codes", "norms")) else 0.0), (key, wrong)
+
+
+def close(ours, want, dtype: str = "float32") -> None:
+    """fp32: within 1e-5 of the largest magnitude; fp16/bf16: within one step of the value."""
+    a, b = _np(ours).astype(np.float64), np.asarray(want).astype(np.float64)
+    assert a.shape == b.shape
+    scale = np.abs(b).max() + 1e-30
+    if dtype == "float32":
+        bound = 1e-5 * scale
+    else:
+        p, tiny = (11, 2.0**-14) if dtype == "float16" else (8, 2.0**-126)
+        bound = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), tiny))) - (p - 1)),
+                           1e-6 * scale)
+    bad = np.abs(a - b) > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off, worst {np.abs(a - b).max()}"
+
+
+def _decode(codec, arrays: dict, shape, dtype: str = "float32"):
+    return tm.decode(codec, {k: _dev(v) for k, v in arrays.items()}, tuple(shape), dtype)
+
+
+def check_roundtrip(spec: str, x: np.ndarray, given=None) -> None:
+    """Encode ``given`` (default: ``x`` on the device) and compare with the reference; decode
+    both sides' bytes with both."""
+    codec, ref = get_codec(spec), reference(spec)
+    mine = tm.encode(codec, _dev(x) if given is None else given)
+    assert all(v.device.type == DEVICE for v in mine.values())
+    want = ref.encode(x)
+    agree(mine, want)
+    ours = {k: _np(v) for k, v in mine.items()}
+    close(_decode(codec, ours, x.shape), ref.decode(Encoded(ours, x.shape, "float32")))
+    close(_decode(codec, want.arrays, x.shape), ref.decode(want, "float32"))
+
+
+# -- CPU (interpreter) and GPU -------------------------------------------------------------------
+def test_module_surface():
+    assert tm.name == "triton" and tm.available()
+    assert tm.INTERPRET == (not CUDA)
+
+
+@pytest.mark.parametrize("spec,dim", CASES)
+def test_encode_decode_match_the_reference(spec, dim):
+    check_roundtrip(spec, keys((2, 16, dim), seed=dim))
+
+
+@pytest.mark.parametrize("spec,shape", [
+    ("turbomix:bits=3,outliers=6,outlier_bits=5,center=true,candidates=3", (2, 24, 64)),
+    ("turbomix:trellis=true,bits=3,outliers=4,outlier_bits=2,candidates=3", (1, 20, 32)),
+    ("turbomix:vq=2,bits=3,outliers=2,outlier_bits=2,center=true", (3, 5, 24)),
+    ("turbomix:bits=2,center=true,candidates=3,trellis=true", (64,)),
+    ("turbomix:bits=4,outliers=8,center=true,norm_bits=8", (2, 1, 64)),
+])
+def test_odd_widths_and_shapes(spec, shape):
+    """Dense parts narrower than a tile (6, 4 and 2 channels: the trellis shorter than its
+    memory), 5-bit packing, one-token groups and a single vector."""
+    check_roundtrip(spec, keys(shape, seed=len(shape)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_input_and_output_dtypes(dtype):
+    spec = "turbomix:outliers=16,center=true,candidates=3,trellis=true,norm_bits=8"
+    x32 = keys((2, 16, 64), seed=5, dtype=np.float32)
+    given = torch.from_numpy(x32).to(DTYPES[dtype]).to(DEVICE)
+    check_roundtrip(spec, _np(given), given)
+    codec, enc = get_codec(spec), reference(spec).encode(_np(given))
+    for out in ("float16", "bfloat16"):
+        ours = _decode(codec, enc.arrays, enc.shape, out)
+        assert ours.dtype == DTYPES[out]
+        close(ours.float(), reference(spec).decode(enc, "float32"), out)
+
+
+def test_ties_go_to_the_lowest_candidate_and_the_reference_path():
+    """Zero and constant groups: every candidate's error ties (the lowest wins), and the
+    degenerate rows take the reference's Viterbi paths and pair points."""
+    x = np.zeros((4, 16, 64), np.float16)
+    x[1] = 1.0
+    x[2, :, ::2] = 0.25
+    x[3] = np.float16(0.5) * (np.arange(64) % 3 == 0)
+    for spec in ("turbomix:center=true,candidates=3,trellis=true",
+                 "turbomix:candidates=3,vq=2"):
+        mine, want = tm.encode(get_codec(spec), _dev(x)), reference(spec).encode(x)
+        agree(mine, want)
+        assert _np(mine["rotation"]).reshape(-1)[0] == 0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter
+@pytest.mark.parametrize("spec", ["turbomix:bits=4,center=true,candidates=3",
+                                  "turbomix:bits=2,outliers=4,trellis=true"])
+def test_nan_inf_and_huge_inputs_are_refused(spec):
+    """Refused with the reference's errors (the kernels run on NaN rows without failing)."""
+    x = keys((2, 16, 32), dtype=np.float32)
+    for bad, match in ((np.nan, "NaN or Inf"), (-np.inf, "NaN or Inf"),
+                       (3e38, "fp16 range|NaN or Inf")):
+        y = x.copy()
+        y[1, 3, 7] = bad
+        with pytest.raises(CodecError, match=match):
+            tm.encode(get_codec(spec), _dev(y))
+
+
+def test_arrays_no_encode_writes_are_refused():
+    spec = "turbomix:bits=3,outliers=8,center=true,candidates=2"
+    codec = get_codec(spec)
+    enc = reference(spec).encode(keys((2, 16, 64)))
+    mask = np.array(enc.arrays["outlier_mask"])
+    mask[1, 0, 0] ^= 0b1111
+    for key, value, match in (("rotation", np.full_like(enc.arrays["rotation"], 2), "past"),
+                              ("codes", enc.arrays["codes"][..., :-1].copy(), "no writer"),
+                              ("norms", enc.arrays["norms"].astype(np.float32), "no writer"),
+                              ("outlier_mask", mask, "outlier mask")):
+        with pytest.raises(CodecError, match=match):
+            _decode(codec, {**enc.arrays, key: value}, enc.shape)
+
+
+def test_norm_codes_match_numpy():
+    rng = np.random.default_rng(3)
+    norms = np.exp(rng.uniform(-6, 4, (5, 33))).astype(np.float16)
+    norms[1, :4] = 0
+    norms[2] = 0
+    norms[3] = 7.5
+    codes, ranges = norm_codes(norms)
+    mine, mine_range = tm.norm_codes(_dev(norms))
+    assert np.mean(_np(mine) != codes) <= 2e-3
+    np.testing.assert_array_equal(_np(mine_range), ranges)
+    np.testing.assert_allclose(_np(tm.norm_values(_dev(codes), _dev(ranges[:, 0]))),
+                               norm_values(codes, ranges[:, 0]), rtol=1e-7)
+
+
+# -- real CUDA, larger shapes -------------------------------------------------------------------
+PRESETS = [
+    "turbomix:bits=4,center=true,candidates=4",
+    "turbomix:candidates=4",
+    "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8",
+    "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8",
+    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true",
+    "turbomix:vq=2,candidates=2,outliers=8,bits=4",
+    "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+class TestCuda:
+    @pytest.mark.parametrize("spec,dim", [(s, d) for s in PRESETS for d in (64, 128)] + CASES)
+    def test_encode_decode(self, spec, dim):
+        check_roundtrip(spec, keys((4, 8, 300, dim), seed=dim))
+
+    @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+    def test_dtypes(self, dtype):
+        spec = "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8"
+        given = torch.from_numpy(keys((8, 4, 257, 128), seed=9, dtype=np.float32)) \
+            .to(DTYPES[dtype]).to(DEVICE)
+        check_roundtrip(spec, _np(given), given)
+        enc = reference(spec).encode(_np(given))
+        ours = _decode(get_codec(spec), enc.arrays, enc.shape, dtype)
+        assert ours.dtype == DTYPES[dtype]
+        close(ours.float(), reference(spec).decode(enc, "float32"), dtype)
+
+    def test_many_short_groups(self):
+        """Decode-step shapes: one token per group, many groups."""
+        check_roundtrip("turbomix:bits=3,outliers=16,center=true,candidates=4,trellis=true",
+                        keys((64, 32, 1, 128), seed=11))
