@@ -247,3 +247,36 @@ def test_warm_up_loads_the_kernels_for_the_dtype_it_is_given():
     assert started == "True"
     assert sigs == "['uint16'] ['uint16']"  # fp16 in, fp16 out: the kernels capture will run
     assert _run(WARM, KVTOOL_KERNELS="reference").stdout.startswith("False")
+
+
+KERNEL_PAIR = """
+import sys
+import numba
+import numpy as np
+from numba import prange
+from kvtool.kernels.numba_support import jit
+
+def spread(out):
+    for i in prange(out.shape[0]):
+        out[i] = numba.get_thread_id()
+
+kernels = {"serial": jit()(spread), "parallel": jit(parallel=True)(spread)}
+out = np.full(8, -1)
+kernels[sys.argv[1]](out)
+print(sorted(set(out.tolist())))
+"""
+
+
+def test_a_parallel_kernel_does_not_load_the_serial_kernels_cache(tmp_path):
+    # numba keys its cache by the function's name, line and types, not its options: a parallel
+    # kernel of the same function once loaded the serial one cached before it (one thread)
+    module = tmp_path / "pair.py"
+    module.write_text(KERNEL_PAIR)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_NUM_THREADS": "2"}
+    threads = []
+    for kernel in ("serial", "parallel"):  # the serial one fills the cache first
+        run = subprocess.run([sys.executable, str(module), kernel], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        threads.append(run.stdout.strip())
+    assert threads == ["[0]", "[0, 1]"]

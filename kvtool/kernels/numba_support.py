@@ -10,6 +10,7 @@ instruction each on x86-64 CPUs that have it, which every AVX2 CPU does), bf16 w
 from __future__ import annotations
 
 import threading
+import types as types_module
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -57,9 +58,14 @@ def jit(**options: Any) -> Callable[[Callable], Callable]:
     nor a user cache directory is writable; the kernels must still work there (compiled on each
     first call). ``NUMBA_CACHE_DIR`` picks another cache directory. A ``parallel=True`` kernel
     comes wrapped in :class:`ParallelKernel` (it must be called from Python, not from other
-    compiled code).
+    compiled code), and is cached under a name of its own: numba's cache keys an entry by the
+    function's name, line and argument types, not by its options, so a serial and a parallel
+    kernel of one function would load whichever compiled first (measured: the attention kernels
+    ran on one thread after a serial call had filled the cache).
     """
     def wrap(fn: Callable) -> Callable:
+        if options.get("parallel"):
+            fn = _renamed(fn, fn.__qualname__ + "__parallel")
         try:
             kernel = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
@@ -67,6 +73,15 @@ def jit(**options: Any) -> Callable[[Callable], Callable]:
         return ParallelKernel(kernel) if options.get("parallel") else kernel
 
     return wrap
+
+
+def _renamed(fn: Callable, qualname: str) -> Callable:
+    """A copy of the function ``fn`` under another qualified name (the same code and globals)."""
+    copy = types_module.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = qualname, fn.__module__, fn.__doc__
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 _LAUNCHED = threading.Event()
