@@ -19,14 +19,15 @@ the host and cached per device):
 - :func:`_decode_kernel`: unpack, look up, rotate back with the group's candidate, scale by the
   norm, add the mean and store the part's channels in the output dtype.
 
-Ties follow the reference: the lowest bucket, the lowest pair index, the lower predecessor
-state, the lowest final state, the lowest candidate. Sums run in another order than the
-reference's, so a coordinate within float rounding of a decision may decide the other way.
+The tile steps (rotations, packing, lookups, quantisers, the trellis search) are in
+:mod:`kvtool.kernels.triton_turbomix_steps`. Ties follow the reference: the lowest bucket, the
+lowest pair index, the lower predecessor state, the lowest final state, the lowest candidate.
+Sums run in another order than the reference's, so a coordinate within float rounding of a
+decision may decide the other way.
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +36,18 @@ import torch
 
 from kvtool.codecs.rotation import is_power_of_two, rotation_matrix
 from kvtool.errors import CodecError
+from kvtool.kernels.triton_turbomix_steps import (
+    INTERPRET,
+    _bf16,
+    _jit,
+    _pack,
+    _pairs,
+    _part,
+    _rot,
+    _scalar,
+    _trellis,
+    _values,
+)
 
 try:
     import triton
@@ -44,8 +57,6 @@ except ImportError:  # pragma: no cover - exercised only without triton
     tl = None
 
 name = "triton"
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "") == "1"
-_INTERP = tl.constexpr(INTERPRET) if triton is not None else None
 SCALAR, PAIR, TRELLIS = 0, 1, 2
 QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
 _INPUT = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,10 +66,6 @@ _FP16_MAX = 65504.0
 def available() -> bool:
     """Triton is importable and its kernels can run here (CUDA, or the interpreter)."""
     return triton is not None and (INTERPRET or torch.cuda.is_available())
-
-
-def _jit(fn: Any) -> Any:
-    return fn if triton is None else triton.jit(fn)
 
 
 def _tuned(fn: Any) -> Any:
@@ -79,152 +86,6 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
     width = kwargs.get("NP", named_args.get("NP", 128))
     return [c for c in configs if c.kwargs["BM"] <= most and c.kwargs["BM"] * width <= 8192] \
         or configs[:2]
-
-
-# -- device helpers ------------------------------------------------------------------------------
-@_jit
-def _bf16(x):
-    """fp32 → bf16, rounding to nearest even (by hand in the interpreter, which truncates)."""
-    if _INTERP:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@_jit
-def _split(x):
-    """fp32 ``x`` as three bf16 pieces whose sum is ``x``."""
-    hi = _bf16(x)
-    r = x - hi.to(tl.float32)
-    mid = _bf16(r)
-    return hi, mid, _bf16(r - mid.to(tl.float32))
-
-
-@_jit
-def _dot(a, m, acc):
-    if _INTERP:  # the interpreter multiplies bf16 operands as their raw bits: widen (exact)
-        a, m = a.to(tl.float32), m.to(tl.float32)
-    return tl.dot(a, m, acc)
-
-
-@_jit
-def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-    """``acc + t @ M[k0:k0+BK, :]`` in fp32 accuracy for an fp32 chunk ``t`` [BM, BK] and
-    ``M`` [NP, NP] stored as RP bf16 pieces (one where exact); small terms first."""
-    hi, mid, lo = _split(t)
-    offs = (k0 + tl.arange(0, BK))[:, None] * NP + tl.arange(0, NP)[None, :]
-    m1 = tl.load(m_ptr + offs)
-    if RP == 3:
-        m2 = tl.load(m_ptr + NP * NP + offs)
-        acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
-        acc = _dot(mid, m2, acc)
-        acc = _dot(lo, m1, acc)
-        acc = _dot(hi, m2, acc)
-    else:
-        acc = _dot(lo, m1, acc)
-    acc = _dot(mid, m1, acc)
-    return _dot(hi, m1, acc)
-
-
-@_jit
-def _pack(q, row_ptr, rmask, NB: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr,
-          BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
-    """Store int32 codes ``q`` [BM, NP] LSB-first into the rows at ``row_ptr`` [BM]."""
-    shift = tl.arange(0, CPG) * BITS
-    if CPG * BITS > 32:  # 5 and 7 bits: groups of 8 codes in 5 and 7 bytes
-        q, shift = q.to(tl.int64), shift.to(tl.int64)
-    g = tl.sum(tl.reshape(q, [BM, NP // CPG, CPG]) << shift[None, None, :], axis=2)
-    byte = tl.arange(0, NP // CPG) * BPG
-    for k in tl.static_range(BPG):
-        tl.store(row_ptr[:, None] + (byte + k)[None, :], ((g >> (8 * k)) & 0xFF).to(tl.uint8),
-                 mask=rmask[:, None] & (byte + k < NB)[None, :])
-
-
-@_jit
-def _unpack(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
-    """Codes [BM, len(idx)] at code indices ``idx`` (0 outside 0..N-1) of packed rows."""
-    ok = (idx >= 0) & (idx < N)
-    bit = idx * BITS
-    byte = bit >> 3
-    lo = tl.load(row_ptr[:, None] + byte[None, :], mask=rmask[:, None] & ok[None, :], other=0)
-    hi = tl.load(row_ptr[:, None] + byte[None, :] + 1,
-                 mask=rmask[:, None] & (ok & (byte + 1 < NB))[None, :], other=0)
-    word = lo.to(tl.int32) | (hi.to(tl.int32) << 8)
-    return (word >> (bit & 7)[None, :]) & ((1 << BITS) - 1)
-
-
-@_jit
-def _part(x_ptr, mean_ptr, ch_ptr, g, r, rmask, j, N: tl.constexpr, D: tl.constexpr,
-          HAS_MEAN: tl.constexpr):
-    """fp32 ``x[r, ch[g, j]] − mean[g, ch[g, j]]`` [BM, len(j)] (0 where j ≥ N); ``ch_ptr``
-    points at the group's channels."""
-    ch = tl.load(ch_ptr + j, mask=j < N, other=0)
-    t = tl.load(x_ptr + r[:, None] * D + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
-                other=0.0).to(tl.float32)
-    if HAS_MEAN:
-        t = tl.where((j < N)[None, :], t - tl.load(mean_ptr + g * D + ch)[None, :], 0.0)
-    return t
-
-
-@_jit
-def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, lvl_ptr, sub_ptr, N: tl.constexpr,
-            NB: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
-            BK: tl.constexpr):
-    """Unit-vector coordinates [BM, BK] at code indices ``idx`` (0 where idx ≥ N)."""
-    q = _unpack(row_ptr, rmask, idx, N, NB, BITS)
-    if QUANT == 0:
-        y = tl.load(cent_ptr + q)
-    elif QUANT == 1:
-        a, b = tl.split(tl.reshape(q, [BM, BK // 2, 2]))
-        at = (a << BITS) | b
-        y = tl.reshape(tl.join(tl.load(pts_ptr + 2 * at), tl.load(pts_ptr + 2 * at + 1)),
-                       [BM, BK])
-    else:  # the subset from the path bits of the 5 coordinates before (zeros before the first)
-        state = tl.zeros([BM, BK], tl.int32)
-        for k in tl.static_range(1, 6):
-            state |= (_unpack(row_ptr, rmask, idx - k, N, NB, BITS) >> (BITS - 1)) << (k - 1)
-        subset = tl.load(sub_ptr + state * 2 + (q >> (BITS - 1)))
-        y = tl.load(lvl_ptr + 4 * (q & ((1 << (BITS - 1)) - 1)) + subset)
-    return tl.where((idx < N)[None, :], y, 0.0)
-
-
-@_jit
-def _scalar(y, bnd_ptr, BITS: tl.constexpr):
-    """Number of boundaries strictly below each value (binary search over 2**BITS − 1)."""
-    k = tl.zeros(y.shape, tl.int32)
-    for s in tl.static_range(BITS):
-        step = 1 << (BITS - 1 - s)
-        k += tl.where(y > tl.load(bnd_ptr + k + (step - 1)), step, 0)
-    return k
-
-
-@_jit
-def _pairs(y, pts_ptr, hsq_ptr, BM: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr):
-    """(codes, values) [BM, BN] of the nearest 2-D codebook point per coordinate pair
-    (score ``x·c − |c|²/2``; ties: the lowest index)."""
-    y0, y1 = tl.split(tl.reshape(y, [BM, BN // 2, 2]))
-    top = tl.full([BM, BN // 2], float("-inf"), tl.float32)
-    at = tl.zeros([BM, BN // 2], tl.int32)
-    for p in range(1 << (2 * BITS)):
-        s = y0 * tl.load(pts_ptr + 2 * p)
-        s = s + y1 * tl.load(pts_ptr + 2 * p + 1)
-        s = s - tl.load(hsq_ptr + p)
-        better = s > top
-        top = tl.where(better, s, top)
-        at = tl.where(better, p, at)
-    q = tl.reshape(tl.join(at >> BITS, at & ((1 << BITS) - 1)), [BM, BN])
-    v = tl.reshape(tl.join(tl.load(pts_ptr + 2 * at), tl.load(pts_ptr + 2 * at + 1)), [BM, BN])
-    return q, v
-
-
-@_jit
-def _nearest(y, j, edge_ptr, PER: tl.constexpr):
-    """Index within subset ``j`` of the level nearest ``y`` (edges strictly below)."""
-    k = tl.zeros(y.shape, tl.int32)
-    for e in tl.static_range(PER - 1):
-        k += (y > tl.load(edge_ptr + j * (PER - 1) + e)).to(tl.int32)
-    return k
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -311,51 +172,6 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                 q = tl.where((jp < N)[None, :], q, 0)
             _pack(q, out, rmask, NB, BM, NP, BITS, CPG, BPG)
             tl.store(err_ptr + c * rows + r, err, mask=rmask)
-
-
-@_jit
-def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.constexpr,
-             BM: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
-    """Viterbi over the tile's rows (32 path costs each), decisions as one int32 bit mask per
-    row and coordinate, then the traceback: codes to ``q_ptr``, returns each row's error."""
-    lanes = tl.arange(0, BM)
-    s = tl.arange(0, 32)
-    jj = tl.arange(0, 4)
-    p0 = tl.broadcast_to((s >> 1)[None, :], [BM, 32])
-    p1 = p0 | 16
-    j0 = tl.load(sub_ptr + p0 * 2 + (s & 1)[None, :])
-    j1 = tl.load(sub_ptr + p1 * 2 + (s & 1)[None, :])
-    cost = tl.where(tl.broadcast_to(s[None, :], [BM, 32]) == 0, 0.0, float("inf"))
-    tl.debug_barrier()
-    for t in range(N):
-        y = tl.load(u_ptr + t * BM + lanes) * inv
-        yb = tl.broadcast_to(y[:, None], [BM, 4])
-        k = _nearest(yb, jj[None, :], edge_ptr, PER)
-        diff = yb - tl.load(lvl_ptr + 4 * k + jj[None, :])
-        d = diff * diff
-        c0 = tl.gather(cost, p0, 1) + tl.gather(d, j0, 1)
-        c1 = tl.gather(cost, p1, 1) + tl.gather(d, j1, 1)
-        take = c1 < c0
-        cost = tl.where(take, c1, c0)
-        tl.store(dec_ptr + t * BM + lanes, tl.sum(take.to(tl.int32) << s[None, :], axis=1))
-    tl.debug_barrier()
-    state = tl.argmin(tl.where(cost == cost, cost, float("inf")), axis=1,
-                      tie_break_left=True).to(tl.int32)
-    err = tl.zeros([BM], tl.float32)
-    for i in range(N):
-        t = N - 1 - i
-        bit = (tl.load(dec_ptr + t * BM + lanes) >> state) & 1
-        prev = (state >> 1) | (bit << 4)
-        path = state & 1
-        j = tl.load(sub_ptr + prev * 2 + path)
-        u = tl.load(u_ptr + t * BM + lanes)
-        k = _nearest(u * inv, j, edge_ptr, PER)
-        tl.store(q_ptr + t * BM + lanes, ((path << (BITS - 1)) | k).to(tl.int8))
-        diff = u - n16 * tl.load(lvl_ptr + 4 * k + j)
-        err += diff * diff
-        state = prev
-    tl.debug_barrier()
-    return err
 
 
 @_tuned
