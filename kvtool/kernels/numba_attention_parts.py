@@ -120,15 +120,15 @@ def _unit_values(row, n, bits, kind, table, subsets, codes, out):
 
 
 @numba.njit(inline="always")
-def _rotate_query(qs, channels, rot, out):
-    """out[r] = R q_s[r, channels] for every query row."""
+def _rotate_query(qs, channels, rot, part, out):
+    """out[r] = R q_s[r, channels] for every query row (``part``: a scratch of the gathered
+    query part, so that the products run over contiguous rows of R)."""
     n = channels.shape[0]
     for r in range(qs.shape[0]):
+        for j in range(n):
+            part[j] = qs[r, channels[j]]
         for i in range(n):
-            acc = np.float32(0.0)
-            for j in range(n):
-                acc += rot[i, j] * qs[r, channels[j]]
-            out[r, i] = acc
+            out[r, i] = _dot(rot[i], part[:n])
 
 
 @numba.njit(inline="always")
@@ -203,9 +203,9 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                 if blk != k_block:
                     k_block = blk
                     c = kr.choice[bh, blk]
-                    _rotate_query(qs, kr.channels0[bh, blk], kr.rot0[c], q0)
+                    _rotate_query(qs, kr.channels0[bh, blk], kr.rot0[c], tmp, q0)
                     if kn1:
-                        _rotate_query(qs, kr.channels1[bh, blk], kr.rot1[c], q1)
+                        _rotate_query(qs, kr.channels1[bh, blk], kr.rot1[c], tmp, q1)
                     if k_centered:
                         for r in range(rows):
                             qm[r] = _dot(qs[r], kr.mean[bh, blk])
