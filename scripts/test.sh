@@ -11,4 +11,5 @@ if ! .venv/bin/python -c "import sys, torch; sys.exit(not torch.cuda.is_availabl
     echo "no CUDA device: deselecting the gpu-marked tests (the Triton kernels still run under TRITON_INTERPRET=1)"
     marker=(-m "not gpu")
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
+# the slowest tests, so that the suite stays well inside CI's limit (target: 25 minutes)
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${marker[@]}" "$@"
