@@ -32,12 +32,11 @@ from kvtool.codecs.rotation import hadamard_signs, is_power_of_two, rotation_mat
 from kvtool.codecs.trellis import MEMORY, STATES, subset_table
 from kvtool.codecs.trellis_tables import trellis_levels
 from kvtool.codecs.turbo import FP16_MAX
-from kvtool.codecs.turbomix import candidate_seed
+from kvtool.codecs.turbomix import _NORM_STEPS, candidate_seed
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, mlx_ops, to_mlx
 
-_NORM_STEPS = 254  # turbomix.norm_codes' grid
 _TINY = float(np.finfo(np.float16).smallest_subnormal)
 _VITERBI_ROWS = 1 << 20  # coordinates per Viterbi chunk: decisions are 32 bytes each
 _PAIR_SCORES = 1 << 21  # pair × point scores per chunk (8 MB of float32)

@@ -18,6 +18,7 @@ are merged, and the exact tokens attended, by :func:`numba_attention.merge_exact
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numba
@@ -310,13 +311,9 @@ def attend(q: np.ndarray, keys: RoleCodes, values: RoleCodes, ke: np.ndarray, ve
     return out
 
 
-_EYES: dict[int, np.ndarray] = {}
-
-
+@lru_cache(maxsize=8)
 def _eye(dim: int) -> np.ndarray:
-    if dim not in _EYES:
-        _EYES[dim] = np.eye(dim, dtype=np.float32)[None]
-    return _EYES[dim]
+    return np.eye(dim, dtype=np.float32)[None]
 
 
 def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: int,
@@ -367,50 +364,37 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         kind, bits[0], max(bits[1], 1), subset_table().astype(np.int64))
 
 
-def _seeds(codec: Any) -> list[int]:
+def _seeds(codec: Any) -> tuple[int, ...]:
     from kvtool.codecs.turbomix import candidate_seed
 
-    return [candidate_seed(codec.seed, c) for c in range(getattr(codec, "candidates", 1))]
+    return tuple(candidate_seed(codec.seed, c) for c in range(getattr(codec, "candidates", 1)))
 
 
-_TABLES: dict[tuple[str, int, int], np.ndarray] = {}
-
-
+@lru_cache(maxsize=32)
 def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
     """The unit-domain values a part of width ``n`` decodes codes to (see :class:`RoleCodes`)."""
-    key = (quantizer, bits, n)
-    if key not in _TABLES:
-        if quantizer == "scalar":
-            from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+    if quantizer == "scalar":
+        from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 
-            values = sphere_marginal_codebook(n, 1 << bits).centroids
-        elif quantizer == "pair":
-            from kvtool.codecs.turbomix import _pair_points
+        values = sphere_marginal_codebook(n, 1 << bits).centroids
+    elif quantizer == "pair":
+        from kvtool.codecs.turbomix import _pair_points
 
-            values = _pair_points(bits, n).reshape(-1)
-        else:
-            from kvtool.codecs.trellis_tables import trellis_levels
+        values = _pair_points(bits, n).reshape(-1)
+    else:
+        from kvtool.codecs.trellis_tables import trellis_levels
 
-            values = trellis_levels(bits) / np.float32(np.sqrt(n))
-        _TABLES[key] = np.ascontiguousarray(values, np.float32)
-    return _TABLES[key]
+        values = trellis_levels(bits) / np.float32(np.sqrt(n))
+    return np.ascontiguousarray(values, np.float32)
 
 
-_ROTATIONS: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
-
-
-def _rotations(n: int, seeds: list[int]) -> np.ndarray:
+@lru_cache(maxsize=64)
+def _rotations(n: int, seeds: tuple[int, ...]) -> np.ndarray:
     """R [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""
-    key = (n, tuple(seeds))
-    if key not in _ROTATIONS:
-        from kvtool.codecs.rotation import rotation_matrix
+    from kvtool.codecs.rotation import rotation_matrix
 
-        if len(_ROTATIONS) > 64:
-            _ROTATIONS.clear()
-        _ROTATIONS[key] = np.ascontiguousarray(
-            np.stack([rotation_matrix(n, s) for s in seeds]) if n
-            else np.zeros((len(seeds), 0, 0)), np.float32)
-    return _ROTATIONS[key]
+    return np.ascontiguousarray(np.stack([rotation_matrix(n, s) for s in seeds]) if n
+                                else np.zeros((len(seeds), 0, 0)), np.float32)
 
 
 __all__ = ["PAIR", "SCALAR", "TRELLIS", "RoleCodes", "attend", "role_codes"]

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from kvtool.codecs.rotation import is_power_of_two, rotation_matrix
+from kvtool.codecs.turbo import FP16_MAX
+from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
+from kvtool.kernels.triton_cuda import INTERPRET, _bf16, _jit, available
 from kvtool.kernels.triton_turbomix_steps import (
-    INTERPRET,
-    _bf16,
-    _jit,
     _pack,
     _pairs,
     _part,
@@ -60,12 +60,6 @@ name = "triton"
 SCALAR, PAIR, TRELLIS = 0, 1, 2
 QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
 _INPUT = (torch.float32, torch.float16, torch.bfloat16)
-_FP16_MAX = 65504.0
-
-
-def available() -> bool:
-    """Triton is importable and its kernels can run here (CUDA, or the interpreter)."""
-    return triton is not None and (INTERPRET or torch.cuda.is_available())
 
 
 def _tuned(fn: Any) -> Any:
@@ -352,7 +346,7 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     encoded = [_encode_part(codec, rows, tokens, ch, mean if codec.center else None, bits)
                for ch, bits in parts]
     norms = torch.stack([nrm for _, nrm, _ in encoded])
-    if not bool((norms <= _FP16_MAX).all()):  # NaN/Inf input, or a norm past fp16's range
+    if not bool((norms <= FP16_MAX).all()):  # NaN/Inf input, or a norm past fp16's range
         from kvtool.kernels import check_finite, torch_ops
 
         check_finite(torch_ops, x, codec.codec_id)
@@ -400,7 +394,7 @@ def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = n.amax(1).half()
     log_lo, span = _log_range(lo, hi)
     t = (torch.log2(torch.where(positive, n, 1.0)) - log_lo[:, None]) / span[:, None]
-    codes = 1 + torch.round(t.clamp(0.0, 1.0) * 254)
+    codes = 1 + torch.round(t.clamp(0.0, 1.0) * _NORM_STEPS)
     return (torch.where(positive, codes, 0).to(torch.uint8),
             torch.stack([lo, hi], -1)[:, None, :])
 
@@ -412,7 +406,7 @@ def norm_values(codes: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
         raise CodecError("turbomix: a norm range's least norm is above its greatest, which no "
                          "writer stores")
     log_lo, span = _log_range(lo, hi)
-    values = torch.exp2(log_lo[:, None] + (codes.double() - 1) / 254 * span[:, None])
+    values = torch.exp2(log_lo[:, None] + (codes.double() - 1) / _NORM_STEPS * span[:, None])
     return torch.where(codes > 0, values, 0.0).float()
 
 

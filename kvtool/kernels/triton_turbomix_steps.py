@@ -8,32 +8,7 @@ lowest bucket, the lowest pair index, the lower predecessor state, the lowest fi
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only without triton
-    triton = None
-    tl = None
-
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "") == "1"
-_INTERP = tl.constexpr(INTERPRET) if triton is not None else None
-
-
-def _jit(fn: Any) -> Any:
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
-def _bf16(x):
-    """fp32 → bf16, rounding to nearest even (by hand in the interpreter, which truncates)."""
-    if _INTERP:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(tl.bfloat16)
+from kvtool.kernels.triton_cuda import _INTERP, _bf16, _jit, tl
 
 
 @_jit
