@@ -21,6 +21,7 @@ triton itself was first imported (its ``tl.sum``/``tl.max`` are decorated then).
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -66,13 +67,27 @@ def _jit(fn: Any) -> Any:
 
 def _tuned(fn: Any) -> Any:
     """Autotune the row-block kernels on GPUs (fixed block under the interpreter); the
-    ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones."""
+    ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones.
+
+    ``STAGES=1`` configs are one row block per program; ``STAGES=2`` ones run a persistent grid
+    whose loop prefetches the next block (``cp.async``) while this one is coded. Both stay in
+    the search so the tuner keeps whichever the GPU runs faster; its choices persist across
+    processes (``cache_results``) where Triton offers it."""
     if triton is None or INTERPRET:
         return _jit(fn)
-    configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1)
+    configs = [triton.Config({"BLOCK_M": m, "STAGES": 1}, num_warps=w, num_stages=1)
                for m in (64, 128, 256) for w in (4, 8)]
+    configs += [triton.Config({"BLOCK_M": m, "STAGES": 2}, num_warps=w, num_stages=2)
+                for m in (64, 128) for w in (4, 8)]
     return triton.autotune(configs, key=["D", "BITS", "PIECES", "size_class"],
-                           prune_configs_by={"early_config_prune": _prune})(triton.jit(fn))
+                           prune_configs_by={"early_config_prune": _prune},
+                           **_persisted())(triton.jit(fn))
+
+
+def _persisted() -> dict[str, Any]:
+    """``cache_results=True`` where this Triton's autotuner can keep its results on disk."""
+    params = inspect.signature(triton.autotune).parameters
+    return {"cache_results": True} if "cache_results" in params else {}
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
@@ -134,55 +149,95 @@ def _centroids(codes_ptr, row_off, rmask, cent_ptr, R: tl.constexpr, D: tl.const
     return tl.load(cent_ptr + tl.reshape(codes, [R, D]))
 
 
+@_jit
+def _quantize(u, bnd_ptr, BITS: tl.constexpr):
+    """Index of ``u``'s bin among the ``2**BITS - 1`` sorted boundaries, as a branch-free binary
+    search: BITS compares and ``2**(BITS-1) - 1`` selects of the next boundary, where counting
+    the boundaries below ``u`` takes ``2**BITS - 1`` compares and adds (same result)."""
+    if BITS == 2:
+        p1 = u > tl.load(bnd_ptr + 1)
+        p0 = u > tl.where(p1, tl.load(bnd_ptr + 2), tl.load(bnd_ptr + 0))
+        return p1.to(tl.int32) * 2 + p0.to(tl.int32)
+    elif BITS == 3:
+        p2 = u > tl.load(bnd_ptr + 3)
+        p1 = u > tl.where(p2, tl.load(bnd_ptr + 5), tl.load(bnd_ptr + 1))
+        t0 = tl.where(p2, tl.where(p1, tl.load(bnd_ptr + 6), tl.load(bnd_ptr + 4)),
+                      tl.where(p1, tl.load(bnd_ptr + 2), tl.load(bnd_ptr + 0)))
+        p0 = u > t0
+        return p2.to(tl.int32) * 4 + p1.to(tl.int32) * 2 + p0.to(tl.int32)
+    else:
+        p3 = u > tl.load(bnd_ptr + 7)
+        p2 = u > tl.where(p3, tl.load(bnd_ptr + 11), tl.load(bnd_ptr + 3))
+        t1 = tl.where(p3, tl.where(p2, tl.load(bnd_ptr + 13), tl.load(bnd_ptr + 9)),
+                      tl.where(p2, tl.load(bnd_ptr + 5), tl.load(bnd_ptr + 1)))
+        p1 = u > t1
+        t0 = tl.where(p3,
+                      tl.where(p2, tl.where(p1, tl.load(bnd_ptr + 14), tl.load(bnd_ptr + 12)),
+                               tl.where(p1, tl.load(bnd_ptr + 10), tl.load(bnd_ptr + 8))),
+                      tl.where(p2, tl.where(p1, tl.load(bnd_ptr + 6), tl.load(bnd_ptr + 4)),
+                               tl.where(p1, tl.load(bnd_ptr + 2), tl.load(bnd_ptr + 0))))
+        p0 = u > t0
+        return (p3.to(tl.int32) * 8 + p2.to(tl.int32) * 4 + p1.to(tl.int32) * 2
+                + p0.to(tl.int32))
+
+
 # -- kernels -------------------------------------------------------------------------------------
 @_tuned
 def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < n_rows
-    x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=rmask[:, None],
-                other=0.0)
-    xf = x.to(tl.float32)
-    norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
-    tl.store(norms_ptr + rows, norm, mask=rmask)
-    inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(norm > 0, norm, norm + 1))
-    if PIECES == 1:  # fp16/bf16 input: one exact-product dot against R in the same dtype
-        hi, mid, lo = x, x, x
-    else:
-        hi, mid, lo = _split(xf, PIECES)
-    shift = tl.arange(0, CPG) * BITS
-    for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, coded and packed BN columns at a time
-        y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D, BN,
-                PIECES)
-        u = y * inv[:, None]
-        code = tl.zeros([BLOCK_M, BN], tl.int32)
-        for b in tl.static_range((1 << BITS) - 1):
-            code += (u > tl.load(bnd_ptr + b)).to(tl.int32)
-        g = tl.sum(tl.reshape(code, [BLOCK_M, BN // CPG, CPG]) << shift[None, None, :], axis=2)
-        ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
-               + tl.arange(0, BN // CPG)[None, :] * BPG)
-        for k in tl.static_range(BPG):
-            tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
+                   BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """Row blocks ``pid, pid + programs, ...``: with ``STAGES > 1`` (a persistent grid) the
+    next block's rows load while this one is coded."""
+    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
+                         num_stages=STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
+        rmask = rows < n_rows
+        x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=rmask[:, None],
+                    other=0.0)
+        xf = x.to(tl.float32)
+        norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
+        tl.store(norms_ptr + rows, norm, mask=rmask)
+        inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32),
+                             tl.where(norm > 0, norm, norm + 1))
+        if PIECES == 1:  # fp16/bf16 input: one exact-product dot against R in the same dtype
+            hi, mid, lo = x, x, x
+        else:
+            hi, mid, lo = _split(xf, PIECES)
+        shift = tl.arange(0, CPG) * BITS
+        for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, coded and packed BN columns at a time
+            y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D, BN,
+                    PIECES)
+            code = _quantize(y * inv[:, None], bnd_ptr, BITS)
+            g = tl.sum(tl.reshape(code, [BLOCK_M, BN // CPG, CPG]) << shift[None, None, :],
+                       axis=2)
+            ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
+                   + tl.arange(0, BN // CPG)[None, :] * BPG)
+            for k in tl.static_range(BPG):
+                tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
 
 
 @_tuned
 def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < n_rows
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
-        y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
-                       BLOCK_M, BK, BITS, CPG, BPG)
-        hi, mid, lo = _split(y, PIECES)
-        acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
-    x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        x = _bf16(x)
-    tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :],
-             x.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """Row blocks as in :func:`_encode_kernel`."""
+    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
+                         num_stages=STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
+        rmask = rows < n_rows
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
+            y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
+                           BLOCK_M, BK, BITS, CPG, BPG)
+            hi, mid, lo = _split(y, PIECES)
+            acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
+        x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            x = _bf16(x)
+        tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :],
+                 x.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @_jit
@@ -332,11 +387,17 @@ def _check(dim: int, bits: int) -> None:
                          f"got dim={dim} bits={bits}")
 
 
-def _rows_launch(rows: int) -> dict[str, Any]:
-    """Grid and fixed meta-parameters of the row-block kernels."""
+def _rows_launch(rows: int, device: torch.device) -> dict[str, Any]:
+    """Grid and fixed meta-parameters of the row-block kernels (a persistent grid of two
+    programs per SM for the prefetching configs)."""
     if INTERPRET:
-        return {"grid": (triton.cdiv(rows, 32),), "meta": {"BLOCK_M": 32}}
-    return {"grid": lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]),), "meta": {}}
+        return {"grid": (triton.cdiv(rows, 32),), "meta": {"BLOCK_M": 32, "STAGES": 1}}
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        tiles = triton.cdiv(rows, meta["BLOCK_M"])
+        return (tiles if meta["STAGES"] == 1 else min(tiles, 2 * _sm_count(device)),)
+
+    return {"grid": grid, "meta": {}}
 
 
 def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +414,7 @@ def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, t
     if rows:
         rot = _rotation(dim, seed, x.device)
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows)
+        launch = _rows_launch(rows, x.device)
         _encode_kernel[launch["grid"]](
             x2, rot.rt16 if x2.dtype == torch.float16 else rot.rtb,
             _codebook(dim, bits, x.device)[0], codes, norms, rows, int(rows >= 1 << 16),
@@ -380,7 +441,7 @@ def turbo_decode(codes: torch.Tensor, norms: torch.Tensor, dim: int, bits: int, 
     if c2.shape[0]:
         rows = c2.shape[0]
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows)
+        launch = _rows_launch(rows, codes.device)
         _decode_kernel[launch["grid"]](
             c2, n2, _codebook(dim, bits, codes.device)[1], _rotation(dim, seed, codes.device).rb,
             out, rows, int(rows >= 1 << 16), D=dim, BITS=bits, CPG=cpg, BPG=bpg,

@@ -38,7 +38,7 @@ from kvtool.codecs.rotation import is_power_of_two, rotation_matrix
 from kvtool.codecs.turbo import FP16_MAX
 from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
-from kvtool.kernels.triton_cuda import INTERPRET, _bf16, _jit, available
+from kvtool.kernels.triton_cuda import INTERPRET, _bf16, _jit, _persisted, available
 from kvtool.kernels.triton_turbomix_steps import (
     _pack,
     _pairs,
@@ -63,14 +63,16 @@ _INPUT = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _tuned(fn: Any) -> Any:
-    """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter); the
-    ``tok_class`` argument (tokens per group, capped at 64) keeps short groups apart."""
+    """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter; the
+    results persist across processes where Triton can); the ``tok_class`` argument (tokens per
+    group, capped at 64) keeps short groups apart."""
     if triton is None or INTERPRET:
         return _jit(fn)
     configs = [triton.Config({"BM": m}, num_warps=w, num_stages=1)
                for m in (16, 32, 64) for w in (4, 8)]
     return triton.autotune(configs, key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
-                           prune_configs_by={"early_config_prune": _prune})(triton.jit(fn))
+                           prune_configs_by={"early_config_prune": _prune},
+                           **_persisted())(triton.jit(fn))
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
