@@ -1,0 +1,130 @@
+"""What the Triton turbo kernels compile to on a GPU, without one: registers, spills, shared
+memory and SASS instructions per row, per autotune config.
+
+Each kernel variant is compiled ahead of time for a target (default sm_90, an H100) with the
+argument specialisations Triton's launcher gives real tensors (16-byte-aligned pointers, row
+counts divisible by 16), then disassembled with the ``nvdisasm`` that ships with Triton. The
+row-block kernels are straight-line per block, so ``instructions × warps / BLOCK_M`` is the
+warp-instructions each row costs. The last column turns that into a ceiling: the rows per second
+at which the SMs could issue nothing else (``SMs × 4 schedulers × clock``), as a share of the
+device copy of the same fp16 rows. A kernel far under that ceiling in ``benchmarks/gpu.py`` is
+latency-bound (too few warps or no prefetch), not issue-bound; one near it needs fewer
+instructions. It is a model, not a measurement: ``benchmarks/gpu.py`` on a GPU is the truth.
+
+    python benchmarks/triton_sass.py                  # turbo2/3/4 at D=128, every config
+    python benchmarks/triton_sass.py --dims 64,128,256 --bits 3 --arch 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, never interpret
+
+#: H100 SXM figures for the ceiling: SMs, sustained clock (GHz), the device copy of fp16 rows
+#: measured by ``benchmarks/gpu.py`` there (GB/s of fp16-equivalent bytes)
+GPUS = {90: (132, 1.755, 1484.0), 80: (108, 1.41, 1300.0)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--arch", type=int, default=90, choices=sorted(GPUS), help="sm_XX target")
+    p.add_argument("--dims", default="128", help="head dims (comma-separated)")
+    p.add_argument("--bits", default="2,3,4", help="turbo bit widths")
+    p.add_argument("--kernels", default="encode,decode", help="encode and/or decode")
+    return p.parse_args(argv)
+
+
+def compile_kernel(fn, signature: dict[str, str], constants: dict[str, int], warps: int,
+                   stages: int, arch: int):
+    """The compiled kernel, with Triton's launch-time specialisations of aligned arguments."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(fn, "fn", fn)  # under the autotuner
+    full = {a: "constexpr" if a in constants else signature[a] for a in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if a not in constants and (signature[a].startswith("*") or a == "n_rows")}
+    return triton.compile(ASTSource(fn, full, constants, aligned),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def sass_profile(kernel) -> tuple[int, int, Counter]:
+    """(registers, spill bytes, opcode counts) of a compiled kernel's SASS."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tools / "nvdisasm", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    ops = Counter(m.group(2).split(".")[0] for m in (
+        re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        for line in sass.splitlines()) if m)
+    return regs, stack, ops
+
+
+def configs() -> list[tuple[int, int, int]]:
+    """(BLOCK_M, warps, STAGES) of the row kernels' autotune search."""
+    from kvtool.kernels import triton_cuda as tc
+
+    found = tc._encode_kernel.configs if hasattr(tc._encode_kernel, "configs") else []
+    return [(c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["STAGES"]) for c in found]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from kvtool.kernels import triton_cuda as tc
+    from kvtool.kernels.bitpack import group_shape
+
+    sms, ghz, copy_gbs = GPUS[args.arch]
+    signatures = {
+        "encode": (tc._encode_kernel, dict(x_ptr="*fp16", rt_ptr="*fp16", bnd_ptr="*fp32",
+                                           codes_ptr="*u8", norms_ptr="*fp32", n_rows="i32",
+                                           size_class="i32")),
+        "decode": (tc._decode_kernel, dict(codes_ptr="*u8", norms_ptr="*fp32", cent_ptr="*fp32",
+                                           r_ptr="*bf16", out_ptr="*fp16", n_rows="i32",
+                                           size_class="i32")),
+    }
+    print(f"sm_{args.arch}: fp16 in (encode) / fp16 out (decode); ceiling = issue-bound rows/s "
+          f"as % of a {copy_gbs:.0f} GB/s copy ({sms} SMs at {ghz} GHz)")
+    print(f"{'kernel':>7} | {'D':>4} | {'bits':>4} | {'BM':>4} | {'warps':>5} | {'stages':>6} | "
+          f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'ceiling':>7}")
+    for name in args.kernels.split(","):
+        fn, signature = signatures[name]
+        for dim in (int(d) for d in args.dims.split(",")):
+            for bits in (int(b) for b in args.bits.split(",")):
+                cpg, bpg = group_shape(bits)
+                for block_m, warps, stages in configs():
+                    if block_m * dim > 128 * 32 * warps:  # pruned by the autotuner too
+                        continue
+                    constants = dict(D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m,
+                                     STAGES=stages, PIECES=1 if name == "encode" else 2)
+                    constants["BN" if name == "encode" else "BK"] = min(dim, 64)
+                    kernel = compile_kernel(fn, signature, constants, warps, stages, args.arch)
+                    regs, spill, ops = sass_profile(kernel)
+                    per_row = sum(ops.values()) * warps / block_m
+                    ceiling = sms * 4 * ghz * 1e9 / per_row * dim * 2 / (copy_gbs * 1e9)
+                    smem = kernel.metadata.shared / 1024
+                    fits = "" if smem <= 227 else " (no fit)"
+                    print(f"{name:>7} | {dim:>4} | {bits:>4} | {block_m:>4} | {warps:>5} | "
+                          f"{stages:>6} | {regs:>4} | {spill:>5} | {smem:>7.0f} | "
+                          f"{per_row:>9.1f} | {ceiling:>6.0%}{fits}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
