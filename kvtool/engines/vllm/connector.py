@@ -34,8 +34,9 @@ loads (a read-only shared store), ``kv_producer`` only saves. Extra config keys 
                  of ``max_bytes`` or 1 GiB, and 7 days); the oldest files go first
 ``load``, ``save`` turn reading / writing the store off (default: both on)
 ``save_mode``    ``async`` (default: chunks are copied out of the paged cache in the step that
-                 computes them, then encoded and written by a background thread; see
-                 :func:`flush`) or ``sync`` (written before the step returns)
+                 computes them, then encoded and written by a background thread — on a GPU
+                 encoded in the step and only their codes copied out; see :func:`flush`) or
+                 ``sync`` (written before the step returns)
 ``kvz_files``    .kvz files (e.g. from ``kvtool capture``) served read-only as prefixes to
                  every request (each must be a regular file, not a symlink)
 ``kvz_dirs``     directories whose .kvz files a request may name as ``kvtool_kvz``; a
@@ -69,11 +70,13 @@ writers on start-up (on the saver thread).
 The scheduler-side half finds the longest stored prefix and plans loads and saves into
 :class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
 forward pass (``start_load_kv``) and gathers newly computed chunks after it (``wait_for_save``)
-through :mod:`~kvtool.engines.vllm.layout`.
+through :mod:`~kvtool.engines.vllm.layout`. On CUDA caches both happen on the GPU, and only
+codes cross to and from the host (:mod:`~kvtool.engines.vllm.device_io`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -87,7 +90,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtool.engines.vllm import activity
+from kvtool.engines.vllm import activity, device_io
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
     MIN_CHUNK_TOKENS,
@@ -121,8 +124,8 @@ from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.safeio import pin_file
-from kvtool.engines.vllm.saver import raw_bytes, save_failed, write_capture, write_chunks
-from kvtool.engines.vllm.store import open_store
+from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
+from kvtool.engines.vllm.store import check_file, open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -345,6 +348,16 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             # seconds while they waited (a 4.7 s load after a restart)
             from kvtool.kernels import warm_up
             warm_up([self.policy.key, self.policy.value], self.model_info["dtype"])
+            if self._on_device():  # GPU kernels autotuned at a chunk's shape, too
+                with contextlib.suppress(Exception):  # the first load or save reports it
+                    name, layout, _ = self._layer_table()[0]
+                    device_io.warm_up(self.policy, self._kv_caches[name], layout,
+                                      self.chunk_tokens)
+
+    def _on_device(self) -> bool:
+        """Whether this worker's paged caches are saved and loaded on their device (CUDA:
+        codes, never raw K/V, cross to the host; see :mod:`~kvtool.engines.vllm.device_io`)."""
+        return bool(self._kv_caches) and device_io.on_device(next(iter(self._kv_caches.values())))
 
     def _layer_table(self) -> list[tuple[str, PagedLayout, int]]:
         """(layer name, layout, kernel blocks per scheduler block), in model layer order."""
@@ -393,11 +406,15 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             try:
                 if src.start > covered:
                     raise ValueError(f"no source for tokens {covered}..{src.start}")
-                cache = self._read(src, b - src.start)
-                for i, (name, layout, ratio) in enumerate(self._layer_table()):
-                    k, v = cache.layer(i)
-                    layout.scatter(self._kv_caches[name], kernel_block_ids(spec.block_ids, ratio),
-                                   a, k[:, a - src.start:], v[:, a - src.start:])
+                if self._on_device():
+                    self._load_on_device(src, a, b, spec.block_ids)
+                else:
+                    cache = self._read(src, b - src.start)
+                    for i, (name, layout, ratio) in enumerate(self._layer_table()):
+                        k, v = cache.layer(i)
+                        layout.scatter(self._kv_caches[name],
+                                       kernel_block_ids(spec.block_ids, ratio), a,
+                                       k[:, a - src.start:], v[:, a - src.start:])
             except Exception as e:  # any damage: recompute from here on
                 log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
                             src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
@@ -424,6 +441,27 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             cache = load(path, tokens=tokens, backend="torch")
         check_cache(cache, self.model_info, tokens)
         return cache
+
+    def _load_on_device(self, src: Source, a: int, b: int, block_ids: list[int]) -> None:
+        """Tokens ``[a, b)`` of ``src`` into the blocks: its codes read on the host, decoded on
+        the caches' device (:func:`~kvtool.engines.vllm.device_io.load_file`); a store
+        chunk's failure is handled by :meth:`PrefixStore.read_into` as :meth:`_read`'s."""
+        from kvtool.formats import open_kvz
+
+        targets = [(self._kv_caches[name], layout, kernel_block_ids(block_ids, ratio))
+                   for name, layout, ratio in self._layer_table()]
+        tokens = b - src.start
+
+        def into_cache(f: Any) -> None:
+            device_io.load_file(f, targets, src.start, a - src.start, tokens)
+
+        if src.chunk is not None and self.store is not None and self.guard is not None:
+            fetched = self.guard.call("load", self.store.fetch, src.chunk)  # I/O: a deadline
+            self.store.read_into(src.chunk, tokens, fetched, into_cache)
+            return
+        with pin_file(src.path) as (path, _), open_kvz(path) as f:
+            check_file(f, self.model_info, tokens)
+            into_cache(f)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer synchronously
@@ -453,7 +491,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
 
     def _save(self, spec: SaveSpec) -> None:
         """Copy the chunks out of the paged cache now (their blocks may be reused after this
-        step); encode and write them on the saver thread unless ``save_mode`` is ``sync``."""
+        step); encode and write them on the saver thread unless ``save_mode`` is ``sync``. On
+        a GPU the chunks are encoded now, on the device, and only their codes are copied out
+        (:meth:`_copy_out`)."""
         if spec.chunks and self.store.tokenizer_fingerprint is None:
             self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
         chunks = spec.chunks
@@ -463,7 +503,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         copies = []
         for chunk in chunks:
             try:
-                copies.append((chunk, *self._gather(spec.block_ids, chunk.start, chunk.stop)))
+                copies.append((chunk, *self._copy_out(spec.block_ids, chunk)))
             except Exception as e:
                 save_failed(chunk, e)
                 break
@@ -472,10 +512,19 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             if not self.async_save:
                 self._write(copies, ids)
             elif submit(self._write, copies, ids, bounded=True,
-                        nbytes=sum(raw_bytes(k, v) for _, k, v in copies)) is None:
+                        nbytes=sum(held_bytes(data) for _, *data in copies)) is None:
                 count("saves_dropped", len(copies))
         if spec.capture_path:
             self._capture(spec)
+
+    def _copy_out(self, block_ids: list[int], chunk: Any) -> tuple:
+        """What the saver writes ``chunk`` from: copies of its K/V (CPU), or its codes encoded
+        on the device and on their way to pinned host memory (CUDA; :mod:`device_io`)."""
+        keys, values = self._gather(block_ids, chunk.start, chunk.stop)
+        if not self._on_device():
+            return keys, values
+        encoded = device_io.encode_chunk(keys, values, self.store.chunk_policy(chunk))
+        return (device_io.to_host(encoded),)
 
     def _write(self, copies: list, token_ids: list[int]) -> None:
         write_chunks(self.store, self.budget, copies, token_ids, self.guard)

@@ -98,23 +98,32 @@ class PagedLayout:
     def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write K/V ``[kv_heads, T, head_dim]`` into tokens ``[start, start+T)`` of the blocks."""
-        self.check(kv)
         if keys.shape != values.shape or keys.ndim != 3:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must "
                              "both be [kv_heads, tokens, head_dim]")
-        heads, tokens, dim = (int(s) for s in keys.shape)
+        self.write(kv, block_ids, start, "key", keys)
+        self.write(kv, block_ids, start, "value", values)
+
+    def write(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
+              x: torch.Tensor) -> None:
+        """Write one role's ``x`` ``[kv_heads, T, head_dim]`` (``role``: "key" or "value")
+        into tokens ``[start, start+T)`` of the blocks, cast to the cache's dtype and device."""
+        self.check(kv)
+        if role not in ("key", "value"):
+            raise ValueError(f"role must be 'key' or 'value', got {role!r}")
+        if x.ndim != 3:
+            raise ValueError(f"{role}s {tuple(x.shape)} must be [kv_heads, tokens, head_dim]")
+        heads, tokens, dim = (int(s) for s in x.shape)
         if heads != self.num_heads(kv) or dim != self.head_dim:
             raise ValueError(f"cannot write {heads} heads × head_dim {dim} into a paged cache "
                              f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
         blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device)
         kview, vview, k_transposed = self._views(kv)
-        k = keys.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
-        v = values.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)
-        if k_transposed:
-            kview[blk, :, :, off] = k
+        y = x.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
+        if role == "key" and k_transposed:
+            kview[blk, :, :, off] = y
         else:
-            kview[blk, off] = k
-        vview[blk, off] = v
+            (kview if role == "key" else vview)[blk, off] = y
 
 
 def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,

@@ -29,19 +29,21 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
                  guard: Any = None) -> int:
-    """Encode and write ``copies`` (``(chunk, keys, values)``, in prompt order; stops at the
-    first failure, since later chunks are keyed by it); bytes written. A failure that says
-    the store is down is reported to ``guard`` (saves are then dropped for a while)."""
+    """Encode and write ``copies`` (in prompt order; stops at the first failure, since later
+    chunks are keyed by it); bytes written. Each is ``(chunk, keys, values)`` (K/V copied out
+    of a CPU cache, encoded here) or ``(chunk, encoded)`` (encoded on the GPU, see
+    :mod:`~kvtool.engines.vllm.device_io`: written once its host copy is done). A failure that
+    says the store is down is reported to ``guard`` (saves are then dropped for a while)."""
     start = time.perf_counter()
     total = 0
-    for i, (chunk, keys, values) in enumerate(copies):
+    for i, (chunk, *data) in enumerate(copies):
         if guard is not None and guard.is_down:  # out of service: dropped, not waited on
             count("saves_dropped", len(copies) - i)
             break
         try:
             if budget is not None:  # room first: the store stays under max_bytes meanwhile
-                _evict(budget.reserve, budget.expected(raw_bytes(keys, values)))
-            written = write_one(store, budget, chunk, keys, values, token_ids)
+                _evict(budget.reserve, budget.expected(source_bytes(data)))
+            written = write_one(store, budget, chunk, data, token_ids)
         except Exception as e:  # full disk, permissions, a dead endpoint: a future miss
             save_failed(chunk, e)
             if guard is not None:
@@ -63,27 +65,44 @@ def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
     return total
 
 
-def write_one(store: Any, budget: Any, chunk: Any, keys: list, values: list,
-              token_ids: list[int]) -> int:
-    """One chunk's write; on a full disk, room is made and the write tried once more."""
+def write_one(store: Any, budget: Any, chunk: Any, data: list, token_ids: list[int]) -> int:
+    """One chunk's write (``data``: ``[keys, values]`` or ``[encoded]``, see
+    :func:`write_chunks`); on a full disk, room is made and the write tried once more."""
     try:
-        return store.write(chunk, keys, values, token_ids)
+        return _write(store, chunk, data, token_ids)
     except OSError as e:
         if e.errno not in DISK_FULL or budget is None:
             raise
         count("disk_full")
-        files, freed = budget.relieve(budget.expected(raw_bytes(keys, values)))
+        files, freed = budget.relieve(budget.expected(source_bytes(data)))
         log.warning("kvtool store: %s is full (%s); removed %d files (%d bytes) to make room, "
                     "writing again", store.root, e.strerror or e, files, freed)
         if files:
             _evicted(files, freed)
-        return store.write(chunk, keys, values, token_ids)
+        return _write(store, chunk, data, token_ids)
+
+
+def _write(store: Any, chunk: Any, data: list, token_ids: list[int]) -> int:
+    if len(data) == 1:  # codes made on the GPU
+        return store.write_encoded(chunk, data[0], token_ids)
+    keys, values = data
+    return store.write(chunk, keys, values, token_ids)
 
 
 def raw_bytes(keys: list, values: list) -> int:
     """Bytes of a chunk's K/V as computed (an upper bound of its file before the first one)."""
     return sum(int(t.nelement() * t.element_size()) if hasattr(t, "element_size")
                else int(t.nbytes) for t in (*keys, *values))
+
+
+def source_bytes(data: list) -> int:
+    """:func:`raw_bytes` of a chunk's ``data`` (``[keys, values]`` or ``[encoded]``)."""
+    return int(data[0].source_bytes) if len(data) == 1 else raw_bytes(*data)
+
+
+def held_bytes(data: list) -> int:
+    """Bytes a queued save of ``data`` holds in memory: the K/V copies, or the codes."""
+    return int(data[0].nbytes) if len(data) == 1 else raw_bytes(*data)
 
 
 def _evict(make_room: Any, nbytes: int) -> None:

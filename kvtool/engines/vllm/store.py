@@ -10,7 +10,9 @@ A prompt is cut into chunks of ``chunk_tokens`` tokens (a multiple of vLLM's blo
 for one model. Each chunk is a small .kvz file (written through :mod:`kvtool.formats`, any
 codec policy) at ``<root>/<fingerprint[:16]>/<key[:2]>/<key>.kvz`` holding that chunk's K/V
 and token ids. The longest stored prefix of a prompt is the longest run of chunk files that
-exist from its start; two prompts that share a system prompt share its chunks.
+exist from its start; two prompts that share a system prompt share its chunks. A GPU worker
+writes chunks it encoded on the device (:meth:`PrefixStore.write_encoded`: the same bytes) and
+decodes them there (:meth:`PrefixStore.read_into`; see :mod:`~kvtool.engines.vllm.device_io`).
 
 A chunk file is trusted only after its header says it belongs to this model and holds exactly
 the chunk's token ids (verdicts are cached per file inode, size and mtime; on S3 per ETag). A
@@ -37,8 +39,9 @@ import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -292,10 +295,44 @@ class PrefixStore:
         except Exception as e:
             self.reject(chunk, e, fetched.stamp)
             raise
-        # the last hit, for `kvtool store prune` (LRU); see the backends
+        self._mark_hit(chunk, fetched)
+        return cache
+
+    def read_into(self, chunk: Chunk, tokens: int, fetched: Fetched | None,
+                  consume: Callable[[Any], None]) -> None:
+        """:meth:`read` for the CUDA path: the chunk's file opened from ``fetched`` (default:
+        :meth:`fetch` now), checked as :meth:`read` checks it (:func:`check_file`) and handed
+        to ``consume`` (:func:`~kvtool.engines.vllm.device_io.load_file`), which decodes its
+        first ``tokens`` where they go. A failure of the file — in the checks, or a
+        :class:`FormatError` in ``consume`` (a checksum, a code no writer stores) — is passed
+        to :meth:`reject` and raised, as by :meth:`read`; others are only raised."""
+        from kvtool.errors import FormatError
+        from kvtool.formats import open_kvz
+
+        fetched = self.fetch(chunk) if fetched is None else fetched
+        checked = False
+        try:
+            with in_memory(fetched.data, chunk.path) as path, open_kvz(path) as f:
+                check_file(f, self.model, tokens)
+                checked = True
+                consume(f)
+        except Exception as e:
+            if not checked or isinstance(e, FormatError):
+                self.reject(chunk, e, fetched.stamp)
+            raise
+        self._mark_hit(chunk, fetched)
+
+    def _mark_hit(self, chunk: Chunk, fetched: Fetched) -> None:
+        """The last hit, for `kvtool store prune` (LRU); see the backends."""
         name = self._name(chunk)
         self.backend.mark_hit(name, self.backend.path(name), fetched.stamp)
-        return cache
+
+    def chunk_policy(self, chunk: Chunk) -> CodecPolicy:
+        """The policy ``chunk`` is written with: no recent window (a chunk is never the end of
+        anything), sink tokens in a prompt's first chunk only."""
+        return dataclasses.replace(self.policy, recent_tokens=0,
+                                   sink_tokens=self.policy.sink_tokens if chunk.start == 0
+                                   else 0)
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int]) -> int:
@@ -303,17 +340,35 @@ class PrefixStore:
         symlink in the chunk's place is replaced, never written through."""
         from kvtool.formats import save
 
-        if not self.writable:
-            raise PermissionError(f"the store at {self.root} is read-only here (kv_consumer)")
-        policy = dataclasses.replace(self.policy, recent_tokens=0,
-                                     sink_tokens=self.policy.sink_tokens if chunk.start == 0
-                                     else 0)
+        self._check_writable()
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint)
+        policy = self.chunk_policy(chunk)
         # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
         # symlink, never writing through it); S3: one conditional PUT of the whole object
         return self.backend.write_new(self._name(chunk), lambda path: int(
             save(cache, path, policy, zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
+
+    def write_encoded(self, chunk: Chunk, encoded: Any, token_ids: Sequence[int]) -> int:
+        """:meth:`write` of a chunk encoded already (an
+        :class:`~kvtool.engines.vllm.device_io.EncodedChunk`: ``encode_chunk`` with
+        :meth:`chunk_policy`, then ``to_host``), once its host copies are done: the same
+        bytes :meth:`write` writes for the same codes."""
+        from kvtool.engines.vllm.device_io import ReplayPolicy
+        from kvtool.formats.writer import write_kvz
+
+        self._check_writable()
+        encoded.wait()
+        replay = ReplayPolicy(encoded, self.chunk_policy(chunk))
+        ids = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
+        return self.backend.write_new(self._name(chunk), lambda path: int(write_kvz(
+            path, replay.layers(), num_layers=replay.num_layers, policy=replay,
+            model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint, token_ids=ids,
+            zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
+
+    def _check_writable(self) -> None:
+        if not self.writable:
+            raise PermissionError(f"the store at {self.root} is read-only here (kv_consumer)")
 
     # -- housekeeping -----------------------------------------------------------------------------
     def size_bytes(self) -> int:
@@ -332,6 +387,16 @@ class PrefixStore:
             log.info("kvtool store: removed %d stale temp files (%d bytes) under %s",
                      files, freed, self.dir)
         return files, freed
+
+
+def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
+    """Raise ValueError unless an open .kvz file (:class:`~kvtool.formats.KvzFile`) can serve
+    its first ``tokens`` to ``model``: what ``load(tokens=...)`` and then
+    :func:`~kvtool.engines.vllm.common.check_cache` refuse, without decoding anything."""
+    if not 0 <= tokens <= f.num_tokens:
+        raise ValueError(f"prefix of {tokens} tokens from a file of {f.num_tokens}")
+    check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens),
+                model, tokens)
 
 
 def _remember(path: str, stamp: Stamp | None, ok: bool) -> None:
