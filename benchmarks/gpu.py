@@ -1,233 +1,334 @@
-"""GPU throughput of the Triton turbo kernels (:mod:`kvtool.kernels.triton_cuda`).
+"""GPU benchmark of kvtool's Triton kernels and of ``CompressedCache`` on a CUDA device.
 
-Three tables:
+    python benchmarks/gpu.py --all --json gpu.json   # every table at fixed sizes, <= 8 min (H100)
+    python benchmarks/gpu.py --device cpu --smoke     # tiny sizes, CPU tensors, Triton
+                                                      # interpreter: checks code paths (< 1 min)
+    python benchmarks/gpu.py --sections throughput --vectors 4M --dims 128
+    python benchmarks/gpu.py --skip-cache --tokens 1K,8K --batches 1
 
-1. turbo2/3/4 encode (fp16 in) and decode (fp16 out) in GB/s next to a device-to-device
-   ``dst.copy_(src)`` of the same fp16 array, measured in the same run. Every column counts
-   fp16-equivalent bytes, ``vectors * D * 2`` (so the copy, which reads and writes that much,
-   shows half its raw traffic).
-2. Each preset's key and value codec (``quality``, ``balanced``, ``small``) through the codec
-   API on CUDA tensors (``codec.encode(x)``, ``codec.decode(enc)``, fp16), GB/s next to the copy:
-   what a vLLM or transformers user on a GPU gets (``turbomix`` has no Triton kernels yet, so
-   this is its host round trip).
-3. Decode attention straight from codes (one query per sequence, GQA) against decoding K and V
-   to fp16 and running ``torch.nn.functional.scaled_dot_product_attention``; the SDPA time on
-   already-decoded fp16 K/V is shown too.
+Tables, each printed row by row as it is measured, then the section's wall time (helpers:
+``gpu_sections.py``, ``gpu_cache.py``, ``gpu_common.py``):
 
-Times are medians over CUDA-event-timed repeats after warm-up (the first calls also autotune).
+1. ``throughput``: turbo2/3/4 encode (fp16 in) and decode (fp16 out) of ``[vectors, D]``
+   (:mod:`kvtool.kernels.triton_cuda`), GB/s and % of ``dst.copy_(src)`` on the same fp16
+   array in the same run. Every column counts fp16-equivalent bytes, ``vectors * D * 2`` (the
+   copy reads and writes that much, so it shows half its raw traffic). ``dtypes``: the same
+   for turbo<``--dtype-bits``> at D=128, encoding from and decoding to fp16/bf16/fp32 (still
+   counted as fp16-equivalent bytes, so cells compare as vectors per second).
+2. ``attention``: decode attention straight from codes (one query per sequence, GQA;
+   ``kvtool.kernels.triton_attention.turbo_decode_attention``, or ``triton_cuda``'s before that
+   module exists) against SDPA on fp16 K/V (what ``DynamicCache`` pays) and against decoding K
+   and V to fp16 then SDPA; speedup = other time / codes time; max|diff| against SDPA on the
+   decoded K/V.
+3. ``presets``: each preset's (``quality``, ``balanced``, ``small``) key and value codec through
+   ``codec.encode``/``codec.decode`` on fp16 device tensors laid out like CompressedCache's
+   encode calls (``[blocks, 64, D]``; Triton turbomix kernels on CUDA), GB/s and % of the copy.
+4. ``cache``: ``DynamicCache`` against ``CompressedCache`` (turbo3 and the presets) on a
+   random-init Llama (16 layers, hidden 2048, 16/4 heads, head_dim 128, bf16): prefill seconds,
+   decode tok/s (manual greedy loop), peak memory, K/V bytes, ratios to DynamicCache.
 
-    python benchmarks/gpu.py                      # everything (64M vectors needs ~70 GB)
-    python benchmarks/gpu.py --max-vectors 4M --dims 128 --tokens 1K,8K
+Times are medians of CUDA-event-timed repeats after warm-up (``time.perf_counter`` on the CPU).
+Triton compiles and autotunes every kernel variant on first use; ``--warm-workers N`` (default
+on CUDA) first runs each section at small sizes in N parallel processes, which fills Triton's
+on-disk cache in parallel so the measured run only loads kernels (and autotunes at full size).
+``--all`` fixes the sizes (below) and a 460 s budget: sections share it cumulatively, a row
+that would not fit in its section's share (judged by the previous row) is skipped and named.
+
+``--all``: 16M and 64M vectors (64M where memory allows), D 64/128/256, turbo2/3/4; dtypes at
+D=128, 16M; attention Hq 32, Hkv 8, D 128, B 1/8, 8K/32K tokens; presets at 1M vectors;
+cache at 8K/32K tokens, 32 decode steps, DynamicCache + turbo3 (recent 128) + the presets.
+``--smoke``: 128 vectors, 256 tokens (Hq 4, Hkv 2, D 64), 4K preset vectors, a 2-layer
+hidden-64 Llama (head_dim 16) at 256 tokens with turbo3 (recent 64) and ``quality``, 4 steps.
+
+``--json FILE`` (rewritten after every section): ``meta`` (device, versions, timer, total_s),
+``warm`` (tasks, failed, killed, wall_s) and per section ``rows`` (flat dicts of labels and
+numbers; ``peak_*`` are null off CUDA), ``skipped``, ``errors`` and ``wall_s``. A row that
+raises is printed as FAILED and the run goes on; the exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+from pathlib import Path
 
-SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+from gpu_common import Bench, Budget, Clock, count, counts, words  # benchmarks/ is the cwd
 
-
-def count(text: str) -> int:
-    """'4M' → 4194304, '1K' → 1024, '300' → 300."""
-    text = text.strip().upper()
-    return int(text[:-1]) * SUFFIX[text[-1]] if text[-1] in SUFFIX else int(text)
-
-
-def counts(text: str) -> list[int]:
-    return [count(t) for t in text.split(",") if t.strip()]
-
-
-def human(n: int) -> str:
-    for s in ("G", "M", "K"):
-        if n >= SUFFIX[s] and n % SUFFIX[s] == 0:
-            return f"{n // SUFFIX[s]}{s}"
-    return str(n)
+SECTIONS = ("throughput", "dtypes", "attention", "presets", "cache")
+#: seconds of the ``--all`` budget per stage (scaled to ``--budget``), used cumulatively
+SHARES = {"warm": 120, "throughput": 85, "dtypes": 25, "attention": 30, "presets": 75,
+          "cache": 125}
+ALL = {"vectors": counts("16M,64M"), "dims": [64, 128, 256], "bits": [2, 3, 4],
+       "dtypes": ["fp16", "bf16", "fp32"], "dtype_bits": 3, "tokens": counts("8K,32K"),
+       "batches": [1, 8], "heads": 32, "kv_heads": 8, "head_dim": 128, "k_bits": 3,
+       "v_bits": 3, "repeats": 10, "preset_vectors": count("1M"),
+       "presets": ["quality", "balanced", "small"], "roles": ["key", "value"],
+       "contexts": counts("8K,32K"), "steps": 32,
+       "policy": ["turbo3", "quality", "balanced", "small"], "recent": 128, "layers": 16,
+       "hidden": 2048, "model_heads": 16, "model_kv_heads": 4, "model_head_dim": 128,
+       "intermediate": 8192, "vocab": 32000, "budget": 460.0}
+SMOKE = {**ALL, "vectors": [128], "tokens": [256], "batches": [1, 2], "heads": 4,
+         "kv_heads": 2, "head_dim": 64, "repeats": 1, "preset_vectors": count("4K"),
+         "contexts": [256], "steps": 4, "policy": ["turbo3", "quality"], "recent": 64,
+         "layers": 2, "hidden": 64, "model_heads": 4, "model_kv_heads": 2, "model_head_dim": 16,
+         "intermediate": 128, "vocab": 1000, "budget": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--vectors", type=counts, default=counts("1M,4M,16M,64M"),
-                   help="vector counts for encode/decode (default 1M,4M,16M,64M)")
-    p.add_argument("--max-vectors", type=count, default=None,
-                   help="drop vector counts above this (e.g. 4M for a quick run)")
-    p.add_argument("--dims", type=counts, default=[64, 128, 256], help="head dims")
-    p.add_argument("--bits", type=counts, default=[2, 3, 4], help="turbo bit widths")
-    p.add_argument("--tokens", type=counts, default=counts("1K,2K,4K,8K,16K,32K"),
-                   help="context lengths for decode attention")
-    p.add_argument("--batches", type=counts, default=[1, 4, 8], help="batch sizes (attention)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (attention)")
-    p.add_argument("--kv-heads", type=int, default=8, help="kv heads (attention)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (attention)")
-    p.add_argument("--k-bits", type=int, default=3, help="key codec turbo<k> (attention)")
-    p.add_argument("--v-bits", type=int, default=3, help="value codec turbo<v> (attention)")
-    p.add_argument("--split-k", type=int, default=None, help="splits (default: heuristic)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats per measurement")
-    p.add_argument("--preset-vectors", type=count, default=count("64K"),
-                   help="vectors per preset codec call (D=--head-dim; default 64K: the host "
-                        "round trip takes seconds per call)")
-    p.add_argument("--skip-throughput", action="store_true", help="only the attention table")
-    p.add_argument("--skip-presets", action="store_true", help="no preset table")
-    p.add_argument("--skip-attention", action="store_true", help="only the throughput table")
+    a = p.add_argument
+    a("--all", action="store_true", help="every section at the fixed sizes above, 460 s budget "
+      "(options given as well override them)")
+    a("--smoke", action="store_true", help="tiny sizes (with --device cpu: under the Triton "
+      "interpreter; timings meaningless)")
+    a("--device", choices=["cuda", "cpu"], default="cuda",
+      help="cpu: CPU tensors under TRITON_INTERPRET=1 (set here), for checking code paths")
+    a("--json", type=Path, default=None, help="write every result to this file")
+    a("--sections", type=words, default=list(SECTIONS), help=f"comma list of {SECTIONS}")
+    a("--skip-throughput", action="store_true", help="no throughput or dtypes table")
+    a("--skip-presets", action="store_true", help="no preset table")
+    a("--skip-attention", action="store_true", help="no attention table")
+    a("--skip-cache", action="store_true", help="no DynamicCache/CompressedCache table")
+    a("--budget", type=float, default=None, help="total seconds (default: none; --all: 460)")
+    a("--warm-workers", type=int, default=None,
+      help="parallel processes filling Triton's cache first (default: on CUDA, up to 12; 0: off)")
+    a("--repeats", type=int, default=20, help="timed repeats per measurement")
+    # throughput / dtypes
+    a("--vectors", type=counts, default=counts("1M,4M,16M,64M"), help="vector counts")
+    a("--max-vectors", type=count, default=None, help="drop vector counts above this")
+    a("--dims", type=counts, default=[64, 128, 256], help="head dims")
+    a("--bits", type=counts, default=[2, 3, 4], help="turbo bit widths")
+    a("--dtypes", type=words, default=["fp16", "bf16", "fp32"], help="dtypes table rows")
+    a("--dtype-bits", type=int, default=3, help="turbo bit width of the dtypes table")
+    # attention
+    a("--tokens", type=counts, default=counts("1K,2K,4K,8K,16K,32K"), help="context lengths")
+    a("--batches", type=counts, default=[1, 4, 8], help="batch sizes")
+    a("--heads", type=int, default=32, help="query heads")
+    a("--kv-heads", type=int, default=8, help="kv heads")
+    a("--head-dim", type=int, default=128, help="head dim (attention and presets)")
+    a("--k-bits", type=int, default=3, help="key codec turbo<k>")
+    a("--v-bits", type=int, default=3, help="value codec turbo<v>")
+    a("--split-k", type=int, default=None, help="splits (default: the kernel's heuristic)")
+    # presets
+    a("--preset-vectors", type=count, default=count("1M"), help="vectors per codec call")
+    a("--presets", type=words, default=["quality", "balanced", "small"], help="preset names")
+    a("--roles", type=words, default=["key", "value"], help="key, value or both")
+    # cache
+    a("--contexts", type=counts, default=counts("8K,32K"), help="cache table context lengths")
+    a("--steps", type=int, default=32, help="greedy decode steps")
+    a("--policy", action="append", default=None,
+      help="CompressedCache policy label or preset (repeatable; default turbo3 + the presets)")
+    a("--recent", type=int, default=128, help="recent window of non-preset policies")
+    a("--layers", type=int, default=16)
+    a("--hidden", type=int, default=2048)
+    a("--model-heads", type=int, default=16)
+    a("--model-kv-heads", type=int, default=4)
+    a("--model-head-dim", type=int, default=128)
+    a("--intermediate", type=int, default=8192)
+    a("--vocab", type=int, default=32000)
     args = p.parse_args(argv)
+    sizes = SMOKE if args.smoke else ALL
+    if args.smoke or args.all:  # the fixed sizes, then the options given on the command line
+        preset = {k: v for k, v in sizes.items() if k != "policy"}
+        args = p.parse_args(argv, namespace=argparse.Namespace(**preset))
+    if args.policy is None:
+        args.policy = sizes["policy"]
     if args.max_vectors is not None:
         args.vectors = [n for n in args.vectors if n <= args.max_vectors]
+    skips = {"throughput": args.skip_throughput, "dtypes": args.skip_throughput,
+             "attention": args.skip_attention, "presets": args.skip_presets,
+             "cache": args.skip_cache}
+    for name, given, known in (("sections", args.sections, SECTIONS),
+                               ("dtypes", args.dtypes, ("fp16", "bf16", "fp32")),
+                               ("roles", args.roles, ("key", "value"))):
+        if set(given) - set(known):
+            p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from "
+                    f"{', '.join(known)}")
+    args.sections = [s for s in SECTIONS if s in args.sections and not skips[s]]
+    if args.warm_workers is None:
+        args.warm_workers = min(12, max(1, (os.cpu_count() or 2) - 2)) \
+            if args.device == "cuda" else 0
     return args
 
 
-def timer(torch, repeats: int) -> Callable[[Callable[[], object]], float]:
-    def measure(fn: Callable[[], object]) -> float:
-        """Median milliseconds of ``fn`` after warm-up."""
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-    return measure
-
-
-def copy_ms(torch, measure, x) -> float:
-    dst = torch.empty_like(x)
-    return measure(lambda: dst.copy_(x))
-
-
-def codec_ms(torch, tc, measure, x, bits: int, seed: int) -> tuple[float, float]:
-    """(encode ms, decode ms) of fp16 ``x`` with turbo<bits>."""
-    encode = measure(lambda: tc.turbo_encode(x, bits, seed))
-    codes, norms = tc.turbo_encode(x, bits, seed)
-    norms = norms.half()
-    dim = x.shape[-1]
-    return encode, measure(lambda: tc.turbo_decode(codes, norms, dim, bits, seed, torch.float16))
-
-
-def throughput(args: argparse.Namespace, torch, tc, measure) -> None:
-    seed = 0x6B76
-    head = ["D", "vectors", "copy"] + [f"{op} t{b}" for b in args.bits for op in ("enc", "dec")]
-    print("\nencode (fp16 in) / decode (fp16 out), GB/s of fp16-equivalent bytes (vectors*D*2)")
-    print(" | ".join(f"{h:>9}" for h in head))
-    for dim in args.dims:
-        for n in args.vectors:
-            size = n * dim * 2
-            free, _ = torch.cuda.mem_get_info()
-            if free < 2.3 * size:
-                print(f"{dim:>9} | {human(n):>9} | skipped: needs ~{2.3 * size / 2**30:.0f} GiB "
-                      f"of GPU memory, {free / 2**30:.0f} GiB free")
-                continue
-            x = torch.randn((n, dim), device="cuda", dtype=torch.float16)
-            times = [copy_ms(torch, measure, x)]
-            for bits in args.bits:
-                times.extend(codec_ms(torch, tc, measure, x, bits, seed))
-            x = None
-            torch.cuda.empty_cache()
-            cells = [f"{dim:>9}", f"{human(n):>9}"] + [f"{size / ms / 1e6:>9.0f}" for ms in times]
-            print(" | ".join(cells), flush=True)
+def warm_tasks(args: argparse.Namespace) -> list[list[str]]:
+    """gpu.py argument lists that run each selected section at small sizes, one kernel family
+    each (longest first): the same kernel variants as the measured run, compiled in parallel."""
+    common = ["--device", args.device, "--warm-workers", "0", "--repeats", "1"]
+    small = ",".join(str(n) for n in sorted({min(n, 1 << 16) for n in args.vectors}))
+    tasks: list[list[str]] = []
+    if "cache" in args.sections:
+        model = ["--layers", "1", "--steps", str(args.steps), "--recent", str(args.recent),
+                 "--contexts", ",".join(map(str, args.contexts))]
+        for flag in ("hidden", "model_heads", "model_kv_heads", "model_head_dim",
+                     "intermediate", "vocab"):
+            model += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        tasks += [["--sections", "cache", "--policy", p, *model] for p in args.policy]
+    if "presets" in args.sections:
+        tasks += [["--sections", "presets", "--presets", p, "--roles", r, "--preset-vectors",
+                   str(min(args.preset_vectors, 1 << 16)), "--head-dim", str(args.head_dim)]
+                  for p in args.presets for r in args.roles]
+    if "dtypes" in args.sections:
+        tasks += [["--sections", "dtypes", "--dtypes", d, "--vectors", small, "--dims",
+                   ",".join(map(str, args.dims)), "--dtype-bits", str(args.dtype_bits)]
+                  for d in args.dtypes]
+    if "throughput" in args.sections:
+        tasks += [["--sections", "throughput", "--dims", str(d), "--bits", str(bits),
+                   "--vectors", small] for d in sorted(args.dims, reverse=True)
+                  for bits in args.bits]
+    if "attention" in args.sections:
+        tasks.append(["--sections", "attention", "--tokens", ",".join(map(str, args.tokens)),
+                      "--batches", ",".join(map(str, args.batches)), "--heads",
+                      str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
+                      str(args.head_dim), "--k-bits", str(args.k_bits), "--v-bits",
+                      str(args.v_bits)]
+                     + ([] if args.split_k is None else ["--split-k", str(args.split_k)]))
+    return [common + t for t in tasks]
 
 
-def attention_row(args: argparse.Namespace, torch, tc, measure, b: int, n: int) -> list[str]:
-    """One attention table row: batch ``b``, ``n`` tokens."""
-    f = torch.nn.functional
-    hq, hkv, dim = args.heads, args.kv_heads, args.head_dim
-    kb, vb, ks, vs = args.k_bits, args.v_bits, 11, 12
-    scale = dim**-0.5
-    q = torch.randn((b, hq, dim), device="cuda", dtype=torch.float16)
-    kc, kn = tc.turbo_encode(torch.randn((b, hkv, n, dim), device="cuda", dtype=torch.float16),
-                             kb, ks)
-    vc, vn = tc.turbo_encode(torch.randn((b, hkv, n, dim), device="cuda", dtype=torch.float16),
-                             vb, vs)
-    kn, vn = kn.half(), vn.half()
-
-    def ours():
-        return tc.turbo_decode_attention(q, kc, kn, vc, vn, dim=dim, k_bits=kb, k_seed=ks,
-                                         v_bits=vb, v_seed=vs, scale=scale, split_k=args.split_k)
-
-    def sdpa(kd, vd):
-        return f.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale,
-                                              enable_gqa=hq != hkv)[:, :, 0]
-
-    def decoded():
-        return (tc.turbo_decode(kc, kn, dim, kb, ks, torch.float16),
-                tc.turbo_decode(vc, vn, dim, vb, vs, torch.float16))
-
-    t_ours = measure(ours)
-    t_base = measure(lambda: sdpa(*decoded()))
-    kd, vd = decoded()
-    t_sdpa = measure(lambda: sdpa(kd, vd))
-    diff = (ours() - sdpa(kd, vd).float()).abs().max().item()
-    return [f"{b:>9}", f"{human(n):>9}", f"{t_ours * 1e3:>9.1f}", f"{t_base * 1e3:>9.1f}",
-            f"{t_sdpa * 1e3:>9.1f}", f"{t_base / t_ours:>8.1f}x", f"{diff:>9.1e}"]
+def label(task: list[str]) -> str:
+    """A warm task's arguments after the common ones (which start with ``--device``)."""
+    return " ".join(task[task.index("--sections"):])
 
 
-def attention(args: argparse.Namespace, torch, tc, measure) -> None:
-    print(f"\ndecode attention, Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}, keys "
-          f"turbo{args.k_bits}, values turbo{args.v_bits}: µs per step")
-    head = ["B", "tokens", "codes", "dec+sdpa", "sdpa fp16", "speedup", "max|diff|"]
-    print(" | ".join(f"{h:>9}" for h in head))
-    for b in args.batches:
-        for n in args.tokens:
-            print(" | ".join(attention_row(args, torch, tc, measure, b, n)), flush=True)
-            torch.cuda.empty_cache()
+def warm(args: argparse.Namespace, until: float | None) -> dict:
+    """Runs :func:`warm_tasks` in ``args.warm_workers`` parallel processes (output discarded);
+    processes still running at ``until`` are killed (Triton writes its cache atomically)."""
+    tasks = warm_tasks(args)
+    print(f"\nwarming Triton's cache: {len(tasks)} tasks in {args.warm_workers} processes",
+          flush=True)
+    pending, running, failed, killed = list(tasks), [], [], []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if args.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        while pending or running:
+            while pending and len(running) < args.warm_workers:
+                task = pending.pop(0)
+                log = open(Path(tmp) / f"{len(pending)}.log", "w+")
+                proc = subprocess.Popen([sys.executable, __file__, *task], env=env, stdout=log,
+                                        stderr=subprocess.STDOUT)
+                running.append((proc, task, log))
+            time.sleep(0.2)
+            late = until is not None and time.monotonic() > until
+            for item in list(running):
+                proc, task, log = item
+                if proc.poll() is None and late:
+                    proc.kill()
+                    proc.wait()
+                    killed.append(label(task))
+                elif proc.poll() is None:
+                    continue
+                elif proc.returncode:
+                    log.seek(0)
+                    lines = log.read().strip().splitlines() or ["(no output)"]
+                    why = next((x for x in lines if "FAILED" in x), lines[-1]).strip()
+                    failed.append(f"{label(task)}: {why}")
+                running.remove(item)
+                log.close()
+            if late:
+                killed += [label(t) for t in pending]
+                pending = []
+    for what, items in (("failed", failed), ("cut at the warm budget", killed)):
+        for item in items:
+            print(f"  warm task {what}: {item}", flush=True)
+    return {"tasks": len(tasks), "workers": args.warm_workers, "failed": failed,
+            "killed": killed}
 
 
-def presets(args: argparse.Namespace, torch) -> None:
-    from kvtool.policy import PRESETS, preset_policy
+def header(torch, tc, device: str) -> dict:
+    """Prints and returns the device and library versions."""
+    import transformers
 
-    measure = timer(torch, 3)
-    n, dim = args.preset_vectors, args.head_dim
-    size = n * dim * 2
-    x = torch.randn((n, dim), device="cuda", dtype=torch.float16)
-    copy = copy_ms(torch, measure, x)
-    print(f"\npresets through the codec API, {human(n)} x {dim} fp16 on the GPU, GB/s "
-          f"(x copy at {size / copy / 1e6:.0f} GB/s)")
-    print(" | ".join(f"{h:>12}" for h in ("preset", "role", "encode", "(x copy)", "decode",
-                                           "(x copy)")))
-    for name in PRESETS:
-        if name == "lossless":
-            continue
-        policy = preset_policy(name)
-        for role, codec in (("key", policy.key), ("value", policy.value)):
-            enc = codec.encode(x)
-            times = (measure(lambda c=codec: c.encode(x)),
-                     measure(lambda c=codec, e=enc: c.decode(e)))
-            cells = [name, role] + [f"{v:.2f}" for ms in times
-                                    for v in (size / ms / 1e6, copy / ms)]
-            print(" | ".join(f"{c:>12}" for c in cells), flush=True)
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        free, total = torch.cuda.mem_get_info()
+        mem = f", {total / 2**30:.0f} GiB ({free / 2**30:.0f} GiB free)"
+    else:
+        name, mem = f"CPU ({platform.processor() or platform.machine()})", ""
+    meta = {"device": name, "torch": torch.__version__, "triton": tc.triton.__version__,
+            "transformers": transformers.__version__, "cuda": torch.version.cuda,
+            "interpreter": bool(tc.INTERPRET),
+            "timer": "cuda events" if device == "cuda" else "perf_counter"}
+    print(f"{name}{mem}; torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}, "
+          f"transformers {meta['transformers']}; timer: {meta['timer']}", flush=True)
+    if device == "cpu":
+        print("CPU tensors under TRITON_INTERPRET=1: TIMINGS ARE MEANINGLESS, this run checks "
+              "that every section's code runs", flush=True)
+    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     try:
         import torch
     except ImportError:
         sys.exit("benchmarks/gpu.py: torch is not installed; this benchmark needs CUDA torch")
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py: CUDA is not available (torch.cuda.is_available() is False);"
-                 " this benchmark needs an NVIDIA GPU")
+                 " run on an NVIDIA GPU, or check the code paths with --device cpu --smoke")
     from kvtool.kernels import triton_cuda as tc
 
     if not tc.available():
         sys.exit("benchmarks/gpu.py: triton is not installed; pip install triton")
+    if args.device == "cpu" and not tc.INTERPRET:
+        sys.exit("benchmarks/gpu.py: --device cpu needs triton imported under TRITON_INTERPRET=1")
+    import gpu_cache
+    import gpu_sections
+
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {tc.triton.__version__}")
-    measure = timer(torch, args.repeats)
-    if not args.skip_throughput:
-        throughput(args, torch, tc, measure)
-    if not args.skip_presets:
-        presets(args, torch)
-    if not args.skip_attention:
-        attention(args, torch, tc, measure)
-    return 0
+    budget = Budget(args.budget, SHARES, start)
+    results: dict = {"meta": {**header(torch, tc, args.device), "argv": sys.argv[1:],
+                              "smoke": args.smoke, "all": args.all, "budget_s": args.budget}}
+
+    def save() -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=1))
+
+    if args.warm_workers > 0 and args.sections:
+        t0 = time.monotonic()
+        results["warm"] = warm(args, budget.deadline("warm").at)
+        results["warm"]["wall_s"] = time.monotonic() - t0
+        print(f"[warm: {results['warm']['wall_s']:.1f} s]", flush=True)
+    clock = Clock(torch, args.device, args.repeats, warmup=0 if args.smoke else 2)
+    run = {"throughput": gpu_sections.throughput, "dtypes": gpu_sections.dtypes,
+           "attention": gpu_sections.attention, "presets": gpu_sections.presets,
+           "cache": gpu_cache.cache}
+    failures = 0
+    for name in args.sections:
+        t0 = time.monotonic()
+        deadline = budget.deadline(name)
+        try:
+            out = run[name](Bench(torch, tc, args.device, clock, args, deadline))
+        except Exception as error:  # the next sections still run; the exit status says so
+            deadline.errors.append(f"{name}: {type(error).__name__}: {error}")
+            print(f"  {name} FAILED: {type(error).__name__}: {str(error)[:500]}", flush=True)
+            out = {"rows": []}
+        out["skipped"] = out.get("skipped", []) + deadline.skipped
+        out["errors"] = deadline.errors
+        failures += len(deadline.errors)
+        out["wall_s"] = time.monotonic() - t0
+        results[name] = out
+        print(f"[{name}: {out['wall_s']:.1f} s]", flush=True)
+        save()
+    results["meta"]["total_s"] = time.monotonic() - start
+    times = ", ".join(f"{k} {results[k]['wall_s']:.0f} s" for k in ("warm", *args.sections)
+                      if k in results)
+    print(f"\ntotal {results['meta']['total_s']:.0f} s ({times})"
+          + (f"; {failures} FAILED rows/sections" if failures else ""), flush=True)
+    save()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

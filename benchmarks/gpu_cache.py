@@ -1,0 +1,142 @@
+"""The cache table of ``benchmarks/gpu.py``: ``DynamicCache`` against ``CompressedCache``.
+
+A random-init ``LlamaForCausalLM`` (no weights needed: speed and memory do not depend on them)
+prefills a context of random tokens into each cache in one forward, then decodes ``--steps``
+tokens greedily in a manual loop (``model(tok, past_key_values=cache, logits_to_keep=1)``, the
+argmax fed back on the device; the loop itself never syncs). Each (context, cache) runs
+twice; the first run is untimed (it compiles and autotunes every kernel variant the run
+meets, block flushes included). The second gives prefill seconds, decode tokens/s over the
+whole loop, peak allocated memory (``torch.cuda.max_memory_allocated``, reset before the run,
+minus what was allocated before it; CUDA only) and resident K/V bytes after the run
+(:func:`kvtool.engines.hf_runtime.cache_nbytes`). Ratios are this cache / ``DynamicCache`` at
+the same context; "codes" counts attention calls served from codes (``hf_attention.STATS``).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from gpu_common import Bench, Table, human, ratio  # benchmarks/ is the script's directory
+
+
+def build_model(b: Bench) -> Any:
+    """The random-init Llama of ``--layers``/``--hidden``/… in bfloat16 on the device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a, torch = b.args, b.torch
+    config = LlamaConfig(num_hidden_layers=a.layers, hidden_size=a.hidden,
+                         num_attention_heads=a.model_heads, num_key_value_heads=a.model_kv_heads,
+                         head_dim=a.model_head_dim, intermediate_size=a.intermediate,
+                         vocab_size=a.vocab, max_position_embeddings=max(a.contexts) + a.steps + 8)
+    torch.manual_seed(0)
+    with torch.device(b.device):
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16).eval()
+
+
+def cache_makers(b: Bench, model: Any) -> dict[str, Any]:
+    """Cache name → a function building a fresh empty cache for ``model``."""
+    from transformers import DynamicCache
+
+    from kvtool.engines.hf_runtime import CompressedCache
+    from kvtool.policy import PRESETS, CodecPolicy
+
+    makers = {"DynamicCache": lambda: DynamicCache(config=model.config)}
+    for label in b.args.policy:
+        policy = CodecPolicy.from_label(label, recent_tokens=b.args.recent)
+        name = label if label in PRESETS else f"{label} recent={b.args.recent}"
+        makers[name] = lambda p=policy: CompressedCache(p, config=model.config)
+    return makers
+
+
+def _run(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
+    """One prefill of ``ids`` into a fresh cache and ``steps`` greedy decode steps, timed."""
+    from kvtool.engines import hf_attention
+    from kvtool.engines.hf_runtime import cache_nbytes
+
+    torch, clock = b.torch, b.clock
+    cuda = b.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    codes_before = hf_attention.STATS["codes"]
+    cache = make()
+
+    def prefill():
+        return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+    def decode(tok):
+        for _ in range(steps):
+            logits = model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            tok = logits[:, -1:].argmax(-1)
+        return tok
+
+    with torch.inference_mode():
+        logits, prefill_s = clock.once(prefill)
+        _, decode_s = clock.once(lambda: decode(logits[:, -1:].argmax(-1)))
+    out = {"prefill_s": prefill_s, "decode_tok_s": steps / decode_s,
+           "kv_bytes": cache_nbytes(cache), "codes_calls": hf_attention.STATS["codes"]
+           - codes_before, "peak_bytes": None, "peak_over_base_bytes": None}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        out.update(peak_bytes=peak, peak_over_base_bytes=peak - base)
+    return out  # the cache goes with this frame (callers collect garbage before the next run)
+
+
+def cache(b: Bench) -> dict:
+    """Prefill seconds, decode tok/s, peak memory and K/V bytes of each cache per context."""
+    torch, args = b.torch, b.args
+    model = build_model(b)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    makers = cache_makers(b, model)
+    table = Table(f"DynamicCache vs CompressedCache: random-init Llama, {args.layers} layers, "
+                  f"hidden {args.hidden}, {args.model_heads}/{args.model_kv_heads} heads, "
+                  f"head_dim {args.model_head_dim}, bf16 ({weights / 2**30:.2f} GiB of weights), "
+                  f"batch 1; prefill in one forward, {args.steps} greedy decode steps in a manual "
+                  "loop\n  ratios (x) are this cache / DynamicCache; peak: "
+                  "max_memory_allocated over the run minus what was allocated before it "
+                  "(weights); K/V: cache_nbytes after the run",
+                  ["context", "cache", "prefill s", "x", "tok/s", "x", "peak GiB", "x", "K/V MiB",
+                   "x", "codes"], [7, 34, 9, 5, 7, 5, 8, 5, 8, 5, 6])
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for n in args.contexts:
+        ids = torch.randint(100, args.vocab - 100, (1, n), generator=generator).to(b.device)
+        base: dict = {}
+        for name, make in makers.items():
+            label = f"{human(n)} {name}"
+            if not base and name != "DynamicCache":  # no baseline at this context
+                b.deadline.skipped.append(label)
+                table.note(f"{label}: skipped, no DynamicCache row at this context")
+                continue
+            if not b.deadline.allows(label):
+                continue
+            with b.deadline.attempt(label) as attempt:
+                _run(b, model, make, ids, args.steps)  # untimed: compiles and autotunes all
+                gc.collect()
+                run = _run(b, model, make, ids, args.steps)
+            gc.collect()
+            if attempt.failed:
+                continue
+            base = base or run  # DynamicCache's, the first
+            row = {"context": n, "cache": name, **run,
+                   "prefill_ratio": ratio(run["prefill_s"], base["prefill_s"]),
+                   "decode_ratio": ratio(run["decode_tok_s"], base["decode_tok_s"]),
+                   "kv_ratio": ratio(run["kv_bytes"], base["kv_bytes"]),
+                   "peak_ratio": None if run["peak_bytes"] is None else
+                   ratio(run["peak_over_base_bytes"], base["peak_over_base_bytes"])}
+            rows.append(row)
+            peak, peak_x = ("-", "-") if run["peak_bytes"] is None else \
+                (f"{run['peak_over_base_bytes'] / 2**30:.2f}", f"{row['peak_ratio']:.2f}")
+            table.row([human(n), name[:34], f"{run['prefill_s']:.3f}",
+                       f"{row['prefill_ratio']:.2f}", f"{run['decode_tok_s']:.1f}",
+                       f"{row['decode_ratio']:.2f}", peak, peak_x,
+                       f"{run['kv_bytes'] / 2**20:.1f}", f"{row['kv_ratio']:.2f}",
+                       str(run["codes_calls"])])
+    del model
+    gc.collect()
+    if b.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"rows": rows, "weights_bytes": weights, "decode_loop": "manual greedy loop"}

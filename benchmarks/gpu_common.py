@@ -1,0 +1,172 @@
+"""Shared pieces of ``benchmarks/gpu.py``: size parsing, the timing clock, time budgets, tables.
+
+Imported by ``gpu.py``, ``gpu_sections.py`` and ``gpu_cache.py`` (``benchmarks/`` is the
+script's directory); nothing here imports torch or triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def count(text: str) -> int:
+    """'4M' → 4194304, '1K' → 1024, '300' → 300."""
+    text = text.strip().upper()
+    return int(text[:-1]) * SUFFIX[text[-1]] if text[-1] in SUFFIX else int(text)
+
+
+def counts(text: str) -> list[int]:
+    return [count(t) for t in text.split(",") if t.strip()]
+
+
+def words(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def human(n: int) -> str:
+    for s in ("G", "M", "K"):
+        if n >= SUFFIX[s] and n % SUFFIX[s] == 0:
+            return f"{n // SUFFIX[s]}{s}"
+    return str(n)
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den``, 0 where ``den`` is 0 (a JSON-safe, finite number)."""
+    return num / den if den else 0.0
+
+
+class Clock:
+    """Times callables: CUDA events on CUDA, ``time.perf_counter`` on the CPU."""
+
+    def __init__(self, torch: Any, device: str, repeats: int, warmup: int = 2):
+        self.torch, self.cuda = torch, device == "cuda"
+        self.repeats, self.warmup = max(1, repeats), warmup
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def once(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        """(``fn()``, its seconds), the device's queue drained on both sides."""
+        self.sync()
+        if not self.cuda:
+            start = time.perf_counter()
+            out = fn()
+            return out, time.perf_counter() - start
+        start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return out, start.elapsed_time(end) / 1e3
+
+    def median_ms(self, fn: Callable[[], Any]) -> float:
+        """Median milliseconds of ``fn`` over ``repeats`` calls after ``warmup`` calls (the
+        first calls also compile and autotune)."""
+        for _ in range(self.warmup):
+            fn()
+        times = sorted(self.once(fn)[1] * 1e3 for _ in range(self.repeats))
+        return times[len(times) // 2]
+
+
+@dataclass
+class Deadline:
+    """A section's deadline (``time.monotonic()`` seconds; None: no limit) and its record of
+    skipped and failed rows. A row starts only if the last row's duration still fits."""
+
+    at: float | None
+    last: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def allows(self, label: str) -> bool:
+        if self.at is None or time.monotonic() + self.last <= self.at:
+            return True
+        self.skipped.append(label)
+        Table.note(f"{label}: skipped, over the section's time budget")
+        return False
+
+    def attempt(self, label: str) -> Attempt:
+        return Attempt(self, label)
+
+
+class Attempt:
+    """``with deadline.attempt(label) as row:`` times a row; an exception inside is printed and
+    recorded in ``deadline.errors`` (the benchmark goes on) and sets ``row.failed``."""
+
+    def __init__(self, deadline: Deadline, label: str):
+        self.deadline, self.label, self.failed = deadline, label, False
+
+    def __enter__(self) -> Attempt:
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+        self.deadline.last = time.monotonic() - self.start
+        if error is None or not isinstance(error, Exception):
+            return False
+        self.failed = True
+        self.deadline.errors.append(f"{self.label}: {type(error).__name__}: {error}")
+        Table.note(f"{self.label}: FAILED, {type(error).__name__}: {str(error)[:300]}")
+        return True
+
+
+class Budget:
+    """Cumulative section deadlines: section ``i`` must end ``sum(shares[:i + 1])`` seconds
+    after ``start``, so time a section leaves unused passes on to the next ones."""
+
+    def __init__(self, total_s: float | None, shares: dict[str, float], start: float):
+        self.total_s, self.start = total_s, start
+        scale = total_s / sum(shares.values()) if total_s else 0.0
+        self.ends, acc = {}, 0.0
+        for name, share in shares.items():
+            acc += share * scale
+            self.ends[name] = start + acc
+
+    def deadline(self, section: str) -> Deadline:
+        return Deadline(self.ends[section] if self.total_s else None)
+
+
+class Table:
+    """Prints a title, a header and then each row as soon as it is given."""
+
+    def __init__(self, title: str, columns: list[str], widths: list[int]):
+        self.widths = widths
+        print(f"\n{title}")
+        self._line(columns)
+        print("-+-".join("-" * w for w in widths), flush=True)
+
+    def _line(self, cells: list[str]) -> None:
+        print(" | ".join(f"{c:>{w}}" for c, w in zip(cells, self.widths, strict=True)),
+              flush=True)
+
+    def row(self, cells: list[str]) -> None:
+        self._line(cells)
+
+    @staticmethod
+    def note(text: str) -> None:
+        print(f"  {text}", flush=True)
+
+
+def rate(gbs: float, pct: float) -> str:
+    """A throughput cell: GB/s and its share of the device copy."""
+    return f"{gbs:.0f} ({pct:.0f}%)" if gbs >= 10 else f"{gbs:.2f} ({pct:.0f}%)"
+
+
+@dataclass
+class Bench:
+    """What every section needs: torch, the Triton turbo kernels, the device, a clock, the
+    parsed options and the section's deadline."""
+
+    torch: Any
+    tc: Any
+    device: str
+    clock: Clock
+    args: argparse.Namespace
+    deadline: Deadline

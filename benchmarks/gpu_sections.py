@@ -1,0 +1,248 @@
+"""The kernel tables of ``benchmarks/gpu.py``: turbo throughput, dtypes, decode attention, presets.
+
+Each section prints its table row by row and returns ``{"rows": [...], "skipped": [...]}``
+(rows are flat dicts of labels and finite numbers, for ``--json``). Throughput counts
+fp16-equivalent bytes, ``vectors * D * 2``, in every column and dtype, so cells compare as
+vectors per second; "% copy" is the share of ``dst.copy_(src)`` on the same fp16 array, timed
+in the same run (the copy itself moves twice those bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_common import Bench, Table, human, rate  # benchmarks/ is the script's directory
+
+SEED = 0x6B76
+DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def _copy_ms(b: Bench, x: Any) -> float:
+    dst = b.torch.empty_like(x)
+    return b.clock.median_ms(lambda: dst.copy_(x))
+
+
+def _codec_ms(b: Bench, x: Any, bits: int, out_dtype: Any) -> tuple[float, float, float]:
+    """(encode ms, decode ms, relative MSE) of turbo<bits> on ``x`` (decoded to ``out_dtype``)."""
+    tc, clock = b.tc, b.clock
+    enc = clock.median_ms(lambda: tc.turbo_encode(x, bits, SEED))
+    codes, norms = tc.turbo_encode(x, bits, SEED)
+    norms = norms.half()  # as the codec stores them
+    dim = x.shape[-1]
+    dec = clock.median_ms(lambda: tc.turbo_decode(codes, norms, dim, bits, SEED, out_dtype))
+    sample = x[: 1 << 16].float()
+    err = tc.turbo_decode(codes[: 1 << 16], norms[: 1 << 16], dim, bits, SEED, out_dtype).float()
+    mse = ((err - sample) ** 2).sum().item() / max((sample**2).sum().item(), 1e-30)
+    return enc, dec, mse
+
+
+def _fits(b: Bench, nbytes: float) -> tuple[bool, str]:
+    """Whether ``nbytes`` fit in free device memory (always on the CPU)."""
+    if b.device != "cuda":
+        return True, ""
+    b.torch.cuda.empty_cache()
+    free, _ = b.torch.cuda.mem_get_info()
+    return nbytes <= free, f"needs ~{nbytes / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+
+
+def throughput(b: Bench) -> dict:
+    """turbo<bits> encode (fp16 in) / decode (fp16 out) GB/s and % of the copy per (D, vectors)."""
+    torch, args = b.torch, b.args
+    head = ["D", "vectors", "copy GB/s"] + [f"{op} t{bits}" for bits in args.bits
+                                            for op in ("enc", "dec")]
+    table = Table("turbo encode (fp16 in) / decode (fp16 out): GB/s of fp16-equivalent bytes "
+                  "(vectors*D*2) and % of the device copy", head,
+                  [4, 7, 9] + [12] * (2 * len(args.bits)))
+    rows = []
+    for n in args.vectors:
+        for dim in args.dims:
+            label = f"D={dim} vectors={human(n)}"
+            size = n * dim * 2
+            ok, why = _fits(b, 2.3 * size)  # x, the decoded copy and the codes
+            if not ok:
+                table.note(f"{label}: skipped, {why}")
+                b.deadline.skipped.append(f"{label} (memory)")
+                continue
+            if not b.deadline.allows(label):
+                continue
+            with b.deadline.attempt(label) as attempt:
+                x = torch.randn((n, dim), device=b.device, dtype=torch.float16)
+                copy = _copy_ms(b, x)
+                row: dict[str, Any] = {"dim": dim, "vectors": n, "copy_gbs": size / copy / 1e6}
+                cells = [str(dim), human(n), f"{row['copy_gbs']:.0f}"]
+                for bits in args.bits:
+                    enc, dec, mse = _codec_ms(b, x, bits, torch.float16)
+                    for op, ms in (("encode", enc), ("decode", dec)):
+                        row[f"{op}_turbo{bits}_gbs"] = size / ms / 1e6
+                        row[f"{op}_turbo{bits}_pct_copy"] = 100 * copy / ms
+                        cells.append(rate(size / ms / 1e6, 100 * copy / ms))
+                    row[f"turbo{bits}_rel_mse"] = mse
+            x = None
+            if attempt.failed:
+                continue
+            rows.append(row)
+            table.row(cells)
+    return {"rows": rows}
+
+
+def dtypes(b: Bench) -> dict:
+    """turbo<dtype-bits> encode from / decode to each dtype at one D, next to the fp16 copy."""
+    torch, args = b.torch, b.args
+    dim = 128 if 128 in args.dims else args.dims[0]
+    n, bits = min(args.vectors), args.dtype_bits
+    size = n * dim * 2
+    table = Table(f"turbo{bits} by dtype, D={dim}, {human(n)} vectors: encode from / decode to "
+                  "the dtype, GB/s of fp16-equivalent bytes and % of the fp16 copy",
+                  ["dtype", "encode", "decode", "rel MSE"], [6, 12, 12, 8])
+    ok, why = _fits(b, size * 2 * 2.3)  # an fp32 x and its fp32 decode
+    if not ok:
+        table.note(f"skipped, {why}")
+        return {"rows": [], "skipped": [f"D={dim} vectors={human(n)} (memory)"]}
+    x16 = torch.randn((n, dim), device=b.device, dtype=torch.float16)
+    copy = _copy_ms(b, x16)
+    rows = []
+    for name in args.dtypes:
+        if not b.deadline.allows(name):
+            continue
+        with b.deadline.attempt(name) as attempt:
+            dtype = getattr(torch, DTYPE_NAMES[name])
+            enc, dec, mse = _codec_ms(b, x16.to(dtype), bits, dtype)
+        if attempt.failed:
+            continue
+        row = {"dtype": name, "dim": dim, "vectors": n, "bits": bits,
+               "copy_fp16_gbs": size / copy / 1e6, "rel_mse": mse}
+        cells = [name]
+        for op, ms in (("encode", enc), ("decode", dec)):
+            row[f"{op}_gbs"], row[f"{op}_pct_copy"] = size / ms / 1e6, 100 * copy / ms
+            cells.append(rate(size / ms / 1e6, 100 * copy / ms))
+        rows.append(row)
+        table.row(cells + [f"{mse:.4f}"])
+    return {"rows": rows, "copy_fp16_gbs": size / copy / 1e6}
+
+
+def decode_attention_fn(tc: Any) -> tuple[Any, str]:
+    """``turbo_decode_attention`` of :mod:`kvtool.kernels.triton_attention` where that module
+    exists, else :mod:`kvtool.kernels.triton_cuda`'s (same signature), and the module's name."""
+    try:
+        from kvtool.kernels import triton_attention
+    except ImportError:
+        triton_attention = None
+    fn = getattr(triton_attention, "turbo_decode_attention", None)
+    if fn is not None:
+        return fn, "kvtool.kernels.triton_attention"
+    return tc.turbo_decode_attention, "kvtool.kernels.triton_cuda"
+
+
+def _attention_row(b: Bench, attend: Any, batch: int, n: int) -> dict:
+    torch, tc, args, clock = b.torch, b.tc, b.args, b.clock
+    sdpa_fn = torch.nn.functional.scaled_dot_product_attention
+    hq, hkv, dim, kb, vb, ks, vs = (args.heads, args.kv_heads, args.head_dim, args.k_bits,
+                                    args.v_bits, 11, 12)
+    scale = dim**-0.5
+    q = torch.randn((batch, hq, dim), device=b.device, dtype=torch.float16)
+    kc, kn = tc.turbo_encode(torch.randn((batch, hkv, n, dim), device=b.device,
+                                         dtype=torch.float16), kb, ks)
+    vc, vn = tc.turbo_encode(torch.randn((batch, hkv, n, dim), device=b.device,
+                                         dtype=torch.float16), vb, vs)
+    kn, vn = kn.half(), vn.half()
+    split = {} if args.split_k is None else {"split_k": args.split_k}
+
+    def codes():
+        return attend(q, kc, kn, vc, vn, dim=dim, k_bits=kb, k_seed=ks, v_bits=vb, v_seed=vs,
+                      scale=scale, **split)
+
+    def sdpa(kd, vd):
+        return sdpa_fn(q[:, :, None], kd, vd, scale=scale, enable_gqa=hq != hkv)[:, :, 0]
+
+    def decoded():
+        return (tc.turbo_decode(kc, kn, dim, kb, ks, torch.float16),
+                tc.turbo_decode(vc, vn, dim, vb, vs, torch.float16))
+
+    t_codes = clock.median_ms(codes)
+    t_decode = clock.median_ms(lambda: sdpa(*decoded()))
+    kd, vd = decoded()
+    t_sdpa = clock.median_ms(lambda: sdpa(kd, vd))
+    diff = (codes().float() - sdpa(kd, vd).float()).abs().max().item()
+    return {"batch": batch, "tokens": n, "codes_us": t_codes * 1e3, "sdpa_fp16_us": t_sdpa * 1e3,
+            "decode_sdpa_us": t_decode * 1e3, "speedup_vs_sdpa_fp16": t_sdpa / t_codes,
+            "speedup_vs_decode_sdpa": t_decode / t_codes, "max_abs_diff": diff,
+            "kv_bytes_codes": sum(t.numel() * t.element_size() for t in (kc, kn, vc, vn)),
+            "kv_bytes_fp16": 2 * batch * hkv * n * dim * 2}
+
+
+def attention(b: Bench) -> dict:
+    """Decode attention from codes vs SDPA on fp16 K/V and vs decode + SDPA, per (B, tokens)."""
+    args = b.args
+    attend, source = decode_attention_fn(b.tc)
+    table = Table(f"decode attention (one query per sequence), Hq={args.heads} "
+                  f"Hkv={args.kv_heads} D={args.head_dim}, keys turbo{args.k_bits}, values "
+                  f"turbo{args.v_bits}: µs per call; speedup = other / codes\n"
+                  f"  codes: {source}.turbo_decode_attention; sdpa fp16: SDPA on fp16 K/V (what "
+                  "DynamicCache pays); dec+sdpa: turbo_decode of K and V, then SDPA",
+                  ["B", "tokens", "codes", "sdpa fp16", "dec+sdpa", "x sdpa", "x dec+sdpa",
+                   "max|diff|"], [3, 6, 9, 9, 9, 7, 10, 9])
+    rows = []
+    for batch in args.batches:
+        for n in args.tokens:
+            label = f"B={batch} tokens={human(n)}"
+            if not b.deadline.allows(label):
+                continue
+            with b.deadline.attempt(label) as attempt:
+                row = _attention_row(b, attend, batch, n)
+            if attempt.failed:
+                continue
+            rows.append(row)
+            table.row([str(batch), human(n), f"{row['codes_us']:.1f}",
+                       f"{row['sdpa_fp16_us']:.1f}", f"{row['decode_sdpa_us']:.1f}",
+                       f"{row['speedup_vs_sdpa_fp16']:.2f}x",
+                       f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}"])
+            if b.device == "cuda":
+                b.torch.cuda.empty_cache()
+    return {"rows": rows, "kernel": source}
+
+
+def presets(b: Bench) -> dict:
+    """Each preset's key and value codec through ``codec.encode``/``codec.decode``, GB/s."""
+    from kvtool.kernels import compiled_for
+    from kvtool.policy import preset_policy
+
+    torch, args, clock = b.torch, b.args, b.clock
+    dim, block = args.head_dim, 64
+    n = max(block, args.preset_vectors // block * block)
+    size = n * dim * 2
+    # laid out like CompressedCache's encode calls: [blocks, block tokens, D] (one mean, outlier
+    # set and candidate rotation per block of 64 tokens)
+    x = torch.randn((n // block, block, dim), device=b.device, dtype=torch.float16)
+    copy = _copy_ms(b, x)
+    kernels = getattr(compiled_for(x), "name", None) or "numpy reference"
+    table = Table(f"presets through the codec API: {human(n)} x {dim} fp16 on {b.device} as "
+                  f"[{human(n // block)} blocks, {block}, {dim}] ({kernels} kernels); GB/s and "
+                  f"% of the copy ({size / copy / 1e6:.0f} GB/s)",
+                  ["preset", "role", "bits/elem", "encode", "decode", "rel MSE"],
+                  [8, 5, 9, 12, 12, 8])
+    rows = []
+    for name in args.presets:
+        policy = preset_policy(name)
+        for role in args.roles:
+            label = f"{name} {role}"
+            if not b.deadline.allows(label):
+                continue
+            codec = getattr(policy, role)
+            with b.deadline.attempt(label) as attempt:
+                enc = codec.encode(x)
+                t_enc = clock.median_ms(lambda c=codec: c.encode(x))
+                t_dec = clock.median_ms(lambda c=codec, e=enc: c.decode(e))
+                err = codec.decode(enc).float() - x.float()
+                mse = (err**2).sum().item() / (x.float() ** 2).sum().item()
+            if attempt.failed:
+                continue
+            config = " ".join(f"{k}={v}" for k, v in codec.get_config().items())
+            row = {"preset": name, "role": role, "codec": config,
+                   "bits_per_element": codec.bits_per_element(dim), "rel_mse": mse,
+                   "encode_gbs": size / t_enc / 1e6, "encode_pct_copy": 100 * copy / t_enc,
+                   "decode_gbs": size / t_dec / 1e6, "decode_pct_copy": 100 * copy / t_dec}
+            rows.append(row)
+            table.row([name, role, f"{row['bits_per_element']:.2f}",
+                       rate(row["encode_gbs"], row["encode_pct_copy"]),
+                       rate(row["decode_gbs"], row["decode_pct_copy"]), f"{mse:.4f}"])
+    return {"rows": rows, "copy_gbs": size / copy / 1e6, "kernels": kernels}

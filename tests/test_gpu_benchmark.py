@@ -1,0 +1,171 @@
+"""``benchmarks/gpu.py`` runs every section: ``--device cpu --smoke`` (tiny sizes, CPU tensors
+under the Triton interpreter) in a fresh process prints each table's header and rows and writes
+finite results to ``--json``; its parallel warm-up tasks are valid command lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gpu  # noqa: E402  (benchmarks/gpu.py; imports neither torch nor triton)
+from gpu_common import Budget, Deadline  # noqa: E402
+
+TITLES = {
+    "throughput": "turbo encode (fp16 in) / decode (fp16 out): GB/s",
+    "dtypes": "turbo3 by dtype, D=128",
+    "attention": "decode attention (one query per sequence), Hq=4 Hkv=2 D=64",
+    "presets": "presets through the codec API",
+    "cache": "DynamicCache vs CompressedCache: random-init Llama, 2 layers, hidden 64",
+}
+ROW_KEYS = {
+    "throughput": {"dim", "vectors", "copy_gbs", "encode_turbo3_gbs", "decode_turbo3_pct_copy",
+                   "turbo2_rel_mse", "turbo4_rel_mse"},
+    "dtypes": {"dtype", "encode_gbs", "decode_gbs", "encode_pct_copy", "rel_mse"},
+    "attention": {"batch", "tokens", "codes_us", "sdpa_fp16_us", "decode_sdpa_us",
+                  "speedup_vs_sdpa_fp16", "speedup_vs_decode_sdpa", "max_abs_diff"},
+    "presets": {"preset", "role", "bits_per_element", "encode_gbs", "decode_gbs",
+                "encode_pct_copy", "decode_pct_copy", "rel_mse"},
+    "cache": {"context", "cache", "prefill_s", "decode_tok_s", "peak_bytes", "kv_bytes",
+              "prefill_ratio", "decode_ratio", "kv_ratio", "peak_ratio", "codes_calls"},
+}
+
+
+def run_gpu(*args: str, timeout: int = 600) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH / "gpu.py"), *args], env=env,
+                         capture_output=True, text=True, cwd=BENCH.parent, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run.stdout
+
+
+def numbers(value) -> list[float]:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in numbers(v)]
+    return [float(value)]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    stdout = run_gpu("--device", "cpu", "--smoke", "--json", str(out))
+    return stdout, json.loads(out.read_text())
+
+
+def test_smoke_prints_every_table(smoke):
+    stdout, _ = smoke
+    lines = stdout.splitlines()
+    assert "TIMINGS ARE MEANINGLESS" in stdout and "triton 3" in lines[0]
+    for section, title in TITLES.items():
+        assert any(line.startswith(title) for line in lines), (section, stdout)
+        assert any(line.startswith(f"[{section}: ") for line in lines), section
+    for dim in (64, 128, 256):  # throughput rows: D, vectors, copy and six codec cells
+        row = next(line for line in lines if line.startswith(f"{dim:>4} |     128 |"))
+        assert row.count("%)") == 6, row
+    for dtype in ("fp16", "bf16", "fp32"):
+        assert any(line.startswith(f"{dtype:>6} |") and line.count("%)") == 2 for line in lines)
+    for batch in (1, 2):
+        assert any(line.startswith(f"{batch:>3} |    256 |") for line in lines)
+    for preset in ("quality", "balanced", "small"):
+        for role in ("key", "value"):
+            assert any(line.startswith(f"{preset:>8} | {role:>5} |") for line in lines)
+    for cache in ("DynamicCache", "turbo3 recent=64", "quality"):
+        assert any(line.startswith(f"    256 | {cache:>34} |") for line in lines), cache
+    assert "skipped" not in stdout
+    assert lines[-1].startswith("total ")
+
+
+def test_smoke_json_has_every_result(smoke):
+    _, data = smoke
+    assert data["meta"]["interpreter"] is True and data["meta"]["timer"] == "perf_counter"
+    for section, keys in ROW_KEYS.items():
+        result = data[section]
+        assert result["skipped"] == [] and result["errors"] == [] and result["wall_s"] > 0
+        assert result["rows"], section
+        for row in result["rows"]:
+            assert keys <= set(row), (section, keys - set(row))
+        values = numbers(result)
+        assert values and all(math.isfinite(v) for v in values), section
+    assert len(data["throughput"]["rows"]) == 3 and len(data["attention"]["rows"]) == 2
+    assert len(data["presets"]["rows"]) == 6 and len(data["cache"]["rows"]) == 3
+    assert all(r["peak_bytes"] is None for r in data["cache"]["rows"])  # CUDA only
+
+
+def test_smoke_results_are_sane(smoke):
+    """Numbers that do not depend on speed: codec errors, attention agreement, cache bytes."""
+    _, data = smoke
+    theory = {2: 0.116, 3: 0.034, 4: 0.0093}  # relative MSE of turbo<b> (design brief)
+    for row in data["throughput"]["rows"]:
+        for bits, mse in theory.items():
+            assert mse * 0.7 < row[f"turbo{bits}_rel_mse"] < mse * 1.4, row
+    for row in data["dtypes"]["rows"]:
+        assert 0.02 < row["rel_mse"] < 0.05, row
+    for row in data["attention"]["rows"]:
+        assert row["max_abs_diff"] < 1e-2 and row["kv_bytes_codes"] < row["kv_bytes_fp16"] / 4
+    for row in data["presets"]["rows"]:
+        assert 0 < row["rel_mse"] < 0.1 and 2 <= row["bits_per_element"] <= 4.5, row
+    dyn, *compressed = data["cache"]["rows"]
+    assert dyn["cache"] == "DynamicCache" and dyn["kv_ratio"] == 1.0
+    assert all(0 < r["kv_ratio"] < 0.6 for r in compressed), compressed
+    assert compressed[0]["codes_calls"] > 0  # turbo3 on CPU attends from codes
+
+
+def test_warm_tasks_are_valid_commands():
+    args = gpu.parse_args(["--all"])
+    tasks = gpu.warm_tasks(args)
+    sections = [t[t.index("--sections") + 1] for t in tasks]
+    assert set(sections) == set(gpu.SECTIONS)
+    assert sections.count("throughput") == 9 and sections.count("presets") == 6
+    assert sections.count("cache") == len(args.policy)
+    for task in tasks:
+        sub = gpu.parse_args(task)
+        assert sub.warm_workers == 0 and sub.sections == [task[task.index("--sections") + 1]]
+        if sub.sections == ["throughput"]:  # small, but the same kernel variants (>= 64K rows)
+            assert sub.vectors == [1 << 16]
+        if sub.sections == ["cache"]:
+            assert sub.layers == 1 and sub.contexts == args.contexts
+            assert sub.hidden == args.hidden and sub.model_head_dim == args.model_head_dim
+
+
+def test_warm_runs_tasks_in_processes():
+    stdout = run_gpu("--device", "cpu", "--sections", "dtypes", "--dtypes", "fp16", "--dims",
+                     "64", "--vectors", "32", "--repeats", "1", "--warm-workers", "1")
+    assert "warming Triton's cache: 1 tasks in 1 processes" in stdout
+    assert "warm task" not in stdout  # none failed or was cut
+    assert "[warm: " in stdout and "[dtypes: " in stdout
+
+
+def test_a_failing_row_is_recorded_and_the_run_goes_on(capsys):
+    deadline = Deadline(None)
+    with deadline.attempt("D=64") as row:
+        raise RuntimeError("out of memory")
+    assert row.failed and deadline.errors == ["D=64: RuntimeError: out of memory"]
+    assert "D=64: FAILED, RuntimeError: out of memory" in capsys.readouterr().out
+    with deadline.attempt("D=128") as row:
+        pass
+    assert not row.failed and len(deadline.errors) == 1
+
+
+def test_budget_deadlines_are_cumulative_and_skip_rows_that_do_not_fit():
+    budget = Budget(100.0, {"a": 30, "b": 10, "c": 10}, start=1000.0)
+    assert budget.ends == {"a": 1060.0, "b": 1080.0, "c": 1100.0}
+    assert Budget(None, {"a": 1}, start=0.0).deadline("a").at is None
+    past = Deadline(0.0)  # long over
+    assert not past.allows("row") and past.skipped == ["row"]
+    assert Deadline(None, last=1e9).allows("row")
