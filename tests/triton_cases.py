@@ -1,4 +1,5 @@
-"""Triton turbo kernels (:mod:`kvtool.kernels.triton_cuda`) against the numpy codec.
+"""Triton turbo kernels (:mod:`kvtool.kernels.triton_cuda`) against float64 math and the numpy
+codec.
 
 Not collected on its own: ``tests/test_triton_kernels.py`` runs this file in a fresh process,
 under ``TRITON_INTERPRET=1`` without CUDA (setting it in the main test process would turn every
@@ -8,6 +9,24 @@ The interpreter needs the variable when ``@triton.jit`` decorates: for triton's 
 (``tl.max``, ``tl.sum``...) when triton is first imported, for ours when the module is. So this
 file sets it before it imports triton, loads a private copy of the module, and sets it again
 around each test (triton also reads it at launch).
+
+References are float64 torch on the kernels' device (the exact cells, values, scores and
+attention of the codes), plus the numpy codec on a sample of rows. Decoded 16-bit values may
+differ from either by one step of the output dtype plus ``2**-17`` of the vector's norm: the
+kernel multiplies the fp32 centroids as two bf16 pieces (each product within ``2**-18``
+relative), and through the orthogonal rotation that is at most ``2**-18·‖x̂‖`` per element, more
+than one step of an element far below the norm (turbo2, D=128: 5 of 9M elements, measured on
+an H100 and reproduced by emulating the split on the CPU).
+
+GPU budget (``-m gpu``, one H100, a cold Triton cache). The cases are compile bound: one
+compile per kernel variant (:mod:`gpu_util` pins the autotuner to one configuration), 0.3-2.9 s
+each (``triton.compile`` for sm_90, timed on a 2-core EPYC); the float64 references of 70K
+rows take well under a second on the GPU, the numpy codec on 2K sampled rows ~0.1 s.
+``test_encode_decode``: 9 cases, 1 encode + 3 decode variants each, 2-10 s a case, ~50 s;
+``test_scores``: 2 variants, ~3 s; ``test_decode_attention``: 12 cases, the first of each
+(hq, dim) compiling its split kernel (2-4 s), ~20 s in all; ``test_every_config``: the 9
+configurations kept at head_dim 128 for both kernels (16 new compiles) and the autotuner's
+timing, ~30 s. With the process start (~10 s), about 115 s.
 """
 
 from __future__ import annotations
@@ -49,11 +68,13 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved_env
 
+from gpu_util import autotuned, kept_configs, pin_config, pin_kept_config  # noqa: E402
+
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.abc import Encoded  # noqa: E402
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook  # noqa: E402
 from kvtool.codecs.rotation import rotation_matrix  # noqa: E402
-from kvtool.kernels import numpy_ops, to_numpy, to_torch  # noqa: E402
+from kvtool.kernels import to_numpy, to_torch, torch_ops  # noqa: E402
 from kvtool.kernels.bitpack import unpack_bits  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -61,6 +82,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 SEED = 0x1234
 #: the kernels can run in this process (compiled on CUDA, or fully interpreted)
 IN_PROCESS = CUDA or isinstance(triton.language.max, InterpretedFunction)
+#: the split of fp32 centroids into two bf16 pieces for 16-bit outputs: within this fraction of
+#: the vector's norm (see the module docstring)
+TWO_PIECES = 2.0**-17
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +96,7 @@ def _interpreter(request, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-# -- helpers -------------------------------------------------------------------------------------
+# -- helpers: float64 references on the device ---------------------------------------------------
 def _inputs(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
     """Gaussian rows plus a zero row, a one-hot row, a large-offset row and a tiny row."""
     x = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -84,47 +108,75 @@ def _inputs(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
     return x
 
 
-def _near_boundary(x: np.ndarray, bits: int, seed: int, tol: float = 1e-6) -> np.ndarray:
-    """Where the float64 normalised rotated coordinate lies within ``tol`` of a boundary."""
-    x = np.asarray(x, dtype=np.float64)
-    y = x @ rotation_matrix(x.shape[-1], seed).astype(np.float64).T
-    norm = np.sqrt((x * x).sum(-1, keepdims=True))
-    u = y / np.where(norm > 0, norm, 1)
-    b = sphere_marginal_codebook(x.shape[-1], 1 << bits).boundaries.astype(np.float64)
-    i = np.searchsorted(b, u)
-    lo = np.abs(u - b[np.maximum(i - 1, 0)])
-    hi = np.abs(u - b[np.minimum(i, len(b) - 1)])
-    return np.minimum(lo, hi) < tol
+def _dev(a) -> torch.Tensor:
+    """``a`` (numpy or torch) on the kernels' device."""
+    return a.to(DEVICE) if isinstance(a, torch.Tensor) else to_torch(np.asarray(a), DEVICE)
 
 
-def _assert_codes(ours, ref, near: np.ndarray, bits: int) -> None:
-    """Codes equal except near a boundary, and there by at most one cell."""
-    dim = near.shape[-1]
-    a = unpack_bits(numpy_ops, np.asarray(to_numpy(ours)), bits, dim).astype(int)
-    b = unpack_bits(numpy_ops, np.asarray(to_numpy(ref)), bits, dim).astype(int)
-    wrong = a != b
+def _f64(a) -> torch.Tensor:
+    return _dev(a).double()
+
+
+def _rotation64(dim: int, seed: int) -> torch.Tensor:
+    return _f64(rotation_matrix(dim, seed).astype(np.float64))
+
+
+def _exact_cells(x, bits: int, seed: int, tol: float = 1e-6
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cell of each normalised rotated coordinate, whether it lies within ``tol`` of a cell
+    boundary, the norms), in float64 on the device."""
+    x = _f64(x)
+    dim = x.shape[-1]
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    u = (x @ _rotation64(dim, seed).T) / torch.where(norm > 0, norm, 1.0)
+    b = _f64(sphere_marginal_codebook(dim, 1 << bits).boundaries.astype(np.float64))
+    cell = torch.searchsorted(b, u.contiguous())  # boundaries strictly below, as the kernels
+    gap = torch.minimum((u - b[(cell - 1).clamp_min(0)]).abs(),
+                        (u - b[cell.clamp_max(len(b) - 1)]).abs())
+    return cell, gap < tol, norm[..., 0]
+
+
+def _exact_decode(codes, norms, dim: int, bits: int, seed: int) -> torch.Tensor:
+    """float64 x̂ of packed codes and their (fp16) norms."""
+    cells = unpack_bits(torch_ops, _dev(codes), bits, dim).long()
+    centroids = _f64(sphere_marginal_codebook(dim, 1 << bits).centroids.astype(np.float64))
+    return (centroids[cells] @ _rotation64(dim, seed)) * _f64(norms)[..., None]
+
+
+def _cells(packed, bits: int, dim: int) -> torch.Tensor:
+    return unpack_bits(torch_ops, _dev(packed), bits, dim).long()
+
+
+def _assert_codes(ours, cells, near, bits: int) -> None:
+    """Packed codes ``ours`` hold ``cells`` except near a boundary, and there by at most one."""
+    a, b = _cells(ours, bits, near.shape[-1]), _dev(cells)
+    wrong, near = a != b, _dev(near)
     assert not (wrong & ~near).any(), f"{int((wrong & ~near).sum())} codes differ off-boundary"
-    assert (np.abs(a - b) <= 1).all()
-
-
-def _f64(t) -> np.ndarray:
-    return np.asarray(to_numpy(t)).astype(np.float64)
+    assert ((a - b).abs() <= 1).all()
 
 
 def _assert_decoded(ours, ref, dtype: str, norms) -> None:
-    """fp32: within 1e-5 relative; fp16/bf16: within one ulp of the reference. Both with an
-    absolute floor of 1e-6·‖x‖ (fp32 summation order alone moves elements near zero)."""
-    a, b = _f64(ours), _f64(ref)
-    floor = 1e-6 * _f64(norms)[..., None]
+    """fp32: within 1e-5 relative of the reference, with an absolute floor of 1e-6·‖x‖
+    (summation order alone moves elements near zero); fp16/bf16: one step of the dtype plus
+    :data:`TWO_PIECES` of ‖x‖."""
+    a, b, n = _f64(ours), _f64(ref), _f64(norms)[..., None]
     if dtype == "float32":
-        bound = 1e-5 * np.abs(b) + floor
+        bound = 1e-5 * b.abs() + 1e-6 * n
     else:
-        p = 11 if dtype == "float16" else 8
-        tiny = 2.0**-14 if dtype == "float16" else 2.0**-126
-        ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), tiny))) - (p - 1))
-        bound = np.maximum(ulp, floor)
-    bad = np.abs(a - b) > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off, worst {np.abs(a - b).max()}"
+        p, tiny = (11, 2.0**-14) if dtype == "float16" else (8, 2.0**-126)
+        bound = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(tiny))) - (p - 1)) \
+            + TWO_PIECES * n
+    bad = (a - b).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} elements off, worst {(a - b).abs().max():.3g}"
+
+
+def _assert_scores(ours, ref, q, k_hat) -> None:
+    """Within 1e-4 relative, with an absolute floor of 1e-6·‖q‖·‖k̂‖."""
+    q, k_hat = _f64(q), _f64(k_hat)
+    scale = torch.linalg.vector_norm(q, dim=-1)[..., :, None] \
+        * torch.linalg.vector_norm(k_hat, dim=-1)[..., None, :]
+    err = (_f64(ours) - _f64(ref)).abs()
+    assert (err <= 1e-4 * _f64(ref).abs() + 1e-6 * scale).all(), float(err.max())
 
 
 def _encoded(codes, norms, shape) -> Encoded:
@@ -133,8 +185,34 @@ def _encoded(codes, norms, shape) -> Encoded:
                    tuple(shape), "float32")
 
 
-def _dev(a: np.ndarray) -> torch.Tensor:
-    return to_torch(a, DEVICE)
+def _random_codes(gen: torch.Generator, lead: tuple[int, ...], dim: int, bits: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(random packed codes: every byte pattern is valid, fp16 norms around sqrt(dim))."""
+    codes = torch.randint(0, 256, (*lead, dim * bits // 8), generator=gen, dtype=torch.uint8)
+    norms = (0.5 + torch.rand(lead, generator=gen)) * dim**0.5
+    return _dev(codes), _dev(norms.half())
+
+
+def _attention_case(seed: int, b, hq, hkv, n, dim, k_codec, v_codec, sharp=1.0):
+    """Random codes, queries and the float64 attention of their exact values (GQA: query head
+    h reads kv head h // (hq/hkv))."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _dev(torch.randn((b, hq, dim), generator=gen))
+    kc, kn = _random_codes(gen, (b, hkv, n), dim, k_codec.bits)
+    vc, vn = _random_codes(gen, (b, hkv, n), dim, v_codec.bits)
+    scale = sharp / dim**0.5
+    k_hat = _exact_decode(kc, kn, dim, k_codec.bits, k_codec.seed)
+    v_hat = _exact_decode(vc, vn, dim, v_codec.bits, v_codec.seed)
+    s = torch.einsum("bhgd,bhnd->bhgn", q.double().view(b, hkv, hq // hkv, dim), k_hat) * scale
+    ref = torch.einsum("bhgn,bhnd->bhgd", s.softmax(-1), v_hat).reshape(b, hq, dim)
+    kw = {"dim": dim, "k_bits": k_codec.bits, "k_seed": k_codec.seed, "v_bits": v_codec.bits,
+          "v_seed": v_codec.seed, "scale": scale}
+    return (q, kc, kn, vc, vn), kw, ref
+
+
+def _assert_attention(out, ref) -> None:
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 # -- CPU (interpreter) and GPU ------------------------------------------------------------------
@@ -167,9 +245,10 @@ def test_encode_matches_numpy(bits, dim, dtype, rng):
     assert norms.dtype == torch.float32 and norms.shape == (45,)
     x_np = to_numpy(x)
     ref = get_codec(f"turbo{bits}", seed=SEED).encode(x_np)
-    _assert_codes(codes, ref.arrays["codes"], _near_boundary(x_np, bits, SEED), bits)
-    x32 = np.asarray(x_np, dtype=np.float32)
-    np.testing.assert_allclose(to_numpy(norms), numpy_ops.norm(x32)[:, 0], rtol=1e-6, atol=0)
+    cells, near, exact_norms = _exact_cells(x, bits, SEED)
+    _assert_codes(codes, _cells(ref.arrays["codes"], bits, dim), near, bits)
+    _assert_codes(codes, cells, near, bits)
+    torch.testing.assert_close(norms.double(), exact_norms, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("bits", (2, 3))
@@ -180,8 +259,8 @@ def test_other_dims_and_leading_axes(dim, bits, rng):
     codes, norms = tc.turbo_encode(_dev(x), bits, 7)
     assert codes.shape == (2, 12, dim * bits // 8) and norms.shape == (2, 12)
     ref = codec.encode(x)
-    _assert_codes(codes.reshape(24, -1), ref.arrays["codes"].reshape(24, -1),
-                  _near_boundary(x.reshape(24, dim), bits, 7), bits)
+    _assert_codes(codes.reshape(24, -1), _cells(ref.arrays["codes"].reshape(24, -1), bits, dim),
+                  _exact_cells(x.reshape(24, dim), bits, 7)[1], bits)
     nrm = ref.arrays["norms"]
     ours = tc.turbo_decode(_dev(ref.arrays["codes"]), _dev(nrm), dim, bits, 7, torch.float16)
     assert ours.shape == (2, 12, dim)
@@ -199,6 +278,8 @@ def test_decode_matches_numpy(bits, dim, out, rng):
                            DTYPES[out])
     assert ours.dtype == DTYPES[out] and ours.shape == (45, dim)
     _assert_decoded(ours, codec.decode(enc, out), out, norms)
+    _assert_decoded(ours, _exact_decode(enc.arrays["codes"], norms, dim, bits, SEED), out,
+                    norms)
 
 
 @pytest.mark.parametrize("bits", (2, 3, 4))
@@ -218,13 +299,6 @@ def test_cross_read(bits, rng):
                                 dim, bits, 99, torch.float32)
     _assert_decoded(by_triton, codec.decode(theirs, "float32"), "float32",
                     theirs.arrays["norms"])
-
-
-def _assert_scores(ours, ref, q, k_hat) -> None:
-    """Within 1e-4 relative, with an absolute floor of 1e-6·‖q‖·‖k̂‖."""
-    scale = np.linalg.norm(q, axis=-1)[..., :, None] * np.linalg.norm(k_hat, axis=-1)[..., None, :]
-    err = np.abs(_f64(ours) - np.asarray(ref, dtype=np.float64))
-    assert (err <= 1e-4 * np.abs(ref) + 1e-6 * scale).all(), err.max()
 
 
 @pytest.mark.parametrize("bits,dim,m", [(2, 64, 5), (3, 128, 1), (4, 128, 20)])
@@ -247,95 +321,132 @@ def test_scores_broadcast_leading_axes(rng):
     _assert_scores(ours, codec.scores(q, enc), q, codec.decode(enc, "float32"))
 
 
-def _attention_reference(q, k_hat, v_hat, scale: float) -> np.ndarray:
-    """softmax(q·k̂ᵀ·scale)·v̂ in float64 with GQA head sharing."""
-    q, k_hat, v_hat = (np.asarray(a, dtype=np.float64) for a in (q, k_hat, v_hat))
-    group = q.shape[1] // k_hat.shape[1]
-    k_hat, v_hat = np.repeat(k_hat, group, axis=1), np.repeat(v_hat, group, axis=1)
-    s = np.einsum("bhd,bhnd->bhn", q, k_hat) * scale
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhn,bhnd->bhd", p, v_hat)
-
-
-def _attention_case(rng, b, hq, hkv, n, dim, k_codec, v_codec, sharp=1.0):
-    q = rng.standard_normal((b, hq, dim)).astype(np.float32)
-    enc_k = k_codec.encode(rng.standard_normal((b, hkv, n, dim)).astype(np.float32))
-    enc_v = v_codec.encode(rng.standard_normal((b, hkv, n, dim)).astype(np.float32))
-    scale = sharp / np.sqrt(dim)
-    ref = _attention_reference(q, k_codec.decode(enc_k, "float32"),
-                               v_codec.decode(enc_v, "float32"), scale)
-    args = (_dev(q), _dev(enc_k.arrays["codes"]), _dev(enc_k.arrays["norms"]),
-            _dev(enc_v.arrays["codes"]), _dev(enc_v.arrays["norms"]))
-    kw = {"dim": dim, "k_bits": k_codec.bits, "k_seed": k_codec.seed, "v_bits": v_codec.bits,
-          "v_seed": v_codec.seed, "scale": scale}
-    return args, kw, ref
-
-
 @pytest.mark.parametrize("split_k", (None, 1, 3, 7, 30))
-def test_decode_attention_gqa_mixed_codecs(split_k, rng):
+def test_decode_attention_gqa_mixed_codecs(split_k):
     """turbo3 keys / turbo2 values with other seeds, Hq=4 over Hkv=2, splits that do not
     divide N=50 (30 splits of 2 tokens leave five empty)."""
     k_codec, v_codec = get_codec("turbo3", seed=11), get_codec("turbo2", seed=12345)
-    args, kw, ref = _attention_case(rng, 2, 4, 2, 50, 64, k_codec, v_codec)
+    args, kw, ref = _attention_case(0, 2, 4, 2, 50, 64, k_codec, v_codec)
     out = tc.turbo_decode_attention(*args, **kw, split_k=split_k)
-    assert out.shape == (2, 4, 64) and out.dtype == torch.float32
-    np.testing.assert_allclose(_f64(out), ref, rtol=1e-4, atol=1e-4)
+    assert out.shape == (2, 4, 64)
+    _assert_attention(out, ref)
 
 
 @pytest.mark.parametrize("hq,hkv,n,split_k,sharp", [(2, 2, 33, 2, 4.0), (16, 1, 40, 3, 1.0),
                                                     (8, 1, 9, 4, 8.0)])
-def test_decode_attention_head_groups(hq, hkv, n, split_k, sharp, rng):
+def test_decode_attention_head_groups(hq, hkv, n, split_k, sharp):
     """MHA (one head per kv head), a 16-head group (tensor-core path) and an 8-head group."""
     k_codec, v_codec = get_codec("turbo4", seed=3), get_codec("turbo3", seed=4)
-    args, kw, ref = _attention_case(rng, 1, hq, hkv, n, 128, k_codec, v_codec, sharp)
-    out = tc.turbo_decode_attention(*args, **kw, split_k=split_k)
-    np.testing.assert_allclose(_f64(out), ref, rtol=1e-4, atol=1e-4)
+    args, kw, ref = _attention_case(1, 1, hq, hkv, n, 128, k_codec, v_codec, sharp)
+    _assert_attention(tc.turbo_decode_attention(*args, **kw, split_k=split_k), ref)
 
 
-def test_decode_attention_rejects_bad_shapes(rng):
+def test_decode_attention_rejects_bad_shapes():
     codec = get_codec("turbo3")
-    (q, *kv), kw, _ = _attention_case(rng, 1, 4, 2, 8, 64, codec, codec)
+    (q, *kv), kw, _ = _attention_case(2, 1, 4, 2, 8, 64, codec, codec)
     with pytest.raises(ValueError):  # 3 query heads over 2 kv heads
         tc.turbo_decode_attention(q[:, :3], *kv, **kw)
     with pytest.raises(ValueError):  # value codes of another width
         tc.turbo_decode_attention(q, *kv, **{**kw, "v_bits": 2})
 
 
-# -- real CUDA, larger shapes -------------------------------------------------------------------
+# -- real CUDA, large shapes ---------------------------------------------------------------------
+ROWS = 70_001  # past 65536: the kernels' bulk size class
+SAMPLE = 2048  # rows also checked against the numpy codec
+
+
+def _sample_rows(rows: int, seed: int) -> torch.Tensor:
+    """The four special rows of :func:`_inputs`, the last row and a random sample."""
+    gen = torch.Generator().manual_seed(seed)
+    picked = torch.cat([torch.arange(4), torch.randperm(rows - 5, generator=gen)[:SAMPLE] + 4,
+                        torch.tensor([rows - 1])])
+    return picked.to(DEVICE)
+
+
+def check_encode_decode(bits: int, dim: int, dtype: str, rows: int, seed: int,
+                        outs: tuple[str, ...] = tuple(DTYPES)) -> None:
+    """Encode ``rows`` rows: every code against the float64 cells, every norm against float64;
+    decode the kernel's bytes to each of ``outs`` against float64 values; a sample of rows
+    against the numpy codec both ways."""
+    codec = get_codec(f"turbo{bits}", seed=SEED)
+    x = _dev(_inputs(np.random.default_rng(seed), rows, dim)).to(DTYPES[dtype])
+    codes, norms = tc.turbo_encode(x, bits, SEED)
+    cells, near, exact_norms = _exact_cells(x, bits, SEED)
+    _assert_codes(codes, cells, near, bits)
+    torch.testing.assert_close(norms.double(), exact_norms, rtol=1e-6, atol=0)
+    norms16 = norms.half()
+    exact = _exact_decode(codes, norms16, dim, bits, SEED)
+    decoded = {}
+    for out in outs:
+        decoded[out] = tc.turbo_decode(codes, norms16, dim, bits, SEED, DTYPES[out])
+        assert decoded[out].dtype == DTYPES[out] and decoded[out].shape == (rows, dim)
+        _assert_decoded(decoded[out], exact, out, norms16)
+    sample = _sample_rows(rows, seed) if rows > SAMPLE + 5 else torch.arange(rows, device=DEVICE)
+    ref = codec.encode(to_numpy(x[sample]))  # the numpy codec (reference ops on GPUs)
+    _assert_codes(codes[sample], _cells(ref.arrays["codes"], bits, dim), near[sample], bits)
+    by_numpy = codec.decode(_encoded(codes[sample], norms16[sample], (len(sample), dim)),
+                            outs[0])
+    _assert_decoded(decoded[outs[0]][sample], by_numpy, outs[0], norms16[sample])
+
+
+def check_scores(lead: tuple[int, ...], n: int, m: int, dim: int, bits: int) -> None:
+    """Scores of random codes against the float64 products of their exact values."""
+    gen = torch.Generator().manual_seed(n)
+    codes, norms = _random_codes(gen, (*lead, n), dim, bits)
+    q = _dev(torch.randn((*lead, m, dim), generator=gen))
+    ours = tc.turbo_scores(q, codes, norms, bits, SEED)
+    k_hat = _exact_decode(codes, norms, dim, bits, SEED)
+    _assert_scores(ours, q.double() @ k_hat.transpose(-1, -2), q, k_hat)
+
+
+DTYPE_ROTATION = list(DTYPES)  # the input dtype of the bits × dim case (i, j): a Latin square
+
+
+@pytest.fixture
+def numpy_codec(monkeypatch):
+    """The numpy codec's reference ops for the sampled rows: no numba compile on a fresh GPU
+    machine."""
+    monkeypatch.setenv("KVTOOL_KERNELS", "reference")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.usefixtures("numpy_codec")
 class TestCuda:
-    @pytest.mark.parametrize("dtype", ("float16", "float32", "bfloat16"))
     @pytest.mark.parametrize("dim", (64, 128, 256))
     @pytest.mark.parametrize("bits", (2, 3, 4))
-    def test_encode_decode(self, bits, dim, dtype, rng):
-        codec = get_codec(f"turbo{bits}", seed=SEED)
-        x = _dev(_inputs(rng, 70_001, dim)).to(DTYPES[dtype])
-        codes, norms = tc.turbo_encode(x, bits, SEED)
-        x_np = to_numpy(x)
-        ref = codec.encode(x_np)
-        _assert_codes(codes, ref.arrays["codes"], _near_boundary(x_np, bits, SEED), bits)
-        np.testing.assert_allclose(to_numpy(norms), numpy_ops.norm(
-            np.asarray(x_np, dtype=np.float32))[:, 0], rtol=1e-6, atol=0)
-        nrm = ref.arrays["norms"]
-        for out in DTYPES:
-            ours = tc.turbo_decode(_dev(ref.arrays["codes"]), _dev(nrm), dim, bits, SEED,
-                                   DTYPES[out])
-            _assert_decoded(ours, codec.decode(ref, out), out, nrm)
+    def test_encode_decode(self, bits, dim, monkeypatch):
+        """Every bits × head_dim; each input dtype at every bits and every head_dim once;
+        every output dtype; one launch configuration per case, a different one each
+        (:mod:`gpu_util`)."""
+        case = 3 * (bits - 2) + (64, 128, 256).index(dim)
+        pin_kept_config(monkeypatch, tc, case, D=dim)
+        dtype = DTYPE_ROTATION[(bits + (64, 128, 256).index(dim)) % 3]
+        check_encode_decode(bits, dim, dtype, ROWS, seed=bits * dim)
 
-    def test_scores(self, rng):
-        codec = get_codec("turbo3", seed=SEED)
-        enc = codec.encode(rng.standard_normal((4, 8, 3000, 128)).astype(np.float32))
-        q = rng.standard_normal((4, 8, 33, 128)).astype(np.float32)
-        ours = tc.turbo_scores(_dev(q), _dev(enc.arrays["codes"]), _dev(enc.arrays["norms"]),
-                               3, SEED)
-        _assert_scores(ours, codec.scores(q, enc), q, codec.decode(enc, "float32"))
+    def test_scores(self):
+        check_scores((4, 8), 3000, 33, 128, 3)
 
     @pytest.mark.parametrize("split_k", (None, 1, 13))
     @pytest.mark.parametrize("hq,dim", [(32, 128), (8, 256), (64, 64), (128, 128)])
-    def test_decode_attention(self, split_k, hq, dim, rng):
+    def test_decode_attention(self, split_k, hq, dim):
         k_codec, v_codec = get_codec("turbo4", seed=1), get_codec("turbo2", seed=2)
-        args, kw, ref = _attention_case(rng, 3, hq, 8, 4099, dim, k_codec, v_codec)
-        out = tc.turbo_decode_attention(*args, **kw, split_k=split_k)
-        np.testing.assert_allclose(_f64(out), ref, rtol=1e-4, atol=1e-4)
+        args, kw, ref = _attention_case(hq + dim, 3, hq, 8, 4099, dim, k_codec, v_codec)
+        _assert_attention(tc.turbo_decode_attention(*args, **kw, split_k=split_k), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.usefixtures("numpy_codec")
+def test_every_config(monkeypatch):
+    """Each configuration the pruning keeps at head_dim 128, of both autotuned kernels at once,
+    then the autotuner's own pick (timing those compiled kernels), pass the checks."""
+    kernels = autotuned(tc)
+    assert {k.fn.__name__ for k in kernels} == {"_encode_kernel", "_decode_kernel"}
+    kept = [kept_configs(k, D=128) for k in kernels]
+    for i in range(max(map(len, kept))):
+        with monkeypatch.context() as m:
+            for kernel, configs in zip(kernels, kept, strict=True):
+                pin_config(m, kernel, configs[i % len(configs)])
+            check_encode_decode(3, 128, "float16", ROWS, seed=1, outs=("float16",))
+    check_encode_decode(3, 128, "float16", ROWS, seed=1, outs=("float16",))

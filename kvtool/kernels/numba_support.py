@@ -9,10 +9,14 @@ instruction each on x86-64 CPUs that have it, which every AVX2 CPU does), bf16 w
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+import tempfile
 import threading
 import types as types_module
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
@@ -54,25 +58,69 @@ _llvmlite_refuses_dunders()
 def jit(**options: Any) -> Callable[[Callable], Callable]:
     """``numba.njit`` with ``cache=True`` where a cache directory is writable, without where not.
 
-    numba refuses ``cache=True`` at decoration time when neither the package's ``__pycache__``
-    nor a user cache directory is writable; the kernels must still work there (compiled on each
-    first call). ``NUMBA_CACHE_DIR`` picks another cache directory. A ``parallel=True`` kernel
-    comes wrapped in :class:`ParallelKernel` (it must be called from Python, not from other
-    compiled code), and is cached under a name of its own: numba's cache keys an entry by the
-    function's name, line and argument types, not by its options, so a serial and a parallel
-    kernel of one function would load whichever compiled first (measured: the attention kernels
-    ran on one thread after a serial call had filled the cache).
+    numba caches next to the source (``__pycache__``), else in ``NUMBA_CACHE_DIR``; where the
+    package directory is read-only (a system site-packages) and ``NUMBA_CACHE_DIR`` is unset,
+    the kernels cache in kvtool's cache directory instead (:func:`user_cache_dir`), so a second
+    process loads them (~0.5 s) instead of compiling them again (6-15 s). Where nothing is
+    writable numba refuses ``cache=True`` at decoration time; the kernels still work there
+    (compiled on each first call).
+
+    A ``parallel=True`` kernel comes wrapped in :class:`ParallelKernel` (it must be called from
+    Python, not from other compiled code), and is cached under a name of its own: numba's cache
+    keys an entry by the function's name, line and argument types, not by its options, so a
+    serial and a parallel kernel of one function would load whichever compiled first (measured:
+    the attention kernels ran on one thread after a serial call had filled the cache).
     """
     def wrap(fn: Callable) -> Callable:
         if options.get("parallel"):
             fn = _renamed(fn, fn.__qualname__ + "__parallel")
         try:
-            kernel = numba.njit(cache=True, **options)(fn)
+            with _cache_location(os.path.dirname(os.path.abspath(fn.__code__.co_filename))):
+                kernel = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             kernel = numba.njit(cache=False, **options)(fn)
         return ParallelKernel(kernel) if options.get("parallel") else kernel
 
     return wrap
+
+
+def user_cache_dir() -> str:
+    """Where kernels of a read-only install cache: ``numba/`` in kvtool's cache directory
+    (``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``)."""
+    from kvtool.models import cache_dir
+
+    return os.path.join(cache_dir(), "numba")
+
+
+@functools.cache
+def _writable(path: str) -> bool:
+    """Whether a cache directory can be created at ``path`` and written (numba's own test)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _cache_location(source_dir: str) -> Iterator[None]:
+    """Around a decoration: point numba at :func:`user_cache_dir` where it would otherwise
+    fall back to its own user-wide directory (the source's ``__pycache__`` is not writable and
+    ``NUMBA_CACHE_DIR`` is unset). numba picks a function's cache directory when it decorates
+    it, so only kvtool's kernels move; every other library's stay where numba puts them."""
+    if numba.config.CACHE_DIR or _writable(os.path.join(source_dir, "__pycache__")):
+        yield
+        return
+    target = user_cache_dir()
+    if not _writable(target):
+        yield
+        return
+    previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, target
+    try:
+        yield
+    finally:
+        numba.config.CACHE_DIR = previous
 
 
 def _renamed(fn: Callable, qualname: str) -> Callable:

@@ -1,0 +1,51 @@
+"""Triton autotuning in the GPU tests: one launch configuration per kernel and key.
+
+An autotuned kernel meeting a new key (its ``key`` arguments and the dtypes of its tensors)
+compiles every configuration its pruning keeps and times each: 4-6 compiles of 0.3-4 s
+(``triton.compile`` for sm_90, measured on a 2-core EPYC: turbo encode/decode 0.3-2.9 s,
+turbomix 0.9-4.1 s) per key. Paid on every key of every case, that was most of a GPU case's
+minute. The GPU cases pin each autotuned kernel to one configuration: one compile per key.
+Where the pruning depends only on arguments a case knows (triton_cuda: ``D``), cases rotate
+through the configurations it keeps (:func:`pin_kept_config`); elsewhere they take the first,
+the smallest row block, which no pruning drops (:func:`pin_first_config`). Each case file runs
+every configuration of its kernels, and the autotuner itself, in one case. Under
+``TRITON_INTERPRET=1`` there is nothing to pin (the kernels are not autotuned there).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+
+def autotuned(*modules: ModuleType) -> list[Any]:
+    """The autotuned Triton kernels defined in ``modules``."""
+    from triton.runtime import Autotuner
+
+    return [v for m in modules for v in vars(m).values() if isinstance(v, Autotuner)]
+
+
+def pin_first_config(monkeypatch: Any, *modules: ModuleType) -> None:
+    """Run every autotuned kernel of ``modules`` with its first configuration, untimed (an
+    autotuner with one configuration launches it as given)."""
+    for kernel in autotuned(*modules):
+        monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
+
+
+def pin_config(monkeypatch: Any, kernel: Any, config: Any) -> None:
+    """Run ``kernel`` with ``config`` only."""
+    monkeypatch.setattr(kernel, "configs", [config])
+
+
+def kept_configs(kernel: Any, **named_args: Any) -> list[Any]:
+    """The configurations ``kernel``'s pruning keeps for launches with ``named_args``."""
+    prune = getattr(kernel, "early_config_prune", None)
+    return list(prune(kernel.configs, named_args) if prune else kernel.configs)
+
+
+def pin_kept_config(monkeypatch: Any, module: ModuleType, index: int, **named_args: Any) -> None:
+    """Pin each autotuned kernel of ``module`` to configuration ``index`` (modulo their number)
+    of those its pruning keeps for ``named_args``."""
+    for kernel in autotuned(module):
+        kept = kept_configs(kernel, **named_args)
+        pin_config(monkeypatch, kernel, kept[index % len(kept)])
