@@ -204,6 +204,12 @@ def _other_engine(engine: str, model_name: str, dtype: str, threads: int | None,
     _output(report, as_json)
 
 
+def _decode_device(loaded: Any) -> Any:
+    """The model's device when it is a GPU (the file's codes then decode there), else None."""
+    device = next(loaded.model.parameters()).device
+    return device if device.type == "cuda" else None
+
+
 def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, sampling: Any,
              force: bool, no_compare: bool, runtime_codec: str | None,
              limit: int | None) -> dict[str, Any]:
@@ -215,7 +221,8 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
     from kvtool.progress import progress_enabled
 
     start = time.perf_counter()
-    cache = load(cache_path, backend="torch", progress=progress_enabled())
+    cache = load(cache_path, backend="torch", progress=progress_enabled(),
+                 device=_decode_device(loaded))
     read_s = time.perf_counter() - start
     problems = hf.check_compatible(cache, loaded, force=force)
     for p in problems:
@@ -252,7 +259,8 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
     start = time.perf_counter()
     cache, action = None, "saved"
     if os.path.exists(path):
-        cache = load(path, backend="torch", progress=progress_enabled())
+        cache = load(path, backend="torch", progress=progress_enabled(),
+                     device=_decode_device(loaded))
         hf.check_compatible(cache, loaded, force=force)
         cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
         if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached:
