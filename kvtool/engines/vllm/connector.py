@@ -70,8 +70,9 @@ writers on start-up (on the saver thread).
 The scheduler-side half finds the longest stored prefix and plans loads and saves into
 :class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
 forward pass (``start_load_kv``) and gathers newly computed chunks after it (``wait_for_save``)
-through :mod:`~kvtool.engines.vllm.layout`. On CUDA caches both happen on the GPU, and only
-codes cross to and from the host (:mod:`~kvtool.engines.vllm.device_io`).
+through :mod:`~kvtool.engines.vllm.paged_io` and :mod:`~kvtool.engines.vllm.layout`. On CUDA
+caches both happen on the GPU, and only codes cross to and from the host
+(:mod:`~kvtool.engines.vllm.device_io`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtool.engines.vllm import activity, device_io
+from kvtool.engines.vllm import activity, device_io, paged_io
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
     MIN_CHUNK_TOKENS,
@@ -121,11 +122,10 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     tokenizer_fingerprint_of,
 )
 from kvtool.engines.vllm.guard import StoreGuard
-from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.metrics import MetricsMixin
-from kvtool.engines.vllm.safeio import pin_file
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
-from kvtool.engines.vllm.store import check_file, open_store
+from kvtool.engines.vllm.store import open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -202,7 +202,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             else []
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._layers: list[tuple[str, PagedLayout, int]] | None = None
+        self._layers: list[tuple[torch.Tensor, PagedLayout, int]] | None = None
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -350,34 +350,24 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             warm_up([self.policy.key, self.policy.value], self.model_info["dtype"])
             if self._on_device():  # GPU kernels autotuned at a chunk's shape, too
                 with contextlib.suppress(Exception):  # the first load or save reports it
-                    name, layout, _ = self._layer_table()[0]
-                    device_io.warm_up(self.policy, self._kv_caches[name], layout,
-                                      self.chunk_tokens)
+                    kv, layout, _ = self._layer_table()[0]
+                    device_io.warm_up(self.policy, kv, layout, self.chunk_tokens)
 
     def _on_device(self) -> bool:
         """Whether this worker's paged caches are saved and loaded on their device (CUDA:
         codes, never raw K/V, cross to the host; see :mod:`~kvtool.engines.vllm.device_io`)."""
         return bool(self._kv_caches) and device_io.on_device(next(iter(self._kv_caches.values())))
 
-    def _layer_table(self) -> list[tuple[str, PagedLayout, int]]:
-        """(layer name, layout, kernel blocks per scheduler block), in model layer order."""
+    def _layer_table(self) -> list[tuple[torch.Tensor, PagedLayout, int]]:
+        """The caches as :data:`paged_io.Layers`: (cache, layout, kernel blocks per scheduler
+        block), in model layer order; made once per :meth:`register_kv_caches`."""
         if self._layers is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            ctx = self._vllm_config.compilation_config.static_forward_context
-            num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
-            table = []
-            for name in sorted(self._kv_caches, key=extract_layer_index):
-                kv, layer = self._kv_caches[name], ctx.get(name)
-                backend = layer.attn_backend.get_name() if layer is not None else None
-                head_dim = int(getattr(layer, "head_size", self.model_info["head_dim"]))
-                layout = detect_layout(kv, head_dim, backend, getattr(layer, "isa", None))
-                ratio = layout.num_blocks(kv) // num_blocks if num_blocks else 1
-                table.append((name, layout, max(1, ratio)))
-            if len(table) != self.model_info["num_layers"]:
-                raise RuntimeError(f"vLLM has {len(table)} KV cache layers, the model config "
-                                   f"says {self.model_info['num_layers']}")
-            self._layers = table
+            self._layers = paged_io.layer_table(
+                self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
+                int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
+                extract_layer_index)
         return self._layers
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -406,15 +396,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             try:
                 if src.start > covered:
                     raise ValueError(f"no source for tokens {covered}..{src.start}")
-                if self._on_device():
-                    self._load_on_device(src, a, b, spec.block_ids)
-                else:
-                    cache = self._read(src, b - src.start)
-                    for i, (name, layout, ratio) in enumerate(self._layer_table()):
-                        k, v = cache.layer(i)
-                        layout.scatter(self._kv_caches[name],
-                                       kernel_block_ids(spec.block_ids, ratio), a,
-                                       k[:, a - src.start:], v[:, a - src.start:])
+                paged_io.load_source(self._layer_table(), spec.block_ids, src, a, b, self.store,
+                                     self.guard, self.model_info, self._on_device())
             except Exception as e:  # any damage: recompute from here on
                 log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
                             src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
@@ -428,40 +411,6 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             first, last = covered // self.block_size, -(-spec.stop // self.block_size)
             self._failed_blocks.update(spec.block_ids[first:last])
             self._failed_reqs.add(spec.req_id)
-
-    def _read(self, src: Source, tokens: int) -> Any:
-        """The source's first ``tokens`` tokens (a store chunk's failure is handled by
-        :meth:`PrefixStore.read`: quarantined or skipped, never deleted)."""
-        from kvtool.formats import load
-
-        if src.chunk is not None and self.store is not None and self.guard is not None:
-            fetched = self.guard.call("load", self.store.fetch, src.chunk)  # I/O: a deadline
-            return self.store.read(src.chunk, tokens, fetched)
-        with pin_file(src.path) as (path, _):
-            cache = load(path, tokens=tokens, backend="torch")
-        check_cache(cache, self.model_info, tokens)
-        return cache
-
-    def _load_on_device(self, src: Source, a: int, b: int, block_ids: list[int]) -> None:
-        """Tokens ``[a, b)`` of ``src`` into the blocks: its codes read on the host, decoded on
-        the caches' device (:func:`~kvtool.engines.vllm.device_io.load_file`); a store
-        chunk's failure is handled by :meth:`PrefixStore.read_into` as :meth:`_read`'s."""
-        from kvtool.formats import open_kvz
-
-        targets = [(self._kv_caches[name], layout, kernel_block_ids(block_ids, ratio))
-                   for name, layout, ratio in self._layer_table()]
-        tokens = b - src.start
-
-        def into_cache(f: Any) -> None:
-            device_io.load_file(f, targets, src.start, a - src.start, tokens)
-
-        if src.chunk is not None and self.store is not None and self.guard is not None:
-            fetched = self.guard.call("load", self.store.fetch, src.chunk)  # I/O: a deadline
-            self.store.read_into(src.chunk, tokens, fetched, into_cache)
-            return
-        with pin_file(src.path) as (path, _), open_kvz(path) as f:
-            check_file(f, self.model_info, tokens)
-            into_cache(f)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer synchronously
@@ -480,20 +429,11 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                 self._save(spec)
         add_time("save_seconds", time.perf_counter() - start)
 
-    def _gather(self, block_ids: list[int], start: int, stop: int) -> tuple[list, list]:
-        keys, values = [], []
-        for name, layout, ratio in self._layer_table():
-            k, v = layout.gather(self._kv_caches[name], kernel_block_ids(block_ids, ratio),
-                                 start, stop)
-            keys.append(k)
-            values.append(v)
-        return keys, values
-
     def _save(self, spec: SaveSpec) -> None:
         """Copy the chunks out of the paged cache now (their blocks may be reused after this
         step); encode and write them on the saver thread unless ``save_mode`` is ``sync``. On
         a GPU the chunks are encoded now, on the device, and only their codes are copied out
-        (:meth:`_copy_out`)."""
+        (:func:`paged_io.copy_out`)."""
         if spec.chunks and self.store.tokenizer_fingerprint is None:
             self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
         chunks = spec.chunks
@@ -503,7 +443,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         copies = []
         for chunk in chunks:
             try:
-                copies.append((chunk, *self._copy_out(spec.block_ids, chunk)))
+                copies.append((chunk, *paged_io.copy_out(
+                    self._layer_table(), spec.block_ids, chunk, self.store, self._on_device())))
             except Exception as e:
                 save_failed(chunk, e)
                 break
@@ -517,15 +458,6 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         if spec.capture_path:
             self._capture(spec)
 
-    def _copy_out(self, block_ids: list[int], chunk: Any) -> tuple:
-        """What the saver writes ``chunk`` from: copies of its K/V (CPU), or its codes encoded
-        on the device and on their way to pinned host memory (CUDA; :mod:`device_io`)."""
-        keys, values = self._gather(block_ids, chunk.start, chunk.stop)
-        if not self._on_device():
-            return keys, values
-        encoded = device_io.encode_chunk(keys, values, self.store.chunk_policy(chunk))
-        return (device_io.to_host(encoded),)
-
     def _write(self, copies: list, token_ids: list[int]) -> None:
         write_chunks(self.store, self.budget, copies, token_ids, self.guard)
 
@@ -537,7 +469,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             self._stats_file.write()
 
     def _capture(self, spec: SaveSpec) -> None:
-        gather = lambda: self._gather(spec.block_ids, 0, len(spec.token_ids))  # noqa: E731
+        gather = lambda: paged_io.gather(  # noqa: E731
+            self._layer_table(), spec.block_ids, 0, len(spec.token_ids))
         write_capture(spec.capture_path, gather, spec.token_ids, self.model_info,
                       self._tokenizer_fingerprint())
 

@@ -1,17 +1,19 @@
 """The connector's CUDA path: chunks encoded on the GPU, codes (never raw K/V) through pinned
 host memory, stored codes decoded on the GPU straight into the paged blocks.
 
-Save (:class:`~kvtool.engines.vllm.connector.KvtoolConnector` ``wait_for_save``): the chunk's
-K/V gathered on the device (:meth:`PagedLayout.gather`) → :func:`encode_chunk` (the policy's
-segments, each ``codec.encode`` of device tensors: the Triton kernels) → :func:`to_host` (the
-codes packed into one buffer, copied into pinned memory on a side stream; an event the saver
-thread waits on) → :meth:`PrefixStore.write_encoded` (the same bytes
-:meth:`PrefixStore.write` writes for the same codes, through :class:`ReplayPolicy`).
+Save (:class:`~kvtool.engines.vllm.connector.KvtoolConnector` ``wait_for_save``, through
+:func:`~kvtool.engines.vllm.paged_io.copy_out`): the chunk's K/V gathered on the device
+(:meth:`PagedLayout.gather`) → :func:`encode_chunk` (the policy's segments, each
+``codec.encode`` of device tensors: the Triton kernels) → :func:`to_host` (the codes packed
+into one buffer, copied into pinned memory on a side stream; an event the saver thread waits
+on) → :meth:`PrefixStore.write_encoded` (the same bytes :meth:`PrefixStore.write` writes for
+the same codes, through :class:`ReplayPolicy`).
 
-Load (``start_load_kv``): :func:`load_file`: every code of the tokens to load read and
-checksum-verified on the host (:func:`read_codes`), packed into one pinned buffer and copied
-to the device once (:func:`upload`, non-blocking), each segment decoded there in the cache's
-dtype and written into the blocks (:func:`decode_into`, :meth:`PagedLayout.write`).
+Load (``start_load_kv``, through :func:`~kvtool.engines.vllm.paged_io.load_source`):
+:func:`load_file`: every code of the tokens to load read and checksum-verified on the host
+(:func:`read_codes`), packed into one pinned buffer and copied to the device once
+(:func:`upload`, non-blocking), each segment decoded there in the cache's dtype and written
+into the blocks (:func:`decode_into`, :meth:`PagedLayout.write`).
 
 Everything is device-agnostic torch: on CPU tensors the pinning and stream steps are skipped,
 so the path runs without a GPU (the connector takes it for CUDA caches; tests set

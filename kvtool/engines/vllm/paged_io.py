@@ -1,0 +1,125 @@
+"""Chunks between vLLM's paged caches and stored files: the data moves of
+:class:`~kvtool.engines.vllm.connector.KvtoolConnector`'s worker side (the connector keeps the
+bookkeeping: counters, logs, blocks reported failed).
+
+The caches come as :data:`Layers` (:func:`layer_table`: in model layer order, each with its
+:class:`~kvtool.engines.vllm.layout.PagedLayout`); ``on_device`` says which path to take (the
+connector's choice: CUDA caches, see :func:`~kvtool.engines.vllm.device_io.on_device`):
+
+* host path: a chunk's K/V copied out for the saver thread to encode (:func:`copy_out`); a
+  source read and decoded on the host (:func:`read_source`), then scattered into the blocks;
+* device path: a chunk encoded where its K/V are and only its codes copied out; a source's
+  codes read on the host and decoded on the device straight into the blocks
+  (:mod:`~kvtool.engines.vllm.device_io`).
+
+A store chunk is fetched through the :class:`~kvtool.engines.vllm.guard.StoreGuard` (a
+deadline), and a failure to read it is handled by the store: quarantined or skipped, never
+deleted. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvtool.engines.vllm import device_io
+from kvtool.engines.vllm.common import Source, check_cache
+from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.safeio import pin_file
+from kvtool.engines.vllm.store import check_file
+
+#: per layer: (paged cache, its layout, kernel blocks per scheduler block)
+Layers = Sequence[tuple[torch.Tensor, PagedLayout, int]]
+
+
+def layer_table(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
+                num_blocks: int, model_info: dict,
+                layer_index: Callable[[str], int]) -> list[tuple[torch.Tensor, PagedLayout, int]]:
+    """The caches as :data:`Layers`, ordered by ``layer_index`` of their names: each one's
+    layout detected from its attention layer in ``forward_context`` (vLLM's static forward
+    context), its ratio from ``num_blocks`` (the scheduler's blocks; 0: unknown, ratio 1)."""
+    table = []
+    for name in sorted(kv_caches, key=layer_index):
+        kv, layer = kv_caches[name], forward_context.get(name)
+        backend = layer.attn_backend.get_name() if layer is not None else None
+        head_dim = int(getattr(layer, "head_size", model_info["head_dim"]))
+        layout = detect_layout(kv, head_dim, backend, getattr(layer, "isa", None))
+        ratio = layout.num_blocks(kv) // num_blocks if num_blocks else 1
+        table.append((kv, layout, max(1, ratio)))
+    if len(table) != model_info["num_layers"]:
+        raise RuntimeError(f"vLLM has {len(table)} KV cache layers, the model config "
+                           f"says {model_info['num_layers']}")
+    return table
+
+
+def gather(layers: Layers, block_ids: list[int], start: int, stop: int) -> tuple[list, list]:
+    """Copies of tokens ``[start, stop)`` of the blocks: (keys, values), one per layer."""
+    keys, values = [], []
+    for kv, layout, ratio in layers:
+        k, v = layout.gather(kv, kernel_block_ids(block_ids, ratio), start, stop)
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+def copy_out(layers: Layers, block_ids: list[int], chunk: Any, store: Any,
+             on_device: bool) -> tuple:
+    """What the saver writes ``chunk`` from: copies of its K/V (host path), or its codes
+    encoded on the device and on their way to pinned host memory (device path)."""
+    keys, values = gather(layers, block_ids, chunk.start, chunk.stop)
+    if not on_device:
+        return keys, values
+    encoded = device_io.encode_chunk(keys, values, store.chunk_policy(chunk))
+    return (device_io.to_host(encoded),)
+
+
+def load_source(layers: Layers, block_ids: list[int], src: Source, a: int, b: int,
+                store: Any, guard: Any, model_info: dict, on_device: bool) -> None:
+    """Tokens ``[a, b)`` of ``src`` into the blocks (at their own positions); raises on any
+    failure (the caller recomputes from ``a`` on)."""
+    if on_device:
+        _load_on_device(layers, block_ids, src, a, b, store, guard, model_info)
+        return
+    cache = read_source(src, b - src.start, store, guard, model_info)
+    for i, (kv, layout, ratio) in enumerate(layers):
+        k, v = cache.layer(i)
+        layout.scatter(kv, kernel_block_ids(block_ids, ratio), a,
+                       k[:, a - src.start:], v[:, a - src.start:])
+
+
+def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: dict) -> Any:
+    """The source's first ``tokens`` tokens (a store chunk's failure is handled by
+    :meth:`PrefixStore.read`: quarantined or skipped, never deleted)."""
+    from kvtool.formats import load
+
+    if src.chunk is not None and store is not None and guard is not None:
+        fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
+        return store.read(src.chunk, tokens, fetched)
+    with pin_file(src.path) as (path, _):
+        cache = load(path, tokens=tokens, backend="torch")
+    check_cache(cache, model_info, tokens)
+    return cache
+
+
+def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b: int,
+                    store: Any, guard: Any, model_info: dict) -> None:
+    """:func:`load_source` on the device: the codes read on the host, decoded on the caches'
+    device (:func:`~kvtool.engines.vllm.device_io.load_file`); a store chunk's failure is
+    handled by :meth:`PrefixStore.read_into` as :func:`read_source`'s."""
+    from kvtool.formats import open_kvz
+
+    targets = [(kv, layout, kernel_block_ids(block_ids, ratio)) for kv, layout, ratio in layers]
+    tokens = b - src.start
+
+    def into_cache(f: Any) -> None:
+        device_io.load_file(f, targets, src.start, a - src.start, tokens)
+
+    if src.chunk is not None and store is not None and guard is not None:
+        fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
+        store.read_into(src.chunk, tokens, fetched, into_cache)
+        return
+    with pin_file(src.path) as (path, _), open_kvz(path) as f:
+        check_file(f, model_info, tokens)
+        into_cache(f)
