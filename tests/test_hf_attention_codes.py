@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from kvtool.engines import hf_attention  # noqa: E402
 from kvtool.engines.hf_attention import ATTR, STATS, kvtool_attention  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache  # noqa: E402
-from kvtool.errors import KvtoolError  # noqa: E402
+from kvtool.errors import CodecError, KvtoolError  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
 GROUPS = 3  # query heads per KV head (GQA)
@@ -190,6 +190,25 @@ def test_a_kernel_that_does_not_build_falls_back_for_good(monkeypatch):
     want, _ = sdpa_attention_forward(_module(), q, full_k, full_v, None, scaling=0.125)
     assert (out - want).abs().max().item() <= 1e-5
     assert hf_attention.kernels() is None and not codes.uses_codes()
+
+
+def test_states_on_cuda_ask_for_triton(monkeypatch):
+    """CUDA states attend from codes through Triton (tests/test_triton_attention.py runs that
+    path); the CPU's only with the test switch, and CUDA's never without Triton there."""
+    assert hf_attention.device_path("cuda") and not hf_attention.device_path("cpu")
+    monkeypatch.setattr(hf_attention, "DEVICE_ATTENTION_ON_CPU", True)
+    assert hf_attention.device_path("cpu")
+    monkeypatch.setattr(hf_attention, "DEVICE_ATTENTION_ON_CPU", False)
+    monkeypatch.setattr(hf_attention, "_DEVICE_KERNELS", [None])  # Triton cannot run
+    assert not hf_attention.codes_enabled("cuda") and hf_attention.codes_enabled("cpu")
+    monkeypatch.setenv("KVTOOL_KERNELS", "compiled")
+    with pytest.raises(CodecError, match="Triton"):
+        hf_attention.codes_enabled("cuda")
+    quality = _policy(QUALITY)
+    assert hf_attention.device_codes(quality.key, quality.value, 128)
+    balanced = _policy(BALANCED)
+    assert not hf_attention.device_codes(balanced.key, balanced.value, 128)
+    assert not hf_attention.device_codes(quality.key, quality.value, 8)
 
 
 def test_a_view_no_attention_read_is_an_error():

@@ -211,8 +211,11 @@ def _attention_case(seed: int, b, hq, hkv, n, dim, k_codec, v_codec, sharp=1.0):
 
 
 def _assert_attention(out, ref) -> None:
+    """Within 2e-3 of the output's scale: the kernel (:mod:`kvtool.kernels.triton_attention`)
+    multiplies centroids and probabilities as fp16 on tensor cores with fp32 sums (~6e-4)."""
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2e-3 * ref.abs().max().item(), err
 
 
 # -- CPU (interpreter) and GPU ------------------------------------------------------------------

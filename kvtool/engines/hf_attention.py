@@ -14,24 +14,35 @@ the update comes from a model forward (its mask preparation armed the cache) and
 qualifies, ``update`` returns only the exact tokens (sinks, recent window, this forward's tokens)
 and tags the key tensor with a :class:`CodesView`: the layer's encoded chunks as they were before
 this forward (they sit between the sinks and the window). The attention then runs one softmax
-over encoded tokens (read from their codes by :func:`kvtool.kernels.numba_attention.attend`, or
-:func:`kvtool.kernels.numba_attention_parts.attend` for outlier, pair, trellis and uint8-norm
-``turbomix`` codes) and exact tokens, with sdpa's semantics: no mask means causal over the new
-tokens (they come last), a mask's columns are matched to the tokens (the encoded columns must be
-fully visible).
+over encoded tokens (read from their codes) and exact tokens, with sdpa's semantics: no mask
+means causal over the new tokens (they come last), a mask's columns are matched to the tokens
+(the encoded columns must be fully visible). The codes are read
+
+- on the CPU by :func:`kvtool.kernels.numba_attention.attend` (numpy views of the store), or
+  :func:`kvtool.kernels.numba_attention_parts.attend` for outlier, pair, trellis and uint8-norm
+  ``turbomix`` codes;
+- on CUDA by :func:`kvtool.kernels.triton_attention.attend` (the store's own tensors, no host
+  copy): uncentered turbo2/3/4 and scalar ``turbomix`` codes (the ``quality`` preset); the codes
+  of outlier channels, ``vq=2``, trellis or ``norm_bits=8`` (``balanced``, ``small``) decode,
+  then attend. :data:`DEVICE_ATTENTION_ON_CPU` (tests only) sends CPU tensors this way too,
+  for Triton's interpreter.
 
 Anything else decodes the view and calls the delegate on the full K/V
 (:meth:`CodesView.materialize`), the same decode-then-attend computation as without the hook:
 forwards of many query tokens (more than :data:`~kvtool.kernels.numba_attention.MAX_ROWS` query
-rows per KV head, e.g. prefill chunks: one decode then serves every query, and BLAS attention
-beats the kernel's loops), a mask hiding encoded tokens, per-head masks, ``output_attentions``,
-dropout, sliding windows, soft-capping, learned sinks, position biases, gradients, non-CPU
-tensors. :data:`STATS` counts both paths (tests use it to prove which one ran).
+rows per KV head on the CPU, :func:`~kvtool.kernels.triton_attention.max_rows` on CUDA, e.g.
+prefill chunks: one decode then serves every query), a mask hiding encoded tokens, per-head
+masks, ``output_attentions``, dropout, sliding windows, soft-capping, learned sinks, position
+biases, gradients, tensors on other devices, a Triton kernel that does not build.
+:data:`STATS` counts both paths (tests use it to prove which one ran). On CUDA the one host
+sync is the check that a mask hides no encoded token, made once per mask (a forward's layers
+share it).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -49,6 +60,8 @@ CODE_BITS = (2, 3, 4)  # kvtool.kernels.numba_attention.BITS (not imported: numb
 ATTR = "_kvtool_codes"  # attribute on the key tensor returned by CompressedLayer.update
 NAME = "kvtool"
 STATS = {"codes": 0, "fallback": 0}  # attention calls served from codes / by decode-then-attend
+#: tests only: CPU tensors attend from codes through the Triton kernels (``TRITON_INTERPRET=1``)
+DEVICE_ATTENTION_ON_CPU = False
 _UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "cache")
 
 _lock = threading.Lock()
@@ -73,13 +86,15 @@ class CodesView:
     sinks: int
     batch: int
     #: per role, each block's rotation (uint8 [B·Hkv, blocks]; turbomix's candidate) and the
-    #: keys' block means (float32 [B·Hkv, blocks, D], or None: uncentered)
+    #: keys' block means (float32 [B·Hkv, blocks, D], or None: uncentered); ``on_device``:
+    #: tensors, a role without candidates None, the means fp16
     rotations: tuple[np.ndarray, np.ndarray] | None = None
     key_means: np.ndarray | None = None
     block: int = 0
     #: per role the :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` when the kernel
     #: of every ``turbomix`` option reads this layer (``codes``/``norms`` are then None)
     roles: tuple[Any, Any] | None = None
+    on_device: bool = False  # read by the Triton kernel (tensors, not numpy views)
     consumed: bool = field(default=False)
 
     def release(self) -> None:
@@ -153,17 +168,64 @@ def kernels() -> ModuleType | None:
     return _KERNELS[0]
 
 
-def codes_enabled() -> bool:
-    """Whether the compiled kernels may run now (``KVTOOL_KERNELS`` and numba)."""
+def codes_enabled(device: torch.device | str | None = None) -> bool:
+    """Whether the compiled kernels may run now for states on ``device`` (None: the CPU):
+    ``KVTOOL_KERNELS``, and numba on the CPU or Triton on CUDA (:func:`device_path`)."""
     mode = kernel_mode()
     if mode == "reference":
         return False
+    if device is not None and device_path(device):
+        if device_kernels() is None:
+            if mode == "compiled":
+                raise CodecError("KVTOOL_KERNELS=compiled but Triton cannot run here: attention "
+                                 f"from codes on {device} needs it (pip install triton)")
+            return False
+        return True
     if kernels() is None:
         if mode == "compiled":
             raise CodecError("KVTOOL_KERNELS=compiled but numba is not installed: attention "
                              "from codes needs it (pip install numba)")
         return False
     return True
+
+
+def device_path(device: torch.device | str) -> bool:
+    """Whether states on ``device`` attend through the Triton kernels: CUDA (and the CPU while
+    :data:`DEVICE_ATTENTION_ON_CPU` is set)."""
+    kind = torch.device(device).type
+    return kind == "cuda" or (DEVICE_ATTENTION_ON_CPU and kind == "cpu")
+
+
+_DEVICE_KERNELS: list[ModuleType | None] = []
+
+
+def device_kernels() -> ModuleType | None:
+    """:mod:`kvtool.kernels.triton_attention` where Triton runs (CUDA, or the interpreter),
+    else None."""
+    if not _DEVICE_KERNELS:
+        try:
+            from kvtool.kernels import triton_attention
+        except ImportError:
+            triton_attention = None
+        _DEVICE_KERNELS.append(triton_attention if triton_attention is not None
+                               and triton_attention.available() else None)
+    return _DEVICE_KERNELS[0]
+
+
+def device_codes(key_codec: Codec | None, value_codec: Codec | None, dim: int) -> bool:
+    """Whether the Triton kernel reads these codecs' codes at head_dim ``dim``: uncentered
+    turbo2/3/4 and scalar ``turbomix`` (see :func:`scalar_codes`) at dims 16..256."""
+    from kvtool.kernels.triton_cuda import DIMS
+
+    return scalar_codes(key_codec, "key") and scalar_codes(value_codec) and dim in DIMS
+
+
+def rotation_seeds(codec: Codec) -> list[int]:
+    """The rotation seed of each of a turbo or turbomix codec's candidates (turbo: one)."""
+    from kvtool.codecs.turbomix import TurboMixCodec, candidate_seed
+
+    return [candidate_seed(codec.seed, c) for c in range(codec.candidates)] \
+        if isinstance(codec, TurboMixCodec) else [codec.seed]
 
 
 def install() -> None:
@@ -245,13 +307,22 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if (dropout and module.training) or kwargs.get("output_attentions") \
             or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
         return False
-    if query.device.type != "cpu" or key.device.type != "cpu" or batch != view.batch \
-            or key.shape[-1] != dim or value.shape[-1] != dim or hq % hkv \
+    if view.on_device:
+        if not device_path(query.device) or key.device != query.device \
+                or value.device != query.device:
+            return False
+    elif query.device.type != "cpu" or key.device.type != "cpu":
+        return False
+    if batch != view.batch or key.shape[-1] != dim or value.shape[-1] != dim or hq % hkv \
             or view.heads != batch * hkv or value.shape[2] != n_exact:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
-    if not codes_enabled() or nq * (hq // hkv) > kernels().MAX_ROWS:
+    if view.on_device:
+        if not codes_enabled(query.device) or view.roles is not None \
+                or nq * (hq // hkv) > device_kernels().max_rows(dim):
+            return False
+    elif not codes_enabled() or nq * (hq // hkv) > kernels().MAX_ROWS:
         return False
     if mask is None:
         return None
@@ -259,6 +330,8 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
             or mask.shape[0] not in (1, batch) or mask.shape[2] != nq \
             or mask.shape[3] != n_exact + view.tokens:
         return False
+    if view.on_device:
+        return _device_bias(mask, view.sinks, view.sinks + view.tokens)
     s, e = view.sinks, view.sinks + view.tokens
     encoded = mask[..., s:e]
     if not bool(encoded.all() if mask.dtype == torch.bool else (encoded == 0).all()):
@@ -267,6 +340,27 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if cols.dtype == torch.bool:
         return torch.zeros(cols.shape, dtype=torch.float32).masked_fill_(~cols, -torch.inf)
     return cols.float().contiguous()
+
+
+_MASK_MEMO: list[tuple[Any, ...]] = []  # (mask, encoded columns, bias or False): the last one
+
+
+def _device_bias(mask: torch.Tensor, s: int, e: int) -> torch.Tensor | bool:
+    """:func:`_plan`'s bias for a device mask, or False when it hides an encoded column. The
+    check reads the mask back (a host sync), so it is made once per mask: every layer of a
+    forward gets the same mask object."""
+    hit = _MASK_MEMO[0] if _MASK_MEMO else None
+    if hit is not None and hit[0] is mask and hit[1] == (s, e):
+        return hit[2]
+    encoded = mask[..., s:e]
+    out: torch.Tensor | bool = False
+    if bool(encoded.all() if mask.dtype == torch.bool else (encoded == 0).all()):
+        cols = torch.cat([mask[:, 0, :, :s], mask[:, 0, :, e:]], dim=-1)
+        out = torch.zeros(cols.shape, dtype=torch.float32, device=cols.device) \
+            .masked_fill_(~cols, -torch.inf) if cols.dtype == torch.bool \
+            else cols.float().contiguous()
+    _MASK_MEMO[:] = [(mask, (s, e), out)]
+    return out
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -285,14 +379,12 @@ def _constants(codec: Codec, dim: int) -> tuple[Codec, np.ndarray, np.ndarray, n
     hit = _CONSTANTS.get((id(codec), dim))
     if hit is None or hit[0] is not codec:
         from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-        from kvtool.codecs.turbomix import TurboMixCodec, candidate_seed
 
         if len(_CONSTANTS) > 64:
             _CONSTANTS.clear()
         table = kernels().chunk_table(codec.bits,
                                       sphere_marginal_codebook(dim, 1 << codec.bits).centroids)
-        seeds = [candidate_seed(codec.seed, c) for c in range(codec.candidates)] \
-            if isinstance(codec, TurboMixCodec) else [codec.seed]
+        seeds = rotation_seeds(codec)
         hit = (codec, table, np.stack([rotation_matrix_t(dim, s) for s in seeds]),
                np.stack([rotation_matrix(dim, s) for s in seeds]))
         _CONSTANTS[(id(codec), dim)] = hit
@@ -303,6 +395,8 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
             bias: torch.Tensor | None, causal: bool, scaling: float | None
             ) -> torch.Tensor | None:
     """The kernel's output [B, Q, Hq, D] in the query's dtype (None: it failed to build)."""
+    if view.on_device:
+        return _attend_on_device(query, key, value, view, bias, causal, scaling)
     na = kernels()
     batch, hq, nq, dim = query.shape
     out = torch.empty((batch, nq, hq, dim), dtype=torch.float32)
@@ -332,6 +426,32 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
+def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      view: CodesView, bias: torch.Tensor | None, causal: bool,
+                      scaling: float | None) -> torch.Tensor | None:
+    """:func:`_attend` through :func:`kvtool.kernels.triton_attention.attend`."""
+    ta = device_kernels()
+    kcodec, vcodec = view.codecs
+    dim = query.shape[-1]
+    try:
+        out = ta.attend(query, view.codes[0], view.norms[0], view.codes[1], view.norms[1], key,
+                        value, dim=dim, k_bits=kcodec.bits, v_bits=vcodec.bits,
+                        k_seeds=rotation_seeds(kcodec), v_seeds=rotation_seeds(vcodec),
+                        scale=dim ** -0.5 if scaling is None else float(scaling), bias=bias,
+                        causal=causal, k_rotations=view.rotations[0],
+                        v_rotations=view.rotations[1], key_means=view.key_means,
+                        block=view.block)
+    except ta.BUILD_ERRORS as e:  # the kernel does not build here: decode-then-attend from now
+        if kernel_mode() == "compiled":
+            raise
+        warnings.warn(f"kvtool: attention from codes on {query.device} is off (the Triton "
+                      f"kernel does not build here: {e}); decoding instead", RuntimeWarning,
+                      stacklevel=2)
+        _DEVICE_KERNELS[:] = [None]
+        return None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
 def role_codes(codec: Codec, arrays: dict[str, np.ndarray], heads: int, tokens: int,
                block: int, dim: int) -> Any:
     """:func:`kvtool.kernels.numba_attention_parts.role_codes` (numba imported only here)."""
@@ -355,6 +475,7 @@ def _numba_threads() -> int:
     return threads
 
 
-__all__ = ["ATTR", "NAME", "STATS", "CodesView", "codes_codec", "codes_enabled", "install",
-           "kvtool_attention", "role_codes", "routes_through_kvtool", "scalar_codes",
-           "uninstall"]
+__all__ = ["ATTR", "DEVICE_ATTENTION_ON_CPU", "NAME", "STATS", "CodesView", "codes_codec",
+           "codes_enabled", "device_codes", "device_kernels", "device_path", "install",
+           "kvtool_attention", "role_codes", "rotation_seeds", "routes_through_kvtool",
+           "scalar_codes", "uninstall"]

@@ -22,10 +22,11 @@ bytes plus the full-precision sinks and window (:meth:`CompressedCache.nbytes`).
 would hold *more* memory than ``DynamicCache`` (copy + codes), and any lower-precision copy
 (fp8, unpacked 8-bit codes) costs more bits than the whole turbo3 store it would speed up.
 
-Attention from codes (the default for turbo codecs on CPU). Decoding the whole store at every
-step is O(context) work per layer — for turbo mostly the inverse rotation, a ``head_dim``²
+Attention from codes (the default for turbo codecs on CPU and CUDA). Decoding the whole store at
+every step is O(context) work per layer — for turbo mostly the inverse rotation, a ``head_dim``²
 matmul per token — and about halves decode speed at 2K tokens. Instead, attention reads the
-encoded tokens straight from their packed codes (:mod:`kvtool.kernels.numba_attention`): a
+encoded tokens straight from their packed codes (on the CPU
+:mod:`kvtool.kernels.numba_attention`, on CUDA :mod:`kvtool.kernels.triton_attention`): a
 query is rotated once, each score is its dot product with the centroids of a code row, values
 are summed in the rotated domain and rotated back once per query row; exact tokens (sinks,
 window, this forward's tokens) join the same softmax. No K̂/V̂ is materialised, and a step
@@ -41,15 +42,17 @@ arms every layer's next ``update`` to return only the exact tokens, the key tens
 :class:`~kvtool.engines.hf_attention.CodesView` of the layer's encoded chunks, which the attention
 function reads. The decode-then-attend path (every token's states decoded and returned, any
 attention) is used instead when: ``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``;
-numba is missing; the model's attention implementation is not routed through the hook (eager,
-flash, a model's own override) or the cache has no ``config``; a layer is not stored by uncentered
-turbo2/3/4 for both keys and values; head_dim is not a power of two ≥ 8; tensors are not on the
-CPU; or ``update`` is called directly, outside a model forward. At attention time the function
-still decodes the view and runs sdpa on the full K/V for forwards of many query tokens (prefill
-chunks: one decode serves all their queries and BLAS attention is faster there) and when the call
-asks for something the kernel does not do: a mask that hides encoded tokens (padding inside them,
-sliding windows) or differs per head, ``output_attentions``, dropout, soft-capping, learned
-sinks, position biases, gradients.
+numba (CPU) or Triton (CUDA) is missing; the model's attention implementation is not routed
+through the hook (eager, flash, a model's own override) or the cache has no ``config``; a layer's
+codecs are not read from codes (:func:`~kvtool.engines.hf_attention.codes_codec`; on CUDA only
+uncentered turbo2/3/4 and scalar ``turbomix`` are, see
+:func:`~kvtool.engines.hf_attention.device_codes`); head_dim is not a power of two ≥ 8 (CUDA:
+16..256); tensors are neither on the CPU nor on CUDA; or ``update`` is called directly, outside a
+model forward. At attention time the function still decodes the view and runs sdpa on the full
+K/V for forwards of many query tokens (prefill chunks: one decode serves all their queries and
+BLAS attention is faster there) and when the call asks for something the kernel does not do: a
+mask that hides encoded tokens (padding inside them, sliding windows) or differs per head,
+``output_attentions``, dropout, soft-capping, learned sinks, position biases, gradients.
 
 Blocks are not kept as one ``Encoded`` per block (one decode or kernel call per block per step
 would be dominated by per-call overhead): they are encoded as ``[batch, heads, n_blocks, block,
@@ -77,6 +80,8 @@ from kvtool.engines.hf_attention import (
     CodesView,
     codes_codec,
     codes_enabled,
+    device_codes,
+    device_path,
     install,
     routes_through_kvtool,
     scalar_codes,
@@ -130,6 +135,7 @@ class _Stream:
         self.stored = 0  # tokens in ``chunks``
         self.tail: torch.Tensor | None = None
         self._np: tuple[Any, ...] | None = None  # memo of :meth:`codes_np`
+        self._dev: tuple[Any, ...] | None = None  # memo of :meth:`codes_torch`
 
     def nbytes(self) -> tuple[int, int]:
         """(encoded bytes, full-precision bytes) actually held."""
@@ -154,10 +160,7 @@ class _Stream:
         :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` per ``L``)."""
         if self._np is not None:
             return self._np
-        first = self.chunks[0].arrays
-        axis = first["codes"].ndim - 3  # the blocks' axis of every array
-        joined = {name: torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
-                  if len(self.chunks) > 1 else first[name] for name in first}
+        joined, axis = self._joined()
         codes = joined["codes"]
         lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
         heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
@@ -187,7 +190,35 @@ class _Stream:
             self._np = out
         return out
 
-    def update(self, x: torch.Tensor, from_codes: bool = False
+    def _joined(self) -> tuple[dict[str, torch.Tensor], int]:
+        """(every array of the chunks joined along the blocks' axis — the single chunk's own
+        arrays when there is one —, that axis)."""
+        first = self.chunks[0].arrays
+        axis = first["codes"].ndim - 3  # the blocks' axis of every array
+        return {name: torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
+                if len(self.chunks) > 1 else first[name] for name in first}, axis
+
+    def codes_torch(self) -> tuple[Any, ...]:
+        """:meth:`codes_np` as tensors where the store lives, for the Triton kernel: codes
+        ``[L, B·H, E, bytes]``, fp16 norms ``[L, B·H, E]``, rotations ``[L, B·H, blocks]``
+        (None without candidates), fp16 means ``[L, B·H, blocks, D]`` (None: uncentered), None;
+        views of the single chunk (several chunks are joined, transiently)."""
+        if self._dev is not None:
+            return self._dev
+        joined = self._joined()[0]
+        codes = joined["codes"]
+        lead = codes.shape[:-3]
+        heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
+        flat = (-1, heads, blocks * codes.shape[-2])
+        mean = joined.get("mean")
+        out = (codes.reshape(*flat, codes.shape[-1]), joined["norms"].reshape(flat),
+               joined["rotation"].reshape(-1, heads, blocks) if "rotation" in joined else None,
+               None if mean is None else mean.reshape(-1, heads, blocks, mean.shape[-1]), None)
+        if len(self.chunks) == 1:
+            self._dev = out
+        return out
+
+    def update(self, x: torch.Tensor, from_codes: bool = False, on_device: bool = False
                ) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
         """Append ``x`` [*lead, new, dim]; return (states, encoded).
 
@@ -195,14 +226,16 @@ class _Stream:
         ``from_codes`` and a non-empty store: only the exact tokens (sinks, window, ``x``) and
         ``(codes, norms, rotations, means, roles, chunks, sinks)`` of the store as it was before
         ``x``
-        (:meth:`codes_np`; the encoded tokens go after the first ``sinks`` exact ones).
+        (:meth:`codes_np`, or :meth:`codes_torch` ``on_device``; the encoded tokens go after
+        the first ``sinks`` exact ones).
         """
         if self.codec is None:
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
             return self.tail, None
         have = 0 if self.sink is None else self.sink.shape[-2]
         if from_codes and self.chunks:  # the sinks are full: x goes to the window
-            encoded = (*self.codes_np(), list(self.chunks), have)
+            encoded = (*(self.codes_torch() if on_device else self.codes_np()),
+                       list(self.chunks), have)
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
             # the window is never changed in place (only replaced), so it can be returned
             out = self.tail if self.sink is None else torch.cat([self.sink, self.tail], dim=-2)
@@ -228,7 +261,7 @@ class _Stream:
         cut, lead = n_blocks * self.block, tuple(self.tail.shape[:-2])
         x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
-        self._np = None
+        self._np = self._dev = None
         self.stored += cut
         if self.sliding and n_blocks > 1 and not self._declares_blocks(x):
             # a layout without a block axis cannot be cut: one chunk per block, dropped whole
@@ -265,7 +298,7 @@ class _Stream:
                 self.chunks[0] = Encoded(arrays, shape, enc.dtype)
             n -= k * self.block
             self.stored -= k * self.block
-            self._np = None
+            self._np = self._dev = None
         if n:
             self.tail = self.tail[..., n:, :].clone()
 
@@ -285,7 +318,7 @@ class _Stream:
             batch = next(iter(arrays.values())).shape[axis]
             shape = (*enc.shape[:axis], batch, *enc.shape[axis + 1:])
             chunks.append(Encoded(arrays, shape, enc.dtype))
-        self.chunks, self._np = chunks, None
+        self.chunks, self._np, self._dev = chunks, None, None
 
 
 class CompressedLayer(DynamicLayer):
@@ -325,6 +358,7 @@ class CompressedLayer(DynamicLayer):
         for stream in self.streams:  # the kernel of every turbomix option reads both roles
             stream.parts = self.codes_capable and not (
                 scalar_codes(key_codec, "key") and scalar_codes(value_codec))
+        self.codecs = (key_codec, value_codec)
         self._pending: CodesView | None = None
 
     @property
@@ -351,16 +385,18 @@ class CompressedLayer(DynamicLayer):
                               "kvtool's); use CompressedCache(..., attention_from_codes=False)")
         self._pending = None
         dim = key_states.shape[-1]
-        from_codes = from_codes and self.codes_capable and key_states.device.type == "cpu" \
-            and dim >= 8 and dim & (dim - 1) == 0 and value_states.shape[-1] == dim
+        on_device = device_path(key_states.device)  # the Triton kernel reads the codes
+        from_codes = from_codes and self.codes_capable and value_states.shape[-1] == dim and (
+            device_codes(*self.codecs, dim) if on_device else
+            key_states.device.type == "cpu" and dim >= 8 and dim & (dim - 1) == 0)
         self.cumulative_length += key_states.shape[-2]
         if self.joint:
             out, enc = self.streams[0].update(torch.stack([key_states, value_states]),
-                                              from_codes)
+                                              from_codes, on_device)
             keys, values = out[0], out[1]
             encs = [(enc, 0), (enc, 1)]
         else:
-            (keys, kenc), (values, venc) = (s.update(x, from_codes) for s, x in
+            (keys, kenc), (values, venc) = (s.update(x, from_codes, on_device) for s, x in
                                             zip(self.streams, (key_states, value_states),
                                                 strict=True))
             encs = [(kenc, None), (venc, None)]
@@ -372,11 +408,12 @@ class CompressedLayer(DynamicLayer):
                              norms=(pick(ke, ki, 1), pick(ve, vi, 1)),
                              chunks=((ke[5], ki), (ve[5], vi)), sinks=ke[6],
                              batch=key_states.shape[0],
-                             rotations=None if ke[2] is None else (ke[2][ki or 0],
-                                                                   ve[2][vi or 0]),
+                             rotations=(pick(ke, ki, 2), pick(ve, vi, 2)) if on_device
+                             else None if ke[2] is None else (ke[2][ki or 0], ve[2][vi or 0]),
                              key_means=pick(ke, ki, 3), block=self.block_size,
                              roles=None if ke[4] is None else (ke[4][ki or 0],
-                                                               ve[4][vi or 0]))
+                                                               ve[4][vi or 0]),
+                             on_device=on_device)
             keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
             setattr(keys, ATTR, view)
             self._pending = view
@@ -500,22 +537,24 @@ class CompressedCache(Cache):
         if attention_from_codes is not False and any(x.codes_capable for x in layers):
             install()
 
-    def uses_codes(self) -> bool:
-        """Whether attention reads encoded tokens from their codes (for model forwards).
+    def uses_codes(self, device: torch.device | str | None = None) -> bool:
+        """Whether attention reads encoded tokens from their codes (for model forwards) of
+        states on ``device`` (None: the CPU).
 
         ``attention_from_codes``: None (default) — when the model's attention implementation
         routes through kvtool's attention function (``sdpa`` or ``kvtool``, known from
         ``config``), for the updates of a model forward (see :meth:`get_mask_sizes`); True —
         for every update, also without a config (the caller guarantees that whatever reads the
         returned states is kvtool's attention); False — never (every step decodes the store,
-        then attends). ``KVTOOL_KERNELS=reference`` or a missing numba also means never.
+        then attends). ``KVTOOL_KERNELS=reference`` or a missing numba (CPU) or Triton (CUDA)
+        also means never.
         """
         if self.attention_from_codes is False:
             return False
         if self.attention_from_codes is None and (
                 self._text_config is None or not routes_through_kvtool(self._text_config)):
             return False
-        return codes_enabled()
+        return codes_enabled(device)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """transformers' mask preparation calls this once at the start of every forward: it arms
@@ -530,7 +569,8 @@ class CompressedCache(Cache):
         armed = self.attention_from_codes is True or layer_idx in self._armed_layers
         self._armed_layers.discard(layer_idx)
         return layer.update(key_states, value_states, *args,
-                            from_codes=armed and layer.codes_capable and self.uses_codes(),
+                            from_codes=armed and layer.codes_capable
+                            and self.uses_codes(key_states.device),
                             **kwargs)
 
     @classmethod

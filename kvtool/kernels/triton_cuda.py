@@ -10,9 +10,10 @@ the reference, up to summation order). fp32 operands (fp32 inputs, queries, cent
 split into bf16 pieces ``hi + mid + lo`` (exact with three pieces) and multiplied piece by
 piece; 16-bit outputs use two pieces (about 2⁻¹⁷ relative, far below their rounding).
 
-Decode attention is split-K (flash-decoding): one program per (batch, kv head, token split)
-serves the kv head's query heads from codes in the rotated domain; a second kernel merges the
-splits and rotates each output back once.
+Encode and decode autotune over two kinds of configs: one row block per program, and a
+persistent grid whose loop prefetches the next block while this one is coded
+(``benchmarks/triton_sass.py`` shows what each compiles to). Decode attention from codes lives
+in :mod:`kvtool.kernels.triton_attention` (:func:`turbo_decode_attention` here forwards to it).
 
 Kernels are decorated when this module is imported: they run under the interpreter only if
 ``TRITON_INTERPRET=1`` was set then (:data:`INTERPRET`), and only if it was also set when
@@ -279,80 +280,6 @@ def _scores_kernel(q_ptr, codes_ptr, norms_ptr, cent_ptr, out_ptr, M, N, m_block
              mask=mmask[:, None] & nmask[None, :])
 
 
-@_jit
-def _attn_split_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, acc_ptr,
-                       m_ptr, l_ptr, N, S, chunk,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                       KBITS: tl.constexpr, KCPG: tl.constexpr, KBPG: tl.constexpr,
-                       VBITS: tl.constexpr, VCPG: tl.constexpr, VBPG: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """One (batch, kv head, token split): online softmax over the split's tokens for the G
-    query heads sharing the kv head; partial sums stay in the value codec's rotated domain."""
-    bh = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    gi = tl.arange(0, GP)
-    gmask = gi < G
-    qrow = bh * G + gi  # (b * Hkv + h) * G + g == b * Hq + h * G + g
-    cols = tl.arange(0, D)
-    q = tl.load(q_ptr + qrow[:, None] * D + cols[None, :], mask=gmask[:, None], other=0.0)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    start = sp * chunk
-    end = tl.minimum(start + chunk, N)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        tmask = tok < end
-        kv = bh * N + tok
-        yk = _centroids(kc_ptr, kv * (D * KBITS // 8), tmask, kcent_ptr, BLOCK_N, D, KBITS,
-                        KCPG, KBPG)
-        if GP >= 16:
-            s = tl.dot(q, tl.trans(yk), input_precision="tf32x3")
-        else:  # few heads per kv head: CUDA-core products beat padding the MMA to 16 rows
-            s = tl.sum(q[:, None, :] * yk[None, :, :], axis=2)
-        s = s * tl.load(kn_ptr + kv, mask=tmask, other=0.0).to(tl.float32)[None, :]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        yv = _centroids(vc_ptr, kv * (D * VBITS // 8), tmask, vcent_ptr, BLOCK_N, D, VBITS,
-                        VCPG, VBPG)
-        p = p * tl.load(vn_ptr + kv, mask=tmask, other=0.0).to(tl.float32)[None, :]
-        if GP >= 16:
-            acc = tl.dot(p, yv, acc * alpha[:, None], input_precision="tf32x3")
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv[None, :, :], axis=1)
-        m_i = m_new
-    out = qrow * S + sp
-    tl.store(acc_ptr + out[:, None] * D + cols[None, :], acc, mask=gmask[:, None])
-    tl.store(m_ptr + out, m_i, mask=gmask)
-    tl.store(l_ptr + out, l_i, mask=gmask)
-
-
-@_jit
-def _attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, r_ptr, out_ptr, S, D: tl.constexpr,
-                        SP: tl.constexpr, BN: tl.constexpr):
-    """Combine one query row's splits, then rotate back once: ``out = (Σ w·acc / Σ w·l) @ R``."""
-    row = tl.program_id(0).to(tl.int64)
-    si = tl.arange(0, SP)
-    m = tl.load(m_ptr + row * S + si, mask=si < S, other=float("-inf"))
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    total = tl.sum(w * tl.load(l_ptr + row * S + si, mask=si < S, other=0.0), axis=0)
-    cols = tl.arange(0, D)
-    vec = tl.zeros([D], tl.float32)
-    for s in range(S):
-        m_s = tl.load(m_ptr + row * S + s)
-        w_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_max), 0.0)
-        vec += w_s * tl.load(acc_ptr + (row * S + s) * D + cols)
-    vec = vec / total
-    for j in tl.static_range(0, D, BN):
-        jc = j + tl.arange(0, BN)
-        r = tl.load(r_ptr + cols[:, None] * D + jc[None, :])
-        tl.store(out_ptr + row * D + jc, tl.sum(vec[:, None] * r, axis=0))
-
-
 # -- host side -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Rotation:
@@ -494,55 +421,14 @@ def _sm_count(device: torch.device) -> int:
         if device.type == "cuda" else 4
 
 
-def _default_splits(device: torch.device, programs: int, n: int, block_n: int) -> int:
-    """Enough splits to fill the GPU twice over, each at least one token block long."""
-    sms = _sm_count(device)
-    splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(n, block_n)))
-    chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
-    return triton.cdiv(n, chunk)
-
-
 def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
-                           v_codes: torch.Tensor, v_norms: torch.Tensor, *, dim: int,
-                           k_bits: int, k_seed: int, v_bits: int, v_seed: int, scale: float,
-                           split_k: int | None = None) -> torch.Tensor:
-    """Split-K decode attention straight from codes: ``softmax(q·k̂ᵀ·scale)·v̂`` → fp32
-    ``[B, Hq, D]`` for q ``[B, Hq, D]``, codes ``[B, Hkv, N, nbytes]``, norms ``[B, Hkv, N]``."""
-    _check(dim, k_bits)
-    _check(dim, v_bits)
-    b, hq, d = q.shape
-    hkv, n = k_codes.shape[1], k_codes.shape[2]
-    if (d != dim or hq % hkv or n == 0 or tuple(k_codes.shape) != (b, hkv, n, dim * k_bits // 8)
-            or tuple(v_codes.shape) != (b, hkv, n, dim * v_bits // 8)
-            or tuple(k_norms.shape) != (b, hkv, n) or tuple(v_norms.shape) != (b, hkv, n)):
-        raise ValueError("decode attention: inconsistent q/k/v shapes")
-    device = q.device
-    q_rot = _rotate(q.reshape(-1, dim), _rotation(dim, k_seed, device).rtb, scale)
-    group = hq // hkv
-    gp = triton.next_power_of_2(group)
-    # tensor cores from 16 heads per kv head; below, CUDA-core products [gp, block_n, dim]
-    block_n = (64 if dim <= 128 else 32) if gp >= 16 else max(16, min(64, 8192 // (gp * dim)))
-    if split_k is None:
-        split_k = _default_splits(device, b * hkv, n, block_n)
-    if not 1 <= split_k <= 65535:
-        raise ValueError(f"split_k must be in 1..65535, got {split_k}")
-    chunk = triton.cdiv(n, split_k)
-    acc = torch.empty((b * hq, split_k, dim), dtype=torch.float32, device=device)
-    m_part = torch.empty((b * hq, split_k), dtype=torch.float32, device=device)
-    l_part = torch.empty_like(m_part)
-    kcpg, kbpg = group_shape(k_bits)
-    vcpg, vbpg = group_shape(v_bits)
-    _attn_split_kernel[(b * hkv, split_k)](
-        q_rot, k_codes.contiguous(), k_norms.contiguous(), v_codes.contiguous(),
-        v_norms.contiguous(), _codebook(dim, k_bits, device)[1], _codebook(dim, v_bits, device)[1],
-        acc, m_part, l_part, n, split_k, chunk, G=group, GP=gp, D=dim, KBITS=k_bits,
-        KCPG=kcpg, KBPG=kbpg, VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, BLOCK_N=block_n,
-        num_warps=8 if gp * block_n * dim > 8192 else 4)
-    out = torch.empty((b, hq, dim), dtype=torch.float32, device=device)
-    _attn_reduce_kernel[(b * hq,)](acc, m_part, l_part, _rotation(dim, v_seed, device).r32, out,
-                                   split_k, D=dim, SP=triton.next_power_of_2(split_k),
-                                   BN=min(dim, 32))
-    return out
+                           v_codes: torch.Tensor, v_norms: torch.Tensor, **kwargs: Any
+                           ) -> torch.Tensor:
+    """Split-K decode attention from turbo codes: served by
+    :func:`kvtool.kernels.triton_attention.turbo_decode_attention` (same arguments)."""
+    from kvtool.kernels.triton_attention import turbo_decode_attention as attend
+
+    return attend(q, k_codes, k_norms, v_codes, v_norms, **kwargs)
 
 
 __all__ = ["name", "available", "supported", "turbo_encode", "turbo_decode", "turbo_scores",

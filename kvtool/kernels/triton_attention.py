@@ -1,0 +1,442 @@
+"""Split-K flash-decoding attention straight from turbo and scalar ``turbomix`` codes (Triton:
+CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+
+A turbo key is ``k̂ = ‖k‖ · c @ R`` (``c``: the centroids its codes name), so a score is
+``‖k‖ · (q @ Rᵀ)·c``: the queries are rotated once per call and every score is a dot product
+of a rotated query with centroids looked up in a 4..16-entry fp16 table. Values are summed in
+the rotated domain, ``Σ p ‖v‖ c``, and rotated back once per part. Code rows are read as 32-bit
+words (3 words hold 32 three-bit codes) and split into codes by join trees that keep each code
+in the thread that loaded it; the table lookup is an ``ld.global.nc`` in the codes' own layout
+(compiled for sm_90 that is ~670 instructions per thread per 32-token tile of keys and values at
+head_dim 128 with 4 warps, against ~1,270 for byte loads and ``tl.load`` gathers).
+
+Three kernels per call:
+
+- :func:`_query_kernel`: ``scale · q @ R_cᵀ`` for every key rotation ``c`` in use (turbomix's
+  candidates) and ``scale · q`` (for exact tokens and key means), in fp32 accuracy;
+- :func:`_split_kernel`: one program per (batch · KV head, part) (its steps:
+  :mod:`kvtool.kernels.triton_attention_steps`). The ``G`` query heads of the
+  KV head times the ``Q`` query tokens (``G·Q ≤`` :func:`max_rows`, padded to 16 rows) are the
+  M side of ``tl.dot``, so ``q·kᵀ`` and ``p·v`` run on tensor cores with fp16 operands (rotated
+  query, centroids, ``p·‖v‖``; ~6e-4 relative error) and fp32 accumulation. An encoded part is
+  a token range of one *group*: with candidates the blocks are sorted by their (value, key)
+  rotation pair (once per store change, :func:`_groups`), so a program reads one key rotation
+  (its query) and one value rotation; centered keys add ``q·mean`` per token (the block's fp16
+  mean against the scaled query in two fp16 pieces). The part ends by rotating its value sum
+  back with its ``R`` (exact in bf16, the sum in two bf16 pieces). The last parts attend the
+  exact tokens (sinks, window, this forward's tokens) in the unrotated domain — an accumulator
+  of their own, in fp32 accuracy (16-bit K/V times the fp32 operand in 16-bit pieces) — with an
+  optional additive bias and the causal rule among the new tokens;
+- :func:`_reduce_kernel`: one program per query row merges its parts' softmax states and
+  normalises.
+
+The token tile and ``num_warps`` of the split kernel are autotuned per shape on GPUs (results
+cached on disk where Triton can), fixed under the interpreter. Only uncentered turbo2/3/4 and
+scalar ``turbomix`` codes with fp16 norms are read here (centered keys too); outlier channels,
+``vq=2``, trellis and ``norm_bits=8`` codes are decoded by their callers, then attended.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from kvtool.kernels.bitpack import group_shape
+from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part
+from kvtool.kernels.triton_cuda import (
+    BITS,
+    DIMS,
+    INTERPRET,
+    _codebook,
+    _jit,
+    _mm,
+    _rotation,
+    _sm_count,
+    _split,
+    available,
+    supported,
+)
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    #: what a kernel that does not build here raises (callers decode, then attend)
+    BUILD_ERRORS: tuple[type[Exception], ...] = (CompilationError, OutOfResources)
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    BUILD_ERRORS = ()
+
+name = "triton"
+MAX_ROWS = 64  # query rows (query heads per KV head × query tokens) one program holds
+_EXACT = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_SPLIT = 256  # fewest encoded tokens worth a part of their own
+_EXACT_SPLIT = 128  # exact tokens per part
+
+
+def _tuned(fn: Any) -> Any:
+    """Autotune the token tile and warps of the split kernel on GPUs, keyed on its shape (fixed
+    tile under the interpreter); ``size_class`` keeps short parts apart from long ones."""
+    if triton is None or INTERPRET:
+        return _jit(fn)
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
+               for n, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8))]
+    extra = {"cache_results": True} \
+        if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs, key=["MP", "D", "KBITS", "VBITS", "CK", "CV", "CENTERED",
+                                         "BLOCK", "size_class"],
+                           prune_configs_by={"early_config_prune": _prune}, **extra)(
+        triton.jit(fn))
+
+
+def _footprint(config: Any, dim: int, rows: int) -> float:
+    """fp32-equivalent values per thread of a tile's centroids, scores and value sum."""
+    n = config.kwargs["BLOCK_N"]
+    return (n * dim + rows * dim + rows * n) / (32 * config.num_warps)
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Tiles that fit in registers (≤ 64 values per thread: compiled for sm_90 that is ≤ ~180
+    registers and no spills), else the smallest."""
+    dim = kwargs.get("D", named_args.get("D", 128))
+    rows = kwargs.get("MP", named_args.get("MP", 16))
+    keep = [c for c in configs if _footprint(c, dim, rows) <= 64]
+    return keep or [min(configs, key=lambda c: _footprint(c, dim, rows))]
+
+
+# -- kernels -------------------------------------------------------------------------------------
+@_jit
+def _query_kernel(q_ptr, rt_ptr, out_ptr, rows, nq, hq, sb, sh, sn, scale, C: tl.constexpr,
+                  D: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``out[c] = scale · q @ R_cᵀ`` per key rotation ``c < C`` and ``out[C] = scale · q``, in
+    fp32 accuracy; rows ordered (batch, query head, query token), q strided."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1)
+    rmask = row < rows
+    head = row // nq
+    src = q_ptr + (head // hq) * sb + (head % hq) * sh + (row % nq) * sn
+    cols = tl.arange(0, D)
+    dst = out_ptr + (c * rows + row)[:, None] * D
+    if c == C:
+        raw = tl.load(src[:, None] + cols[None, :], mask=rmask[:, None], other=0.0)
+        tl.store(dst + cols[None, :], raw.to(tl.float32) * scale, mask=rmask[:, None])
+    else:
+        for n0 in range(0, D, BK):  # BK output columns at a time: few live registers
+            acc = tl.zeros([BLOCK_M, BK], tl.float32)
+            for k0 in tl.static_range(0, D, BK):
+                x = tl.load(src[:, None] + (k0 + tl.arange(0, BK))[None, :],
+                            mask=rmask[:, None], other=0.0).to(tl.float32)
+                hi, mid, lo = _split(x, 3)
+                acc = _mm(acc, hi, mid, lo, rt_ptr + c * D * D, k0, n0, D, BK, BK, 3)
+            tl.store(dst + (n0 + tl.arange(0, BK))[None, :], acc * scale, mask=rmask[:, None])
+
+
+@_tuned
+def _split_kernel(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, order_ptr,
+                  goff_ptr, mean_ptr, vr_ptr, ke_ptr, ve_ptr, bias_ptr, m_ptr, l_ptr, acc_ptr,
+                  BH, N, NBLK, X, S, E, hkv, nq, R, bias_b, size_class,
+                  MP: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, KCPG: tl.constexpr,
+                  KBPG: tl.constexpr, VBITS: tl.constexpr, VCPG: tl.constexpr,
+                  VBPG: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
+                  CK: tl.constexpr, CV: tl.constexpr, SORTED: tl.constexpr,
+                  CENTERED: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_X: tl.constexpr, ROT_N: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """One (batch · KV head, part): encoded parts first (CK·CV groups × S splits), then E exact
+    parts; writes the part's (max, sum, value sum) per row, the value sum unrotated."""
+    bh = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    coded = CK * CV * S
+    rows = tl.arange(0, MP)
+    rmask = rows < R
+    out = (bh * (coded + E) + part) * R + rows
+    if part < coded:
+        m_i, l_i, acc = _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr,
+                                    vcent_ptr, order_ptr, goff_ptr, mean_ptr, bh, part, BH, N,
+                                    NBLK, S, R, MP, D, KBITS, KCPG, KBPG, VBITS, VCPG, VBPG,
+                                    KWORDS, VWORDS, CK, CV, SORTED, CENTERED, BLOCK, BLOCK_N)
+        # back from the value rotation: acc @ R_c (R exact in bf16, acc in two bf16 pieces)
+        hi, mid, lo = _split(acc, 2)
+        rot = vr_ptr + (part // S // CK) * D * D
+        for n0 in range(0, D, ROT_N):  # a loop, not unrolled: fewer live registers
+            o = _mm(tl.zeros([MP, ROT_N], tl.float32), hi, mid, lo, rot, 0, n0, D, D, ROT_N, 2)
+            tl.store(acc_ptr + out[:, None] * D + (n0 + tl.arange(0, ROT_N))[None, :], o,
+                     mask=rmask[:, None])
+    else:
+        m_i, l_i, acc = _exact_part(qr_ptr, ke_ptr, ve_ptr, bias_ptr, bh, part - coded, BH, X,
+                                    E, hkv, nq, R, bias_b, MP, D, CK, CAUSAL, HAS_BIAS,
+                                    BLOCK_X)
+        tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc,
+                 mask=rmask[:, None])
+    tl.store(m_ptr + out, m_i, mask=rmask)
+    tl.store(l_ptr + out, l_i, mask=rmask)
+
+
+@_jit
+def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, P, R, hkv, nq, D: tl.constexpr,
+                   PCH: tl.constexpr):
+    """One query row: merge its P parts' softmax states, normalise; out [B, Q, Hq, D]."""
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid // R
+    r = pid % R
+    at = bh * P  # part p of this row: (at + p) * R + r
+    top = tl.full([1], float("-inf"), tl.float32)
+    for p0 in range(0, P, PCH):
+        pi = p0 + tl.arange(0, PCH)
+        top = tl.maximum(top, tl.max(tl.load(m_ptr + (at + pi) * R + r, mask=pi < P,
+                                             other=float("-inf")), axis=0))
+    cols = tl.arange(0, D)
+    total = tl.zeros([1], tl.float32)
+    o = tl.zeros([D], tl.float32)
+    for p0 in range(0, P, PCH):
+        pi = p0 + tl.arange(0, PCH)
+        m = tl.load(m_ptr + (at + pi) * R + r, mask=pi < P, other=float("-inf"))
+        w = tl.exp(m - top)
+        total += tl.sum(w * tl.load(l_ptr + (at + pi) * R + r, mask=pi < P, other=0.0), axis=0)
+        a = tl.load(acc_ptr + ((at + pi) * R + r)[:, None] * D + cols[None, :],
+                    mask=(w > 0)[:, None], other=0.0)
+        o += tl.sum(w[:, None] * a, axis=0)
+    g, i = r // nq, r % nq
+    hq = hkv * (R // nq)
+    dst = out_ptr + (((bh // hkv) * nq + i) * hq + (bh % hkv) * (R // nq) + g) * D
+    tl.store(dst + cols, o / total)
+
+
+# -- host side -----------------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _rotations(dim: int, seeds: tuple[int, ...], device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Rᵀ stacked [C, D, D], R stacked [C, D, D]) in bf16 (exact) for the candidates' seeds."""
+    rots = [_rotation(dim, s, device) for s in seeds]
+    return (torch.stack([r.rtb for r in rots]).contiguous(),
+            torch.stack([r.rb for r in rots]).contiguous())
+
+
+@lru_cache(maxsize=32)
+def _table(dim: int, bits: int, device: torch.device) -> torch.Tensor:
+    """The codebook's centroids in fp16 (the lookup table of the code tiles)."""
+    return _codebook(dim, bits, device)[1].to(torch.float16)
+
+
+_GROUPS: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
+_GROUPS_LOCK = threading.Lock()
+
+
+def _groups(k_rot: torch.Tensor | None, v_rot: torch.Tensor | None, ck: int, cv: int,
+            heads: int, blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order int32 [BH, blocks], offsets int32 [BH, CK·CV + 1]): each row's blocks sorted
+    (stably) by group ``v_rot · CK + k_rot``; group g's blocks are ``order[offsets[g]:
+    offsets[g + 1]]``. Memoised on the rotation tensors' memory (a store changes once per new
+    block); the entry keeps them alive, so their addresses cannot be reused while it stands.
+    Tensors written in place must not come again (inference tensors count no versions)."""
+    def ident(t: torch.Tensor | None) -> tuple[Any, ...]:
+        if t is None:
+            return (None,)
+        version = -1 if t.is_inference() else t._version
+        return t.data_ptr(), version, tuple(t.shape), t.stride()
+
+    key = (*ident(k_rot), *ident(v_rot), ck, cv, heads, blocks, str(device))
+    with _GROUPS_LOCK:
+        hit = _GROUPS.get(key)
+        if hit is not None:
+            _GROUPS.move_to_end(key)
+            return hit[2], hit[3]
+    group = torch.zeros((heads, blocks), dtype=torch.int64, device=device)
+    if k_rot is not None:
+        group += k_rot.reshape(heads, blocks).long()
+    if v_rot is not None:
+        group += v_rot.reshape(heads, blocks).long() * ck
+    values, order = torch.sort(group, dim=1, stable=True)
+    bounds = torch.arange(ck * cv + 1, device=device).expand(heads, -1).contiguous()
+    entry = (k_rot, v_rot, order.to(torch.int32).contiguous(),
+             torch.searchsorted(values, bounds).to(torch.int32))
+    with _GROUPS_LOCK:
+        _GROUPS[key] = entry
+        while len(_GROUPS) > 256:
+            _GROUPS.popitem(last=False)
+    return entry[2], entry[3]
+
+
+def _splits(device: torch.device, programs: int, tokens: int) -> int:
+    """Parts per group: enough programs to fill the GPU four times over, none shorter than
+    :data:`_MIN_SPLIT` tokens."""
+    want = triton.cdiv(4 * _sm_count(device), max(1, programs))
+    return max(1, min(want, triton.cdiv(tokens, _MIN_SPLIT)))
+
+
+def _words(codes: torch.Tensor) -> bool:
+    """Whether every packed row starts 4-byte aligned (the kernel then reads 32-bit words)."""
+    return codes.shape[-1] % 4 == 0 and codes.data_ptr() % 4 == 0
+
+
+def max_rows(dim: int) -> int:
+    """Most query rows per KV head (query heads per KV head × query tokens) :func:`attend`
+    takes at head_dim ``dim`` (their value sums stay in registers)."""
+    return MAX_ROWS if dim <= 128 else MAX_ROWS // 2
+
+
+def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int, n: int,
+                 nbytes: int) -> None:
+    if tuple(codes.shape) != (heads, n, nbytes) or tuple(norms.shape) != (heads, n) \
+            or codes.dtype != torch.uint8 or not norms.is_floating_point():
+        raise ValueError(f"attention from codes: {name} codes {tuple(codes.shape)} "
+                         f"{codes.dtype} / norms {tuple(norms.shape)} {norms.dtype} are not "
+                         f"uint8 [{heads}, {n}, {nbytes}] / float [{heads}, {n}]")
+
+
+def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
+           v_codes: torch.Tensor, v_norms: torch.Tensor, ke: torch.Tensor | None = None,
+           ve: torch.Tensor | None = None, *, dim: int, k_bits: int, v_bits: int,
+           k_seeds: Sequence[int], v_seeds: Sequence[int], scale: float,
+           bias: torch.Tensor | None = None, causal: bool = False,
+           k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
+           key_means: torch.Tensor | None = None, block: int = 0,
+           split_k: int | None = None) -> torch.Tensor:
+    """Softmax attention of ``q`` over encoded tokens and exact ones: fp32 ``[B, Q, Hq, D]``
+    (the layout attention functions return).
+
+    ``q`` [B, Hq, Q, D] (any float dtype, strided); ``k_codes``/``v_codes`` uint8 packed codes
+    [B·Hkv, N, D·bits/8] and ``k_norms``/``v_norms`` float [B·Hkv, N] of the N encoded tokens,
+    which every query sees; ``k_seeds``/``v_seeds``: the rotation seed of each candidate
+    (turbo: one). With several candidates or ``key_means``, tokens come in blocks of ``block``:
+    ``k_rotations``/``v_rotations`` (uint8 [B·Hkv, N / block], each < its candidates; None:
+    candidate 0) name each block's rotation and ``key_means`` (fp16 values [B·Hkv, N / block,
+    D]) its keys' mean. ``ke``/``ve`` [B, Hkv, X, D] (fp16, bf16 or fp32): the exact tokens, the
+    Q new ones last; exact token j is visible to query i unless ``causal`` and
+    ``j > X − Q + i``; ``bias`` (float [1 or B, Q, X], additive, ``-inf`` hides) is added to
+    exact scores. ``split_k``: parts per rotation group (default: enough to fill the GPU).
+    """
+    for bits in (k_bits, v_bits):
+        if not supported(dim, bits):
+            raise ValueError(f"attention from codes supports dims {DIMS} and bits {BITS}, "
+                             f"got dim={dim} bits={bits}")
+    if q.ndim != 4 or q.shape[-1] != dim:
+        raise ValueError(f"attention from codes: q must be [B, Hq, Q, {dim}], got "
+                         f"{tuple(q.shape)}")
+    batch, hq, nq, _ = q.shape
+    if k_codes.ndim != 3:
+        raise ValueError(f"attention from codes: key codes must be [B·Hkv, N, bytes], got "
+                         f"{tuple(k_codes.shape)}")
+    heads, n = k_codes.shape[0], k_codes.shape[1]
+    if batch == 0 or heads % batch or hq % max(1, heads // batch) or not heads:
+        raise ValueError(f"attention from codes: {heads} code rows do not hold the KV heads "
+                         f"of {hq} query heads × batch {batch}")
+    hkv = heads // batch
+    rows = hq // hkv * nq
+    if rows > max_rows(dim):
+        raise ValueError(f"attention from codes: {rows} query rows per KV head (query heads "
+                         f"per KV head × query tokens), at most {max_rows(dim)} at dim {dim}")
+    _check_codes("key", k_codes, k_norms, heads, n, dim * k_bits // 8)
+    _check_codes("value", v_codes, v_norms, heads, n, dim * v_bits // 8)
+    ck, cv = len(k_seeds), len(v_seeds)
+    sorted_ = ck > 1 or cv > 1
+    if (sorted_ or key_means is not None) and (block < 1 or n % block):
+        raise ValueError(f"attention from codes: {n} encoded tokens are not whole blocks of "
+                         f"{block}")
+    blocks = n // block if block >= 1 else 1
+    for name_, t, want in (("k_rotations", k_rotations, (heads, blocks)),
+                           ("v_rotations", v_rotations, (heads, blocks)),
+                           ("key_means", key_means, (heads, blocks, dim))):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"attention from codes: {name_} {tuple(t.shape)}, expected {want}")
+    x = 0 if ke is None else ke.shape[2]
+    if (ke is None) != (ve is None) or (ke is not None and (
+            tuple(ke.shape) != (batch, hkv, x, dim) or ve.shape != ke.shape
+            or ke.dtype not in _EXACT or ve.dtype != ke.dtype)):
+        raise ValueError("attention from codes: exact keys/values must both be "
+                         f"[{batch}, {hkv}, X, {dim}] of one float dtype")
+    if bias is not None and (bias.ndim != 3 or bias.shape[0] not in (1, batch)
+                             or tuple(bias.shape[1:]) != (nq, x)):
+        raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
+                         f"[1 or {batch}, {nq}, {x}]")
+    device = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    total_rows = batch * hq * nq
+    krt, _ = _rotations(dim, tuple(int(s) for s in k_seeds), device)
+    qr = torch.empty((ck + 1, total_rows, dim), dtype=torch.float32, device=device)
+    _query_kernel[(triton.cdiv(total_rows, 16), ck + 1)](
+        q, krt, qr, total_rows, nq, hq, q.stride(0), q.stride(1), q.stride(2), float(scale),
+        C=ck, D=dim, BK=min(dim, 64), BLOCK_M=16)
+    if sorted_:
+        order, offsets = _groups(k_rotations, v_rotations, ck, cv, heads, blocks, device)
+    else:
+        order = offsets = k_codes  # unused
+    groups = ck * cv
+    if split_k is None:
+        split_k = _splits(device, heads * groups, triton.cdiv(n, groups))
+    if not 1 <= split_k <= 65535 // max(1, groups):
+        raise ValueError(f"split_k must be in 1..{65535 // groups}, got {split_k}")
+    exact_parts = triton.cdiv(x, _EXACT_SPLIT)
+    parts = groups * split_k + exact_parts
+    work = torch.empty((heads * parts * rows * (dim + 2),), dtype=torch.float32, device=device)
+    m_part = work[:heads * parts * rows]
+    l_part = work[heads * parts * rows:2 * heads * parts * rows]
+    acc = work[2 * heads * parts * rows:]
+    kcpg, kbpg = group_shape(k_bits)
+    vcpg, vbpg = group_shape(v_bits)
+    per_part = n // max(1, groups * split_k)
+    blocked = sorted_ or key_means is not None
+    k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
+    _split_kernel[(heads, parts)](
+        qr, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
+        _table(dim, k_bits, device), _table(dim, v_bits, device),
+        order, offsets,
+        k_codes if key_means is None else key_means.to(torch.float16).contiguous(),
+        _rotations(dim, tuple(int(s) for s in v_seeds), device)[1],
+        *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
+        q if bias is None else bias.to(torch.float32).contiguous(),
+        m_part, l_part, acc, heads, n, blocks, x, split_k, exact_parts, hkv, nq, rows,
+        1 if bias is None else bias.shape[0], int(per_part >= 1024) + int(per_part >= 8192),
+        MP=max(16, triton.next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
+        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=_words(k_codes), VWORDS=_words(v_codes),
+        CK=ck, CV=cv, SORTED=sorted_,
+        CENTERED=key_means is not None, BLOCK=block if blocked else 1,
+        CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
+        ROT_N=min(dim, 32), **({"BLOCK_N": 16} if INTERPRET else {}))
+    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32, device=device)
+    _reduce_kernel[(heads * rows,)](m_part, l_part, acc, out, parts, rows, hkv, nq, D=dim,
+                                    PCH=min(32, triton.next_power_of_2(parts)))
+    return out
+
+
+def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
+                           v_codes: torch.Tensor, v_norms: torch.Tensor, *, dim: int,
+                           k_bits: int, k_seed: int, v_bits: int, v_seed: int, scale: float,
+                           split_k: int | None = None) -> torch.Tensor:
+    """Split-K decode attention straight from turbo codes: ``softmax(q·k̂ᵀ·scale)·v̂`` → fp32
+    ``[B, Hq, D]`` for q ``[B, Hq, D]``, codes ``[B, Hkv, N, nbytes]``, norms ``[B, Hkv, N]``
+    (the signature and semantics of :func:`kvtool.kernels.triton_cuda.turbo_decode_attention`;
+    ``split_k``: token splits)."""
+    for bits in (k_bits, v_bits):
+        if not supported(dim, bits):
+            raise ValueError(f"triton turbo kernels support dims {DIMS} and bits {BITS}, "
+                             f"got dim={dim} bits={bits}")
+    if q.ndim != 3 or k_codes.ndim != 4:
+        raise ValueError("decode attention: inconsistent q/k/v shapes")
+    b, hq, d = q.shape
+    hkv, n = k_codes.shape[1], k_codes.shape[2]
+    if (d != dim or hq % hkv or n == 0 or tuple(k_codes.shape) != (b, hkv, n, dim * k_bits // 8)
+            or tuple(v_codes.shape) != (b, hkv, n, dim * v_bits // 8)
+            or tuple(k_norms.shape) != (b, hkv, n) or tuple(v_norms.shape) != (b, hkv, n)):
+        raise ValueError("decode attention: inconsistent q/k/v shapes")
+    if split_k is not None and not 1 <= split_k <= 65535:
+        raise ValueError(f"split_k must be in 1..65535, got {split_k}")
+    out = attend(q[:, :, None, :], k_codes.reshape(b * hkv, n, -1), k_norms.reshape(b * hkv, n),
+                 v_codes.reshape(b * hkv, n, -1), v_norms.reshape(b * hkv, n), dim=dim,
+                 k_bits=k_bits, v_bits=v_bits, k_seeds=(k_seed,), v_seeds=(v_seed,),
+                 scale=scale, split_k=split_k)
+    return out.reshape(b, hq, dim)
+
+
+__all__ = ["BUILD_ERRORS", "MAX_ROWS", "INTERPRET", "attend", "available", "max_rows", "name",
+           "supported", "turbo_decode_attention"]

@@ -1,0 +1,204 @@
+"""The tile steps of the Triton attention from codes (:mod:`kvtool.kernels.triton_attention`):
+unpacking code rows into fp16 centroids, the exact-accuracy dots of the exact tokens, and the
+online softmax of an encoded part and of an exact part."""
+
+from __future__ import annotations
+
+from kvtool.kernels.triton_cuda import _INTERP, _centroids, _jit, _split, tl
+from kvtool.kernels.triton_turbomix_steps import _dot
+
+
+@_jit
+def _exact_dot(a, b, acc):
+    """``acc + a @ b`` in fp32 accuracy for an fp32 ``a`` and a ``b`` of the exact tokens'
+    dtype: ``a`` split in pieces of ``b``'s 16-bit type (bf16: three, exact; fp16: two)."""
+    if b.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif b.dtype == tl.bfloat16:
+        hi, mid, lo = _split(a, 3)
+        return _dot(hi, b, _dot(mid, b, _dot(lo, b, acc)))
+    else:
+        hi = a.to(tl.float16)
+        lo = (a - hi.to(tl.float32)).to(tl.float16)
+        return _dot(hi, b, _dot(lo, b, acc))
+
+
+@_jit
+def _field(w, AT: tl.constexpr, BITS: tl.constexpr):
+    return (w >> AT) & ((1 << BITS) - 1)
+
+
+# the fields at AT + STEP·e (e < 2, 4, 8, 16) as trailing in-register axes [..., 2, ..., 2] in
+# natural order: a join tree keeps every code in the thread holding its word, where a broadcast
+# against a shift vector makes Triton spread them over threads (a shared-memory round trip)
+@_jit
+def _fields2(w, AT: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
+    return tl.join(_field(w, AT, BITS), _field(w, AT + STEP, BITS))
+
+
+@_jit
+def _fields4(w, AT: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
+    return tl.join(_fields2(w, AT, 2 * STEP, BITS), _fields2(w, AT + STEP, 2 * STEP, BITS))
+
+
+@_jit
+def _fields8(w, AT: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
+    return tl.join(_fields4(w, AT, 2 * STEP, BITS), _fields4(w, AT + STEP, 2 * STEP, BITS))
+
+
+@_jit
+def _fields16(w, AT: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
+    return tl.join(_fields8(w, AT, 2 * STEP, BITS), _fields8(w, AT + STEP, 2 * STEP, BITS))
+
+
+@_jit
+def _lookup(table_ptr, codes):
+    """``table[codes]`` of a small fp16 table in the layout of ``codes`` (as a ``tl.load``, the
+    coalescing pass would move the gather's 64-bit addresses through shared memory first)."""
+    if _INTERP:
+        y = tl.load(table_ptr + codes.to(tl.int32))
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .u64 a; mad.wide.u32 a, $1, 2, $2; ld.global.nc.b16 $0, [a]; }", "=h,r,l",
+            [codes.to(tl.uint32), table_ptr.to(tl.uint64, bitcast=True)], dtype=tl.float16,
+            is_pure=True, pack=1)
+    return y
+
+
+@_jit
+def _unit_tile(codes_ptr, row_off, rmask, table_ptr, R: tl.constexpr, D: tl.constexpr,
+               BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
+               WORDS: tl.constexpr):
+    """fp16 centroids [R, D] of the packed rows at byte offsets ``row_off``. ``WORDS`` (rows
+    4-byte aligned): the codes read as 32-bit words and split in registers; else byte by byte
+    (:func:`~kvtool.kernels.triton_cuda._centroids`)."""
+    if not WORDS:  # (no early return: Triton would still compile what follows)
+        y = _centroids(codes_ptr, row_off, rmask, table_ptr, R, D, BITS, CPG, BPG)
+    elif BITS == 3:  # 32 codes in 3 words: 4 groups of 8 codes in 3 bytes each
+        qi = tl.arange(0, D // 32)
+        ptr = (codes_ptr + row_off[:, None] + qi[None, :] * 12).to(tl.pointer_type(tl.uint32))
+        w0 = tl.load(ptr, mask=rmask[:, None], other=0)
+        w1 = tl.load(ptr + 1, mask=rmask[:, None], other=0)
+        w2 = tl.load(ptr + 2, mask=rmask[:, None], other=0)
+        groups = tl.join(tl.join(w0 & 0xFFFFFF, (w1 >> 16) | ((w2 & 0xFF) << 16)),
+                         tl.join((w0 >> 24) | ((w1 & 0xFFFF) << 8), w2 >> 8))
+        y = tl.reshape(_lookup(table_ptr, _fields8(groups, 0, 3, 3)), [R, D])
+    else:
+        wi = tl.arange(0, D * BITS // 32)
+        ptr = (codes_ptr + row_off[:, None]).to(tl.pointer_type(tl.uint32)) + wi[None, :]
+        w = tl.load(ptr, mask=rmask[:, None], other=0)
+        if BITS == 4:
+            y = tl.reshape(_lookup(table_ptr, _fields8(w, 0, 4, 4)), [R, D])
+        else:
+            y = tl.reshape(_lookup(table_ptr, _fields16(w, 0, 2, 2)), [R, D])
+    return y
+
+
+@_jit
+def _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, order_ptr,
+                goff_ptr, mean_ptr, bh, part, BH, N, NBLK, S, R,
+                MP: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, KCPG: tl.constexpr,
+                KBPG: tl.constexpr, VBITS: tl.constexpr, VCPG: tl.constexpr,
+                VBPG: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
+                CK: tl.constexpr, CV: tl.constexpr, SORTED: tl.constexpr,
+                CENTERED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of the part's encoded tokens: (max, sum, value sum in the rotated
+    domain) per row. Part = (group, split); group = value rotation · CK + key rotation."""
+    group = part // S
+    rows = tl.arange(0, MP)
+    rmask = rows < R
+    cols = tl.arange(0, D)
+    if SORTED:  # the group's blocks: order[first:first + count], tokens block by block
+        first = tl.load(goff_ptr + bh * (CK * CV + 1) + group)
+        n = (tl.load(goff_ptr + bh * (CK * CV + 1) + group + 1) - first) * BLOCK
+    else:
+        first = 0
+        n = N
+    chunk = tl.cdiv(tl.cdiv(n, S), BLOCK_N) * BLOCK_N
+    lo = (part % S) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    qrow = (group % CK * BH + bh) * R + rows
+    q = tl.load(qr_ptr + qrow[:, None] * D + cols[None, :], mask=rmask[:, None],
+                other=0.0).to(tl.float16)
+    if CENTERED:  # q·mean in two fp16 pieces of the scaled query (the mean is fp16)
+        qs = tl.load(qr_ptr + ((CK * BH + bh) * R + rows)[:, None] * D + cols[None, :],
+                     mask=rmask[:, None], other=0.0)
+        qs_hi = qs.to(tl.float16)
+        qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.float16)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, D], tl.float32)
+    for v0 in range(lo, hi, BLOCK_N):
+        v = v0 + tl.arange(0, BLOCK_N)
+        vmask = v < hi
+        if SORTED:
+            blk = tl.load(order_ptr + bh * NBLK + first + v // BLOCK, mask=vmask,
+                          other=0).to(tl.int64)
+            tok = blk * BLOCK + v % BLOCK
+        else:
+            tok = v.to(tl.int64)
+            blk = tok // BLOCK
+        kv = bh * N + tok
+        yk = _unit_tile(kc_ptr, kv * (D * KBITS // 8), vmask, kcent_ptr, BLOCK_N, D, KBITS,
+                        KCPG, KBPG, KWORDS)
+        s = _dot(q, tl.trans(yk), tl.zeros([MP, BLOCK_N], tl.float32))
+        s = s * tl.load(kn_ptr + kv, mask=vmask, other=0.0).to(tl.float32)[None, :]
+        if CENTERED:
+            mean = tl.load(mean_ptr + (bh * NBLK + blk)[:, None] * D + cols[None, :],
+                           mask=vmask[:, None], other=0.0)
+            s = _dot(qs_lo, tl.trans(mean), _dot(qs_hi, tl.trans(mean), s))
+        s = tl.where(vmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        yv = _unit_tile(vc_ptr, kv * (D * VBITS // 8), vmask, vcent_ptr, BLOCK_N, D, VBITS,
+                        VCPG, VBPG, VWORDS)
+        pv = p * tl.load(vn_ptr + kv, mask=vmask, other=0.0).to(tl.float32)[None, :]
+        acc = _dot(pv.to(tl.float16), yv, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@_jit
+def _exact_part(qr_ptr, ke_ptr, ve_ptr, bias_ptr, bh, e, BH, X, E, hkv, nq, R, bias_b,
+                MP: tl.constexpr, D: tl.constexpr, CK: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Online softmax of the part's exact tokens (unrotated): exact token j is visible to row r
+    (query token i = r mod Q) unless causal and ``j > X − Q + i``; ``bias`` [1 or B, Q, X]."""
+    rows = tl.arange(0, MP)
+    rmask = rows < R
+    cols = tl.arange(0, D)
+    qs = tl.load(qr_ptr + ((CK * BH + bh) * R + rows)[:, None] * D + cols[None, :],
+                 mask=rmask[:, None], other=0.0)
+    qi = rows % nq
+    chunk = tl.cdiv(tl.cdiv(X, E), BLOCK_X) * BLOCK_X
+    lo = e * chunk
+    hi = tl.minimum(lo + chunk, X)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, D], tl.float32)
+    for x0 in range(lo, hi, BLOCK_X):
+        j = x0 + tl.arange(0, BLOCK_X)
+        jmask = j < hi
+        k = tl.load(ke_ptr + (bh * X + j)[:, None] * D + cols[None, :], mask=jmask[:, None],
+                    other=0.0)
+        s = _exact_dot(qs, tl.trans(k), tl.zeros([MP, BLOCK_X], tl.float32))
+        if HAS_BIAS:
+            brow = (tl.minimum(bh // hkv, bias_b - 1) * nq + qi).to(tl.int64) * X
+            s += tl.load(bias_ptr + brow[:, None] + j[None, :],
+                         mask=rmask[:, None] & jmask[None, :], other=0.0)
+        visible = jmask[None, :]
+        if CAUSAL:
+            visible = visible & (j[None, :] <= X - nq + qi[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        val = tl.load(ve_ptr + (bh * X + j)[:, None] * D + cols[None, :], mask=jmask[:, None],
+                      other=0.0)
+        acc = _exact_dot(p, val, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
