@@ -38,7 +38,6 @@ scalar ``turbomix`` codes with fp16 norms are read here (centered keys too); out
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,6 +55,7 @@ from kvtool.kernels.triton_cuda import (
     _codebook,
     _jit,
     _mm,
+    _persisted,
     _rotation,
     _sm_count,
     _split,
@@ -90,11 +90,9 @@ def _tuned(fn: Any) -> Any:
         return _jit(fn)
     configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
                for n, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8))]
-    extra = {"cache_results": True} \
-        if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(configs, key=["MP", "D", "KBITS", "VBITS", "CK", "CV", "CENTERED",
                                          "BLOCK", "size_class"],
-                           prune_configs_by={"early_config_prune": _prune}, **extra)(
+                           prune_configs_by={"early_config_prune": _prune}, **_persisted())(
         triton.jit(fn))
 
 
