@@ -1,0 +1,243 @@
+"""One layer's keys, values, or both stacked, as :class:`~kvtool.engines.hf_runtime.
+CompressedCache` holds them: exact sinks, encoded chunks of whole blocks, exact recent window
+(the layout and the trade-offs are in :mod:`kvtool.engines.hf_runtime`'s docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtool.codecs import Codec, Encoded
+from kvtool.errors import KvtoolError
+
+
+def _blocked(shapes: Any, lead: tuple[int, ...]) -> bool:
+    """Whether every array shape (of an ``Encoded`` or a codec's declared arrays) starts with
+    the ``lead`` axes (…, n_blocks)."""
+    return all(len(s) > len(lead) and tuple(s[: len(lead)]) == lead for s in shapes)
+
+
+def _shapes(enc: Encoded) -> list[tuple[int, ...]]:
+    return [tuple(a.shape) for a in enc.arrays.values()]
+
+
+def _concat(a: Encoded, b: Encoded, axis: int) -> Encoded | None:
+    """``a`` and ``b`` joined along the block ``axis``, or None when their layouts differ."""
+    if a.arrays.keys() != b.arrays.keys() or a.shape[axis + 1:] != b.shape[axis + 1:] \
+            or a.dtype != b.dtype:
+        return None
+    if any(x.shape[axis + 1:] != b.arrays[k].shape[axis + 1:] for k, x in a.arrays.items()):
+        return None
+    arrays = {k: torch.cat([x, b.arrays[k]], dim=axis) for k, x in a.arrays.items()}
+    shape = (*a.shape[:axis], a.shape[axis] + b.shape[axis], *a.shape[axis + 1:])
+    return Encoded(arrays, shape, a.dtype)
+
+
+class _Stream:
+    """Sinks, encoded chunks and recent window of one layer's keys, values, or both stacked.
+
+    Tensors are ``[*lead, tokens, dim]`` with ``lead`` = (batch, heads), or (2, batch, heads)
+    when keys and values share a codec and are encoded and decoded together (one call each).
+    """
+
+    def __init__(self, codec: Codec | None, sink_tokens: int, recent_tokens: int, block: int,
+                 sliding: bool = False):
+        self.codec = codec  # None: lossless, everything stays in ``tail``
+        self.sink_tokens, self.recent_tokens, self.block = sink_tokens, recent_tokens, block
+        self.sliding = sliding  # blocks must be droppable one by one (see drop_front)
+        self.parts = False  # codes_np for the kernel of every turbomix option (see there)
+        self.reset()
+
+    def reset(self) -> None:
+        self.sink: torch.Tensor | None = None
+        self.chunks: list[Encoded] = []  # each encodes [*lead, n_blocks, block, dim]
+        self.stored = 0  # tokens in ``chunks``
+        self.tail: torch.Tensor | None = None
+        self._np: tuple[Any, ...] | None = None  # memo of :meth:`codes_np`
+        self._dev: tuple[Any, ...] | None = None  # memo of :meth:`codes_torch`
+
+    def nbytes(self) -> tuple[int, int]:
+        """(encoded bytes, full-precision bytes) actually held."""
+        full = sum(p.numel() * p.element_size() for p in (self.sink, self.tail) if p is not None)
+        return sum(c.nbytes for c in self.chunks), full
+
+    def decoded(self) -> list[torch.Tensor]:
+        """The encoded store as full tensors ``[*lead, tokens, dim]`` (transient)."""
+        return [self.codec.decode(enc).flatten(-3, -2) for enc in self.chunks]
+
+    def full(self) -> torch.Tensor | None:
+        parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
+        return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
+
+    def codes_np(self) -> tuple[Any, ...]:
+        """The store's codes ``[L, B·H, E, bytes]`` (uint8), norms ``[L, B·H, E]`` (fp16 bits
+        as uint16), each block's rotation ``[L, B·H, blocks]`` (uint8; zeros without one) and
+        mean ``[L, B·H, blocks, D]`` (float32; None: uncentered), ``L`` = 2 when keys and
+        values are stacked, else 1: zero-copy numpy views of the single chunk where they can
+        be (several chunks are joined, transiently). With ``parts`` (the attention kernel for
+        every ``turbomix`` option reads this layer), instead (None × 4, then one
+        :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` per ``L``)."""
+        if self._np is not None:
+            return self._np
+        joined, axis = self._joined()
+        codes = joined["codes"]
+        lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
+        heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
+        if self.parts:
+            from kvtool.engines.hf_attention import role_codes
+
+            per_role = {name: a.contiguous().numpy().reshape(-1, heads, *a.shape[axis:])
+                        for name, a in joined.items()}
+            dim = self.chunks[0].shape[-1]
+            out: tuple[Any, ...] = (None, None, None, None, [
+                role_codes(self.codec, {name: a[i] for name, a in per_role.items()}, heads,
+                           blocks * codes.shape[-2], codes.shape[-2], dim)
+                for i in range(len(per_role["codes"]))])
+        else:
+            norms = joined["norms"]
+            flat = (-1, heads, blocks * codes.shape[-2])
+            codes_np = codes.contiguous().reshape(*flat, codes.shape[-1]).numpy()
+            rotation = (joined["rotation"].contiguous().reshape(-1, heads, blocks).numpy()
+                        if "rotation" in joined
+                        else np.zeros((codes_np.shape[0], heads, blocks), np.uint8))
+            mean = (joined["mean"].float().reshape(-1, heads, blocks, joined["mean"].shape[-1])
+                    .numpy() if "mean" in joined else None)
+            out = (codes_np,
+                   norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16),
+                   rotation, mean, None)
+        if len(self.chunks) == 1 or self.parts:
+            self._np = out
+        return out
+
+    def _joined(self) -> tuple[dict[str, torch.Tensor], int]:
+        """(every array of the chunks joined along the blocks' axis — the single chunk's own
+        arrays when there is one —, that axis)."""
+        first = self.chunks[0].arrays
+        axis = first["codes"].ndim - 3  # the blocks' axis of every array
+        return {name: torch.cat([c.arrays[name] for c in self.chunks], dim=axis)
+                if len(self.chunks) > 1 else first[name] for name in first}, axis
+
+    def codes_torch(self) -> tuple[Any, ...]:
+        """:meth:`codes_np` as tensors where the store lives, for the Triton kernel: codes
+        ``[L, B·H, E, bytes]``, fp16 norms ``[L, B·H, E]``, rotations ``[L, B·H, blocks]``
+        (None without candidates), fp16 means ``[L, B·H, blocks, D]`` (None: uncentered), None;
+        views of the single chunk (several chunks are joined, transiently)."""
+        if self._dev is not None:
+            return self._dev
+        joined = self._joined()[0]
+        codes = joined["codes"]
+        lead = codes.shape[:-3]
+        heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
+        flat = (-1, heads, blocks * codes.shape[-2])
+        mean = joined.get("mean")
+        out = (codes.reshape(*flat, codes.shape[-1]), joined["norms"].reshape(flat),
+               joined["rotation"].reshape(-1, heads, blocks) if "rotation" in joined else None,
+               None if mean is None else mean.reshape(-1, heads, blocks, mean.shape[-1]), None)
+        if len(self.chunks) == 1:
+            self._dev = out
+        return out
+
+    def update(self, x: torch.Tensor, from_codes: bool = False, on_device: bool = False
+               ) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+        """Append ``x`` [*lead, new, dim]; return (states, encoded).
+
+        Default: every token's states (the store decoded, ``x`` exact) and None. With
+        ``from_codes`` and a non-empty store: only the exact tokens (sinks, window, ``x``) and
+        ``(codes, norms, rotations, means, roles, chunks, sinks)`` of the store as it was before
+        ``x``
+        (:meth:`codes_np`, or :meth:`codes_torch` ``on_device``; the encoded tokens go after
+        the first ``sinks`` exact ones).
+        """
+        if self.codec is None:
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            return self.tail, None
+        have = 0 if self.sink is None else self.sink.shape[-2]
+        if from_codes and self.chunks:  # the sinks are full: x goes to the window
+            encoded = (*(self.codes_torch() if on_device else self.codes_np()),
+                       list(self.chunks), have)
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            # the window is never changed in place (only replaced), so it can be returned
+            out = self.tail if self.sink is None else torch.cat([self.sink, self.tail], dim=-2)
+            self._flush()
+            return out, encoded
+        parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
+        out = torch.cat([*parts, x], dim=-2) if parts else x
+        take = min(self.sink_tokens - have, x.shape[-2])
+        if take > 0:
+            head = x[..., :take, :]
+            self.sink = head.clone() if self.sink is None else torch.cat([self.sink, head], -2)
+            x = x[..., take:, :].clone()  # a view would pin the sink tokens' buffer too
+        if x.shape[-2]:
+            self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
+            self._flush()
+        return out, None
+
+    def _flush(self) -> None:
+        """Encode the window's oldest whole blocks beyond ``recent_tokens``."""
+        n_blocks = (self.tail.shape[-2] - self.recent_tokens) // self.block
+        if n_blocks <= 0:
+            return
+        cut, lead = n_blocks * self.block, tuple(self.tail.shape[:-2])
+        x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
+        self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
+        self._np = self._dev = None
+        self.stored += cut
+        if self.sliding and n_blocks > 1 and not self._declares_blocks(x):
+            # a layout without a block axis cannot be cut: one chunk per block, dropped whole
+            self.chunks.extend(self.codec.encode(x[..., i:i + 1, :, :]) for i in range(n_blocks))
+            return
+        enc = self.codec.encode(x)
+        merged = None
+        if self.chunks and _blocked(_shapes(enc), (*lead, n_blocks)):
+            merged = _concat(self.chunks[-1], enc, len(lead))
+        if merged is not None:
+            self.chunks[-1] = merged
+        else:
+            self.chunks.append(enc)
+
+    def _declares_blocks(self, x: torch.Tensor) -> bool:
+        """Whether the codec declares every array of ``x`` [*lead, n_blocks, block, dim] with
+        the block axis (so encoded blocks can later be dropped one by one)."""
+        spec = self.codec.expected_arrays(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+        return _blocked((a.shape for a in spec.values()), tuple(x.shape[:-2]))
+
+    def drop_front(self, n: int) -> None:
+        """Let go of the ``n`` oldest tokens (a multiple of ``block`` while any are encoded):
+        whole encoded blocks first, then window tokens. Sliding layers keep no sinks."""
+        while n and self.chunks:
+            enc = self.chunks[0]
+            axis = len(enc.shape) - 3
+            total, k = enc.shape[axis], min(n // self.block, enc.shape[axis])
+            if k == total:
+                self.chunks.pop(0)
+            else:
+                arrays = {name: a.narrow(axis, k, total - k).clone()
+                          for name, a in enc.arrays.items()}
+                shape = (*enc.shape[:axis], total - k, *enc.shape[axis + 1:])
+                self.chunks[0] = Encoded(arrays, shape, enc.dtype)
+            n -= k * self.block
+            self.stored -= k * self.block
+            self._np = self._dev = None
+        if n:
+            self.tail = self.tail[..., n:, :].clone()
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], axis: int) -> None:
+        """Apply ``fn`` (which works on axis 0) to the batch ``axis`` of every part."""
+        def on_axis(a: torch.Tensor) -> torch.Tensor:
+            return fn(a.movedim(axis, 0)).movedim(0, axis)
+
+        self.sink = None if self.sink is None else on_axis(self.sink)
+        self.tail = None if self.tail is None else on_axis(self.tail)
+        chunks = []
+        for enc in self.chunks:
+            if not _blocked(_shapes(enc), tuple(enc.shape[:axis + 3])):
+                raise KvtoolError(f"{self.codec.codec_id}: its encoded arrays have no leading "
+                                  "batch axis, so this cache cannot reorder or expand batches")
+            arrays = {k: on_axis(a) for k, a in enc.arrays.items()}
+            batch = next(iter(arrays.values())).shape[axis]
+            shape = (*enc.shape[:axis], batch, *enc.shape[axis + 1:])
+            chunks.append(Encoded(arrays, shape, enc.dtype))
+        self.chunks, self._np, self._dev = chunks, None, None
