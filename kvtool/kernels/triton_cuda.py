@@ -185,19 +185,48 @@ def _quantize(u, bnd_ptr, BITS: tl.constexpr):
 
 
 # -- kernels -------------------------------------------------------------------------------------
+@_jit
+def _mm_by(acc, hi, mid, lo, m, PIECES: tl.constexpr):
+    """``acc + (hi + mid + lo) @ m`` for a matrix ``m`` already loaded."""
+    if _INTERP:
+        hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
+    if PIECES == 3:
+        acc = tl.dot(lo, m, acc)
+    if PIECES >= 2:
+        acc = tl.dot(mid, m, acc)
+    return tl.dot(hi, m, acc)
+
+
+@_jit
+def _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D: tl.constexpr, W: tl.constexpr,
+                BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
+    """Quantise the rotated columns ``n0 .. n0 + W`` of the rows (``y · inv``) and store them
+    packed."""
+    code = _quantize(y * inv[:, None], bnd_ptr, BITS)
+    shift = tl.arange(0, CPG) * BITS
+    g = tl.sum(tl.reshape(code, [y.shape[0], W // CPG, CPG]) << shift[None, None, :], axis=2)
+    ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
+           + tl.arange(0, W // CPG)[None, :] * BPG)
+    for k in tl.static_range(BPG):
+        tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
+
+
 @_tuned
 def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
                    BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
                    STAGES: tl.constexpr):
-    """Row blocks ``pid, pid + programs, ...``: with ``STAGES > 1`` (a persistent grid) the
-    next block's rows load while this one is coded."""
+    """Row blocks ``pid, pid + programs, ...``. With ``STAGES > 1`` (a persistent grid) the
+    next block's rows load while this one is coded, and ``Rᵀ`` is loaded once per program
+    (each row rotated in one dot); else ``BN`` columns of ``Rᵀ`` at a time."""
+    cols = tl.arange(0, D)
+    if STAGES > 1:
+        rt = tl.load(rt_ptr + cols[:, None] * D + cols[None, :])
     for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
                          num_stages=STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
         rmask = rows < n_rows
-        x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=rmask[:, None],
-                    other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0)
         xf = x.to(tl.float32)
         norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
         tl.store(norms_ptr + rows, norm, mask=rmask)
@@ -207,17 +236,14 @@ def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_cl
             hi, mid, lo = x, x, x
         else:
             hi, mid, lo = _split(xf, PIECES)
-        shift = tl.arange(0, CPG) * BITS
-        for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, coded and packed BN columns at a time
-            y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D, BN,
-                    PIECES)
-            code = _quantize(y * inv[:, None], bnd_ptr, BITS)
-            g = tl.sum(tl.reshape(code, [BLOCK_M, BN // CPG, CPG]) << shift[None, None, :],
-                       axis=2)
-            ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
-                   + tl.arange(0, BN // CPG)[None, :] * BPG)
-            for k in tl.static_range(BPG):
-                tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
+        if STAGES > 1:
+            y = _mm_by(tl.zeros([BLOCK_M, D], tl.float32), hi, mid, lo, rt, PIECES)
+            _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, 0, D, D, BITS, CPG, BPG)
+        else:
+            for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, BN columns at a time
+                y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D,
+                        BN, PIECES)
+                _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D, BN, BITS, CPG, BPG)
 
 
 @_tuned
@@ -226,20 +252,29 @@ def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_
                    BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
                    STAGES: tl.constexpr):
     """Row blocks as in :func:`_encode_kernel`."""
+    cols = tl.arange(0, D)
+    if STAGES > 1:
+        r = tl.load(r_ptr + cols[:, None] * D + cols[None, :])
     for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
                          num_stages=STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
         rmask = rows < n_rows
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
-            y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
-                           BLOCK_M, BK, BITS, CPG, BPG)
+        if STAGES > 1:
+            y = _centroids(codes_ptr, rows * (D * BITS // 8), rmask, cent_ptr, BLOCK_M, D, BITS,
+                           CPG, BPG)
             hi, mid, lo = _split(y, PIECES)
-            acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
+            acc = _mm_by(tl.zeros([BLOCK_M, D], tl.float32), hi, mid, lo, r, PIECES)
+        else:
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
+                y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask,
+                               cent_ptr, BLOCK_M, BK, BITS, CPG, BPG)
+                hi, mid, lo = _split(y, PIECES)
+                acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
         x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         if out_ptr.dtype.element_ty == tl.bfloat16:
             x = _bf16(x)
-        tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :],
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :],
                  x.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
