@@ -4,10 +4,18 @@ A policy picks a key codec and a value codec (``k4v3`` style), keeps the first/l
 ``protect_layers`` layers lossless, and keeps ``sink_tokens`` at the start and ``recent_tokens``
 at the end of every layer lossless. :meth:`CodecPolicy.segments` turns that into token segments,
 each with one codec; the .kvz writer and the runtime compressed cache both speak segments.
+
+A policy may also give single layers their own codecs (:class:`LayerCodecs`, e.g. from
+``kvtool calibrate``): it then records the layer count it was made for and refuses other models.
+Policies round-trip through :meth:`CodecPolicy.to_json` / :meth:`CodecPolicy.from_json`, JSON
+files (:func:`load_policy`, :func:`save_policy`) and labels (:meth:`CodecPolicy.describe`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +33,17 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class LayerCodecs:
+    """One layer's own codecs; ``None`` keeps the policy's codec for that role."""
+
+    key: Codec | None = None
+    value: Codec | None = None
+
+    def get(self, role: str) -> Codec | None:
+        return self.key if role == "key" else self.value
+
+
+@dataclass(frozen=True)
 class CodecPolicy:
     key: Codec
     value: Codec
@@ -34,6 +53,29 @@ class CodecPolicy:
     lossless: Codec = field(default_factory=lambda: get_codec("raw"))
     #: scan this many leading tokens for attention sinks by norm (:meth:`resolve`); 0: off
     auto_sinks: int = 0
+    #: per-layer codecs, ``(layer index, LayerCodecs)`` sorted by index; they win over
+    #: ``protect_layers`` and the policy's ``key``/``value``
+    layers: tuple[tuple[int, LayerCodecs], ...] = ()
+    #: the layer count ``layers`` was made for (required with ``layers``); other models refused
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layers:  # a uniform policy fits any model
+            object.__setattr__(self, "num_layers", None)
+            return
+        if not _is_count(self.num_layers) or not self.num_layers:
+            raise CodecError("a policy with per-layer codecs needs num_layers (an integer >= 1)")
+        seen: set[int] = set()
+        for index, own in self.layers:
+            if not _is_count(index) or index >= self.num_layers:
+                raise CodecError(f"policy: layer index {index!r} is out of range for "
+                                 f"{self.num_layers} layers")
+            if index in seen:
+                raise CodecError(f"policy: layer {index} is given twice")
+            seen.add(index)
+            if not isinstance(own, LayerCodecs):
+                raise CodecError(f"policy: layer {index}: expected LayerCodecs")
+        object.__setattr__(self, "layers", tuple(sorted(self.layers, key=lambda t: t[0])))
 
     @classmethod
     def from_options(
@@ -49,12 +91,14 @@ class CodecPolicy:
     ) -> CodecPolicy:
         """Build a policy from CLI-style options; ``codec`` is the default for both roles.
 
-        ``preset`` (``lossless``, ``quality``, ``balanced``, ``small``) starts from that measured
-        policy; codec options given alongside override its codecs.
+        ``preset`` (``lossless``, ``quality``, ``balanced``, ``small``, or the path of a policy
+        JSON file) starts from that policy; codec options given alongside override its codecs
+        (not a file's per-layer codecs).
         """
         if preset is not None:
             base_policy = preset_policy(preset)
-            return cls(
+            return replace(
+                base_policy,
                 key=get_codec(key_codec or codec or base_policy.key).for_role("key"),
                 value=get_codec(value_codec or codec or base_policy.value).for_role("value"),
                 protect_layers=protect_layers or base_policy.protect_layers,
@@ -78,7 +122,7 @@ class CodecPolicy:
     def is_lossy(self, dtype: str | None = None) -> bool:
         """Whether this policy changes K/V computed in ``dtype``: any codec but ``raw`` at
         that width (``raw:dtype=float16`` narrows a float32 or bfloat16 cache)."""
-        for codec in (self.key, self.value):
+        for codec in self.codecs():
             if codec.codec_id != "raw":
                 return True
             narrow = getattr(codec, "dtype", None)
@@ -86,8 +130,25 @@ class CodecPolicy:
                 return True
         return False
 
+    def codecs(self) -> list[Codec]:
+        """Every distinct codec this policy may use, lossless included (e.g. to warm up)."""
+        found = [self.key, self.value, self.lossless]
+        found += [c for _, own in self.layers for c in (own.key, own.value) if c is not None]
+        return list(dict.fromkeys(found))
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse a model whose layer count is not the one the per-layer codecs were made for."""
+        if self.layers and num_layers != self.num_layers:
+            raise CodecError(f"this policy has per-layer codecs for {self.num_layers} layers; "
+                             f"the model has {num_layers}")
+
     def codec_for(self, role: str, layer: int, num_layers: int) -> Codec:
-        """The main codec of ``role`` in ``layer`` (lossless for protected layers)."""
+        """The main codec of ``role`` in ``layer``: the layer's own, else lossless for protected
+        layers, else the policy's."""
+        self.check_layers(num_layers)
+        own = dict(self.layers).get(layer)
+        if own is not None and own.get(role) is not None:
+            return own.get(role)
         if layer < self.protect_layers or layer >= num_layers - self.protect_layers:
             return self.lossless
         return self.key if role == "key" else self.value
@@ -113,13 +174,34 @@ class CodecPolicy:
         found = detect_sinks(cache, self.auto_sinks)
         return replace(self, sink_tokens=max(self.sink_tokens, found), auto_sinks=0)
 
+    def for_head_dim(self, head_dim: int, reference: int | None = None) -> CodecPolicy:
+        """This policy with every outlier count (turbomix ``outliers``) scaled from
+        ``reference`` (default :data:`PRESET_HEAD_DIM`, where the presets were measured) to
+        ``head_dim``: the same share of channels (:func:`outlier_count`)."""
+        ref = reference or PRESET_HEAD_DIM
+
+        def scale(codec: Codec) -> Codec:
+            config = codec.get_config()
+            n = config.get("outliers")
+            if not isinstance(n, int) or not n or head_dim == ref:
+                return codec
+            return get_codec({**config, "outliers": outlier_count(head_dim, n / ref)})
+
+        layers = tuple((i, LayerCodecs(*(None if c is None else scale(c)
+                                          for c in (own.key, own.value))))
+                       for i, own in self.layers)
+        return replace(self, key=scale(self.key), value=scale(self.value), layers=layers)
+
     def with_seed(self, seed: int) -> CodecPolicy:
         """The same policy with every seeded codec (turbo, prism, …) rotated by ``seed``."""
         def reseed(codec: Codec) -> Codec:
             config = codec.get_config()
             return get_codec({**config, "seed": seed}) if "seed" in config else codec
 
-        return replace(self, key=reseed(self.key), value=reseed(self.value))
+        layers = tuple((i, LayerCodecs(*(None if c is None else reseed(c)
+                                          for c in (own.key, own.value))))
+                       for i, own in self.layers)
+        return replace(self, key=reseed(self.key), value=reseed(self.value), layers=layers)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -132,18 +214,36 @@ class CodecPolicy:
         }
         if self.auto_sinks:  # only when set: files of resolved policies stay as before
             out["auto_sinks"] = self.auto_sinks
+        if self.layers:  # likewise: uniform policies keep today's JSON
+            out["num_layers"] = self.num_layers
+            out["layers"] = {str(i): {role: c.get_config() for role, c in
+                                      (("key", own.key), ("value", own.value)) if c is not None}
+                             for i, own in self.layers}
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CodecPolicy:
+        """The policy :meth:`to_json` wrote; unknown keys are ignored, anything malformed is a
+        one-line :class:`CodecError`."""
+        if not isinstance(data, dict):
+            raise CodecError(f"a policy must be a JSON object, got {type(data).__name__}")
+        for name in ("key", "value"):
+            if name not in data:
+                raise CodecError(f"policy: {name!r} (a codec) is missing")
+        lossless = _codec(data.get("lossless", "raw"), "lossless")
+        num_layers = data.get("num_layers")
+        if num_layers is not None and not _is_count(num_layers):
+            raise CodecError(f"policy: num_layers must be an integer >= 0, got {num_layers!r}")
         return cls(
-            key=get_codec(data["key"]),
-            value=get_codec(data["value"]),
-            protect_layers=int(data.get("protect_layers", 0)),
-            sink_tokens=int(data.get("sink_tokens", 0)),
-            recent_tokens=int(data.get("recent_tokens", 0)),
-            lossless=get_codec(data.get("lossless", "raw")),
-            auto_sinks=int(data.get("auto_sinks", 0)),
+            key=_codec(data["key"], "key"),
+            value=_codec(data["value"], "value"),
+            protect_layers=_count(data, "protect_layers"),
+            sink_tokens=_count(data, "sink_tokens"),
+            recent_tokens=_count(data, "recent_tokens"),
+            lossless=lossless,
+            auto_sinks=_count(data, "auto_sinks"),
+            layers=_layers_from_json(data.get("layers"), lossless),
+            num_layers=num_layers,
         )
 
     def describe(self) -> str:
@@ -156,6 +256,9 @@ class CodecPolicy:
         if self.auto_sinks:
             parts.append("sink=auto" if self.auto_sinks == AUTO_SINK_SCAN
                          else f"sink=auto:{self.auto_sinks}")
+        if self.layers:
+            parts.append(f"layers={self.num_layers}")
+            parts += _layer_labels(self.layers)
         return " ".join(parts)
 
     @classmethod
@@ -165,8 +268,18 @@ class CodecPolicy:
         if label.strip() in PRESETS:
             return preset_policy(label.strip())
         opts: dict[str, Any] = dict(defaults)
+        own: dict[int, dict[str, Codec]] = {}
+        num_layers = None
         for part in label.split():
             key, sep, value = part.partition("=")
+            if sep and key == "layers":
+                if not value.isdigit():
+                    raise CodecError(f"policy label {label!r}: layers= needs an integer")
+                num_layers = int(value)
+                continue
+            if sep and _LAYER_PART.fullmatch(key):
+                _parse_layer_part(key, value, own, label)
+                continue
             if not sep or key not in _LABEL_KEYS:
                 opts["codec"] = part
                 continue
@@ -181,17 +294,113 @@ class CodecPolicy:
                 opts[name] = value if name.endswith("codec") else int(value)
             except ValueError:
                 raise CodecError(f"policy label {label!r}: {key}= needs an integer") from None
-        return cls.from_options(**opts)
+        policy = cls.from_options(**opts)
+        if own or num_layers is not None:
+            layers = tuple((i, LayerCodecs(c.get("key"), c.get("value")))
+                           for i, c in sorted(own.items()))
+            policy = replace(policy, layers=layers, num_layers=num_layers)
+        return policy
 
 
 _LABEL_KEYS = {"k": "key_codec", "v": "value_codec", "protect": "protect_layers",
                "sink": "sink_tokens", "recent": "recent_tokens"}
 
 
+#: a label part giving layers their own codec: ``L3.k=…``, ``L0,29=raw`` (both roles), ``L2-5.v=…``
+_LAYER_PART = re.compile(r"L(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)(\.[kv])?")
+
+
+def _parse_layer_part(key: str, value: str, own: dict[int, dict[str, Codec]],
+                      label: str) -> None:
+    """Add ``L…[.k|.v]=codec`` to ``own`` (layer → role → codec)."""
+    match = _LAYER_PART.fullmatch(key)
+    assert match is not None
+    roles = {".k": ("key",), ".v": ("value",), None: ROLES}[match.group(2)]
+    for span in match.group(1).split(","):
+        first, _, last = span.partition("-")
+        for i in range(int(first), int(last or first) + 1):
+            for role in roles:
+                if role in own.get(i, {}):
+                    raise CodecError(f"policy label {label!r}: layer {i} {role} given twice")
+                own.setdefault(i, {})[role] = get_codec(value).for_role(role)
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 7] → ``0-2,7``."""
+    out: list[str] = []
+    start = prev = indices[0]
+    for i in [*indices[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def _layer_labels(layers: tuple[tuple[int, LayerCodecs], ...]) -> list[str]:
+    """Label parts of per-layer codecs, layers with the same codec grouped."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, own in layers:
+        labels = {role: _codec_label(c, role) for role, c in (("key", own.key),
+                                                               ("value", own.value)) if c}
+        if len(labels) == 2 and labels["key"] == labels["value"]:
+            groups.setdefault(("", labels["key"]), []).append(i)
+            continue
+        for role, text in labels.items():
+            groups.setdefault(("." + role[0], text), []).append(i)
+    return [f"L{_spans(ix)}{suffix}={text}" for (suffix, text), ix in groups.items()]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count(data: dict[str, Any], name: str) -> int:
+    value = data.get(name, 0)
+    if not _is_count(value):
+        raise CodecError(f"policy: {name} must be an integer >= 0, got {str(value)[:40]!r}")
+    return value
+
+
+def _codec(value: Any, where: str) -> Codec:
+    """A codec from a policy's JSON (config object or ``id:opt=val`` string), or CodecError."""
+    if not isinstance(value, (str, dict)):
+        raise CodecError(f"policy: {where} must be a codec (an object or a string), got "
+                         f"{type(value).__name__}")
+    try:
+        return get_codec(value)
+    except CodecError as e:
+        raise CodecError(f"policy: {where}: {e}") from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise CodecError(f"policy: {where}: not a codec config ({str(e)[:80]})") from None
+
+
+def _layers_from_json(data: Any, lossless: Codec) -> tuple[tuple[int, LayerCodecs], ...]:
+    """``{"3": {"key": codec, "value": codec}, "0": "lossless"}`` → per-layer codecs."""
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise CodecError("policy: layers must be an object (layer index → codecs)")
+    out = []
+    for index, spec in data.items():
+        if not (isinstance(index, str) and index.isdigit()):
+            raise CodecError(f"policy: layer index {str(index)[:20]!r} is not an integer >= 0")
+        where = f"layer {index}"
+        if spec == "lossless":
+            spec = {"key": lossless, "value": lossless}
+        if not isinstance(spec, dict) or not spec or set(spec) - set(ROLES):
+            raise CodecError(f"policy: {where} must be \"lossless\" or an object with "
+                             "\"key\" and/or \"value\" codecs")
+        codecs = {r: c if isinstance(c, Codec) else _codec(c, f"{where} {r}").for_role(r)
+                  for r, c in spec.items()}
+        out.append((int(index), LayerCodecs(codecs.get("key"), codecs.get("value"))))
+    return tuple(out)
+
+
 def _codec_label(codec: Codec, role: str) -> str:
     """``id`` plus the options that differ from the codec's defaults for ``role``."""
-    import json
-
     try:  # the class's own defaults, so unregistered codecs work too
         default = type(codec)().for_role(role).get_config()
     except (TypeError, CodecError):
@@ -234,11 +443,61 @@ PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
 }
 
 
-def preset_policy(name: str) -> CodecPolicy:
-    """The policy a preset names."""
-    if name not in PRESETS:
-        raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return CodecPolicy.from_label(PRESETS[name][0])
+#: the head_dim at which the presets' outlier counts were measured (SmolLM2-135M)
+PRESET_HEAD_DIM = 64
+
+
+def outlier_count(head_dim: int, fraction: float) -> int:
+    """Outlier channels for ``fraction`` of ``head_dim``: even, at least 2, leaving at least
+    2 other channels (turbomix's rules)."""
+    n = 2 * max(1, round(head_dim * fraction / 2))
+    return min(n, max(2, head_dim - 2 - head_dim % 2))
+
+
+def preset_policy(name: str, head_dim: int | None = None) -> CodecPolicy:
+    """The policy a preset names, or the one in a policy JSON file (a path ending ``.json``
+    or naming an existing file). With ``head_dim``, a preset's outlier counts (given for
+    :data:`PRESET_HEAD_DIM`) are scaled to that head_dim (:meth:`CodecPolicy.for_head_dim`):
+    ``balanced``'s 16 key outliers are 25% of the channels at any head_dim."""
+    if name in PRESETS:
+        policy = CodecPolicy.from_label(PRESETS[name][0])
+        return policy if head_dim is None else policy.for_head_dim(head_dim)
+    if str(name).endswith(".json") or os.path.isfile(name):
+        return load_policy(name)
+    raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "
+                     "a policy JSON file (kvtool calibrate writes one)")
+
+
+MAX_POLICY_BYTES = 4 << 20  # a policy file is a few KB; refuse anything absurd unread
+
+
+def load_policy(path: str | os.PathLike) -> CodecPolicy:
+    """The policy in a JSON file (:func:`save_policy`, ``kvtool calibrate``); keys other than
+    the policy's (e.g. ``calibration``) are ignored."""
+    try:
+        if os.path.getsize(path) > MAX_POLICY_BYTES:
+            raise CodecError(f"{os.fspath(path)}: too large for a policy file")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise CodecError(f"cannot read policy file {os.fspath(path)}: "
+                         f"{e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CodecError(f"{os.fspath(path)}: not a JSON policy file ({str(e)[:80]})") from None
+    try:
+        return CodecPolicy.from_json(data)
+    except CodecError as e:
+        raise CodecError(f"{os.fspath(path)}: {e}") from None
+
+
+def save_policy(policy: CodecPolicy, path: str | os.PathLike,
+                extra: dict[str, Any] | None = None) -> None:
+    """Write ``policy`` (plus ``extra`` keys, which readers ignore) as JSON, atomically."""
+    from kvtool.fileio import atomic_write
+
+    text = json.dumps({**(extra or {}), **policy.to_json()}, indent=1, sort_keys=True) + "\n"
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data) or len(data))
 
 
 def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:

@@ -75,6 +75,11 @@ def goldens() -> dict[str, dict[str, Any]]:
     specs["policy"] = {"cache": {"layers": 4},
                        "save": {"key_codec": "turbo4", "value_codec": "turbo3",
                                 "protect_layers": 1, "sink_tokens": 2, "recent_tokens": 3}}
+    # per-layer codecs (header key layer_policy, format.md 3.1): a lossless layer, own codecs
+    specs["layer-policy"] = {"cache": {"layers": 4}, "save": {"policy": {
+        "key": "turbo3", "value": "turbo2", "sink_tokens": 1, "num_layers": 4,
+        "layers": {"0": "lossless", "2": {"key": "turbo4"},
+                   "3": {"key": "turbomix:bits=2,center=true", "value": "turbo4"}}}}}
     return specs
 
 
@@ -121,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is not None and name not in args.only:
             continue
         path = GOLDEN_DIR / f"{name}.kvz"
-        report = save(golden_cache(**spec["cache"]), path, **spec["save"])
+        options = dict(spec["save"])
+        if "policy" in options:  # a policy's JSON (expected.json records it as such)
+            from kvtool.policy import CodecPolicy
+
+            options["policy"] = CodecPolicy.from_json(options["policy"])
+        report = save(golden_cache(**spec["cache"]), path, **options)
         expected[name] = {"file": path.name, **spec, **cache_stats(load(path))}
         print(f"{path.name:<20} {report['file_bytes']:>7} bytes  ratio {report['ratio']:.2f}")
     EXPECTED.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")

@@ -121,11 +121,15 @@ json_values = st.recursive(
        verify=st.booleans())
 def test_header_value_mutations(base, choice, value, delete, verify, tmp_path_factory):
     """A consistent (checksummed) header with one value changed: the schema checks catch it."""
-    path = base.path
-    header = json.loads(read_parts(path)[0]["kvz.header"])
+    header = json.loads(read_parts(base.path)[0]["kvz.header"])
     paths = list(_paths(header))[1:]
-    target = paths[choice % len(paths)]
+    _mutate_and_check(base.path, paths[choice % len(paths)], value, delete, verify,
+                      tmp_path_factory.mktemp("hm") / "m.kvz")
 
+
+def _mutate_and_check(path, target: tuple, value, delete: bool, verify: bool, out) -> None:
+    """Rewrite ``path``'s header (checksummed) with the value at ``target`` replaced or
+    deleted, then :func:`check` the result."""
     def mutate(h):
         parent = h
         for key in target[:-1]:
@@ -135,7 +139,6 @@ def test_header_value_mutations(base, choice, value, delete, verify, tmp_path_fa
         else:
             parent[target[-1]] = value
 
-    out = tmp_path_factory.mktemp("hm") / "m.kvz"
     rewrite_header(path, out, mutate)
     check(out.read_bytes(), verify)
 
@@ -168,3 +171,43 @@ def test_metadata_mutations(base, tmp_path):
         without = {k: v for k, v in metadata.items() if k != key}
         write_parts(tmp_path / "m.kvz", without, blobs)
         check((tmp_path / "m.kvz").read_bytes(), verify=True)
+
+
+LAYERED_POLICY = {"key": "turbo3", "value": "turbo2", "sink_tokens": 2, "num_layers": 3,
+                  "layers": {"0": "lossless", "2": {"key": "turbo4"}}}
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory) -> Base:
+    """A small file whose policy gives layers their own codecs (header key ``layer_policy``)."""
+    from kvtool.policy import CodecPolicy
+
+    path = tmp_path_factory.mktemp("fuzz") / "layered.kvz"
+    save(synthetic_cache(layers=3, heads=2, tokens=10, dim=16), path,
+         policy=CodecPolicy.from_json(LAYERED_POLICY))
+    return Base(path)
+
+
+@FUZZ
+@given(choice=st.integers(min_value=0), value=json_values, delete=st.booleans(),
+       verify=st.booleans())
+def test_layer_policy_mutations(layered, choice, value, delete, verify, tmp_path_factory):
+    """One value inside ``layer_policy`` changed or deleted: FormatError or a clean load."""
+    header = json.loads(read_parts(layered.path)[0]["kvz.header"])
+    paths = [("layer_policy",)] + [p for p in _paths(header) if p[:1] == ("layer_policy",)][1:]
+    _mutate_and_check(layered.path, paths[choice % len(paths)], value, delete, verify,
+                      tmp_path_factory.mktemp("lp") / "m.kvz")
+
+
+def test_layer_policy_must_match_the_segments(layered, tmp_path):
+    out = tmp_path / "m.kvz"
+    for change, refused in [
+            (lambda h: h["layer_policy"]["layers"].pop("2") and None, True),  # layer 2's own
+            (lambda h: h["layer_policy"].update(num_layers=4), True),  # another model
+            (lambda h: h["layer_policy"]["layers"].update({"5": "lossless"}), True),
+            (lambda h: h["layer_policy"]["layers"].update({"2": {"key": "turbo2"}}), True),
+            (lambda h: h.update(policy={"key": "turbo3", "value": "turbo2"}), True),
+            (lambda h: h.pop("layer_policy") and None, False),  # what older readers check
+            (lambda h: None, False)]:
+        rewrite_header(layered.path, out, change)
+        assert check(out.read_bytes(), verify=True) == ("error" if refused else "ok")

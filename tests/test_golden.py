@@ -69,3 +69,16 @@ def test_golden_policy_file_keeps_its_segments():
         assert [s["codec"]["id"] for s in f.header["layers"][0]["value"]["segments"]] == ["raw"]
     with open_kvz(GOLDEN / "zstd.kvz") as f:
         assert f.info()["zstd_tensors"] > 0
+
+
+def test_golden_layer_policy_file_keeps_each_layers_codecs():
+    """Per-layer codecs live in ``layer_policy`` with ``policy`` null (older readers skip the
+    segment check); each layer decodes with its own codecs."""
+    with open_kvz(GOLDEN / "layer-policy.kvz") as f:
+        assert f.header["policy"] is None
+        assert f.header["layer_policy"]["num_layers"] == 4
+        ids = [[[s["codec"]["id"] for s in layer[role]["segments"]] for role in ("key", "value")]
+               for layer in f.header["layers"]]
+        assert f.info()["policy"] == f.header["layer_policy"]
+    assert ids == [[["raw"], ["raw"]], [["raw", "turbo3"], ["raw", "turbo2"]],
+                   [["raw", "turbo4"], ["raw", "turbo2"]], [["raw", "turbomix"], ["raw", "turbo4"]]]

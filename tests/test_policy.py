@@ -44,3 +44,117 @@ def test_bad_options():
         CodecPolicy.from_options("turbo3", sink_tokens=-1)
     with pytest.raises(CodecError, match="integer"):
         CodecPolicy.from_label("turbo3 sink=many")
+
+
+# -- per-layer codecs ---------------------------------------------------------------------------
+LAYERED = {"key": "turbo3", "value": "turbo2", "sink_tokens": 2, "protect_layers": 1,
+           "num_layers": 4, "layers": {"0": {"key": "turbo4"}, "2": "lossless",
+                                       "3": {"key": "kivi2", "value": "turbo4"}}}
+
+
+def test_per_layer_codecs_win_over_protect_and_base():
+    policy = CodecPolicy.from_json(LAYERED)
+    assert [policy.codec_for("key", i, 4).codec_id for i in range(4)] == [
+        "turbo4", "turbo3", "raw", "kivi2"]
+    assert [policy.codec_for("value", i, 4).codec_id for i in range(4)] == [
+        "raw", "turbo2", "raw", "turbo4"]  # layer 0 value: still protected
+    assert policy.codec_for("key", 3, 4).axis == "channel"  # per-role defaults apply (KIVI)
+    assert policy.segments("key", 2, 4, 10)[0].stop == 10  # a lossless layer: one segment
+    with pytest.raises(CodecError, match="4 layers; the model has 30"):
+        policy.codec_for("key", 1, 30)
+    assert {c.codec_id for c in policy.codecs()} == {"turbo3", "turbo2", "raw", "turbo4",
+                                                      "kivi2"}
+    assert CodecPolicy.from_json({**LAYERED, "key": "raw", "value": "raw"}).is_lossy("float32")
+    reseeded = policy.with_seed(7)
+    assert reseeded.codec_for("value", 3, 4).get_config()["seed"] == 7
+
+
+def test_per_layer_round_trips_json_label_and_file(tmp_path):
+    from kvtool.policy import load_policy, preset_policy, save_policy
+
+    policy = CodecPolicy.from_json(LAYERED)
+    assert CodecPolicy.from_json(policy.to_json()) == policy
+    label = policy.describe()
+    assert "layers=4" in label and "L2=raw" in label
+    assert CodecPolicy.from_label(label) == policy
+    path = tmp_path / "p.json"
+    save_policy(policy, path, {"calibration": {"note": "ignored by readers"}})
+    assert load_policy(path) == policy == preset_policy(str(path))
+    from_file = CodecPolicy.from_options(preset=str(path), sink_tokens=8)
+    assert from_file.layers == policy.layers and from_file.sink_tokens == 8
+    # uniform policies keep today's JSON (no per-layer keys)
+    assert "layers" not in CodecPolicy.from_options("turbo3").to_json()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"key": "nope"}, "unknown codec 'nope'"),
+    ({"layers": {"0": {"key": "nope"}}}, "unknown codec"),
+    ({"layers": {"4": "lossless"}}, "out of range for 4 layers"),
+    ({"layers": {"-1": "lossless"}}, "not an integer"),
+    ({"layers": {"x": "lossless"}}, "not an integer"),
+    ({"layers": {"1": {"kee": "turbo3"}}}, "key"),
+    ({"layers": {"1": 3}}, "lossless"),
+    ({"layers": ["turbo3"]}, "must be an object"),
+    ({"num_layers": None}, "needs num_layers"),
+    ({"num_layers": "4"}, "num_layers"),
+    ({"sink_tokens": "2"}, "sink_tokens must be an integer"),
+    ({"sink_tokens": True}, "sink_tokens must be an integer"),
+    ({"value": 5}, "must be a codec"),
+    ({"key": {"id": "turbo3", "center": "maybe"}}, "center"),
+])
+def test_bad_per_layer_policies_are_one_line_codec_errors(change, message):
+    with pytest.raises(CodecError, match=message) as e:
+        CodecPolicy.from_json({**LAYERED, **change})
+    assert "\n" not in str(e.value)
+
+
+def test_bad_policy_files(tmp_path):
+    from kvtool.policy import load_policy
+
+    for text, message in [("{", "not a JSON policy file"), ("[1]", "JSON object"),
+                          ('{"value": "raw"}', "'key'")]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(CodecError, match=message):
+            load_policy(tmp_path / "bad.json")
+    with pytest.raises(CodecError, match="cannot read"):
+        load_policy(tmp_path / "missing.json")
+
+
+def test_kvz_with_per_layer_policy_decodes_each_layer_with_its_codecs(tmp_path):
+    import numpy as np
+    from kvz_util import synthetic_cache
+
+    from kvtool.formats import load, open_kvz, save
+
+    cache = synthetic_cache(layers=4, heads=2, tokens=10, dim=16, dtype="float32")
+    policy = CodecPolicy.from_json(LAYERED)
+    save(cache, tmp_path / "c.kvz", policy=policy)
+    with open_kvz(tmp_path / "c.kvz") as f:
+        header = f.header
+    assert header["policy"] is None and CodecPolicy.from_json(header["layer_policy"]) == policy
+    back = load(tmp_path / "c.kvz")
+    for i in range(4):
+        for role, arrays in (("key", cache.keys), ("value", cache.values)):
+            got = back.keys[i] if role == "key" else back.values[i]
+            want = np.concatenate([s.codec.decode(s.codec.encode(arrays[i][:, s.start:s.stop]),
+                                                  "float32")
+                                   for s in policy.segments(role, i, 4, 10)], axis=1)
+            assert [s["codec"]["id"] for s in header["layers"][i][role]["segments"]] == [
+                s.codec.codec_id for s in policy.segments(role, i, 4, 10)]
+            np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(back.keys[2], cache.keys[2])  # the lossless layer
+    with pytest.raises(CodecError, match="4 layers"):
+        save(synthetic_cache(layers=3), tmp_path / "d.kvz", policy=policy)
+
+
+def test_preset_outliers_scale_with_head_dim():
+    from kvtool.policy import preset_policy
+
+    assert preset_policy("balanced", head_dim=64) == preset_policy("balanced")
+    big = preset_policy("balanced", head_dim=256)
+    assert big.key.get_config()["outliers"] == 64 and big.value.get_config()["outliers"] == 192
+    assert preset_policy("small", head_dim=128).key.get_config()["outliers"] == 32
+    assert preset_policy("small", head_dim=8).key.get_config()["outliers"] == 2
+    assert preset_policy("quality", head_dim=256) == preset_policy("quality")  # no outliers
+    layered = CodecPolicy.from_json({**LAYERED, "layers": {"1": {"key": "turbomix:outliers=8"}}})
+    assert layered.for_head_dim(128).codec_for("key", 1, 4).get_config()["outliers"] == 16

@@ -97,6 +97,10 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      type=click.Choice(["lossless", "quality", "balanced", "small"]),
                      help="A measured policy (kvtool codecs --presets); codec options given "
                           "too override its codecs."),
+        click.option("--policy", "policy_file", default=None,
+                     type=click.Path(dir_okay=False, exists=True),
+                     help="A policy JSON file (kvtool calibrate writes one, per-layer codecs "
+                          "included); codec options given too override its default codecs."),
         click.option("--codec", default=None,
                      help="Codec for keys and values: an id (turbo3), id:opt=val,... or JSON."),
         click.option("--key-codec", default=None, help="Codec for keys (overrides --codec)."),
@@ -116,12 +120,16 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def policy_from_options(opts: dict[str, Any], default_codec: str = "raw"):
     from kvtool.policy import CodecPolicy
 
-    if opts.get("preset"):
+    if opts.get("preset") and opts.get("policy_file"):
+        from kvtool.errors import CodecError
+
+        raise CodecError("give --preset or --policy, not both")
+    if opts.get("preset") or opts.get("policy_file"):
         return CodecPolicy.from_options(
             codec=opts.get("codec"), key_codec=opts.get("key_codec"),
             value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers", 0),
             sink_tokens=opts.get("sink_tokens", 0), recent_tokens=opts.get("recent_tokens", 0),
-            preset=opts["preset"])
+            preset=opts.get("preset") or opts["policy_file"])
     return CodecPolicy.from_options(
         codec=opts.get("codec") or default_codec,
         key_codec=opts.get("key_codec"),

@@ -17,6 +17,7 @@ from kvtool.cli._common import (
     close_broken_pipe,
     verbosity_options,
 )
+from kvtool.cli.calibrate import calibrate_command
 from kvtool.cli.capture import capture_command
 from kvtool.cli.codecs import codecs_command
 from kvtool.cli.eval import eval_command
@@ -48,6 +49,7 @@ COMMANDS = [
     (decompress_command, "Decode a .kvz file to lossless .kvz or mlx-lm."),
     (eval_command, "Perplexity change and K/V error of a codec policy."),
     (codecs_command, "List codecs, their bits/element and options."),
+    (calibrate_command, "Choose per-layer codecs for a bits/element budget."),
     (serve_command, "Serve an OpenAI API (vLLM) with a persistent KV store."),
     (store_group, "Inspect, verify, prune and pin a prefix store."),
     (patch_vllm_command, "Add (or revert) kvtool's cache hook in vLLM."),

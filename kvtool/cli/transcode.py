@@ -96,8 +96,9 @@ def _mlx_engine():
 def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
                      entropy: bool, force: bool, as_json: bool, **opts: Any) -> None:
     """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
-    if not (opts.get("codec") or opts.get("key_codec") or opts.get("value_codec")):
-        raise click.UsageError("give --codec (or --key-codec/--value-codec; raw: lossless)")
+    if not any(opts.get(k) for k in ("codec", "key_codec", "value_codec", "policy_file")):
+        raise click.UsageError("give --codec (or --key-codec/--value-codec, or --policy FILE; "
+                               "raw: lossless)")
     _check_paths(src, output)
     policy = policy_from_options(opts)
     level = zstd_level if zstd else False

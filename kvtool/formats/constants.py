@@ -87,6 +87,9 @@ H_NUM_TOKENS = "num_tokens"
 H_DTYPE = "dtype"
 H_TOKEN_IDS = "token_ids"
 H_POLICY = "policy"
+#: a policy with per-layer codecs (``policy`` is then null: older readers, which would check
+#: the segments against its uniform part, skip the check and decode from the segments)
+H_LAYER_POLICY = "layer_policy"
 H_LAYER_INFO = "layer_info"
 H_LAYERS = "layers"
 H_TENSORS = "tensors"

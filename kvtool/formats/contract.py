@@ -86,18 +86,24 @@ def _check_arrays(where: str, parts: dict[str, str], expected: dict[str, ArraySp
 
 
 def _check_policy(header: dict[str, Any], codec_for: Callable[[dict], Codec | None]) -> None:
-    """Every layer's segments are those its policy produces (same ranges, same codecs)."""
+    """Every layer's segments are those its policy produces (same ranges, same codecs): the
+    uniform ``policy`` and the per-layer ``layer_policy``, whichever the file carries."""
+    for key in (C.H_POLICY, C.H_LAYER_POLICY):
+        if header.get(key) is not None:
+            _check_one_policy(header, key, codec_for)
+
+
+def _check_one_policy(header: dict[str, Any], key: str,
+                      codec_for: Callable[[dict], Codec | None]) -> None:
     from kvtool.errors import KvtoolError
     from kvtool.policy import CodecPolicy
 
-    data = header.get(C.H_POLICY)
-    if data is None:
-        return
-    try:
-        policy = CodecPolicy.from_json(data)
-    except (KvtoolError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise FormatError(f"kvz header: invalid policy ({str(e)[:120]})") from None
     num_layers = header[C.H_NUM_LAYERS]
+    try:
+        policy = CodecPolicy.from_json(header[key])
+        policy.check_layers(num_layers)
+    except (KvtoolError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError(f"kvz header: invalid {key} ({str(e)[:120]})") from None
     for i, layer in enumerate(header[C.H_LAYERS]):
         for role in C.ROLES:
             info = layer[role]
@@ -107,7 +113,7 @@ def _check_policy(header: dict[str, Any], codec_for: Callable[[dict], Codec | No
                     for s in info["segments"]]
             if have != want:
                 raise FormatError(f"layer {i} {role}: its segments are not the ones the file's "
-                                  f"policy ({policy.describe()}) produces")
+                                  f"policy ({policy.describe()[:120]}) produces")
 
 
 def _check_identity(header: dict[str, Any]) -> None:

@@ -168,6 +168,7 @@ def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
     if header.get(C.H_DTYPE) not in C.FLOAT_DTYPES:
         raise FormatError(f"{where}: 'dtype' must be float32, float16 or bfloat16")
     _get(header, C.H_POLICY, dict, where, optional=True)
+    _get(header, C.H_LAYER_POLICY, dict, where, optional=True)
     table = header.get(C.H_TENSORS)
     _check_tensors(table, entries)
     ids = _get(header, C.H_TOKEN_IDS, dict, where, optional=True)

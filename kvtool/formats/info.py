@@ -86,7 +86,7 @@ def file_info(f: KvzFile) -> dict[str, Any]:
         "num_tokens": f.num_tokens,
         "num_token_ids": None if ids is None else ids["count"],
         "dtype": h[C.H_DTYPE],
-        "policy": h.get(C.H_POLICY),
+        "policy": h.get(C.H_LAYER_POLICY) or h.get(C.H_POLICY),
         "codecs": dict(sorted(codecs.items())),
         "file_bytes": f.file_bytes,
         "payload_bytes": payload,

@@ -148,6 +148,7 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     from kvtool import __version__
 
     check_output_path(os.fspath(path))  # before the encoding work, not after it
+    policy.check_layers(num_layers)
     enc = _Encoder(zstd_level(zstd), bool(entropy))
     ids_entry = None
     if token_ids is not None:
@@ -175,7 +176,7 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
             bar.update(1)
     if len(layer_entries) != num_layers:
         raise ValueError(f"expected {num_layers} layers, got {len(layer_entries)}")
-    header = {
+    header: dict[str, Any] = {
         C.H_CREATOR: {"name": "kvtool", "version": __version__},
         C.H_MODEL: dict(model or {}),
         C.H_TOKENIZER: {"fingerprint": tokenizer_fingerprint},
@@ -183,11 +184,13 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         C.H_NUM_TOKENS: num_tokens,
         C.H_DTYPE: dtype,
         C.H_TOKEN_IDS: ids_entry,
-        C.H_POLICY: policy.to_json(),
+        C.H_POLICY: None if policy.layers else policy.to_json(),
         C.H_LAYER_INFO: None if layer_info is None else list(layer_info),
         C.H_LAYERS: layer_entries,
         C.H_TENSORS: enc.table,
     }
+    if policy.layers:  # only then: files of uniform policies stay byte-identical
+        header[C.H_LAYER_POLICY] = policy.to_json()
     try:
         header_json = json.dumps(header, sort_keys=True, separators=(",", ":"),
                                  ensure_ascii=True, allow_nan=False)
