@@ -347,7 +347,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             # before the engine serves: a warm-up beside the first loads held the GIL for
             # seconds while they waited (a 4.7 s load after a restart)
             from kvtool.kernels import warm_up
-            warm_up([self.policy.key, self.policy.value], self.model_info["dtype"])
+            warm_up(self.policy.codecs(), self.model_info["dtype"])
             if self._on_device():  # GPU kernels autotuned at a chunk's shape, too
                 with contextlib.suppress(Exception):  # the first load or save reports it
                     kv, layout, _ = self._layer_table()[0]

@@ -272,7 +272,7 @@ def warm_up(policy: CodecPolicy, kv: torch.Tensor, layout: PagedLayout, tokens: 
     shape = (layout.num_heads(kv), tokens, layout.head_dim)
     x = torch.randn(shape, device=kv.device).to(kv.dtype)
     name = str(kv.dtype).removeprefix("torch.")
-    for codec in dict.fromkeys((policy.key, policy.value)):
+    for codec in policy.codecs():
         with contextlib.suppress(Exception):
             codec.decode(codec.encode(x), name if name in FLOAT_DTYPES else None)
 
