@@ -150,7 +150,15 @@ class ReplayPolicy:
         for p in chunk.parts:
             self._parts.setdefault((p.layer, p.role), []).append(p)
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def layers(self) -> tuple:
+        """The policy's per-layer codecs (the writer keys the header on them)."""
+        return self.policy.layers
+
+    def check_layers(self, num_layers: int) -> None:
+        self.policy.check_layers(num_layers)
+
+    def meta_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) as ``meta`` tensors: their shapes and dtypes, no data."""
         return [tuple(self._shape_of(i, role) for role in ROLES) for i in range(self.num_layers)]
 

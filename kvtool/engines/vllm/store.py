@@ -362,7 +362,7 @@ class PrefixStore:
         replay = ReplayPolicy(encoded, self.chunk_policy(chunk))
         ids = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
         return self.backend.write_new(self._name(chunk), lambda path: int(write_kvz(
-            path, replay.layers(), num_layers=replay.num_layers, policy=replay,
+            path, replay.meta_layers(), num_layers=replay.num_layers, policy=replay,
             model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint, token_ids=ids,
             zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
 
