@@ -191,6 +191,43 @@ def test_writes_keep_the_store_under_max_bytes_at_every_step(tmp_path):
     assert max(sizes) <= 20_000 and min(sizes[3:]) > 10_000, sizes  # bounded, and used
 
 
+def test_saves_are_dropped_not_written_while_a_failed_scan_backs_off(tmp_path, monkeypatch):
+    """The S3 soak at 2.6 x max_bytes: a scan failed while the store was unreachable, the
+    budget backed off for a minute, and every write meanwhile passed unbounded. Now a write
+    that would pass max_bytes during the back-off is dropped (``saves_dropped``); after it,
+    room is made and writes go on."""
+    from kvtool.engines.vllm import store_admin
+    from kvtool.engines.vllm.saver import write_chunks
+    from kvtool.engines.vllm.store_admin import scan
+
+    store, budget = _store_and_budget(tmp_path, 20_000)
+    for i in range(6):  # fill the store up to its bound
+        ids = list(range(1000 * i, 1000 * i + 32))
+        write_chunks(store, budget, [(c, *_chunk_kv(i * 2 + j))
+                                     for j, c in enumerate(store.chunks(ids))], ids)
+    real_scan = store_admin.scan
+
+    def unreachable(*args, **kwargs):
+        raise OSError("endpoint did not answer")
+
+    monkeypatch.setattr(store_admin, "scan", unreachable)
+    budget._estimate = 20_000  # as full as it gets: the next write needs a scan
+    before = stats()
+    ids = list(range(9000, 9016))
+    write_chunks(store, budget, [(store.chunks(ids)[0], *_chunk_kv(50))], ids)  # scan fails
+    monkeypatch.setattr(store_admin, "scan", real_scan)  # the store answers again
+    for i in range(10):
+        ids = list(range(10_000 + 100 * i, 10_000 + 100 * i + 16))
+        assert write_chunks(store, budget, [(store.chunks(ids)[0], *_chunk_kv(60 + i))],
+                            ids) == 0
+    assert stats()["saves_dropped"] == before["saves_dropped"] + 10
+    assert scan(store.backend).total_bytes <= 20_000 + 2 * budget.expected(1 << 30)
+    budget._backoff_until = 0  # the back-off is over: room is made again
+    ids = list(range(20_000, 20_016))
+    assert write_chunks(store, budget, [(store.chunks(ids)[0], *_chunk_kv(99))], ids) > 0
+    assert scan(store.backend).total_bytes <= 20_000
+
+
 def test_a_full_disk_makes_room_and_retries_once(tmp_path, monkeypatch):
     from kvtool.engines.vllm.saver import write_chunks
     from kvtool.engines.vllm.store_admin import scan

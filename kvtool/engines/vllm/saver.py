@@ -9,8 +9,10 @@ A write never takes the engine down and never wedges the store:
   more;
 * before each chunk, the budget makes room for it (:meth:`~kvtool.engines.vllm.store_budget.
   StoreBudget.reserve`), so that the store, the file being written included, stays under
-  ``max_bytes``; after it, the budget accounts for it and keeps the quarantine under its
-  bounds (:meth:`~kvtool.engines.vllm.store_budget.StoreBudget.added`).
+  ``max_bytes``; where it cannot (a scan failed moments ago and the store is over its bound),
+  the chunk and the rest of the prompt's are dropped (``saves_dropped``), not written; after
+  it, the budget accounts for it and keeps the quarantine under its bounds
+  (:meth:`~kvtool.engines.vllm.store_budget.StoreBudget.added`).
 
 Nothing here imports vLLM.
 """
@@ -40,9 +42,11 @@ def write_chunks(store: Any, budget: Any, copies: list, token_ids: list[int],
         if guard is not None and guard.is_down:  # out of service: dropped, not waited on
             count("saves_dropped", len(copies) - i)
             break
+        if budget is not None and not _evict(budget.reserve,
+                                             budget.expected(source_bytes(data))):
+            count("saves_dropped", len(copies) - i)  # room first: no room, no write
+            break
         try:
-            if budget is not None:  # room first: the store stays under max_bytes meanwhile
-                _evict(budget.reserve, budget.expected(source_bytes(data)))
             written = write_one(store, budget, chunk, data, token_ids)
         except Exception as e:  # full disk, permissions, a dead endpoint: a future miss
             save_failed(chunk, e)
@@ -105,18 +109,26 @@ def held_bytes(data: list) -> int:
     return int(data[0].nbytes) if len(data) == 1 else raw_bytes(*data)
 
 
-def _evict(make_room: Any, nbytes: int) -> None:
+def _evict(make_room: Any, nbytes: int) -> bool:
     """``make_room(nbytes)`` (the budget's ``reserve`` or ``added``), its evictions counted;
-    a failure is logged: eviction must never stop a write nor take the saver down."""
+    False when the budget says there is no room (:class:`~kvtool.engines.vllm.store_budget.
+    NoRoom`: the write must be dropped). Any other failure is logged and True: eviction must
+    never stop a write nor take the saver down."""
+    from kvtool.engines.vllm.store_budget import NoRoom
+
     try:
         files, freed = make_room(nbytes)
+    except NoRoom as e:
+        log.warning("kvtool store: save dropped: %s", e)
+        return False
     except Exception as e:
         log.warning("kvtool store: eviction failed (%s)", e)
-        return
+        return True
     if files:
         _evicted(files, freed)
         log.info("kvtool store: evicted %d files (%d bytes) to stay within the store's bounds",
                  files, freed)
+    return True
 
 
 def _evicted(files: int, freed: int) -> None:

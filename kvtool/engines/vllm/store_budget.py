@@ -24,6 +24,12 @@ RELIEF_SHARE = 0.1  # relieve() frees this share of max_bytes (or of the store) 
 FILE_MARGIN = 1.25  # expected(): room made for a chunk file, over the largest one lately
 
 
+class NoRoom(Exception):
+    """A write would push a store that is over ``max_bytes`` further over, and the store cannot
+    be pruned now (its scan failed moments ago, or only pinned chunks are left): the write is
+    dropped, not made."""
+
+
 class StoreBudget:
     """The connector's store bounds, kept after its writes (:meth:`added`) and on a full disk
     (:meth:`relieve`). ``max_bytes`` (None: no bound) bounds the whole store, every model's
@@ -72,7 +78,9 @@ class StoreBudget:
     def reserve(self, nbytes: int) -> tuple[int, int]:
         """Make room for a write of about ``nbytes`` before it starts (its temp file counts):
         when the estimate plus it would pass ``max_bytes``, evict down to ``low_water`` of
-        it, the write included. (files, bytes) removed."""
+        it, the write included. (files, bytes) removed. Raises :class:`NoRoom` when it would
+        pass ``max_bytes`` while a failed or fruitless scan backs off (a write then would
+        grow the store past its bound for the whole back-off)."""
         with self._lock:
             if self.max_bytes is None:
                 return 0, 0
@@ -80,7 +88,9 @@ class StoreBudget:
                 return 0, 0
             now = time.time()
             if self._estimate is not None and now < self._backoff_until:
-                return 0, 0
+                raise NoRoom(f"the store holds ~{self._estimate} bytes, a write of ~{nbytes} "
+                             f"would pass max_bytes {self.max_bytes}, and it cannot be pruned "
+                             f"for {self._backoff_until - now:.0f} s")
             try:
                 return self._enforce(now, incoming=nbytes)
             except BaseException:
