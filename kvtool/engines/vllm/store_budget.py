@@ -79,8 +79,9 @@ class StoreBudget:
         """Make room for a write of about ``nbytes`` before it starts (its temp file counts):
         when the estimate plus it would pass ``max_bytes``, evict down to ``low_water`` of
         it, the write included. (files, bytes) removed. Raises :class:`NoRoom` when it would
-        pass ``max_bytes`` while a failed or fruitless scan backs off (a write then would
-        grow the store past its bound for the whole back-off)."""
+        pass ``max_bytes`` and the store cannot be pruned: its scan fails now, or a failed or
+        fruitless scan backs off (writes then would grow the store past its bound for the
+        whole back-off)."""
         with self._lock:
             if self.max_bytes is None:
                 return 0, 0
@@ -93,6 +94,13 @@ class StoreBudget:
                              f"for {self._backoff_until - now:.0f} s")
             try:
                 return self._enforce(now, incoming=nbytes)
+            except Exception as e:
+                self._next_scan = self._backoff_until = now + self.backoff
+                if self._estimate is not None:  # by the estimate there is no room, and no scan
+                    raise NoRoom(f"the store holds ~{self._estimate} bytes, a write of "
+                                 f"~{nbytes} would pass max_bytes {self.max_bytes}, and it "
+                                 f"cannot be scanned ({e})") from e
+                raise
             except BaseException:
                 self._next_scan = self._backoff_until = now + self.backoff
                 raise
