@@ -14,6 +14,10 @@ every configuration of its kernels, and the autotuner itself, in one case. Under
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -49,3 +53,20 @@ def pin_kept_config(monkeypatch: Any, module: ModuleType, index: int, **named_ar
     for kernel in autotuned(module):
         kept = kept_configs(kernel, **named_args)
         pin_config(monkeypatch, kernel, kept[index % len(kept)])
+
+
+def run_case_file(cases: Path, *args: str, **env: str) -> str:
+    """pytest's output for a Triton case file run in a fresh process (``TRITON_INTERPRET``
+    must be set before triton is imported); fails with its output unless it passed."""
+    run = subprocess.run([sys.executable, "-m", "pytest", str(cases), "-q", "-p",
+                          "no:cacheprovider", *args], env={**os.environ, **env},
+                         capture_output=True, text=True, cwd=cases.parent.parent, timeout=1200)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def assert_every_case_ran(out: str, at_least: int) -> None:
+    """The run's summary: passed, none skipped or failed, at least ``at_least`` cases."""
+    summary = out.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    assert int(summary.split()[0]) >= at_least, summary

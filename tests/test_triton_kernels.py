@@ -9,9 +9,6 @@ Triton cache (estimate per case in ``tests/triton_cases.py``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,27 +16,19 @@ import pytest
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 
+from gpu_util import assert_every_case_ran, run_case_file  # noqa: E402
+
 CASES = Path(__file__).with_name("triton_cases.py")
 
 
-def run_cases(*args: str, **env: str) -> str:
-    run = subprocess.run([sys.executable, "-m", "pytest", str(CASES), "-q", "-p",
-                          "no:cacheprovider", *args], env={**os.environ, **env},
-                         capture_output=True, text=True, cwd=CASES.parent.parent, timeout=1200)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    return run.stdout
-
-
 def test_kernels_under_the_interpreter():
-    out = run_cases("-m", "not gpu", TRITON_INTERPRET="1",
+    out = run_case_file(CASES, "-m", "not gpu", TRITON_INTERPRET="1",
                     CUDA_VISIBLE_DEVICES="")  # on CPU tensors, GPU or not
-    summary = out.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
-    assert int(summary.split()[0]) >= 60, summary  # every case ran
+    assert_every_case_ran(out, 60)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_on_cuda():
-    out = run_cases("-m", "gpu")
+    out = run_case_file(CASES, "-m", "gpu")
     assert "passed" in out.strip().splitlines()[-1]

@@ -129,6 +129,12 @@ def _mm(acc, hi, mid, lo, m_ptr, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: 
         PIECES: tl.constexpr):
     """``acc + (hi + mid + lo) @ M[k0:k0+BK, n0:n0+BN]`` for a row-major ``M[D, D]``."""
     m = tl.load(m_ptr + (k0 + tl.arange(0, BK))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
+    return _mm_by(acc, hi, mid, lo, m, PIECES)
+
+
+@_jit
+def _mm_by(acc, hi, mid, lo, m, PIECES: tl.constexpr):
+    """``acc + (hi + mid + lo) @ m`` for a matrix ``m`` already loaded."""
     if _INTERP:
         hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
     if PIECES == 3:
@@ -185,18 +191,6 @@ def _quantize(u, bnd_ptr, BITS: tl.constexpr):
 
 
 # -- kernels -------------------------------------------------------------------------------------
-@_jit
-def _mm_by(acc, hi, mid, lo, m, PIECES: tl.constexpr):
-    """``acc + (hi + mid + lo) @ m`` for a matrix ``m`` already loaded."""
-    if _INTERP:
-        hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
-    if PIECES == 3:
-        acc = tl.dot(lo, m, acc)
-    if PIECES >= 2:
-        acc = tl.dot(mid, m, acc)
-    return tl.dot(hi, m, acc)
-
-
 @_jit
 def _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D: tl.constexpr, W: tl.constexpr,
                 BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
