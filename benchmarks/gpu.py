@@ -19,7 +19,9 @@ Tables, each printed row by row as it is measured, then the section's wall time 
    ``kvtool.kernels.triton_attention.turbo_decode_attention``, or ``triton_cuda``'s before that
    module exists) against SDPA on fp16 K/V (what ``DynamicCache`` pays) and against decoding K
    and V to fp16 then SDPA; speedup = other time / codes time; max|diff| against SDPA on the
-   decoded K/V.
+   decoded K/V. Then the same for each preset's codes (``--attention-presets``), encoded as
+   ``CompressedCache`` stores them and read by the kernel it uses (``quality``:
+   ``triton_attention``; ``balanced``/``small``: ``triton_attention_parts``).
 3. ``presets``: each preset's (``quality``, ``balanced``, ``small``) key and value codec through
    ``codec.encode``/``codec.decode`` on fp16 device tensors laid out like CompressedCache's
    encode calls (``[blocks, 64, D]``; Triton turbomix kernels on CUDA), GB/s and % of the copy.
@@ -62,7 +64,7 @@ from gpu_common import Bench, Budget, Clock, count, counts, words  # benchmarks/
 
 SECTIONS = ("throughput", "dtypes", "attention", "presets", "cache")
 #: seconds of the ``--all`` budget per stage (scaled to ``--budget``), used cumulatively
-SHARES = {"warm": 120, "throughput": 85, "dtypes": 25, "attention": 30, "presets": 75,
+SHARES = {"warm": 120, "throughput": 75, "dtypes": 25, "attention": 50, "presets": 65,
           "cache": 125}
 ALL = {"vectors": counts("16M,64M"), "dims": [64, 128, 256], "bits": [2, 3, 4],
        "dtypes": ["fp16", "bf16", "fp32"], "dtype_bits": 3, "tokens": counts("8K,32K"),
@@ -117,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--k-bits", type=int, default=3, help="key codec turbo<k>")
     a("--v-bits", type=int, default=3, help="value codec turbo<v>")
     a("--split-k", type=int, default=None, help="splits (default: the kernel's heuristic)")
+    a("--attention-presets", type=words, default=["quality", "balanced", "small"],
+      help="presets whose codes the attention table also reads")
     # presets
     a("--preset-vectors", type=count, default=count("1M"), help="vectors per codec call")
     a("--presets", type=words, default=["quality", "balanced", "small"], help="preset names")
@@ -148,7 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "cache": args.skip_cache}
     for name, given, known in (("sections", args.sections, SECTIONS),
                                ("dtypes", args.dtypes, ("fp16", "bf16", "fp32")),
-                               ("roles", args.roles, ("key", "value"))):
+                               ("roles", args.roles, ("key", "value")),
+                               ("attention presets", args.attention_presets,
+                                ("quality", "balanced", "small"))):
         if set(given) - set(known):
             p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from "
                     f"{', '.join(known)}")
@@ -189,7 +195,7 @@ def warm_tasks(args: argparse.Namespace) -> list[list[str]]:
                       "--batches", ",".join(map(str, args.batches)), "--heads",
                       str(args.heads), "--kv-heads", str(args.kv_heads), "--head-dim",
                       str(args.head_dim), "--k-bits", str(args.k_bits), "--v-bits",
-                      str(args.v_bits)]
+                      str(args.v_bits), "--attention-presets", ",".join(args.attention_presets)]
                      + ([] if args.split_k is None else ["--split-k", str(args.split_k)]))
     return [common + t for t in tasks]
 

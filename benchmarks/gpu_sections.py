@@ -198,7 +198,96 @@ def attention(b: Bench) -> dict:
                        f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}"])
             if b.device == "cuda":
                 b.torch.cuda.empty_cache()
-    return {"rows": rows, "kernel": source}
+    return {"rows": rows, "kernel": source, "preset_rows": preset_attention(b)}
+
+
+def _preset_attention_row(b: Bench, name: str, batch: int, n: int) -> dict:
+    """One preset's keys and values, encoded as ``CompressedCache`` stores them (blocks of 64),
+    attended from their codes by the kernel the cache uses on this device, against decoding
+    them and running SDPA, and SDPA on fp16 K/V. The kernel's views of the store (built once
+    per store change) are not timed."""
+    from kvtool.engines.hf_attention import rotation_seeds, scalar_codes
+    from kvtool.kernels import triton_attention, triton_attention_parts
+    from kvtool.policy import preset_policy
+
+    torch, args, clock = b.torch, b.args, b.clock
+    hq, hkv, dim, block = args.heads, args.kv_heads, args.head_dim, 64
+    n = max(block, n // block * block)
+    policy, heads, scale = preset_policy(name), batch * hkv, dim**-0.5
+    q = torch.randn((batch, hq, 1, dim), device=b.device, dtype=torch.float16)
+    shape = (batch, hkv, n // block, block, dim)
+    k, v = (torch.randn(shape, device=b.device, dtype=torch.float16) for _ in range(2))
+    kenc, venc = policy.key.encode(k), policy.value.encode(v)
+    if scalar_codes(policy.key, "key") and scalar_codes(policy.value):
+        ka, va = kenc.arrays, venc.arrays
+        kernel = "triton_attention"
+
+        def codes():
+            return triton_attention.attend(
+                q, ka["codes"].reshape(heads, n, -1), ka["norms"].reshape(heads, n),
+                va["codes"].reshape(heads, n, -1), va["norms"].reshape(heads, n), dim=dim,
+                k_bits=policy.key.bits, v_bits=policy.value.bits,
+                k_seeds=rotation_seeds(policy.key), v_seeds=rotation_seeds(policy.value),
+                scale=scale, k_rotations=ka["rotation"].reshape(heads, -1),
+                v_rotations=va["rotation"].reshape(heads, -1),
+                key_means=ka["mean"].reshape(heads, -1, dim) if "mean" in ka else None,
+                block=block)
+    else:
+        roles = [triton_attention_parts.role_tensors(c, e.arrays, heads, n, block, dim)
+                 for c, e in ((policy.key, kenc), (policy.value, venc))]
+        kernel = "triton_attention_parts"
+
+        def codes():
+            return triton_attention_parts.attend(q, *roles, scale=scale)
+
+    def sdpa(kd, vd):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, kd, vd, scale=scale, enable_gqa=hq != hkv).transpose(1, 2)
+
+    def decoded():
+        return (policy.key.decode(kenc).reshape(batch, hkv, n, dim).half(),
+                policy.value.decode(venc).reshape(batch, hkv, n, dim).half())
+
+    t_codes = clock.median_ms(codes)
+    t_decode = clock.median_ms(lambda: sdpa(*decoded()))
+    t_sdpa = clock.median_ms(lambda: sdpa(k.reshape(batch, hkv, n, dim),
+                                          v.reshape(batch, hkv, n, dim)))
+    diff = (codes().float() - sdpa(*decoded()).float()).abs().max().item()
+    return {"preset": name, "kernel": kernel, "batch": batch, "tokens": n,
+            "codes_us": t_codes * 1e3, "sdpa_fp16_us": t_sdpa * 1e3,
+            "decode_sdpa_us": t_decode * 1e3, "speedup_vs_sdpa_fp16": t_sdpa / t_codes,
+            "speedup_vs_decode_sdpa": t_decode / t_codes, "max_abs_diff": diff,
+            "kv_bytes_codes": kenc.nbytes + venc.nbytes, "kv_bytes_fp16": 2 * k.numel() * 2}
+
+
+def preset_attention(b: Bench) -> list[dict]:
+    """The presets' codes attended on the device (the table of :func:`attention`, per preset)."""
+    args = b.args
+    table = Table(f"decode attention from the presets' codes, Hq={args.heads} Hkv={args.kv_heads}"
+                  f" D={args.head_dim}, blocks of 64: µs per call; speedup = other / codes\n"
+                  "  codes: quality through triton_attention, balanced/small through "
+                  "triton_attention_parts; dec+sdpa: codec.decode of K and V, then SDPA",
+                  ["preset", "B", "tokens", "codes", "sdpa fp16", "dec+sdpa", "x sdpa",
+                   "x dec+sdpa", "max|diff|"], [8, 3, 6, 9, 9, 9, 7, 10, 9])
+    rows = []
+    for name in args.attention_presets:
+        for batch in args.batches:
+            for n in args.tokens:
+                label = f"{name} B={batch} tokens={human(n)}"
+                if not b.deadline.allows(label):
+                    continue
+                with b.deadline.attempt(label) as attempt:
+                    row = _preset_attention_row(b, name, batch, n)
+                if attempt.failed:
+                    continue
+                rows.append(row)
+                table.row([name, str(batch), human(row["tokens"]), f"{row['codes_us']:.1f}",
+                           f"{row['sdpa_fp16_us']:.1f}", f"{row['decode_sdpa_us']:.1f}",
+                           f"{row['speedup_vs_sdpa_fp16']:.2f}x",
+                           f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}"])
+                if b.device == "cuda":
+                    b.torch.cuda.empty_cache()
+    return rows
 
 
 def presets(b: Bench) -> dict:

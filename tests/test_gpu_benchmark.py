@@ -82,6 +82,9 @@ def test_smoke_prints_every_table(smoke):
         assert any(line.startswith(f"{dtype:>6} |") and line.count("%)") == 2 for line in lines)
     for batch in (1, 2):
         assert any(line.startswith(f"{batch:>3} |    256 |") for line in lines)
+    assert any(line.startswith("decode attention from the presets' codes") for line in lines)
+    for preset in ("quality", "balanced", "small"):
+        assert any(line.startswith(f"{preset:>8} |   2 |    256 |") for line in lines)
     for preset in ("quality", "balanced", "small"):
         for role in ("key", "value"):
             assert any(line.startswith(f"{preset:>8} | {role:>5} |") for line in lines)
@@ -103,6 +106,7 @@ def test_smoke_json_has_every_result(smoke):
         values = numbers(result)
         assert values and all(math.isfinite(v) for v in values), section
     assert len(data["throughput"]["rows"]) == 3 and len(data["attention"]["rows"]) == 2
+    assert len(data["attention"]["preset_rows"]) == 6
     assert len(data["presets"]["rows"]) == 6 and len(data["cache"]["rows"]) == 3
     assert all(r["peak_bytes"] is None for r in data["cache"]["rows"])  # CUDA only
 
@@ -118,6 +122,11 @@ def test_smoke_results_are_sane(smoke):
         assert 0.02 < row["rel_mse"] < 0.05, row
     for row in data["attention"]["rows"]:
         assert row["max_abs_diff"] < 1e-2 and row["kv_bytes_codes"] < row["kv_bytes_fp16"] / 4
+    kernels = {r["preset"]: r["kernel"] for r in data["attention"]["preset_rows"]}
+    assert kernels == {"quality": "triton_attention", "balanced": "triton_attention_parts",
+                       "small": "triton_attention_parts"}
+    for row in data["attention"]["preset_rows"]:  # against SDPA on the decoded fp16 K/V
+        assert row["max_abs_diff"] < 1e-2 and row["kv_bytes_codes"] < row["kv_bytes_fp16"] / 3
     for row in data["presets"]["rows"]:
         assert 0 < row["rel_mse"] < 0.1 and 2 <= row["bits_per_element"] <= 4.5, row
     dyn, *compressed = data["cache"]["rows"]

@@ -16,6 +16,7 @@ pytest.importorskip("numba")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
+from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.engines import hf_attention  # noqa: E402
 from kvtool.engines.hf_attention import ATTR, STATS, kvtool_attention  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache  # noqa: E402
@@ -206,9 +207,10 @@ def test_states_on_cuda_ask_for_triton(monkeypatch):
         hf_attention.codes_enabled("cuda")
     quality = _policy(QUALITY)
     assert hf_attention.device_codes(quality.key, quality.value, 128)
-    balanced = _policy(BALANCED)
-    assert not hf_attention.device_codes(balanced.key, balanced.value, 128)
+    balanced = _policy(BALANCED)  # through triton_attention_parts
+    assert hf_attention.device_codes(balanced.key, balanced.value, 128)
     assert not hf_attention.device_codes(quality.key, quality.value, 8)
+    assert not hf_attention.device_codes(get_codec("int8"), quality.value, 128)
 
 
 def test_a_view_no_attention_read_is_an_error():

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from gpu_util import assert_every_case_ran, run_case_file  # noqa: E402
 
 CASES = Path(__file__).with_name("triton_attention_cases.py")
+PARTS = Path(__file__).with_name("triton_attention_parts_cases.py")  # balanced, small
 
 
 def test_attention_from_codes_under_the_interpreter():
@@ -22,8 +23,14 @@ def test_attention_from_codes_under_the_interpreter():
     assert_every_case_ran(out, 15)
 
 
+def test_attention_from_every_turbomix_option_under_the_interpreter():
+    out = run_case_file(PARTS, "-m", "not gpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    assert_every_case_ran(out, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_attention_from_codes_on_cuda():
-    out = run_case_file(CASES, "-m", "gpu or not gpu")
-    assert "passed" in out.strip().splitlines()[-1]
+    for cases in (CASES, PARTS):
+        out = run_case_file(cases, "-m", "gpu or not gpu")
+        assert "passed" in out.strip().splitlines()[-1]

@@ -22,10 +22,10 @@ means causal over the new tokens (they come last), a mask's columns are matched 
   :func:`kvtool.kernels.numba_attention_parts.attend` for outlier, pair, trellis and uint8-norm
   ``turbomix`` codes;
 - on CUDA by :func:`kvtool.kernels.triton_attention.attend` (the store's own tensors, no host
-  copy): uncentered turbo2/3/4 and scalar ``turbomix`` codes (the ``quality`` preset); the codes
-  of outlier channels, ``vq=2``, trellis or ``norm_bits=8`` (``balanced``, ``small``) decode,
-  then attend. :data:`DEVICE_ATTENTION_ON_CPU` (tests only) sends CPU tensors this way too,
-  for Triton's interpreter.
+  copy) for uncentered turbo2/3/4 and scalar ``turbomix`` codes (the ``quality`` preset), or
+  :func:`kvtool.kernels.triton_attention_parts.attend` for outlier, pair, trellis and
+  uint8-norm ``turbomix`` codes (``balanced``, ``small``). :data:`DEVICE_ATTENTION_ON_CPU`
+  (tests only) sends CPU tensors this way too, for Triton's interpreter.
 
 Anything else decodes the view and calls the delegate on the full K/V
 (:meth:`CodesView.materialize`), the same decode-then-attend computation as without the hook:
@@ -91,8 +91,9 @@ class CodesView:
     rotations: tuple[np.ndarray, np.ndarray] | None = None
     key_means: np.ndarray | None = None
     block: int = 0
-    #: per role the :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` when the kernel
-    #: of every ``turbomix`` option reads this layer (``codes``/``norms`` are then None)
+    #: per role the :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` (``on_device``:
+    #: :class:`~kvtool.kernels.triton_attention_parts.RoleTensors`) when the kernel of every
+    #: ``turbomix`` option reads this layer (``codes``/``norms`` are then None)
     roles: tuple[Any, Any] | None = None
     on_device: bool = False  # read by the Triton kernel (tensors, not numpy views)
     consumed: bool = field(default=False)
@@ -106,12 +107,18 @@ class CodesView:
     @property
     def tokens(self) -> int:
         """Encoded tokens."""
-        return int(self.roles[0].norms.shape[2] if self.roles else self.norms[0].shape[1])
+        if self.roles:
+            role = self.roles[0]
+            return int(role.tokens if self.on_device else role.norms.shape[2])
+        return int(self.norms[0].shape[1])
 
     @property
     def heads(self) -> int:
         """Rows of encoded tokens: batch · KV heads."""
-        return int(self.roles[0].norms.shape[1] if self.roles else self.norms[0].shape[0])
+        if self.roles:
+            role = self.roles[0]
+            return int(role.heads if self.on_device else role.norms.shape[1])
+        return int(self.norms[0].shape[0])
 
     def materialize(self, key: torch.Tensor, value: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,11 +220,13 @@ def device_kernels() -> ModuleType | None:
 
 
 def device_codes(key_codec: Codec | None, value_codec: Codec | None, dim: int) -> bool:
-    """Whether the Triton kernel reads these codecs' codes at head_dim ``dim``: uncentered
-    turbo2/3/4 and scalar ``turbomix`` (see :func:`scalar_codes`) at dims 16..256."""
+    """Whether the Triton kernels read these codecs' codes at head_dim ``dim`` (16..256, a
+    power of two): what :func:`codes_codec` accepts (uncentered turbo2/3/4 and scalar
+    ``turbomix`` through :mod:`kvtool.kernels.triton_attention`, every other ``turbomix`` at
+    2..4 bits through :mod:`kvtool.kernels.triton_attention_parts`)."""
     from kvtool.kernels.triton_cuda import DIMS
 
-    return scalar_codes(key_codec, "key") and scalar_codes(value_codec) and dim in DIMS
+    return codes_codec(key_codec, "key") and codes_codec(value_codec) and dim in DIMS
 
 
 def rotation_seeds(codec: Codec) -> list[int]:
@@ -319,8 +328,7 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
     if view.on_device:
-        if not codes_enabled(query.device) or view.roles is not None \
-                or nq * (hq // hkv) > device_kernels().max_rows(dim):
+        if not codes_enabled(query.device) or nq * (hq // hkv) > device_kernels().max_rows(dim):
             return False
     elif not codes_enabled() or nq * (hq // hkv) > kernels().MAX_ROWS:
         return False
@@ -433,11 +441,18 @@ def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ta = device_kernels()
     kcodec, vcodec = view.codecs
     dim = query.shape[-1]
+    scale = dim ** -0.5 if scaling is None else float(scaling)
     try:
+        if view.roles is not None:
+            from kvtool.kernels import triton_attention_parts
+
+            out = triton_attention_parts.attend(query, *view.roles, key, value, scale=scale,
+                                                bias=bias, causal=causal)
+            return out if query.dtype == torch.float32 else out.to(query.dtype)
         out = ta.attend(query, view.codes[0], view.norms[0], view.codes[1], view.norms[1], key,
                         value, dim=dim, k_bits=kcodec.bits, v_bits=vcodec.bits,
                         k_seeds=rotation_seeds(kcodec), v_seeds=rotation_seeds(vcodec),
-                        scale=dim ** -0.5 if scaling is None else float(scaling), bias=bias,
+                        scale=scale, bias=bias,
                         causal=causal, k_rotations=view.rotations[0],
                         v_rotations=view.rotations[1], key_means=view.key_means,
                         block=view.block)

@@ -44,8 +44,7 @@ function reads. The decode-then-attend path (every token's states decoded and re
 attention) is used instead when: ``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``;
 numba (CPU) or Triton (CUDA) is missing; the model's attention implementation is not routed
 through the hook (eager, flash, a model's own override) or the cache has no ``config``; a layer's
-codecs are not read from codes (:func:`~kvtool.engines.hf_attention.codes_codec`; on CUDA only
-uncentered turbo2/3/4 and scalar ``turbomix`` are, see
+codecs are not read from codes (:func:`~kvtool.engines.hf_attention.codes_codec`; on CUDA
 :func:`~kvtool.engines.hf_attention.device_codes`); head_dim is not a power of two ≥ 8 (CUDA:
 16..256); tensors are neither on the CPU nor on CUDA; or ``update`` is called directly, outside a
 model forward. At attention time the function still decodes the view and runs sdpa on the full

@@ -124,14 +124,26 @@ class _Stream:
         """:meth:`codes_np` as tensors where the store lives, for the Triton kernel: codes
         ``[L, B·H, E, bytes]``, fp16 norms ``[L, B·H, E]``, rotations ``[L, B·H, blocks]``
         (None without candidates), fp16 means ``[L, B·H, blocks, D]`` (None: uncentered), None;
-        views of the single chunk (several chunks are joined, transiently)."""
+        views of the single chunk (several chunks are joined, transiently). With ``parts``,
+        instead (None × 4, then one :class:`~kvtool.kernels.triton_attention_parts.RoleTensors`
+        per ``L``)."""
         if self._dev is not None:
             return self._dev
-        joined = self._joined()[0]
+        joined, axis = self._joined()
         codes = joined["codes"]
         lead = codes.shape[:-3]
         heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
         flat = (-1, heads, blocks * codes.shape[-2])
+        if self.parts:
+            from kvtool.kernels.triton_attention_parts import role_tensors
+
+            per_role = {name: a.reshape(-1, heads, *a.shape[axis:]) for name, a in joined.items()}
+            out: tuple[Any, ...] = (None, None, None, None, [
+                role_tensors(self.codec, {name: a[i] for name, a in per_role.items()}, heads,
+                             blocks * codes.shape[-2], codes.shape[-2], self.chunks[0].shape[-1])
+                for i in range(len(per_role["codes"]))])
+            self._dev = out  # built once per store change
+            return out
         mean = joined.get("mean")
         out = (codes.reshape(*flat, codes.shape[-1]), joined["norms"].reshape(flat),
                joined["rotation"].reshape(-1, heads, blocks) if "rotation" in joined else None,

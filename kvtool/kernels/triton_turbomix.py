@@ -253,7 +253,7 @@ def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str
         t["lvl"] = levels = trellis_levels(bits) / np.float32(np.sqrt(n))
         per_subset = levels.reshape(-1, 4).T
         t["edge"] = (per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5)
-    out = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32).reshape(-1)).to(device)
+    out = {k: torch.from_numpy(np.array(v, np.float32).reshape(-1)).to(device)
            for k, v in t.items()}
     out["sub"] = torch.from_numpy(subset_table().astype(np.int32).reshape(-1)).to(device)
     return out
@@ -401,15 +401,35 @@ def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.stack([lo, hi], -1)[:, None, :])
 
 
-def norm_values(codes: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """:func:`kvtool.codecs.turbomix.norm_values` on the device: fp32 [G, T]."""
+def norm_values(codes: torch.Tensor, ranges: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """:func:`kvtool.codecs.turbomix.norm_values` on the device: fp32 [G, T]; ``check=False``
+    skips the range check (a host sync) for arrays this process encoded."""
     lo, hi = ranges[:, 0], ranges[:, 1]
-    if bool((lo > hi).any()):
+    if check and bool((lo > hi).any()):
         raise CodecError("turbomix: a norm range's least norm is above its greatest, which no "
                          "writer stores")
     log_lo, span = _log_range(lo, hi)
     values = torch.exp2(log_lo[:, None] + (codes.double() - 1) / _NORM_STEPS * span[:, None])
     return torch.where(codes > 0, values, 0.0).float()
+
+
+def channel_sets_of(codec: Any, arrays: dict[str, torch.Tensor], groups: int, dim: int,
+                    check: bool = True) -> list[torch.Tensor]:
+    """Each part's channels, int32 [G, n] ascending (the other channels, then the outliers;
+    [1, D] for all of them without outliers). ``check`` refuses a mask that does not name
+    ``outliers`` channels (a host sync; skip it for arrays this process encoded)."""
+    n_hi = codec._split(dim)[0] if hasattr(codec, "_split") else 0
+    device = arrays["codes"].device
+    if not n_hi:
+        return [torch.arange(dim, dtype=torch.int32, device=device)[None, :]]
+    packed = arrays["outlier_mask"].reshape(groups, -1)
+    bits = (packed[..., None].int() >> torch.arange(8, device=device, dtype=torch.int32)) & 1
+    mask = bits.reshape(groups, -1)[:, :dim].to(torch.uint8)
+    if check and bool((mask.sum(1) != n_hi).any()):
+        raise CodecError(f"{codec.codec_id}: an outlier mask does not name {n_hi} of "
+                         f"{dim} channels, which no writer stores")
+    order = torch.sort(mask, dim=1, stable=True).indices.int()
+    return [order[:, :dim - n_hi].contiguous(), order[:, dim - n_hi:].contiguous()]
 
 
 def _check(codec: Any, a: dict[str, torch.Tensor], shape: tuple[int, ...]) -> None:
@@ -431,7 +451,6 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     """x̂ [shape] in ``dtype`` (float32/float16/bfloat16) from the codec's arrays (tensors on
     one device: CUDA, or CPU under the interpreter), without leaving the device."""
     dim = shape[-1]
-    n_hi, n_lo = codec._split(dim)
     _check(codec, arrays, shape)
     tokens = shape[-2] if len(shape) > 1 else 1
     rows = int(np.prod(shape[:-1], dtype=np.int64))
@@ -440,16 +459,7 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     out = torch.empty((rows, dim), dtype=getattr(torch, dtype), device=device)
     if not rows:
         return out.reshape(shape)
-    channel_sets = [torch.arange(dim, dtype=torch.int32, device=device)[None, :]]
-    if n_hi:
-        packed = arrays["outlier_mask"].reshape(groups, -1)
-        bits = (packed[..., None].int() >> torch.arange(8, device=device, dtype=torch.int32)) & 1
-        mask = bits.reshape(groups, -1)[:, :dim].to(torch.uint8)
-        if bool((mask.sum(1) != n_hi).any()):
-            raise CodecError(f"{codec.codec_id}: an outlier mask does not name {n_hi} of "
-                             f"{dim} channels, which no writer stores")
-        channel_sets = [torch.sort(m, dim=1, stable=True).indices[:, :n].int().contiguous()
-                        for m, n in ((mask, n_lo), (1 - mask, n_hi))]
+    channel_sets = channel_sets_of(codec, arrays, groups, dim)
     mean = arrays["mean"].reshape(groups, dim).float().contiguous() if codec.center else None
     choice = arrays["rotation"].reshape(groups).int().contiguous() \
         if "rotation" in arrays else None
@@ -474,5 +484,5 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     return out.reshape(shape)
 
 
-__all__ = ["INTERPRET", "QUANTIZERS", "available", "decode", "encode", "name", "norm_codes",
-           "norm_values"]
+__all__ = ["INTERPRET", "QUANTIZERS", "available", "channel_sets_of", "decode", "encode", "name",
+           "norm_codes", "norm_values"]
