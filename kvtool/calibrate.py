@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from kvtool.codecs import Codec, get_codec
+from kvtool.codecs.turbomix import outlier_count
 from kvtool.errors import KvtoolError
-from kvtool.policy import ROLES, CodecPolicy, LayerCodecs, outlier_count
+from kvtool.policy import ROLES, CodecPolicy, LayerCodecs
 
 DEFAULT_TOKENS = 512  # calibration tokens in all (prefix + scored)
 DEFAULT_SCORED = 64  # the last tokens, whose next-token KL is measured

@@ -174,24 +174,6 @@ class CodecPolicy:
         found = detect_sinks(cache, self.auto_sinks)
         return replace(self, sink_tokens=max(self.sink_tokens, found), auto_sinks=0)
 
-    def for_head_dim(self, head_dim: int, reference: int | None = None) -> CodecPolicy:
-        """This policy with every outlier count (turbomix ``outliers``) scaled from
-        ``reference`` (default :data:`PRESET_HEAD_DIM`, where the presets were measured) to
-        ``head_dim``: the same share of channels (:func:`outlier_count`)."""
-        ref = reference or PRESET_HEAD_DIM
-
-        def scale(codec: Codec) -> Codec:
-            config = codec.get_config()
-            n = config.get("outliers")
-            if not isinstance(n, int) or not n or head_dim == ref:
-                return codec
-            return get_codec({**config, "outliers": outlier_count(head_dim, n / ref)})
-
-        layers = tuple((i, LayerCodecs(*(None if c is None else scale(c)
-                                          for c in (own.key, own.value))))
-                       for i, own in self.layers)
-        return replace(self, key=scale(self.key), value=scale(self.value), layers=layers)
-
     def with_seed(self, seed: int) -> CodecPolicy:
         """The same policy with every seeded codec (turbo, prism, …) rotated by ``seed``."""
         def reseed(codec: Codec) -> Codec:
@@ -416,26 +398,27 @@ AUTO_SINK_SCAN = 16  # leading tokens ``sink=auto`` scans
 #: float32, mean over 3 rotation seeds × the 2 bundled texts (2048 tokens, chunks of 256),
 #: bits/element of the whole cache (4 exact sinks included). Keys get the bits; ``candidates=4``
 #: (the best of 4 rotations per head and block, by reconstruction error) and ``trellis=true``
-#: (trellis-coded quantisation) are the methods that won. Outlier counts are channels, so at
-#: head_dim 128 ``balanced`` is 2.9 bits/element and ``small`` 2.25.
+#: (trellis-coded quantisation) are the methods that won. Outlier counts are per 64 channels
+#: (``outliers_per=64``): the same share of channels, so about the same bits, at every head_dim.
 PRESETS: dict[str, tuple[str, str]] = {
     "lossless": ("raw", "exact"),
     "quality": ("k=turbomix:bits=4,center=true,candidates=4 v=turbomix:candidates=4 sink=4",
                 "3.78 b: KL 0.0026, Δppl +0.10% (seed spread 0.22)"),
-    "balanced": ("k=turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8 "
-                 "v=turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,"
-                 "norm_bits=8 sink=4",
+    "balanced": ("k=turbomix:outliers=16,outliers_per=64,center=true,candidates=4,trellis=true,"
+                 "norm_bits=8 v=turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,"
+                 "candidates=4,trellis=true,norm_bits=8 sink=4",
                  "3.28 b: KL 0.0031, Δppl +0.30% (seed spread 0.49)"),
-    "small": ("k=turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,"
-              "trellis=true v=turbomix:bits=2,candidates=4,trellis=true sink=4",
+    "small": ("k=turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,"
+              "candidates=4,trellis=true v=turbomix:bits=2,candidates=4,trellis=true sink=4",
               "2.53 b: KL 0.0123, Δppl +1.01% (seed spread 0.72)"),
 }
 
 
 #: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
 #: ``benchmarks/codecs.py --vectors 262144 --codecs NAME/k,NAME/v --backends numpy+numba``
-#: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels); ``kvtool codecs
-#: --presets --measure`` measures this machine
+#: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels; before
+#: ``outliers_per``, with 16 and 48 outlier channels); ``kvtool codecs --presets --measure``
+#: measures this machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
     "quality": {"encode": (389, 442), "decode": (1886, 1882)},
     "balanced": {"encode": (76, 79), "decode": (822, 648)},
@@ -443,25 +426,12 @@ PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
 }
 
 
-#: the head_dim at which the presets' outlier counts were measured (SmolLM2-135M)
-PRESET_HEAD_DIM = 64
-
-
-def outlier_count(head_dim: int, fraction: float) -> int:
-    """Outlier channels for ``fraction`` of ``head_dim``: even, at least 2, leaving at least
-    2 other channels (turbomix's rules)."""
-    n = 2 * max(1, round(head_dim * fraction / 2))
-    return min(n, max(2, head_dim - 2 - head_dim % 2))
-
-
-def preset_policy(name: str, head_dim: int | None = None) -> CodecPolicy:
+def preset_policy(name: str) -> CodecPolicy:
     """The policy a preset names, or the one in a policy JSON file (a path ending ``.json``
-    or naming an existing file). With ``head_dim``, a preset's outlier counts (given for
-    :data:`PRESET_HEAD_DIM`) are scaled to that head_dim (:meth:`CodecPolicy.for_head_dim`):
-    ``balanced``'s 16 key outliers are 25% of the channels at any head_dim."""
+    or naming an existing file). The presets' outlier counts are per 64 channels
+    (``outliers_per=64``), so they keep their share at every head_dim."""
     if name in PRESETS:
-        policy = CodecPolicy.from_label(PRESETS[name][0])
-        return policy if head_dim is None else policy.for_head_dim(head_dim)
+        return CodecPolicy.from_label(PRESETS[name][0])
     if str(name).endswith(".json") or os.path.isfile(name):
         return load_policy(name)
     raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "

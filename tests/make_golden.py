@@ -72,6 +72,11 @@ def goldens() -> dict[str, dict[str, Any]]:
         "cache": {}, "save": {"key_codec": "turbomix:center=true,outliers=8,candidates=2,"
                                            "trellis=true,norm_bits=8",
                               "value_codec": "turbomix:bits=2,trellis=true", "sink_tokens": 1}}
+    # outlier counts per share of head_dim (outliers_per): 8 of 32 key channels, 24 of values
+    specs["turbomix-outliers-per"] = {
+        "cache": {}, "save": {"key_codec": "turbomix:outliers=4,outliers_per=16,center=true",
+                              "value_codec": "turbomix:bits=2,outliers=12,outliers_per=16,"
+                                             "outlier_bits=3,trellis=true", "sink_tokens": 1}}
     specs["policy"] = {"cache": {"layers": 4},
                        "save": {"key_codec": "turbo4", "value_codec": "turbo3",
                                 "protect_layers": 1, "sink_tokens": 2, "recent_tokens": 3}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtool.codecs import get_codec
@@ -148,13 +149,28 @@ def test_kvz_with_per_layer_policy_decodes_each_layer_with_its_codecs(tmp_path):
 
 
 def test_preset_outliers_scale_with_head_dim():
+    """The presets' outlier counts are per 64 channels (``outliers_per=64``): the same share,
+    so about the same bits, at every head_dim; absolute counts stay absolute."""
+    from kvtool.codecs.turbomix import TurboMixCodec
     from kvtool.policy import preset_policy
 
-    assert preset_policy("balanced", head_dim=64) == preset_policy("balanced")
-    big = preset_policy("balanced", head_dim=256)
-    assert big.key.get_config()["outliers"] == 64 and big.value.get_config()["outliers"] == 192
-    assert preset_policy("small", head_dim=128).key.get_config()["outliers"] == 32
-    assert preset_policy("small", head_dim=8).key.get_config()["outliers"] == 2
-    assert preset_policy("quality", head_dim=256) == preset_policy("quality")  # no outliers
-    layered = CodecPolicy.from_json({**LAYERED, "layers": {"1": {"key": "turbomix:outliers=8"}}})
-    assert layered.for_head_dim(128).codec_for("key", 1, 4).get_config()["outliers"] == 16
+    balanced, small = preset_policy("balanced"), preset_policy("small")
+    assert [balanced.key._split(d)[0] for d in (16, 64, 128, 256)] == [4, 16, 32, 64]
+    assert [balanced.value._split(d)[0] for d in (16, 64, 256)] == [12, 48, 192]
+    assert small.key._split(8) == (2, 6) and small.key._split(128) == (32, 96)
+    for role in (balanced.key, balanced.value, small.key):
+        assert 0 <= role.bits_per_element(64) - role.bits_per_element(256) <= 0.375  # norms
+    assert get_codec("turbomix:outliers=16")._split(256) == (16, 240)
+    for bad in ("turbomix:outliers_per=64", "turbomix:outliers=64,outliers_per=64",
+                "turbomix:outliers=8,outliers_per=-1"):
+        with pytest.raises(CodecError, match="outliers"):
+            get_codec(bad)
+    codec = get_codec("turbomix:outliers=16,outliers_per=64,vq=2")
+    assert isinstance(codec, TurboMixCodec) and get_codec(codec.get_config()) == codec
+    assert "outliers_per" not in get_codec("turbomix:outliers=16").get_config()
+    x = np.random.default_rng(0).standard_normal((2, 16, 256)).astype(np.float32)
+    enc = codec.encode(x)
+    mask = np.unpackbits(enc.arrays["outlier_mask"], axis=-1, bitorder="little")
+    assert (mask.reshape(2, -1)[:, :256].sum(1) == 64).all()
+    err = np.mean((np.asarray(codec.decode(enc)) - x) ** 2) / np.mean(x ** 2)
+    assert err < 0.05

@@ -19,9 +19,12 @@ pytest.importorskip("numba")
 OPTIONS = [
     "turbomix:bits=4,center=true,candidates=4",  # quality's key codec
     "turbomix:candidates=4",  # quality's value codec
-    "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8",  # balanced
-    "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8",
-    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true",  # small
+    "turbomix:outliers=16,outliers_per=64,center=true,candidates=4,trellis=true,"  # balanced
+    "norm_bits=8",
+    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,candidates=4,trellis=true,"
+    "norm_bits=8",
+    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,candidates=4,"
+    "trellis=true",  # small
     "turbomix:bits=2,candidates=4,trellis=true",
     "turbomix:vq=2,candidates=2,outliers=8,bits=4",
     "turbomix:vq=2,bits=2,norm_bits=8",

@@ -112,8 +112,8 @@ def test_bad_shapes_are_refused_with_a_clear_error():
 
 
 def _policy(preset: str) -> CodecPolicy:
-    """The preset at the test model's head_dim 16 (its outlier counts scaled), a window of 16."""
-    return dataclasses.replace(preset_policy(preset, head_dim=16), recent_tokens=16)
+    """The preset (its outlier counts scaled to the test model's head_dim 16), a window of 16."""
+    return dataclasses.replace(preset_policy(preset), recent_tokens=16)
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU routing switch is for the interpreter")

@@ -11,6 +11,9 @@ being every vector that shares the leading indices (one head of one block: ``x[.
   are quantised apart at ``outlier_bits``, the rest at ``bits`` — the TurboQuant paper's split
   (e.g. D=128, n=32: 3/2 bits give 2.5, 4/3 bits give 3.5). Each part has its own norm and
   rotation; the channel set is stored as a bit mask (``outlier_mask``);
+- ``outliers_per=m``: ``outliers`` counts channels per ``m`` of head_dim, so the share stays the
+  same at every head_dim (:func:`outlier_count`: 16 per 64 is 64 of 256; even, at least 2,
+  leaving at least 2); 0 (the default): ``outliers`` channels at any head_dim;
 - ``center``: subtract the per-channel mean over the tokens first (fp16, as turbo does);
 - ``vq=2``: quantise the rotated coordinates in pairs with a 2-D codebook of ``4**bits`` points
   (:mod:`kvtool.codecs.vq_tables`, Lloyd's algorithm on the 2-D Gaussian, scaled by
@@ -75,10 +78,15 @@ class TurboMixCodec(Codec):
 
     def __init__(self, bits: int = 3, outliers: int = 0, outlier_bits: int = 4,
                  center: bool = False, candidates: int = 1, vq: int = 1,
-                 norm_bits: int = 16, trellis: bool = False, seed: int = DEFAULT_SEED):
+                 norm_bits: int = 16, trellis: bool = False, seed: int = DEFAULT_SEED,
+                 outliers_per: int = 0):
         who = self.codec_id
         self.bits = check_choice(who, "bits", bits, (2, 3, 4))
         self.outliers = check_int(who, "outliers", outliers, 0, 1 << 16)
+        self.outliers_per = check_int(who, "outliers_per", outliers_per, 0, 1 << 16)
+        if self.outliers_per and not 0 < self.outliers < self.outliers_per:
+            raise CodecError(f"{who}: outliers_per={outliers_per} needs 0 < outliers < "
+                             f"outliers_per, got outliers={outliers}")
         self.outlier_bits = check_choice(who, "outlier_bits", outlier_bits, (2, 3, 4, 5, 6, 8))
         self.center = check_bool(who, "center", center)
         self.candidates = check_int(who, "candidates", candidates, 1, MAX_CANDIDATES)
@@ -104,6 +112,8 @@ class TurboMixCodec(Codec):
             params["norm_bits"] = self.norm_bits
         if self.trellis:
             params["trellis"] = True
+        if self.outliers_per:
+            params["outliers_per"] = self.outliers_per
         return params
 
     @property
@@ -114,15 +124,17 @@ class TurboMixCodec(Codec):
     # -- sizes -----------------------------------------------------------------------------------
     def _split(self, dim: int) -> tuple[int, int]:
         """(outlier channels, other channels) at ``dim``."""
-        if self.outliers and dim - self.outliers < 2:
-            raise CodecError(f"{self.codec_id}: outliers={self.outliers} leaves fewer than 2 "
-                             f"of head_dim {dim} channels; use fewer outliers")
-        if self.outliers == 1:
+        n = outlier_count(dim, self.outliers / self.outliers_per) if self.outliers_per \
+            else self.outliers
+        if n and dim - n < 2:
+            raise CodecError(f"{self.codec_id}: outliers={n} leaves fewer than 2 of head_dim "
+                             f"{dim} channels; use fewer outliers")
+        if n == 1:
             raise CodecError(f"{self.codec_id}: outliers must be 0 or at least 2")
-        if self.vq == 2 and (dim - self.outliers) % 2 + self.outliers % 2:
+        if self.vq == 2 and (dim - n) % 2 + n % 2:
             raise CodecError(f"{self.codec_id}: vq=2 quantises channel pairs, so head_dim "
-                             f"({dim}) and outliers ({self.outliers}) must be even")
-        return self.outliers, dim - self.outliers
+                             f"({dim}) and outliers ({n}) must be even")
+        return n, dim - n
 
     def bits_per_element(self, head_dim: int) -> float:
         n_hi, n_lo = self._split(head_dim)
@@ -391,6 +403,13 @@ def norm_codes(norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = 1 + np.rint(np.clip(t, 0.0, 1.0) * _NORM_STEPS)
     codes = np.where(positive, codes, 0).astype(np.uint8)
     return codes, np.stack([lo, hi], axis=-1)[:, None, :]
+
+
+def outlier_count(head_dim: int, fraction: float) -> int:
+    """Outlier channels for ``fraction`` of ``head_dim``: even, at least 2, leaving at least
+    2 other channels (turbomix's rules)."""
+    n = 2 * max(1, round(head_dim * fraction / 2))
+    return min(n, max(2, head_dim - 2 - head_dim % 2))
 
 
 def norm_values(codes: np.ndarray, ranges: np.ndarray) -> np.ndarray:

@@ -325,7 +325,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
     from kvtool.codecs.trellis import subset_table
     from kvtool.codecs.turbomix import norm_values
 
-    n_hi = getattr(codec, "outliers", 0)
+    n_hi = codec._split(dim)[0] if hasattr(codec, "_split") else 0
     blocks = tokens // block
     quantizer = getattr(codec, "quantizer", "scalar")
     kind = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}[quantizer]
