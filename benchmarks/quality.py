@@ -94,7 +94,7 @@ def plot(per_model: dict[str, list[Sweep]], path: str, names: dict[str, str],
         for ax, metric, title in ((axes[0], "kl", "mean next-token KL (nats, log)"),
                                   (axes[1], "delta_ppl_pct", "Δ perplexity (%)")):
             for s in shown:
-                label = names.get(s.label, s.label)
+                label = _short(names.get(s.label, s.label))
                 i = list(legend).index(label) if label in legend else len(legend)
                 values = [r[metric] for r in s.runs]
                 x, y = s.mean["bits_per_element"], s.mean[metric]
@@ -121,8 +121,15 @@ def plot(per_model: dict[str, list[Sweep]], path: str, names: dict[str, str],
         axes[1].set_title(f"{model}: Δppl, mean and min–max over seeds × texts", fontsize=9)
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=2, fontsize=7,
                frameon=False)
-    fig.tight_layout(rect=(0, min(0.45, 0.035 * (len(legend) + 1) / rows), 1, 1))
+    fig.tight_layout(rect=(0, min(0.45, 0.018 * (len(legend) + 2) / rows), 1, 1))
     fig.savefig(path, dpi=110)
+
+
+def _short(label: str, width: int = 90) -> str:
+    """A legend entry: ``preset NAME`` for the presets, other labels cut to ``width``."""
+    if label.startswith("preset "):
+        return label.split(":")[0]
+    return label if len(label) <= width else label[:width - 1] + "…"
 
 
 def main() -> None:
@@ -248,8 +255,7 @@ def cross_table(per_model: dict[str, list[Sweep]], names: dict[str, str]) -> str
     sub = f"{'':<40}" + f" | {'bits':>5} {'KL mean ± sprd':>16} {'Δppl%':>8}" * len(models)
     lines = [head, sub]
     for label in sorted(order, key=rank.__getitem__):
-        name = names.get(label, label)
-        name = name.split(":")[0] if name.startswith("preset") else name
+        name = _short(names.get(label, label), 40)
         cells = []
         for m in models:
             s = by_model[m].get(label)
