@@ -14,6 +14,7 @@ every configuration of its kernels, and the autotuner itself, in one case. Under
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -55,11 +56,23 @@ def pin_kept_config(monkeypatch: Any, module: ModuleType, index: int, **named_ar
         pin_config(monkeypatch, kernel, kept[index % len(kept)])
 
 
+def compile_workers(**env: str) -> list[str]:
+    """``-n N`` for a compiled (not interpreted) case run where pytest-xdist is installed and
+    the machine has cores to spare: Triton compiles on the CPU, one kernel at a time per
+    process, and that is most of a GPU case's time (a stock CUDA image ships xdist; CI has
+    neither a GPU nor xdist)."""
+    cores = os.cpu_count() or 1
+    if env.get("TRITON_INTERPRET") or cores < 4 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(min(8, cores // 2))]
+
+
 def run_case_file(cases: Path, *args: str, **env: str) -> str:
     """pytest's output for a Triton case file run in a fresh process (``TRITON_INTERPRET``
     must be set before triton is imported); fails with its output unless it passed."""
     run = subprocess.run([sys.executable, "-m", "pytest", str(cases), "-q", "-p",
-                          "no:cacheprovider", *args], env={**os.environ, **env},
+                          "no:cacheprovider", *compile_workers(**env), *args],
+                         env={**os.environ, **env},
                          capture_output=True, text=True, cwd=cases.parent.parent, timeout=1200)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     return run.stdout

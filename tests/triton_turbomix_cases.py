@@ -159,7 +159,10 @@ def close(ours, want, dtype: str = "float32") -> None:
         bound = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), tiny))) - (p - 1)),
                            1e-6 * scale)
     bad = np.abs(a - b) > bound
-    assert not bad.any(), f"{int(bad.sum())} elements off, worst {np.abs(a - b).max()}"
+    rows = bad.reshape(-1, bad.shape[-1])
+    assert not bad.any(), (f"{int(bad.sum())} elements off, worst {np.abs(a - b).max()}, in "
+                           f"{int(rows.any(1).sum())} of {len(rows)} rows and channels "
+                           f"{np.flatnonzero(rows.any(0))[:16].tolist()}")
 
 
 def _decode(codec, arrays: dict, shape, dtype: str = "float32"):

@@ -93,10 +93,12 @@ def _persisted() -> dict[str, Any]:
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
-    elements per thread spills: ``benchmarks/triton_sass.py``)."""
+    elements per thread spills: ``benchmarks/triton_sass.py``), and the persistent configs
+    past D=128, whose whole R (D² bf16) and prefetched tiles need more shared memory than a
+    Hopper SM has (384 KB at D=256 on an H200)."""
     dim = kwargs.get("D", named_args.get("D", 128))
-    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 128 * 32 * c.num_warps] \
-        or configs[:1]
+    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 128 * 32 * c.num_warps
+            and (c.kwargs["STAGES"] == 1 or dim <= 128)] or configs[:1]
 
 
 # -- device helpers ------------------------------------------------------------------------------

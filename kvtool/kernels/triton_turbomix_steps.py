@@ -94,11 +94,10 @@ def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, lvl_ptr, sub_ptr, N: tl.cons
     q = _unpack(row_ptr, rmask, idx, N, NB, BITS)
     if QUANT == 0:
         y = tl.load(cent_ptr + q)
-    elif QUANT == 1:
-        a, b = tl.split(tl.reshape(q, [BM, BK // 2, 2]))
-        at = (a << BITS) | b
-        y = tl.reshape(tl.join(tl.load(pts_ptr + 2 * at), tl.load(pts_ptr + 2 * at + 1)),
-                       [BM, BK])
+    elif QUANT == 1:  # the pair's index from both its codes; this coordinate of its point
+        first = _unpack(row_ptr, rmask, idx & ~1, N, NB, BITS)
+        second = _unpack(row_ptr, rmask, idx | 1, N, NB, BITS)
+        y = tl.load(pts_ptr + 2 * ((first << BITS) | second) + (idx & 1)[None, :])
     else:  # the subset from the path bits of the 5 coordinates before (zeros before the first)
         state = tl.zeros([BM, BK], tl.int32)
         for k in tl.static_range(1, 6):
@@ -146,6 +145,28 @@ def _nearest(y, j, edge_ptr, PER: tl.constexpr):
     return k
 
 
+@_jit
+def _subset_error(y, j: tl.constexpr, lvl_ptr, edge_ptr, PER: tl.constexpr):
+    """Squared distance [BM] from ``y`` to the nearest level of subset ``j``."""
+    diff = y - tl.load(lvl_ptr + 4 * _nearest(y, j, edge_ptr, PER) + j)
+    return diff * diff
+
+
+@_jit
+def _pick(j, d0, d1, d2, d3):
+    """``d_j[row]`` [BM, 32] for each state's subset ``j`` [1, 32]."""
+    return tl.where(j == 0, d0[:, None], tl.where(j == 1, d1[:, None],
+                                                  tl.where(j == 2, d2[:, None], d3[:, None])))
+
+
+@_jit
+def _predecessors(cost, BM: tl.constexpr):
+    """(cost[s >> 1], cost[(s >> 1) | 16]) [BM, 32] for the states s: each state's two
+    predecessors' path costs, by reshapes (``tl.gather`` here trips an assertion in Triton
+    3.6's thread-locality pass on sm_90 at 16-row tiles)."""
+    low, high = tl.split(tl.permute(tl.reshape(cost, [BM, 2, 16]), (0, 2, 1)))
+    return tl.reshape(tl.join(low, low), [BM, 32]), tl.reshape(tl.join(high, high), [BM, 32])
+
 
 @_jit
 def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.constexpr,
@@ -154,21 +175,19 @@ def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.
     row and coordinate, then the traceback: codes to ``q_ptr``, returns each row's error."""
     lanes = tl.arange(0, BM)
     s = tl.arange(0, 32)
-    jj = tl.arange(0, 4)
-    p0 = tl.broadcast_to((s >> 1)[None, :], [BM, 32])
-    p1 = p0 | 16
-    j0 = tl.load(sub_ptr + p0 * 2 + (s & 1)[None, :])
-    j1 = tl.load(sub_ptr + p1 * 2 + (s & 1)[None, :])
+    j0 = tl.load(sub_ptr + (s >> 1) * 2 + (s & 1))[None, :]
+    j1 = tl.load(sub_ptr + ((s >> 1) | 16) * 2 + (s & 1))[None, :]
     cost = tl.where(tl.broadcast_to(s[None, :], [BM, 32]) == 0, 0.0, float("inf"))
     tl.debug_barrier()
     for t in range(N):
         y = tl.load(u_ptr + t * BM + lanes) * inv
-        yb = tl.broadcast_to(y[:, None], [BM, 4])
-        k = _nearest(yb, jj[None, :], edge_ptr, PER)
-        diff = yb - tl.load(lvl_ptr + 4 * k + jj[None, :])
-        d = diff * diff
-        c0 = tl.gather(cost, p0, 1) + tl.gather(d, j0, 1)
-        c1 = tl.gather(cost, p1, 1) + tl.gather(d, j1, 1)
+        d0 = _subset_error(y, 0, lvl_ptr, edge_ptr, PER)
+        d1 = _subset_error(y, 1, lvl_ptr, edge_ptr, PER)
+        d2 = _subset_error(y, 2, lvl_ptr, edge_ptr, PER)
+        d3 = _subset_error(y, 3, lvl_ptr, edge_ptr, PER)
+        from0, from1 = _predecessors(cost, BM)
+        c0 = from0 + _pick(j0, d0, d1, d2, d3)
+        c1 = from1 + _pick(j1, d0, d1, d2, d3)
         take = c1 < c0
         cost = tl.where(take, c1, c0)
         tl.store(dec_ptr + t * BM + lanes, tl.sum(take.to(tl.int32) << s[None, :], axis=1))
