@@ -75,6 +75,44 @@ class Clock:
         return times[len(times) // 2]
 
 
+    def host_us(self, fn: Callable[[], Any]) -> float:
+        """CPU microseconds per call of ``fn`` issued back to back without waiting for the
+        device: what launching its work costs the host (on CUDA; all of it on the CPU)."""
+        fn()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            fn()
+        spent = time.perf_counter() - start
+        self.sync()
+        return spent / self.repeats * 1e6
+
+    def graph_ms(self, fn: Callable[[], Any]) -> float | None:
+        """Median milliseconds of ``fn`` replayed from a CUDA graph: its device time without
+        the host's launch overhead. None off CUDA, or where ``fn`` cannot be captured."""
+        if not self.cuda:
+            return None
+        torch = self.torch
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError as error:
+            Table.note(f"not capturable in a CUDA graph: {str(error)[:200]}")
+            return None
+        return self.median_ms(graph.replay)
+
+
+def us(ms: float | None) -> str:
+    """A microseconds cell from milliseconds (— where there is no measurement)."""
+    return "—" if ms is None else f"{ms * 1e3:.1f}"
+
+
 @dataclass
 class Deadline:
     """A section's deadline (``time.monotonic()`` seconds; None: no limit) and its record of

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_common import Bench, Table, human, rate  # benchmarks/ is the script's directory
+from gpu_common import Bench, Table, human, rate, us  # benchmarks/ is the script's directory
 
 SEED = 0x6B76
+OVERHEAD_COLUMNS = ["host µs", "codes graph", "sdpa graph"]
+OVERHEAD_NOTE = ("host µs: the CPU's cost of issuing one codes call (launches, checks); codes/"
+                 "sdpa graph: µs per call replayed from a CUDA graph (device time alone)")
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -167,7 +170,26 @@ def _attention_row(b: Bench, attend: Any, batch: int, n: int) -> dict:
             "decode_sdpa_us": t_decode * 1e3, "speedup_vs_sdpa_fp16": t_sdpa / t_codes,
             "speedup_vs_decode_sdpa": t_decode / t_codes, "max_abs_diff": diff,
             "kv_bytes_codes": sum(t.numel() * t.element_size() for t in (kc, kn, vc, vn)),
-            "kv_bytes_fp16": 2 * batch * hkv * n * dim * 2}
+            "kv_bytes_fp16": 2 * batch * hkv * n * dim * 2, **_overheads(b, codes,
+                                                                          lambda: sdpa(kd, vd))}
+
+
+def _overheads(b: Bench, codes: Any, sdpa: Any) -> dict:
+    """Where a call's time goes: the host's launch cost of the codes call, and the codes and
+    SDPA calls replayed from CUDA graphs (device time alone; None off CUDA)."""
+    graph_codes, graph_sdpa = b.clock.graph_ms(codes), b.clock.graph_ms(sdpa)
+    return {"codes_host_us": b.clock.host_us(codes),
+            "codes_graph_us": None if graph_codes is None else graph_codes * 1e3,
+            "sdpa_graph_us": None if graph_sdpa is None else graph_sdpa * 1e3}
+
+
+def _overhead_cells(row: dict) -> list[str]:
+    return [f"{row['codes_host_us']:.1f}", us(_ms(row["codes_graph_us"])),
+            us(_ms(row["sdpa_graph_us"]))]
+
+
+def _ms(value_us: float | None) -> float | None:
+    return None if value_us is None else value_us / 1e3
 
 
 def attention(b: Bench) -> dict:
@@ -178,9 +200,10 @@ def attention(b: Bench) -> dict:
                   f"Hkv={args.kv_heads} D={args.head_dim}, keys turbo{args.k_bits}, values "
                   f"turbo{args.v_bits}: µs per call; speedup = other / codes\n"
                   f"  codes: {source}.turbo_decode_attention; sdpa fp16: SDPA on fp16 K/V (what "
-                  "DynamicCache pays); dec+sdpa: turbo_decode of K and V, then SDPA",
+                  "DynamicCache pays); dec+sdpa: turbo_decode of K and V, then SDPA\n"
+                  f"  {OVERHEAD_NOTE}",
                   ["B", "tokens", "codes", "sdpa fp16", "dec+sdpa", "x sdpa", "x dec+sdpa",
-                   "max|diff|"], [3, 6, 9, 9, 9, 7, 10, 9])
+                   "max|diff|", *OVERHEAD_COLUMNS], [3, 6, 9, 9, 9, 7, 10, 9, 9, 11, 11])
     rows = []
     for batch in args.batches:
         for n in args.tokens:
@@ -195,7 +218,8 @@ def attention(b: Bench) -> dict:
             table.row([str(batch), human(n), f"{row['codes_us']:.1f}",
                        f"{row['sdpa_fp16_us']:.1f}", f"{row['decode_sdpa_us']:.1f}",
                        f"{row['speedup_vs_sdpa_fp16']:.2f}x",
-                       f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}"])
+                       f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}",
+                       *_overhead_cells(row)])
             if b.device == "cuda":
                 b.torch.cuda.empty_cache()
     return {"rows": rows, "kernel": source, "preset_rows": preset_attention(b)}
@@ -257,7 +281,9 @@ def _preset_attention_row(b: Bench, name: str, batch: int, n: int) -> dict:
             "codes_us": t_codes * 1e3, "sdpa_fp16_us": t_sdpa * 1e3,
             "decode_sdpa_us": t_decode * 1e3, "speedup_vs_sdpa_fp16": t_sdpa / t_codes,
             "speedup_vs_decode_sdpa": t_decode / t_codes, "max_abs_diff": diff,
-            "kv_bytes_codes": kenc.nbytes + venc.nbytes, "kv_bytes_fp16": 2 * k.numel() * 2}
+            "kv_bytes_codes": kenc.nbytes + venc.nbytes, "kv_bytes_fp16": 2 * k.numel() * 2,
+            **_overheads(b, codes, lambda: sdpa(k.reshape(batch, hkv, n, dim),
+                                                v.reshape(batch, hkv, n, dim)))}
 
 
 def preset_attention(b: Bench) -> list[dict]:
@@ -266,9 +292,11 @@ def preset_attention(b: Bench) -> list[dict]:
     table = Table(f"decode attention from the presets' codes, Hq={args.heads} Hkv={args.kv_heads}"
                   f" D={args.head_dim}, blocks of 64: µs per call; speedup = other / codes\n"
                   "  codes: quality through triton_attention, balanced/small through "
-                  "triton_attention_parts; dec+sdpa: codec.decode of K and V, then SDPA",
+                  "triton_attention_parts; dec+sdpa: codec.decode of K and V, then SDPA\n"
+                  f"  {OVERHEAD_NOTE}",
                   ["preset", "B", "tokens", "codes", "sdpa fp16", "dec+sdpa", "x sdpa",
-                   "x dec+sdpa", "max|diff|"], [8, 3, 6, 9, 9, 9, 7, 10, 9])
+                   "x dec+sdpa", "max|diff|", *OVERHEAD_COLUMNS],
+                  [8, 3, 6, 9, 9, 9, 7, 10, 9, 9, 11, 11])
     rows = []
     for name in args.attention_presets:
         for batch in args.batches:
@@ -284,7 +312,8 @@ def preset_attention(b: Bench) -> list[dict]:
                 table.row([name, str(batch), human(row["tokens"]), f"{row['codes_us']:.1f}",
                            f"{row['sdpa_fp16_us']:.1f}", f"{row['decode_sdpa_us']:.1f}",
                            f"{row['speedup_vs_sdpa_fp16']:.2f}x",
-                           f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}"])
+                           f"{row['speedup_vs_decode_sdpa']:.2f}x", f"{row['max_abs_diff']:.1e}",
+                           *_overhead_cells(row)])
                 if b.device == "cuda":
                     b.torch.cuda.empty_cache()
     return rows

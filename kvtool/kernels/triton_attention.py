@@ -60,6 +60,8 @@ from kvtool.kernels.triton_cuda import (
     _sm_count,
     _split,
     available,
+    cdiv,
+    next_power_of_2,
     supported,
 )
 
@@ -267,8 +269,8 @@ def _groups(k_rot: torch.Tensor | None, v_rot: torch.Tensor | None, ck: int, cv:
 def _splits(device: torch.device, programs: int, tokens: int) -> int:
     """Parts per group: enough programs to fill the GPU four times over, none shorter than
     :data:`_MIN_SPLIT` tokens."""
-    want = triton.cdiv(4 * _sm_count(device), max(1, programs))
-    return max(1, min(want, triton.cdiv(tokens, _MIN_SPLIT)))
+    want = cdiv(4 * _sm_count(device), max(1, programs))
+    return max(1, min(want, cdiv(tokens, _MIN_SPLIT)))
 
 
 def _words(codes: torch.Tensor) -> bool:
@@ -362,7 +364,7 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     total_rows = batch * hq * nq
     krt, _ = _rotations(dim, tuple(int(s) for s in k_seeds), device)
     qr = torch.empty((ck + 1, total_rows, dim), dtype=torch.float32, device=device)
-    _query_kernel[(triton.cdiv(total_rows, 16), ck + 1)](
+    _query_kernel[(cdiv(total_rows, 16), ck + 1)](
         q, krt, qr, total_rows, nq, hq, q.stride(0), q.stride(1), q.stride(2), float(scale),
         C=ck, D=dim, BK=min(dim, 64), BLOCK_M=16)
     if sorted_:
@@ -371,10 +373,10 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         order = offsets = k_codes  # unused
     groups = ck * cv
     if split_k is None:
-        split_k = _splits(device, heads * groups, triton.cdiv(n, groups))
+        split_k = _splits(device, heads * groups, cdiv(n, groups))
     if not 1 <= split_k <= 65535 // max(1, groups):
         raise ValueError(f"split_k must be in 1..{65535 // groups}, got {split_k}")
-    exact_parts = triton.cdiv(x, _EXACT_SPLIT)
+    exact_parts = cdiv(x, _EXACT_SPLIT)
     parts = groups * split_k + exact_parts
     work = torch.empty((heads * parts * rows * (dim + 2),), dtype=torch.float32, device=device)
     m_part = work[:heads * parts * rows]
@@ -395,7 +397,7 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         q if bias is None else bias.to(torch.float32).contiguous(),
         m_part, l_part, acc, heads, n, blocks, x, split_k, exact_parts, hkv, nq, rows,
         1 if bias is None else bias.shape[0], int(per_part >= 1024) + int(per_part >= 8192),
-        MP=max(16, triton.next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
+        MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
         VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=_words(k_codes), VWORDS=_words(v_codes),
         CK=ck, CV=cv, SORTED=sorted_,
         CENTERED=key_means is not None, BLOCK=block if blocked else 1,
@@ -403,7 +405,7 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         ROT_N=min(dim, 32), **({"BLOCK_N": 16} if INTERPRET else {}))
     out = torch.empty((batch, nq, hq, dim), dtype=torch.float32, device=device)
     _reduce_kernel[(heads * rows,)](m_part, l_part, acc, out, parts, rows, hkv, nq, D=dim,
-                                    PCH=min(32, triton.next_power_of_2(parts)))
+                                    PCH=min(32, next_power_of_2(parts)))
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvtool.codecs.rotation import rotation_matrix
-from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available
+from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
 from kvtool.kernels.triton_turbomix import (
     QUANTIZERS,
     _seeds,
@@ -353,12 +353,12 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
     _block_kernel[(heads, blocks)](
         q0, q1, qm, codes[0], codes[1], norms[0], norms[1], codes[2], codes[3], norms[2],
         norms[3], *tables, kp[0]["sub"], m, lsum, acc[0], acc[1], n, blocks, rows,
-        MP=max(16, triton.next_power_of_2(rows)), BLOCK=block, CENTERED=keys.mean is not None,
+        MP=max(16, next_power_of_2(rows)), BLOCK=block, CENTERED=keys.mean is not None,
         KQ=QUANTIZERS[getattr(keys.codec, "quantizer", "scalar")],
         **{f"K{k}{p}": kp[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B")},
         VQ=QUANTIZERS[getattr(values.codec, "quantizer", "scalar")],
         **{f"V{k}{p}": vp[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B")},
-        **({"BLOCK_N": min(64, max(16, triton.next_power_of_2(block)))} if INTERPRET else {}))
+        **({"BLOCK_N": min(64, max(16, next_power_of_2(block)))} if INTERPRET else {}))
     o = torch.zeros((heads, blocks, rows, dim), dtype=torch.float32, device=device)
     for p, channels in enumerate(values.channels):
         width = channels.shape[-1]

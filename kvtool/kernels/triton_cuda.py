@@ -351,10 +351,10 @@ def _rows_launch(rows: int, device: torch.device) -> dict[str, Any]:
     """Grid and fixed meta-parameters of the row-block kernels (a persistent grid of two
     programs per SM for the prefetching configs)."""
     if INTERPRET:
-        return {"grid": (triton.cdiv(rows, 32),), "meta": {"BLOCK_M": 32, "STAGES": 1}}
+        return {"grid": (cdiv(rows, 32),), "meta": {"BLOCK_M": 32, "STAGES": 1}}
 
     def grid(meta: dict[str, Any]) -> tuple[int]:
-        tiles = triton.cdiv(rows, meta["BLOCK_M"])
+        tiles = cdiv(rows, meta["BLOCK_M"])
         return (tiles if meta["STAGES"] == 1 else min(tiles, 2 * _sm_count(device)),)
 
     return {"grid": grid, "meta": {}}
@@ -414,7 +414,7 @@ def _rotate(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=torch.float32, device=x.device)
     if rows:
-        _rotate_kernel[(triton.cdiv(rows, 16),)](x.contiguous(), m, out, rows, float(scale),
+        _rotate_kernel[(cdiv(rows, 16),)](x.contiguous(), m, out, rows, float(scale),
                                                  D=dim, BK=min(dim, 64), BLOCK_M=16)
     return out
 
@@ -435,15 +435,26 @@ def turbo_scores(q: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, bits
     c3 = codes.expand(*lead, n, nb).reshape(batch, n, nb).contiguous()
     n3 = norms.expand(*lead, n).reshape(batch, n).contiguous()
     out = torch.empty((*lead, m, n), dtype=torch.float32, device=q.device)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = min(64, max(16, next_power_of_2(m)))
     block_n = 64 if dim <= 128 else 32
-    m_blocks, n_blocks = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    m_blocks, n_blocks = cdiv(m, block_m), cdiv(n, block_n)
     if out.numel():
         cpg, bpg = group_shape(bits)
         _scores_kernel[(batch * m_blocks * n_blocks,)](
             q_rot, c3, n3, _codebook(dim, bits, q.device)[1], out, m, n, m_blocks, n_blocks,
             D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m, BLOCK_N=block_n)
     return out
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for launch grids: plain integer arithmetic (``triton.cdiv`` is a traced
+    constexpr function in newer Tritons, ~5 µs a host call; ``attend`` made seven)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two ≥ ``n`` (1 for n ≤ 1), on the host."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @lru_cache(maxsize=16)

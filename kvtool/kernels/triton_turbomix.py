@@ -38,7 +38,15 @@ from kvtool.codecs.rotation import is_power_of_two, rotation_matrix
 from kvtool.codecs.turbo import FP16_MAX
 from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
-from kvtool.kernels.triton_cuda import INTERPRET, _bf16, _jit, _persisted, available
+from kvtool.kernels.triton_cuda import (
+    INTERPRET,
+    _bf16,
+    _jit,
+    _persisted,
+    available,
+    cdiv,
+    next_power_of_2,
+)
 from kvtool.kernels.triton_turbomix_steps import (
     _pack,
     _pairs,
@@ -271,7 +279,7 @@ def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
     """(grid, fixed meta-parameters, tok_class) of a kernel over ``items(BM)`` programs: BM
     autotuned on GPUs; under the interpreter (whose cost is per op, not per element) a whole
     group per program where it has up to 64 tokens."""
-    tok_class = min(64, triton.next_power_of_2(tokens))
+    tok_class = min(64, next_power_of_2(tokens))
     if INTERPRET:
         block = max(16, tok_class)
         return (items(block),), {"BM": block, "num_warps": 4}, tok_class
@@ -295,7 +303,7 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     rt, _, pieces = _rotations(n, seeds, device)
     tab = _tables(n, bits, codec.quantizer, device)
     groups, most = nrows // tokens, _programs(device)
-    grid, meta, tok_class = _launch(tokens, lambda bm: min(groups * triton.cdiv(tokens, bm),
+    grid, meta, tok_class = _launch(tokens, lambda bm: min(groups * cdiv(tokens, bm),
                                                             most))
     scratch = most * width * 64 if codec.quantizer == "trellis" else 1
     codes = torch.empty((len(seeds), nrows, nb), dtype=torch.uint8, device=device)
@@ -330,8 +338,8 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
     energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
     if codec.center or n_hi:
-        bd = min(64, triton.next_power_of_2(dim))
-        _stats_kernel[(groups, triton.cdiv(dim, bd))](
+        bd = min(64, next_power_of_2(dim))
+        _stats_kernel[(groups, cdiv(dim, bd))](
             rows, mean, energy, tokens, D=dim, BD=bd, BT=16, CENTER=codec.center,
             ENERGY=n_hi > 0)
     if codec.center:
@@ -464,7 +472,7 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     choice = arrays["rotation"].reshape(groups).int().contiguous() \
         if "rotation" in arrays else None
     seeds = _seeds(codec)
-    grid, meta, tok_class = _launch(tokens, lambda bm: groups * triton.cdiv(tokens, bm))
+    grid, meta, tok_class = _launch(tokens, lambda bm: groups * cdiv(tokens, bm))
     for suffix, channels, bits in zip(("", "_hi"), channel_sets,
                                       (codec.bits, codec.outlier_bits), strict=False):
         n = channels.shape[1]
