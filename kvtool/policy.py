@@ -88,15 +88,17 @@ class CodecPolicy:
         recent_tokens: int = 0,
         auto_sinks: int = 0,
         preset: str | None = None,
+        model_fingerprint: str | None = None,
     ) -> CodecPolicy:
         """Build a policy from CLI-style options; ``codec`` is the default for both roles.
 
         ``preset`` (``lossless``, ``quality``, ``balanced``, ``small``, or the path of a policy
-        JSON file) starts from that policy; codec options given alongside override its codecs
-        (not a file's per-layer codecs).
+        JSON file) starts from that policy (fitted to the model with ``model_fingerprint`` where
+        ``kvtool calibrate --preset`` fitted it: :mod:`kvtool.preset_fit`); codec options given
+        alongside override its codecs (not a file's per-layer codecs).
         """
         if preset is not None:
-            base_policy = preset_policy(preset)
+            base_policy = preset_policy(preset, model_fingerprint)
             return replace(
                 base_policy,
                 key=get_codec(key_codec or codec or base_policy.key).for_role("key"),
@@ -426,11 +428,19 @@ PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
 }
 
 
-def preset_policy(name: str) -> CodecPolicy:
+def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolicy:
     """The policy a preset names, or the one in a policy JSON file (a path ending ``.json``
     or naming an existing file). The presets' outlier counts are per 64 channels
-    (``outliers_per=64``), so they keep their share at every head_dim."""
+    (``outliers_per=64``), so they keep their share at every head_dim; with
+    ``model_fingerprint``, a preset fitted to that model (``kvtool calibrate --preset``) is
+    its fitted policy."""
     if name in PRESETS:
+        if model_fingerprint:
+            from kvtool.preset_fit import fitted_label
+
+            label = fitted_label(name, model_fingerprint)
+            if label is not None:
+                return CodecPolicy.from_label(label)
         return CodecPolicy.from_label(PRESETS[name][0])
     if str(name).endswith(".json") or os.path.isfile(name):
         return load_policy(name)

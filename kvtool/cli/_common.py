@@ -117,7 +117,10 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def policy_from_options(opts: dict[str, Any], default_codec: str = "raw"):
+def policy_from_options(opts: dict[str, Any], default_codec: str = "raw",
+                        model_fingerprint: str | None = None):
+    """The policy of the command's codec options; a ``--preset`` fitted to the model with
+    ``model_fingerprint`` (``kvtool calibrate --preset``) starts from its fitted policy."""
     from kvtool.policy import CodecPolicy
 
     if opts.get("preset") and opts.get("policy_file"):
@@ -129,7 +132,8 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw"):
             codec=opts.get("codec"), key_codec=opts.get("key_codec"),
             value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers", 0),
             sink_tokens=opts.get("sink_tokens", 0), recent_tokens=opts.get("recent_tokens", 0),
-            preset=opts.get("preset") or opts["policy_file"])
+            preset=opts.get("preset") or opts["policy_file"],
+            model_fingerprint=model_fingerprint if opts.get("preset") else None)
     return CodecPolicy.from_options(
         codec=opts.get("codec") or default_codec,
         key_codec=opts.get("key_codec"),
@@ -258,3 +262,21 @@ def context_limit(loaded: Any) -> int | None:
 
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
     return max_positions(SimpleNamespace(**text))
+
+
+def fitted_for_model(opts: dict[str, Any], policy: Any, model_fingerprint: str | None,
+                     model_name: str, default_codec: str = "raw") -> Any:
+    """``policy`` again once the model is known: where ``--preset NAME`` was fitted to this
+    model (``kvtool calibrate --preset NAME``), the fitted policy, said in one info line."""
+    from kvtool.preset_fit import fitted_label
+    from kvtool.progress import info
+
+    name = opts.get("preset")
+    if not name or not model_fingerprint or fitted_label(name, model_fingerprint) is None:
+        return policy
+    fitted = policy_from_options(opts, default_codec, model_fingerprint)
+    if fitted != policy:
+        info(f"--preset {name} fitted to {model_name} (kvtool calibrate --preset): "
+             f"{fitted.describe()}")
+    return fitted
+

@@ -13,6 +13,7 @@ from kvtool.cli._common import (
     codec_policy_options,
     context_limit,
     echo_json,
+    fitted_for_model,
     handle_errors,
     policy_from_options,
     read_prompt,
@@ -112,6 +113,7 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
             cache = capture(loaded.model, loaded.tokenizer, token_ids=ids,
                             model_info=loaded.info)
     capture_s = time.perf_counter() - start
+    policy = fitted_for_model(codec_opts, policy, cache.model.get("fingerprint"), loaded.name)
     start = time.perf_counter()
     report = save(cache, output, policy, zstd=zstd, entropy=entropy, progress=progress_enabled())
     save_s = time.perf_counter() - start

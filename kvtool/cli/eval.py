@@ -8,6 +8,7 @@ from kvtool.cli._common import (
     DTYPE,
     codec_policy_options,
     echo_json,
+    fitted_for_model,
     handle_errors,
     policy_from_options,
 )
@@ -51,6 +52,7 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
     policy = policy_from_options(policy_opts)
     text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)
+    policy = fitted_for_model(policy_opts, policy, loaded.fingerprints.get("model"), loaded.name)
     if seeds > 1:
         from kvtool.evaluate_grid import eval_sweep
 

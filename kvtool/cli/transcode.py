@@ -15,6 +15,7 @@ from kvtool.cli._common import (
     DTYPE,
     codec_policy_options,
     echo_json,
+    fitted_for_model,
     handle_errors,
     policy_from_options,
 )
@@ -96,11 +97,19 @@ def _mlx_engine():
 def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
                      entropy: bool, force: bool, as_json: bool, **opts: Any) -> None:
     """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
-    if not any(opts.get(k) for k in ("codec", "key_codec", "value_codec", "policy_file")):
-        raise click.UsageError("give --codec (or --key-codec/--value-codec, or --policy FILE; "
-                               "raw: lossless)")
+    if not any(opts.get(k) for k in ("codec", "key_codec", "value_codec", "policy_file",
+                                     "preset")):
+        raise click.UsageError("give --codec (or --key-codec/--value-codec, --preset NAME or "
+                               "--policy FILE; raw: lossless)")
     _check_paths(src, output)
     policy = policy_from_options(opts)
+    if src_format != "mlx" and opts.get("preset"):
+        from kvtool.formats import open_kvz
+
+        with open_kvz(src, verify=False) as f:
+            model = f.model
+        policy = fitted_for_model(opts, policy, model.get("fingerprint"),
+                                  str(model.get("name") or src))
     level = zstd_level if zstd else False
     if src_format == "mlx":
         from kvtool.formats import save

@@ -187,10 +187,11 @@ def check_extra(extra: dict[str, Any]) -> None:
                           f"{', '.join(sorted(CONNECTOR_OPTIONS))})")
 
 
-def policy_from_extra(extra: dict[str, Any]):
+def policy_from_extra(extra: dict[str, Any], model_fingerprint: str | None = None):
     """The store's :class:`~kvtool.policy.CodecPolicy` from connector options: ``preset`` (by
-    default :data:`DEFAULT_PRESET` unless ``codec`` is given) with any codec and token options
-    given on top."""
+    default :data:`DEFAULT_PRESET` unless ``codec`` is given; fitted to the model with
+    ``model_fingerprint`` where ``kvtool calibrate --preset`` fitted it) with any codec and
+    token options given on top."""
     import dataclasses
 
     from kvtool.policy import CodecPolicy
@@ -201,7 +202,7 @@ def policy_from_extra(extra: dict[str, Any]):
               if extra.get(k) is not None}
     policy = CodecPolicy.from_options(codec=codec, key_codec=extra.get("key_codec"),
                                       value_codec=extra.get("value_codec"), preset=preset,
-                                      **counts)
+                                      model_fingerprint=model_fingerprint, **counts)
     return dataclasses.replace(policy, **counts)  # an explicit 0 overrides the preset's count
 
 

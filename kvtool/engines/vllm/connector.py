@@ -156,7 +156,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self.chunk_tokens = -(-chunk // self.block_size) * self.block_size
         self.model_info = model_info(vllm_config, extra.get("model_name"))
         self._tokenizer_fp = extra.get("tokenizer_fingerprint")
-        self.policy = policy_from_extra(extra)
+        self.policy = policy_from_extra(extra, self.model_info.get("fingerprint"))
         ensure_visible_logs()
         self.zstd = extra.get("zstd", DEFAULT_ZSTD)
         self.capture_dir = extra.get("capture_dir")

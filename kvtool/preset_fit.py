@@ -1,0 +1,219 @@
+"""Presets resolved per model: a preset is a bit budget and a short menu of measured policies.
+
+The presets were tuned on SmolLM2-135M (head_dim 64, 3 KV heads). On Gemma 3 270M (head_dim
+256, one KV head serving four query heads) `quality` lost 2.5x more next-token KL than there
+and missed its target; a policy with outlier channels at more bits met it within the same
+budget (README, "Presets per model"). So each preset names a budget (:data:`BUDGETS`,
+bits/element of the whole cache, exact sinks included) and a menu (:data:`MENUS`, the fixed
+preset first). :func:`fit_preset` measures every menu policy that fits the budget at this
+model's head_dim, as ``benchmarks/quality.py`` does (mean next-token KL over texts × rotation
+seeds), and keeps the least-KL one; :func:`save_fit` records it per model fingerprint (the
+fields that decide the KV layout) in ``cache_dir()/presets``, and :func:`fitted_label` gives it
+back to every command that takes ``--preset`` for that model. Without a fit, a preset is its
+fixed policy, as before.
+
+A fit file names a menu entry, never a policy of its own: a file naming anything else, or
+damaged, is ignored with a warning (the fixed preset is used), so a crafted cache file cannot
+slip an arbitrary codec under a preset's name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import KvtoolError
+from kvtool.policy import PRESETS, CodecPolicy
+
+log = logging.getLogger("kvtool")
+
+FIT_VERSION = 1
+#: bits/element each preset may spend, over a cache of BUDGET_TOKENS tokens (exact sinks
+#: included), whatever the calibration text's length
+BUDGETS: dict[str, float] = {"quality": 4.0, "balanced": 3.3, "small": 2.6}
+BUDGET_TOKENS = 2048
+#: each preset's menu: its fixed policy first (what a model without a fit gets), then the
+#: alternatives measured best at that budget on the bundled models
+MENUS: dict[str, tuple[str, ...]] = {
+    "quality": (
+        PRESETS["quality"][0],
+        # key outliers at 5 bits, value outliers at 4, uint8 norms: Gemma 3.91 b, KL 0.0024
+        "k=turbomix:bits=4,outliers=16,outliers_per=64,outlier_bits=5,center=true,"
+        "candidates=4,norm_bits=8 v=turbomix:outliers=16,outliers_per=64,candidates=4,"
+        "norm_bits=8 sink=4",
+        # key outliers only: Gemma 3.82 b, KL 0.0033
+        "k=turbomix:bits=4,outliers=16,outliers_per=64,outlier_bits=5,center=true,"
+        "candidates=4 v=turbomix:candidates=4 sink=4",
+    ),
+    "balanced": (
+        PRESETS["balanced"][0],
+        # 8 key outliers per 64 channels, 3-bit values: SmolLM2 3.28 b, KL 0.0031
+        "k=turbomix:outliers=8,outliers_per=64,center=true,candidates=4,trellis=true,"
+        "norm_bits=8 v=turbomix:candidates=4,trellis=true,norm_bits=8 sink=4",
+    ),
+    "small": (
+        PRESETS["small"][0],
+        # the 2-D codebook instead of the trellis: SmolLM2 2.53 b, KL 0.0151
+        "k=turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,"
+        "candidates=4,vq=2 v=turbomix:bits=2,candidates=4,vq=2 sink=4",
+    ),
+}
+DEFAULT_TOKENS = 1024  # tokens of each calibration text
+DEFAULT_SEEDS = (27510, 1)  # rotation seeds per text
+
+
+@dataclass
+class Fit:
+    """A preset fitted to one model: the chosen menu policy and every candidate's numbers."""
+
+    preset: str
+    label: str
+    bits: float
+    kl: float
+    delta_ppl_pct: float
+    model: str
+    fingerprint: str
+    tokens: int
+    texts: list[str]
+    seeds: list[int]
+    seconds: float
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def menu_policies(name: str) -> list[CodecPolicy]:
+    """The menu of preset ``name`` as policies (the fixed preset first)."""
+    if name not in MENUS:
+        raise KvtoolError(f"preset {name!r} has no budget to fit; choose one of "
+                          f"{', '.join(MENUS)}")
+    return [CodecPolicy.from_label(label) for label in MENUS[name]]
+
+
+def expected_bits(policy: CodecPolicy, head_dim: int, tokens: int) -> float:
+    """Mean bits/element of a ``tokens``-long cache at ``head_dim``: keys and values at their
+    codecs' rate, the policy's sink tokens exact (16 bits)."""
+    coded = (policy.key.bits_per_element(head_dim) + policy.value.bits_per_element(head_dim)) / 2
+    sinks = min(policy.sink_tokens, tokens)
+    return (coded * (tokens - sinks) + 16 * sinks) / tokens
+
+
+def fit_preset(loaded: Any, name: str, *, texts: dict[str, str | None] | None = None,
+               tokens: int = DEFAULT_TOKENS, seeds: Sequence[int] = DEFAULT_SEEDS,
+               on_run: Callable[[dict[str, Any]], None] | None = None) -> Fit:
+    """Measure ``name``'s menu on ``loaded`` and choose the least mean KL within the budget."""
+    from kvtool.evaluate_grid import load_baselines, sweep
+    from kvtool.models import kv_layout
+
+    budget, start = BUDGETS.get(name), time.perf_counter()
+    policies = menu_policies(name)
+    head_dim = int(kv_layout(loaded.model.config)["head_dim"])
+    # chunks of at most a quarter of the text: all but the first run on the compressed past
+    baselines = load_baselines(loaded, texts, max_tokens=tokens,
+                               chunk=max(16, min(256, tokens // 4)))
+    rows: list[dict[str, Any]] = []
+    for policy in policies:
+        bits = round(expected_bits(policy, head_dim, BUDGET_TOKENS), 4)
+        row: dict[str, Any] = {"label": policy.describe(), "bits": bits}
+        if bits > budget:
+            row["skipped"] = (f"{bits:.3f} b > {budget} b at head_dim {head_dim}, "
+                              f"{BUDGET_TOKENS} tokens")
+        else:
+            s = sweep(loaded, policy, baselines, tuple(seeds), on_run=on_run)
+            row.update(kl=s.mean["kl"], kl_spread=s.spread["kl"],
+                       delta_ppl_pct=s.mean["delta_ppl_pct"],
+                       measured_bits=s.mean["bits_per_element"])
+        rows.append(row)
+    fitting = [r for r in rows if "skipped" not in r and not math.isnan(r["kl"])]
+    if not fitting:
+        raise KvtoolError(f"no {name} policy fits {budget} bits/element on {loaded.name}")
+    best = min(fitting, key=lambda r: r["kl"])  # ties: the earlier (the fixed preset first)
+    return Fit(name, best["label"], best["bits"], best["kl"], best["delta_ppl_pct"],
+               loaded.name, str(loaded.fingerprints.get("model", "")),
+               int(next(iter(baselines.values())).ids.shape[1]), list(baselines),
+               [int(s) for s in seeds], round(time.perf_counter() - start, 2), rows)
+
+
+def fits_path(fingerprint: str) -> Path:
+    """The file of every preset fitted to the model with this fingerprint: in
+    ``$KVTOOL_PRESET_FITS_DIR``, else ``cache_dir()/presets``."""
+    from kvtool.models import cache_dir
+
+    folder = os.environ.get("KVTOOL_PRESET_FITS_DIR")
+    base = Path(folder).expanduser() if folder else cache_dir() / "presets"
+    return base / f"{str(fingerprint)[:32]}.json"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or data.get("version") != FIT_VERSION \
+            or not isinstance(data.get("presets"), dict):
+        raise ValueError("not a kvtool preset-fit file of this version")
+    return data
+
+
+def save_fit(fit: Fit) -> Path:
+    """Record ``fit`` beside the model's other fitted presets (atomically)."""
+    from kvtool.fileio import atomic_write
+
+    path = fits_path(fit.fingerprint)
+    try:
+        data = _read(path) if path.is_file() else None
+    except (OSError, ValueError):
+        data = None  # a damaged file is replaced
+    data = data or {"version": FIT_VERSION, "fingerprint": fit.fingerprint, "presets": {}}
+    data["model"] = fit.model
+    data["presets"][fit.preset] = fit.to_json()
+    blob = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: f.write(blob) or len(blob))
+    return path
+
+
+def fitted_label(name: str, fingerprint: str | None) -> str | None:
+    """The label of ``name`` fitted to the model with ``fingerprint``, or None (no fit: the
+    fixed preset). A fit that is damaged, for another model or not on the preset's menu is
+    ignored with a warning."""
+    if not fingerprint or name not in MENUS:
+        return None
+    path = fits_path(fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        data = _read(path)
+        entry = data["presets"].get(name)
+        if entry is None:
+            return None
+        if data.get("fingerprint") != fingerprint or entry.get("fingerprint") != fingerprint:
+            raise ValueError("it was fitted to another model")
+        menu = {CodecPolicy.from_label(label).describe() for label in MENUS[name]}
+        if entry.get("label") not in menu:
+            raise ValueError(f"its {name} policy is not on the preset's menu")
+        return str(entry["label"])
+    except (OSError, ValueError, TypeError, AttributeError, KvtoolError) as e:
+        log.warning("kvtool: ignoring the preset fits in %s (%s); using the fixed %s preset",
+                    path, str(e)[:120], name)
+        return None
+
+
+def format_fit(fit: Fit) -> list[str]:
+    """The candidates as a table, the chosen one marked."""
+    lines = [f"{'':2}{'bits/el':>8} {'KL':>9} {'Δppl%':>7}  policy  (bits/element of a "
+             f"{BUDGET_TOKENS}-token cache)"]
+    for r in fit.candidates:
+        mark = "* " if r["label"] == fit.label else "  "
+        skipped = f"  (over budget: {r['skipped']})" if "skipped" in r else ""
+        if "kl" in r:
+            lines.append(f"{mark}{r['bits']:>8.3f} {r['kl']:>9.5f} {r['delta_ppl_pct']:>+7.2f}  "
+                         f"{r['label']}")
+        else:
+            lines.append(f"{mark}{r['bits']:>8.3f} {'—':>9} {'—':>7}  {r['label']}{skipped}")
+    return lines

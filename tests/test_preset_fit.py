@@ -1,0 +1,143 @@
+"""Presets fitted per model (kvtool.preset_fit, ``kvtool calibrate --preset``): the fit measures
+the menu within the budget, is recorded per model fingerprint, and every command that takes
+``--preset`` uses it for that model and only that model; a fit file naming anything but a menu
+policy is ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
+from kvtool.formats import open_kvz  # noqa: E402
+from kvtool.policy import PRESETS, CodecPolicy, preset_policy  # noqa: E402
+from kvtool.preset_fit import (  # noqa: E402
+    MENUS,
+    Fit,
+    expected_bits,
+    fit_preset,
+    fits_path,
+    fitted_label,
+    save_fit,
+)
+
+PROMPT = "The lighthouse keeper wrote down every ship that passed the rocks that night."
+
+
+@pytest.fixture
+def fits(tmp_path, monkeypatch):
+    """An empty folder of fits for this test."""
+    monkeypatch.setenv("KVTOOL_PRESET_FITS_DIR", str(tmp_path / "fits"))
+    return tmp_path / "fits"
+
+
+def _fit(name: str, label: str, fingerprint: str) -> Fit:
+    return Fit(name, CodecPolicy.from_label(label).describe(), 3.2, 0.001, 0.1, "m",
+               fingerprint, 64, ["t"], [1], 1.0)
+
+
+def test_expected_bits_counts_the_exact_sinks():
+    quality = CodecPolicy.from_label(PRESETS["quality"][0])
+    coded = (quality.key.bits_per_element(64) + quality.value.bits_per_element(64)) / 2
+    assert expected_bits(quality, 64, 2048) == pytest.approx((coded * 2044 + 64) / 2048)
+    assert expected_bits(quality, 64, 4) == 16
+
+
+def test_fit_measures_the_menu_within_the_budget(loaded, fits):
+    """At head_dim 64 quality's outlier alternatives spend 4.19 bits: over the budget, not
+    measured; the fixed preset is the only one measured, so it is chosen."""
+    fit = fit_preset(loaded, "quality", texts={"story_text.md": None}, tokens=96, seeds=(1,))
+    skipped = [r for r in fit.candidates if "skipped" in r]
+    assert fit.label == CodecPolicy.from_label(PRESETS["quality"][0]).describe()
+    assert len(skipped) == len(MENUS["quality"]) - 1 and all("kl" not in r for r in skipped)
+    assert 0 < fit.kl < 0.05 and fit.bits <= 4.0 and fit.tokens == 96
+    assert fit.fingerprint == loaded.fingerprints["model"]
+
+
+def test_a_fit_changes_the_preset_for_its_model_only(fits):
+    alternative = MENUS["balanced"][1]
+    save_fit(_fit("balanced", alternative, "fp-a"))
+    assert fitted_label("balanced", "fp-a") == CodecPolicy.from_label(alternative).describe()
+    assert preset_policy("balanced", "fp-a") == CodecPolicy.from_label(alternative)
+    assert preset_policy("balanced", "fp-b") == CodecPolicy.from_label(PRESETS["balanced"][0])
+    assert preset_policy("balanced") == CodecPolicy.from_label(PRESETS["balanced"][0])
+    assert preset_policy("quality", "fp-a") == CodecPolicy.from_label(PRESETS["quality"][0])
+    # the vLLM store's policy from connector options follows the same fit
+    assert policy_from_extra({"preset": "balanced"}, "fp-a").key == \
+        CodecPolicy.from_label(alternative).key
+    save_fit(_fit("small", MENUS["small"][1], "fp-a"))  # a second preset, the first kept
+    assert fitted_label("balanced", "fp-a") and fitted_label("small", "fp-a")
+
+
+@pytest.mark.parametrize("damage", ["not json", "label", "fingerprint", "version"])
+def test_a_crafted_or_damaged_fit_is_ignored(fits, damage, caplog):
+    save_fit(_fit("balanced", MENUS["balanced"][1], "fp-a"))
+    path = fits_path("fp-a")
+    data = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{")
+    else:
+        if damage == "label":  # a policy that is not on the menu
+            data["presets"]["balanced"]["label"] = "turbo2"
+        elif damage == "fingerprint":  # copied from another model's file
+            data["presets"]["balanced"]["fingerprint"] = "fp-b"
+        else:
+            data["version"] = 99
+        path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="kvtool"):
+        assert fitted_label("balanced", "fp-a") is None
+    assert preset_policy("balanced", "fp-a") == CodecPolicy.from_label(PRESETS["balanced"][0])
+    assert "ignoring the preset fits" in caplog.text
+
+
+def test_calibrate_preset_then_capture_and_compress_use_the_fit(loaded, fits, tmp_path, runner):
+    """From the CLI: calibrate --preset records a fit for the default model; capture and
+    compress with --preset then write its policy into the file, and say so."""
+    from kvtool.cli.main import cli
+
+    cal = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "96",
+                              "--seeds", "1", "--text", str(_text(tmp_path)), "--json"])
+    assert cal.exit_code == 0, cal.output
+    fit = json.loads(cal.stdout)["fits"][0]
+    assert fit["preset"] == "balanced" and fits_path(fit["fingerprint"]).is_file()
+    assert {r["label"] for r in fit["candidates"]} == \
+        {CodecPolicy.from_label(x).describe() for x in MENUS["balanced"]}
+    # make the fit the alternative (the measured choice on 96 tokens could be either)
+    save_fit(_fit("balanced", MENUS["balanced"][1], fit["fingerprint"]))
+    want = CodecPolicy.from_label(MENUS["balanced"][1])
+    out = tmp_path / "c.kvz"
+    cap = runner.invoke(cli, ["capture", "--prompt", PROMPT, "--preset", "balanced", "-o",
+                              str(out)])
+    assert cap.exit_code == 0, cap.output
+    assert "--preset balanced fitted to" in cap.output
+    with open_kvz(out) as f:
+        assert f.header["policy"]["key"] == want.key.get_config()
+    raw, again = tmp_path / "raw.kvz", tmp_path / "again.kvz"
+    assert runner.invoke(cli, ["capture", "--prompt", PROMPT, "-o", str(raw)]).exit_code == 0
+    comp = runner.invoke(cli, ["compress", str(raw), "--preset", "balanced", "-o", str(again)])
+    assert comp.exit_code == 0, comp.output
+    with open_kvz(again) as f:
+        assert f.header["policy"]["value"] == want.value.get_config()
+
+
+def test_calibrate_takes_bits_or_preset(runner):
+    from kvtool.cli.main import cli
+
+    for args in ([], ["--bits", "3", "--preset", "quality", "-o", "p.json"]):
+        result = runner.invoke(cli, ["calibrate", *args])
+        assert result.exit_code == 2 and "--bits" in result.output
+    result = runner.invoke(cli, ["calibrate", "--preset", "tiny"])
+    assert result.exit_code == 2 and "unknown tiny" in result.output
+    result = runner.invoke(cli, ["calibrate", "--bits", "3"])
+    assert result.exit_code == 2 and "-o/--output" in result.output
+
+
+def _text(tmp_path):
+    from kvtool.evaluate import data_text
+
+    path = tmp_path / "text.txt"
+    path.write_text(data_text("story_text.md"), encoding="utf-8")
+    return path
