@@ -138,7 +138,7 @@ class KvtoolPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
-        from kvtool.engines.vllm.common import policy_from_extra
+        from kvtool.engines.vllm.common import model_info, policy_from_extra
 
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {}
@@ -158,7 +158,8 @@ class KvtoolPromMetrics(KVConnectorPromMetrics):
                                documentation="kvtool store codec policy; lossy=true when "
                                "answers served from the store may differ from recomputing")
         transfer = vllm_config.kv_transfer_config
-        policy = policy_from_extra(dict(transfer.kv_connector_extra_config or {}))
+        policy = policy_from_extra(dict(transfer.kv_connector_extra_config or {}),
+                                   model_info(vllm_config).get("fingerprint"))
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         lossy = str(policy.is_lossy(dtype)).lower()
         for values in per_engine_labelvalues.values():

@@ -127,7 +127,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     argv += list(engine_args)
     from kvtool.engines.vllm.common import policy_from_extra
 
-    policy = policy_from_extra(connector)
+    policy = policy_from_extra(connector, info["fingerprint"])  # as the connector resolves it
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
                      lossy=policy.is_lossy(ident_dtype),
