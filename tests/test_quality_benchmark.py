@@ -45,7 +45,7 @@ def test_cross_table_puts_presets_then_peers_and_marks_missing_runs():
     lines = quality.cross_table(per_model, names).splitlines()
     assert "model-one" in lines[0] and "model-two" in lines[0]
     assert [line.split("|")[0].strip() for line in lines[2:]] == [
-        "preset balanced", PEER[:40].strip(), "turbo3 sink=4"]
+        "preset balanced", quality._short(PEER, 40), "turbo3 sink=4"]
     balanced, _, turbo = lines[2:]
     assert "3.20  0.00315" in balanced and "3.17  0.00525" in balanced
     assert turbo.rstrip().endswith("—")  # not run on model-two

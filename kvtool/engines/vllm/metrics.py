@@ -132,13 +132,24 @@ def _unregister(name: str) -> None:
         REGISTRY.unregister(collector)
 
 
+def _fingerprint(vllm_config: Any) -> str | None:
+    """The model's fingerprint, which picks a preset fitted to it (the connector resolves its
+    policy the same way); None where the config cannot give one: the label is informational."""
+    from kvtool.engines.vllm.common import model_info
+
+    try:
+        return model_info(vllm_config).get("fingerprint")
+    except Exception:  # a policy label must never stop vLLM's metrics
+        return None
+
+
 class KvtoolPromMetrics(KVConnectorPromMetrics):
     """Registers the metrics listed in the module docstring and records :class:`KvtoolStats`
     payloads into them, per engine."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
-        from kvtool.engines.vllm.common import model_info, policy_from_extra
+        from kvtool.engines.vllm.common import policy_from_extra
 
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {}
@@ -159,7 +170,7 @@ class KvtoolPromMetrics(KVConnectorPromMetrics):
                                "answers served from the store may differ from recomputing")
         transfer = vllm_config.kv_transfer_config
         policy = policy_from_extra(dict(transfer.kv_connector_extra_config or {}),
-                                   model_info(vllm_config).get("fingerprint"))
+                                   _fingerprint(vllm_config))
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         lossy = str(policy.is_lossy(dtype)).lower()
         for values in per_engine_labelvalues.values():
