@@ -3,7 +3,7 @@
 The presets were tuned on SmolLM2-135M (head_dim 64, 3 KV heads). On Gemma 3 270M (head_dim
 256, one KV head serving four query heads) `quality` lost 2.5x more next-token KL than there
 and missed its target; a policy with outlier channels at more bits met it within the same
-budget (README, "Presets per model"). So each preset names a budget (:data:`BUDGETS`,
+budget (README, "Presets fitted per model"). So each preset names a budget (:data:`BUDGETS`,
 bits/element of the whole cache, exact sinks included) and a menu (:data:`MENUS`, the fixed
 preset first). :func:`fit_preset` measures every menu policy that fits the budget at this
 model's head_dim, as ``benchmarks/quality.py`` does (mean next-token KL over texts × rotation
