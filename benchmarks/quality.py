@@ -41,6 +41,7 @@ from kvtool.evaluate_grid import (
     aggregate,
     format_table,
     load_baselines,
+    seed_list,
     sweep,
 )
 from kvtool.policy import PRESETS, CodecPolicy
@@ -179,7 +180,7 @@ def measure(loaded: Any, args: argparse.Namespace) -> list[Sweep]:
     start = time.perf_counter()
     baselines = load_baselines(loaded, texts, chunk=args.chunk, max_tokens=args.max_tokens)
     seeds = (tuple(int(x) for x in args.seed_list.split(",")) if args.seed_list
-             else (DEFAULT_SEEDS + tuple(range(3, 64)))[:args.seeds])
+             else seed_list(args.seeds))
     print(f"# {loaded.name} ({args.dtype}), texts "
           + ", ".join(f"{n} ({b.ids.shape[1]} tok, ppl {b.ppl:.3f})" for n, b in baselines.items())
           + f", chunks of {args.chunk}, runtime block {args.block_size}, seeds {list(seeds)} "

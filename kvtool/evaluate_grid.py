@@ -25,6 +25,11 @@ DEFAULT_SEEDS = (DEFAULT_SEED, 1, 2)
 METRICS = ("delta_ppl_pct", "kl", "bits_per_element", "attention_kl")
 
 
+def seed_list(count: int) -> tuple[int, ...]:
+    """The first ``count`` rotation seeds: :data:`DEFAULT_SEEDS`, then 3, 4, …"""
+    return (DEFAULT_SEEDS + tuple(range(3, 3 + count)))[:count]
+
+
 @dataclass
 class Sweep:
     """Every run of one policy and their aggregate."""
@@ -139,7 +144,7 @@ def eval_sweep(loaded: Any, policy: CodecPolicy, text_name: str | None, text: st
 
     texts = {text_name: text} if text is not None else None
     baselines = load_baselines(loaded, texts, chunk=chunk, max_tokens=max_tokens or 2048)
-    all_seeds = (DEFAULT_SEEDS + tuple(range(3, 64)))[:seeds]
+    all_seeds = seed_list(seeds)
     s = sweep(loaded, policy, baselines, all_seeds, block_size=block_size)
     if as_json:
         click.echo(json.dumps({"model": loaded.name, **s.to_json()}, indent=2, sort_keys=True))

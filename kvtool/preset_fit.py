@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtool.codecs.turbo import DEFAULT_SEED
 from kvtool.errors import KvtoolError
 from kvtool.policy import PRESETS, CodecPolicy
 
@@ -66,7 +67,7 @@ MENUS: dict[str, tuple[str, ...]] = {
     ),
 }
 DEFAULT_TOKENS = 1024  # tokens of each calibration text
-DEFAULT_SEEDS = (27510, 1)  # rotation seeds per text
+DEFAULT_SEEDS = (DEFAULT_SEED, 1)  # rotation seeds per text (evaluate_grid's first two)
 
 
 @dataclass

@@ -265,18 +265,16 @@ def context_limit(loaded: Any) -> int | None:
 
 
 def fitted_for_model(opts: dict[str, Any], policy: Any, model_fingerprint: str | None,
-                     model_name: str, default_codec: str = "raw") -> Any:
+                     model_name: str) -> Any:
     """``policy`` again once the model is known: where ``--preset NAME`` was fitted to this
     model (``kvtool calibrate --preset NAME``), the fitted policy, said in one info line."""
-    from kvtool.preset_fit import fitted_label
     from kvtool.progress import info
 
     name = opts.get("preset")
-    if not name or not model_fingerprint or fitted_label(name, model_fingerprint) is None:
+    if not name or not model_fingerprint:
         return policy
-    fitted = policy_from_options(opts, default_codec, model_fingerprint)
+    fitted = policy_from_options(opts, model_fingerprint=model_fingerprint)
     if fitted != policy:
         info(f"--preset {name} fitted to {model_name} (kvtool calibrate --preset): "
              f"{fitted.describe()}")
     return fitted
-

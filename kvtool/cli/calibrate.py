@@ -117,7 +117,7 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
 def _fit_presets(model_name: str, presets: str, output: str | None, text_file: str | None,
                  tokens: int | None, seeds: int, dtype: str, as_json: bool) -> None:
     """``kvtool calibrate --preset``: fit each named preset to the model and record it."""
-    from kvtool.evaluate_grid import DEFAULT_SEEDS
+    from kvtool.evaluate_grid import seed_list
     from kvtool.fileio import check_output_path, read_text_file
     from kvtool.models import load_model
     from kvtool.policy import CodecPolicy, save_policy
@@ -148,7 +148,7 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
         info(f"fitting {name} to {loaded.name}: {len(MENUS[name])} policies × "
              f"{2 if texts is None else 1} texts × {seeds} seeds")
         fit = fit_preset(loaded, name, texts=texts, tokens=tokens or DEFAULT_TOKENS,
-                         seeds=(DEFAULT_SEEDS + tuple(range(3, 64)))[:seeds])
+                         seeds=seed_list(seeds))
         path = save_fit(fit)
         fits.append(fit)
         if output is not None:
@@ -165,4 +165,3 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
     if as_json:
         echo_json({"model": loaded.name, "fits": [f.to_json() for f in fits],
                    **({"output": output} if output else {})})
-

@@ -91,6 +91,17 @@ def _persisted() -> dict[str, Any]:
     return {"cache_results": True} if "cache_results" in params else {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for launch grids: plain integer arithmetic (``triton.cdiv`` is a traced
+    constexpr function in newer Tritons, ~5 µs a host call; ``attend`` made seven)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two ≥ ``n`` (1 for n ≤ 1), on the host."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
     elements per thread spills: ``benchmarks/triton_sass.py``), and the persistent configs
@@ -444,17 +455,6 @@ def turbo_scores(q: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, bits
             q_rot, c3, n3, _codebook(dim, bits, q.device)[1], out, m, n, m_blocks, n_blocks,
             D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m, BLOCK_N=block_n)
     return out
-
-
-def cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉ for launch grids: plain integer arithmetic (``triton.cdiv`` is a traced
-    constexpr function in newer Tritons, ~5 µs a host call; ``attend`` made seven)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The least power of two ≥ ``n`` (1 for n ≤ 1), on the host."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @lru_cache(maxsize=16)
