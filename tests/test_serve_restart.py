@@ -1,6 +1,11 @@
-"""``kvtool serve`` restarted on its store with every policy: the prefix stored by the first
-server is served by the second, and the second keeps serving (the default policy's restart,
-with its metrics: tests/test_serve.py). Each case starts two real servers (~20-40 s each)."""
+"""``kvtool serve`` restarted on its store with the ``balanced`` preset (trellis-coded
+turbomix keys and values): the prefix stored by the first server is served by the second, and
+the second keeps serving. The case starts two real servers (~30-50 s each on 2 cores).
+
+The other policies' restarts, without two more servers each: the store default's (``quality``,
+with its metrics) is tests/test_serve.py's server pair; ``small``, ``turbo3`` and ``raw``
+(token-identical after the restart) chunks load in a fresh vLLM process in
+tests/test_vllm_connector.py::test_save_then_load_in_fresh_process."""
 
 from __future__ import annotations
 
@@ -17,15 +22,13 @@ def chunks(store) -> list:
 PROMPT = " ".join(f"restart{i}" for i in range(160)) + " What comes next?"  # two chunks
 
 
-@pytest.mark.parametrize("policy", [("--preset", "balanced"), ("--preset", "small"),
-                                    ("--codec", "turbo3"), ("--codec", "raw")],
-                         ids=lambda p: p[1])
+@pytest.mark.parametrize("policy", [("--preset", "balanced")], ids=lambda p: p[1])
 def test_restart_serves_the_stored_prefix_and_keeps_serving(tmp_path, policy):
     pytest.importorskip("vllm")
     pytest.importorskip("openai")
     first = Server(tmp_path / "store", tmp_path / "a.log", policy).start()
     try:
-        cold = first.complete(PROMPT)
+        first.complete(PROMPT)
         for _ in range(120):  # written in the background (trellis presets take seconds)
             if len(chunks(tmp_path / "store")) >= 2:
                 break
@@ -35,12 +38,10 @@ def test_restart_serves_the_stored_prefix_and_keeps_serving(tmp_path, policy):
         first.stop()
     second = Server(tmp_path / "store", tmp_path / "b.log", policy).start()
     try:
-        warm = second.complete(PROMPT)
+        second.complete(PROMPT)  # lossy: its text may differ from the cold run's
         assert second.wait_metric("kvtool_store_loaded_tokens_total", 512) >= 512, \
             second.log.read_text()[-3000:]
         assert second.metric("kvtool_store_failures_total") == 0
-        if policy == ("--codec", "raw"):
-            assert warm == cold  # exact K/V: the same greedy text as the cold run
         for i in range(3):  # the engine survived the load: later requests succeed
             assert second.complete(f"{PROMPT} Follow-up {i}.").strip()
         time.sleep(1)

@@ -36,7 +36,7 @@ from kvtool.cli.main import cli  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.vllm import connector as C  # noqa: E402
 from kvtool.engines.vllm import engine as E  # noqa: E402
-from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
+from kvtool.engines.vllm.common import DEFAULT_ZSTD, policy_from_extra  # noqa: E402
 from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
 from kvtool.errors import ModelMismatchError  # noqa: E402
 from kvtool.fileio import TEMP_SUFFIX  # noqa: E402
@@ -95,7 +95,7 @@ FRESH = textwrap.dedent("""
     from vllm.config import KVTransferConfig
     from kvtool.engines.vllm import connector
     from kvtool.models import resolve_model
-    store, ids, new, role = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store, prompts, new, role = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     llm = LLM(model=str(resolve_model("default")[1]), dtype="float32", max_model_len=2048,
               kv_cache_memory_bytes=128 << 20, enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni",
@@ -103,21 +103,33 @@ FRESH = textwrap.dedent("""
                   kv_connector="KvtoolConnector", kv_role=role,
                   kv_connector_extra_config={"store_path": store, "codec": "raw",
                                              "chunk_tokens": 128}))
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=new, temperature=0),
-                       use_tqdm=False)[0]
-    print("RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids),
-                                  "cached": out.num_cached_tokens, "stats": connector.stats()}))
+    results = []
+    for ids in prompts:  # one after another: each result's stats are its own request's
+        before = connector.stats()
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(max_tokens=new, temperature=0), use_tqdm=False)[0]
+        after = connector.stats()
+        results.append({"tokens": list(out.outputs[0].token_ids),
+                        "cached": out.num_cached_tokens,
+                        "stats": {k: after[k] - before[k] for k in after}})
+    print("RESULT " + json.dumps(results))
 """)
 
 
-def fresh(store: str, ids: list[int], role: str = "kv_both") -> dict:
-    """Run FRESH: one request in a new process whose connector has ``role``."""
+def fresh_many(store: str, prompts: list[list[int]], role: str = "kv_both") -> list[dict]:
+    """Run FRESH: ``prompts``' requests, one after another, in a new process whose connector
+    has ``role``; each one's tokens, cached tokens and connector counter deltas."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", FRESH, store, json.dumps(ids), str(NEW), role],
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-c", FRESH, store, json.dumps(prompts), str(NEW),
+                           role], env=env, capture_output=True, text=True, timeout=400)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def fresh(store: str, ids: list[int], role: str = "kv_both") -> dict:
+    """One request in a new process whose connector has ``role`` (:func:`fresh_many`)."""
+    return fresh_many(store, [ids], role)[0]
 
 
 def test_entry_point_registers_connector():
@@ -129,18 +141,46 @@ def test_entry_point_registers_connector():
     assert cls is C.KvtoolConnector
 
 
+#: the lossy policies whose chunks a restarted engine must load, besides the store default's
+#: (tests/test_serve.py) and ``balanced``'s (tests/test_serve_restart.py), through real servers
+RESTART_POLICIES = ({"preset": "small"}, {"codec": "turbo3"})
+
+
 def test_save_then_load_in_fresh_process(vm, store):
+    """A restart: chunks saved by this process load in a new one, raw ones token-identical to
+    recomputing; and chunks written with each of :data:`RESTART_POLICIES` (the connector's
+    write: ``PrefixStore.write`` with the policy, zstd on) load there too, and the engine keeps
+    serving the requests after them."""
     ids = ids_for(1, 300)
     want = baseline(vm, ids)
     got, delta, _ = served(vm, ids)  # cold: computes and saves two 128-token chunks
     assert got == want
     assert delta["chunks_saved"] == 2 and delta["tokens_saved"] == 256
     assert delta["tokens_loaded"] == 0 and delta["failures"] == 0
-    result = fresh(store, ids)
+    lossy = []
+    for i, extra in enumerate(RESTART_POLICIES):
+        other = ids_for(20 + i, 300)
+        served(vm, other)  # raw chunks, rewritten below with the policy
+        writer = PrefixStore(store, vm.info, 128, policy_from_extra(extra, vm.info["fingerprint"]),
+                             zstd=DEFAULT_ZSTD)
+        for chunk in _chunks(vm, store, other)[:2]:
+            cache = PrefixStore(store, vm.info, 128, policy=None).read(chunk)
+            raw_bytes = os.path.getsize(chunk.path)
+            os.unlink(chunk.path)
+            # float32 K/V at 2.5-3.3 bits/element (4 exact sink tokens in chunk 0)
+            assert 0 < writer.write(chunk, cache.keys, cache.values, other) < raw_bytes / 4
+        lossy.append(other)
+    results = fresh_many(store, [*lossy, ids, ids_for(30, 200)])
+    for extra, result in zip(RESTART_POLICIES, results, strict=False):
+        assert result["stats"]["tokens_loaded"] == 256, extra  # decoded and injected
+        assert result["stats"]["hits"] == 1 and result["stats"]["failures"] == 0, extra
+        assert result["cached"] >= 256 and len(result["tokens"]) == NEW, extra
+    result = results[len(RESTART_POLICIES)]
     assert result["stats"]["tokens_loaded"] == 256  # injected, not recomputed
     assert result["stats"]["hits"] == 1 and result["stats"]["failures"] == 0
     assert result["cached"] >= 256  # vLLM counts them as cached prompt tokens
     assert result["tokens"] == want  # raw codec: token-identical to recomputing
+    assert results[-1]["tokens"] == baseline(vm, ids_for(30, 200))  # and it keeps serving
 
 
 def test_longest_prefix_shared_by_two_prompts(vm):
