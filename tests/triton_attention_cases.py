@@ -156,6 +156,11 @@ def test_exact_tokens_causal_and_bias_join_the_softmax(dtype):
         close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.2, b, causal=True))
     out = _attend(q, kr, vr, ke, ve, scale=0.2)  # not causal: every exact token visible
     close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.2))
+    # written in the exact tokens' dtype straight from the fp32 accumulator: one rounding (to
+    # nearest on GPUs; the interpreter may truncate: one ulp)
+    typed = _attend(q, kr, vr, ke, ve, scale=0.2, out_dtype=dtype)
+    assert typed.dtype == dtype
+    torch.testing.assert_close(typed, out.to(dtype), rtol=torch.finfo(dtype).eps, atol=0)
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -196,6 +201,7 @@ def test_bad_shapes_are_refused_with_a_clear_error():
            ((q, *args, torch.zeros(1, 2, 3, 32)), {}, "exact keys/values"),
            ((q, *args, torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32)),
             {"bias": torch.zeros(1, 1, 4)}, "bias"),
+           ((q, *args), {"out_dtype": torch.int32}, "out_dtype"),
            ((q.expand(1, 4, 40, 32), *args), {}, "query rows")]
     for call, extra, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -209,6 +215,38 @@ def test_bad_shapes_are_refused_with_a_clear_error():
                                   vr.norms[None, :, :5], dim=32, k_bits=3,
                                   k_seed=kr.codec.seed, v_bits=3, v_seed=vr.codec.seed,
                                   scale=0.1)
+
+
+def test_launch_keys_tell_apart_what_triton_specialises_on():
+    """A compiled kernel is reused only for arguments Triton would compile the same way."""
+    from kvtool.kernels.triton_launch import _hooks_set, _spec
+
+    assert not _hooks_set()  # no profiler here: the direct launches are on
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.view(torch.int8))
+    assert _spec(buf[16:]) == _spec(buf)
+    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31)}) == 4
+    assert _spec(17) == _spec(19) and _spec(0.5) == _spec(2.0)
+    with pytest.raises(TypeError):
+        _spec("a")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_repeated_calls_launch_directly_and_read_their_own_inputs():
+    """Calls after the first of a specialisation skip Triton's dispatch (counted) and still
+    read their own inputs: new data and another exact length under one key, then misaligned
+    codes (another key), then the first key again."""
+    fast = ta._LAUNCH.fast
+    for seed, x, odd in ((1, 6, False), (2, 7, False), (3, 7, True), (4, 9, False)):
+        q, k, v, ke, ve = _inputs(2, 2, 4, 1, 96, 64, seed=seed, x=x)
+        kr, vr = Role("turbo3", k, 96), Role("turbo4", v, 96)
+        if odd:
+            kr.codes = _misaligned(kr.codes)
+        out = _attend(q, kr, vr, ke, ve, scale=0.125)
+        close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.125))
+    assert ta._LAUNCH.fast >= fast + 2
 
 
 # -- CompressedCache through the transformers hook -------------------------------------------

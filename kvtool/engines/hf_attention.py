@@ -455,7 +455,8 @@ def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                         scale=scale, bias=bias,
                         causal=causal, k_rotations=view.rotations[0],
                         v_rotations=view.rotations[1], key_means=view.key_means,
-                        block=view.block)
+                        block=view.block, out_dtype=query.dtype if query.dtype in (
+                            torch.float16, torch.bfloat16) else torch.float32)
     except ta.BUILD_ERRORS as e:  # the kernel does not build here: decode-then-attend from now
         if kernel_mode() == "compiled":
             raise

@@ -2,38 +2,44 @@
 CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 
 A turbo key is ``k̂ = ‖k‖ · c @ R`` (``c``: the centroids its codes name), so a score is
-``‖k‖ · (q @ Rᵀ)·c``: the queries are rotated once per call and every score is a dot product
-of a rotated query with centroids looked up in a 4..16-entry fp16 table. Values are summed in
-the rotated domain, ``Σ p ‖v‖ c``, and rotated back once per part. Code rows are read as 32-bit
+``‖k‖ · (q @ Rᵀ)·c``: each program rotates its queries once and every score is a dot product of
+a rotated query with centroids looked up in a 4..16-entry fp16 table. Values are summed in the
+rotated domain, ``Σ p ‖v‖ c``, and rotated back once per part. Code rows are read as 32-bit
 words (3 words hold 32 three-bit codes) and split into codes by join trees that keep each code
 in the thread that loaded it; the table lookup is an ``ld.global.nc`` in the codes' own layout
 (compiled for sm_90 that is ~670 instructions per thread per 32-token tile of keys and values at
 head_dim 128 with 4 warps, against ~1,270 for byte loads and ``tl.load`` gathers).
 
-Three kernels per call:
+One kernel per call, :func:`_attend_kernel` (its steps:
+:mod:`kvtool.kernels.triton_attention_steps`), one program per (batch · KV head, part). A call
+is a single launch because at decode sizes the host's launch cost, not the device, sets the
+time (three launches cost ~200 µs of host time on an H200, the kernels ~30 µs at 8K tokens).
 
-- :func:`_query_kernel`: ``scale · q @ R_cᵀ`` for every key rotation ``c`` in use (turbomix's
-  candidates) and ``scale · q`` (for exact tokens and key means), in fp32 accuracy;
-- :func:`_split_kernel`: one program per (batch · KV head, part) (its steps:
-  :mod:`kvtool.kernels.triton_attention_steps`). The ``G`` query heads of the
-  KV head times the ``Q`` query tokens (``G·Q ≤`` :func:`max_rows`, padded to 16 rows) are the
-  M side of ``tl.dot``, so ``q·kᵀ`` and ``p·v`` run on tensor cores with fp16 operands (rotated
-  query, centroids, ``p·‖v‖``; ~6e-4 relative error) and fp32 accumulation. An encoded part is
-  a token range of one *group*: with candidates the blocks are sorted by their (value, key)
-  rotation pair (once per store change, :func:`_groups`), so a program reads one key rotation
-  (its query) and one value rotation; centered keys add ``q·mean`` per token (the block's fp16
-  mean against the scaled query in two fp16 pieces). The part ends by rotating its value sum
-  back with its ``R`` (exact in bf16, the sum in two bf16 pieces). The last parts attend the
-  exact tokens (sinks, window, this forward's tokens) in the unrotated domain — an accumulator
-  of their own, in fp32 accuracy (16-bit K/V times the fp32 operand in 16-bit pieces) — with an
-  optional additive bias and the causal rule among the new tokens;
-- :func:`_reduce_kernel`: one program per query row merges its parts' softmax states and
-  normalises.
+- A program starts from the raw queries: ``scale · q @ R_cᵀ`` for its part's key rotation
+  ``c`` (turbomix's candidates) and ``scale · q`` for exact tokens and key means, in fp32
+  accuracy.
+- The ``G`` query heads of the KV head times the ``Q`` query tokens (``G·Q ≤``
+  :func:`max_rows`, padded to 16 rows) are the M side of ``tl.dot``, so ``q·kᵀ`` and ``p·v``
+  run on tensor cores with fp16 operands (rotated query, centroids, ``p·‖v‖``; ~6e-4 relative
+  error) and fp32 accumulation.
+- An encoded part is a token range of one *group*: with candidates the blocks are sorted by
+  their (value, key) rotation pair (once per store change, :func:`_groups`), so a program
+  reads one key rotation and one value rotation; centered keys add ``q·mean`` per token (the
+  block's fp16 mean against the scaled query in two fp16 pieces). The part ends by rotating
+  its value sum back with its ``R`` (exact in bf16, the sum in two bf16 pieces).
+- The last parts attend the exact tokens (sinks, window, this forward's tokens) in the
+  unrotated domain — an accumulator of their own, in fp32 accuracy (16-bit K/V times the fp32
+  operand in 16-bit pieces) — with an optional additive bias and the causal rule among the new
+  tokens.
+- Each program writes its part's softmax state, then takes a ticket (a gpu-scope ``acq_rel``
+  atomic on a per-KV-head counter); the program that draws the last ticket merges the parts of
+  its KV head's rows and normalises (split-K's reduce, without a second launch).
 
-The token tile and ``num_warps`` of the split kernel are autotuned per shape on GPUs (results
-cached on disk where Triton can), fixed under the interpreter. Only uncentered turbo2/3/4 and
-scalar ``turbomix`` codes with fp16 norms are read here (centered keys too); outlier channels,
-``vq=2``, trellis and ``norm_bits=8`` codes are decoded by their callers, then attended.
+The token tile, ``num_warps`` and ``num_stages`` of the kernel are autotuned per shape on GPUs
+(results cached on disk where Triton can), fixed under the interpreter. Only uncentered
+turbo2/3/4 and scalar ``turbomix`` codes with fp16 norms are read here (centered keys too);
+outlier channels, ``vq=2``, trellis and ``norm_bits=8`` codes are decoded by their callers,
+then attended.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from typing import Any
 import torch
 
 from kvtool.kernels.bitpack import group_shape
-from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part
+from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part, _merge
 from kvtool.kernels.triton_cuda import (
     BITS,
     DIMS,
@@ -64,6 +70,7 @@ from kvtool.kernels.triton_cuda import (
     next_power_of_2,
     supported,
 )
+from kvtool.kernels.triton_launch import Launcher
 
 try:
     import triton
@@ -86,12 +93,15 @@ _EXACT_SPLIT = 128  # exact tokens per part
 
 
 def _tuned(fn: Any) -> Any:
-    """Autotune the token tile and warps of the split kernel on GPUs, keyed on its shape (fixed
-    tile under the interpreter); ``size_class`` keeps short parts apart from long ones."""
+    """Autotune the token tile, warps and pipelining of the kernel on GPUs, keyed on its shape
+    (fixed tile under the interpreter); ``size_class`` keeps short parts apart from long ones.
+    Two-stage configs let the next tile's code words load while this one is scored."""
     if triton is None or INTERPRET:
         return _jit(fn)
     configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
                for n, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8))]
+    configs += [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=2)
+                for n, w in ((32, 4), (64, 4), (64, 8))]
     return triton.autotune(configs, key=["MP", "D", "KBITS", "VBITS", "CK", "CV", "CENTERED",
                                          "BLOCK", "size_class"],
                            prune_configs_by={"early_config_prune": _prune}, **_persisted())(
@@ -114,45 +124,21 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
 
 
 # -- kernels -------------------------------------------------------------------------------------
-@_jit
-def _query_kernel(q_ptr, rt_ptr, out_ptr, rows, nq, hq, sb, sh, sn, scale, C: tl.constexpr,
-                  D: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``out[c] = scale · q @ R_cᵀ`` per key rotation ``c < C`` and ``out[C] = scale · q``, in
-    fp32 accuracy; rows ordered (batch, query head, query token), q strided."""
-    row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.program_id(1)
-    rmask = row < rows
-    head = row // nq
-    src = q_ptr + (head // hq) * sb + (head % hq) * sh + (row % nq) * sn
-    cols = tl.arange(0, D)
-    dst = out_ptr + (c * rows + row)[:, None] * D
-    if c == C:
-        raw = tl.load(src[:, None] + cols[None, :], mask=rmask[:, None], other=0.0)
-        tl.store(dst + cols[None, :], raw.to(tl.float32) * scale, mask=rmask[:, None])
-    else:
-        for n0 in range(0, D, BK):  # BK output columns at a time: few live registers
-            acc = tl.zeros([BLOCK_M, BK], tl.float32)
-            for k0 in tl.static_range(0, D, BK):
-                x = tl.load(src[:, None] + (k0 + tl.arange(0, BK))[None, :],
-                            mask=rmask[:, None], other=0.0).to(tl.float32)
-                hi, mid, lo = _split(x, 3)
-                acc = _mm(acc, hi, mid, lo, rt_ptr + c * D * D, k0, n0, D, BK, BK, 3)
-            tl.store(dst + (n0 + tl.arange(0, BK))[None, :], acc * scale, mask=rmask[:, None])
-
-
 @_tuned
-def _split_kernel(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, order_ptr,
-                  goff_ptr, mean_ptr, vr_ptr, ke_ptr, ve_ptr, bias_ptr, m_ptr, l_ptr, acc_ptr,
-                  BH, N, NBLK, X, S, E, hkv, nq, R, bias_b, size_class,
-                  MP: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, KCPG: tl.constexpr,
-                  KBPG: tl.constexpr, VBITS: tl.constexpr, VCPG: tl.constexpr,
-                  VBPG: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
-                  CK: tl.constexpr, CV: tl.constexpr, SORTED: tl.constexpr,
-                  CENTERED: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_X: tl.constexpr, ROT_N: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+def _attend_kernel(q_ptr, krt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr,
+                   order_ptr, goff_ptr, mean_ptr, vr_ptr, ke_ptr, ve_ptr, bias_ptr, m_ptr, l_ptr,
+                   acc_ptr, count_ptr, out_ptr, N, NBLK, X, S, E, hkv, nq, hq, R, bias_b, sb, sh,
+                   sn, scale, size_class, MP: tl.constexpr, D: tl.constexpr,
+                   KBITS: tl.constexpr, KCPG: tl.constexpr, KBPG: tl.constexpr,
+                   VBITS: tl.constexpr, VCPG: tl.constexpr, VBPG: tl.constexpr,
+                   KWORDS: tl.constexpr, VWORDS: tl.constexpr, CK: tl.constexpr,
+                   CV: tl.constexpr, SORTED: tl.constexpr, CENTERED: tl.constexpr,
+                   BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_X: tl.constexpr, ROT_N: tl.constexpr, BK: tl.constexpr,
+                   PCH: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (batch · KV head, part): encoded parts first (CK·CV groups × S splits), then E exact
-    parts; writes the part's (max, sum, value sum) per row, the value sum unrotated."""
+    parts. Writes the part's (max, sum, value sum) per row, the value sum unrotated; the KV
+    head's last program to finish (a ticket in ``count_ptr``) merges them into ``out``."""
     bh = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     coded = CK * CV * S
@@ -160,10 +146,11 @@ def _split_kernel(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, 
     rmask = rows < R
     out = (bh * (coded + E) + part) * R + rows
     if part < coded:
-        m_i, l_i, acc = _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr,
-                                    vcent_ptr, order_ptr, goff_ptr, mean_ptr, bh, part, BH, N,
-                                    NBLK, S, R, MP, D, KBITS, KCPG, KBPG, VBITS, VCPG, VBPG,
-                                    KWORDS, VWORDS, CK, CV, SORTED, CENTERED, BLOCK, BLOCK_N)
+        m_i, l_i, acc = _codes_part(q_ptr, krt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr,
+                                    vcent_ptr, order_ptr, goff_ptr, mean_ptr, bh, part, N, NBLK,
+                                    S, R, nq, hq, sb, sh, sn, scale, MP, D, KBITS, KCPG, KBPG,
+                                    VBITS, VCPG, VBPG, KWORDS, VWORDS, CK, CV, SORTED, CENTERED,
+                                    BLOCK, BK, BLOCK_N)
         # back from the value rotation: acc @ R_c (R exact in bf16, acc in two bf16 pieces)
         hi, mid, lo = _split(acc, 2)
         rot = vr_ptr + (part // S // CK) * D * D
@@ -172,43 +159,22 @@ def _split_kernel(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, 
             tl.store(acc_ptr + out[:, None] * D + (n0 + tl.arange(0, ROT_N))[None, :], o,
                      mask=rmask[:, None])
     else:
-        m_i, l_i, acc = _exact_part(qr_ptr, ke_ptr, ve_ptr, bias_ptr, bh, part - coded, BH, X,
-                                    E, hkv, nq, R, bias_b, MP, D, CK, CAUSAL, HAS_BIAS,
-                                    BLOCK_X)
+        m_i, l_i, acc = _exact_part(q_ptr, ke_ptr, ve_ptr, bias_ptr, bh, part - coded, X, E, hkv,
+                                    nq, R, bias_b, hq, sb, sh, sn, scale, MP, D, CAUSAL,
+                                    HAS_BIAS, BLOCK_X)
         tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc,
                  mask=rmask[:, None])
     tl.store(m_ptr + out, m_i, mask=rmask)
     tl.store(l_ptr + out, l_i, mask=rmask)
+    # every thread's stores, then one gpu-scope acq_rel ticket: the last program sees them all
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if ticket == coded + E - 1:
+        _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, coded + E, R, hkv, nq, D, PCH)
+        tl.store(count_ptr + bh, 0)  # ready for a relaunch on the same buffers (autotuning)
 
 
-@_jit
-def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, P, R, hkv, nq, D: tl.constexpr,
-                   PCH: tl.constexpr):
-    """One query row: merge its P parts' softmax states, normalise; out [B, Q, Hq, D]."""
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid // R
-    r = pid % R
-    at = bh * P  # part p of this row: (at + p) * R + r
-    top = tl.full([1], float("-inf"), tl.float32)
-    for p0 in range(0, P, PCH):
-        pi = p0 + tl.arange(0, PCH)
-        top = tl.maximum(top, tl.max(tl.load(m_ptr + (at + pi) * R + r, mask=pi < P,
-                                             other=float("-inf")), axis=0))
-    cols = tl.arange(0, D)
-    total = tl.zeros([1], tl.float32)
-    o = tl.zeros([D], tl.float32)
-    for p0 in range(0, P, PCH):
-        pi = p0 + tl.arange(0, PCH)
-        m = tl.load(m_ptr + (at + pi) * R + r, mask=pi < P, other=float("-inf"))
-        w = tl.exp(m - top)
-        total += tl.sum(w * tl.load(l_ptr + (at + pi) * R + r, mask=pi < P, other=0.0), axis=0)
-        a = tl.load(acc_ptr + ((at + pi) * R + r)[:, None] * D + cols[None, :],
-                    mask=(w > 0)[:, None], other=0.0)
-        o += tl.sum(w[:, None] * a, axis=0)
-    g, i = r // nq, r % nq
-    hq = hkv * (R // nq)
-    dst = out_ptr + (((bh // hkv) * nq + i) * hq + (bh % hkv) * (R // nq) + g) * D
-    tl.store(dst + cols, o / total)
+_LAUNCH = Launcher(_attend_kernel)
 
 
 # -- host side -----------------------------------------------------------------------------------
@@ -267,9 +233,10 @@ def _groups(k_rot: torch.Tensor | None, v_rot: torch.Tensor | None, ck: int, cv:
 
 
 def _splits(device: torch.device, programs: int, tokens: int) -> int:
-    """Parts per group: enough programs to fill the GPU four times over, none shorter than
-    :data:`_MIN_SPLIT` tokens."""
-    want = cdiv(4 * _sm_count(device), max(1, programs))
+    """Parts per group: as many programs as fit four to an SM, never more (on an H200, 9 splits
+    of 64 KV heads — 576 programs for 528 — took 630 µs at 32K tokens where 8 took 555, a
+    partial last wave), and none shorter than :data:`_MIN_SPLIT` tokens."""
+    want = max(1, 4 * _sm_count(device) // max(1, programs))
     return max(1, min(want, cdiv(tokens, _MIN_SPLIT)))
 
 
@@ -300,9 +267,9 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
            bias: torch.Tensor | None = None, causal: bool = False,
            k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
            key_means: torch.Tensor | None = None, block: int = 0,
-           split_k: int | None = None) -> torch.Tensor:
-    """Softmax attention of ``q`` over encoded tokens and exact ones: fp32 ``[B, Q, Hq, D]``
-    (the layout attention functions return).
+           split_k: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Softmax attention of ``q`` over encoded tokens and exact ones: ``[B, Q, Hq, D]`` (the
+    layout attention functions return) in ``out_dtype`` (fp32 accumulation, one rounding).
 
     ``q`` [B, Hq, Q, D] (any float dtype, strided); ``k_codes``/``v_codes`` uint8 packed codes
     [B·Hkv, N, D·bits/8] and ``k_norms``/``v_norms`` float [B·Hkv, N] of the N encoded tokens,
@@ -354,6 +321,9 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
             or ke.dtype not in _EXACT or ve.dtype != ke.dtype)):
         raise ValueError("attention from codes: exact keys/values must both be "
                          f"[{batch}, {hkv}, X, {dim}] of one float dtype")
+    if out_dtype not in _EXACT:
+        raise ValueError(f"attention from codes: out_dtype must be one of {_EXACT}, got "
+                         f"{out_dtype}")
     if bias is not None and (bias.ndim != 3 or bias.shape[0] not in (1, batch)
                              or tuple(bias.shape[1:]) != (nq, x)):
         raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
@@ -361,12 +331,7 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     device = q.device
     if q.stride(-1) != 1:
         q = q.contiguous()
-    total_rows = batch * hq * nq
     krt, _ = _rotations(dim, tuple(int(s) for s in k_seeds), device)
-    qr = torch.empty((ck + 1, total_rows, dim), dtype=torch.float32, device=device)
-    _query_kernel[(cdiv(total_rows, 16), ck + 1)](
-        q, krt, qr, total_rows, nq, hq, q.stride(0), q.stride(1), q.stride(2), float(scale),
-        C=ck, D=dim, BK=min(dim, 64), BLOCK_M=16)
     if sorted_:
         order, offsets = _groups(k_rotations, v_rotations, ck, cv, heads, blocks, device)
     else:
@@ -385,27 +350,28 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     kcpg, kbpg = group_shape(k_bits)
     vcpg, vbpg = group_shape(v_bits)
     per_part = n // max(1, groups * split_k)
+    size_class = int(per_part >= 1024) + int(per_part >= 8192)
     blocked = sorted_ or key_means is not None
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
-    _split_kernel[(heads, parts)](
-        qr, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
-        _table(dim, k_bits, device), _table(dim, v_bits, device),
-        order, offsets,
+    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
+    _LAUNCH((heads, parts), (
+        q, krt, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
+        _table(dim, k_bits, device), _table(dim, v_bits, device), order, offsets,
         k_codes if key_means is None else key_means.to(torch.float16).contiguous(),
         _rotations(dim, tuple(int(s) for s in v_seeds), device)[1],
         *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
         q if bias is None else bias.to(torch.float32).contiguous(),
-        m_part, l_part, acc, heads, n, blocks, x, split_k, exact_parts, hkv, nq, rows,
-        1 if bias is None else bias.shape[0], int(per_part >= 1024) + int(per_part >= 8192),
+        m_part, l_part, acc, torch.zeros((heads,), dtype=torch.int32, device=device), out,
+        n, blocks, x, split_k, exact_parts, hkv, nq, hq, rows,
+        1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
+        float(scale), size_class), dict(
         MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
         VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=_words(k_codes), VWORDS=_words(v_codes),
-        CK=ck, CV=cv, SORTED=sorted_,
-        CENTERED=key_means is not None, BLOCK=block if blocked else 1,
-        CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
-        ROT_N=min(dim, 32), **({"BLOCK_N": 16} if INTERPRET else {}))
-    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32, device=device)
-    _reduce_kernel[(heads * rows,)](m_part, l_part, acc, out, parts, rows, hkv, nq, D=dim,
-                                    PCH=min(32, next_power_of_2(parts)))
+        CK=ck, CV=cv, SORTED=sorted_, CENTERED=key_means is not None,
+        BLOCK=block if blocked else 1, CAUSAL=bool(causal) and nq > 1,
+        HAS_BIAS=bias is not None, BLOCK_X=16, ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
+        PCH=min(next_power_of_2(parts), 64, 8192 // dim),
+        **({"BLOCK_N": 16} if INTERPRET else {})), tuned=size_class)
     return out
 
 

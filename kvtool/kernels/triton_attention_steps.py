@@ -1,10 +1,11 @@
 """The tile steps of the Triton attention from codes (:mod:`kvtool.kernels.triton_attention`):
-unpacking code rows into fp16 centroids, the exact-accuracy dots of the exact tokens, and the
-online softmax of an encoded part and of an exact part."""
+a program's query rows (rotated or not), unpacking code rows into fp16 centroids, the
+exact-accuracy dots of the exact tokens, the online softmax of an encoded part and of an exact
+part, and the merge of a KV head's parts by the program that finishes last."""
 
 from __future__ import annotations
 
-from kvtool.kernels.triton_cuda import _INTERP, _centroids, _jit, _split, tl
+from kvtool.kernels.triton_cuda import _INTERP, _centroids, _jit, _mm, _split, tl
 from kvtool.kernels.triton_turbomix_steps import _dot
 
 
@@ -21,6 +22,30 @@ def _exact_dot(a, b, acc):
         hi = a.to(tl.float16)
         lo = (a - hi.to(tl.float32)).to(tl.float16)
         return _dot(hi, b, _dot(lo, b, acc))
+
+
+@_jit
+def _query_rows(q_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP: tl.constexpr,
+                D: tl.constexpr, ROTATE: tl.constexpr, BK: tl.constexpr):
+    """fp32 ``scale · q @ R_cᵀ`` (``ROTATE``; ``rt_ptr`` at ``R_cᵀ``, exact in bf16, q in
+    three bf16 pieces: fp32 accuracy) or ``scale · q`` of KV head row ``bh``'s MP query rows;
+    row r is query token ``r mod nq`` of query head ``(bh mod hkv)·(R / nq) + r / nq``."""
+    rows = tl.arange(0, MP)
+    rmask = rows < R
+    row = bh * R + rows  # (batch, query head, query token) order
+    head = row // nq
+    src = q_ptr + (head // hq) * sb + (head % hq) * sh + (row % nq) * sn
+    if ROTATE:
+        acc = tl.zeros([MP, D], tl.float32)
+        for k0 in range(0, D, BK):  # BK rows of Rᵀ at a time: few live registers
+            x = tl.load(src[:, None] + (k0 + tl.arange(0, BK))[None, :], mask=rmask[:, None],
+                        other=0.0).to(tl.float32)
+            hi, mid, lo = _split(x, 3)
+            acc = _mm(acc, hi, mid, lo, rt_ptr, k0, 0, D, BK, D, 3)
+    else:
+        acc = tl.load(src[:, None] + tl.arange(0, D)[None, :], mask=rmask[:, None],
+                      other=0.0).to(tl.float32)
+    return acc * scale
 
 
 @_jit
@@ -95,18 +120,17 @@ def _unit_tile(codes_ptr, row_off, rmask, table_ptr, R: tl.constexpr, D: tl.cons
 
 
 @_jit
-def _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, order_ptr,
-                goff_ptr, mean_ptr, bh, part, BH, N, NBLK, S, R,
+def _codes_part(q_ptr, rt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, order_ptr,
+                goff_ptr, mean_ptr, bh, part, N, NBLK, S, R, nq, hq, sb, sh, sn, scale,
                 MP: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, KCPG: tl.constexpr,
                 KBPG: tl.constexpr, VBITS: tl.constexpr, VCPG: tl.constexpr,
                 VBPG: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
                 CK: tl.constexpr, CV: tl.constexpr, SORTED: tl.constexpr,
-                CENTERED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                CENTERED: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Online softmax of the part's encoded tokens: (max, sum, value sum in the rotated
     domain) per row. Part = (group, split); group = value rotation · CK + key rotation."""
     group = part // S
-    rows = tl.arange(0, MP)
-    rmask = rows < R
     cols = tl.arange(0, D)
     if SORTED:  # the group's blocks: order[first:first + count], tokens block by block
         first = tl.load(goff_ptr + bh * (CK * CV + 1) + group)
@@ -117,12 +141,10 @@ def _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, or
     chunk = tl.cdiv(tl.cdiv(n, S), BLOCK_N) * BLOCK_N
     lo = (part % S) * chunk
     hi = tl.minimum(lo + chunk, n)
-    qrow = (group % CK * BH + bh) * R + rows
-    q = tl.load(qr_ptr + qrow[:, None] * D + cols[None, :], mask=rmask[:, None],
-                other=0.0).to(tl.float16)
+    q = _query_rows(q_ptr, rt_ptr + (group % CK) * D * D, bh, R, nq, hq, sb, sh, sn, scale, MP,
+                    D, True, BK).to(tl.float16)
     if CENTERED:  # q·mean in two fp16 pieces of the scaled query (the mean is fp16)
-        qs = tl.load(qr_ptr + ((CK * BH + bh) * R + rows)[:, None] * D + cols[None, :],
-                     mask=rmask[:, None], other=0.0)
+        qs = _query_rows(q_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP, D, False, BK)
         qs_hi = qs.to(tl.float16)
         qs_lo = (qs - qs_hi.to(tl.float32)).to(tl.float16)
     m_i = tl.full([MP], float("-inf"), tl.float32)
@@ -161,16 +183,15 @@ def _codes_part(qr_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_ptr, or
 
 
 @_jit
-def _exact_part(qr_ptr, ke_ptr, ve_ptr, bias_ptr, bh, e, BH, X, E, hkv, nq, R, bias_b,
-                MP: tl.constexpr, D: tl.constexpr, CK: tl.constexpr, CAUSAL: tl.constexpr,
+def _exact_part(q_ptr, ke_ptr, ve_ptr, bias_ptr, bh, e, X, E, hkv, nq, R, bias_b, hq, sb, sh, sn,
+                scale, MP: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BLOCK_X: tl.constexpr):
     """Online softmax of the part's exact tokens (unrotated): exact token j is visible to row r
     (query token i = r mod Q) unless causal and ``j > X − Q + i``; ``bias`` [1 or B, Q, X]."""
     rows = tl.arange(0, MP)
     rmask = rows < R
     cols = tl.arange(0, D)
-    qs = tl.load(qr_ptr + ((CK * BH + bh) * R + rows)[:, None] * D + cols[None, :],
-                 mask=rmask[:, None], other=0.0)
+    qs = _query_rows(q_ptr, q_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP, D, False, 16)
     qi = rows % nq
     chunk = tl.cdiv(tl.cdiv(X, E), BLOCK_X) * BLOCK_X
     lo = e * chunk
@@ -202,3 +223,36 @@ def _exact_part(qr_ptr, ke_ptr, ve_ptr, bias_ptr, bh, e, BH, X, E, hkv, nq, R, b
         acc = _exact_dot(p, val, acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
+
+
+@_jit
+def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, P, R, hkv, nq, D: tl.constexpr,
+           PCH: tl.constexpr):
+    """Merge the P parts' softmax states of each of KV head row ``bh``'s R query rows and
+    normalise into out [B, Q, Hq, D]. Run by the program that finished last: the parts come
+    from other SMs, so they are read past L1 (``.cg``)."""
+    cols = tl.arange(0, D)
+    at = bh * P  # part p of row r: (at + p) * R + r
+    hq = hkv * (R // nq)
+    for r in range(0, R):
+        top = tl.full([1], float("-inf"), tl.float32)
+        for p0 in range(0, P, PCH):
+            pi = p0 + tl.arange(0, PCH)
+            m = tl.load(m_ptr + (at + pi) * R + r, mask=pi < P, other=float("-inf"),
+                        cache_modifier=".cg")
+            top = tl.maximum(top, tl.max(m, axis=0))
+        total = tl.zeros([1], tl.float32)
+        o = tl.zeros([D], tl.float32)
+        for p0 in range(0, P, PCH):
+            pi = p0 + tl.arange(0, PCH)
+            m = tl.load(m_ptr + (at + pi) * R + r, mask=pi < P, other=float("-inf"),
+                        cache_modifier=".cg")
+            w = tl.exp(m - top)
+            total += tl.sum(w * tl.load(l_ptr + (at + pi) * R + r, mask=pi < P, other=0.0,
+                                        cache_modifier=".cg"), axis=0)
+            a = tl.load(acc_ptr + ((at + pi) * R + r)[:, None] * D + cols[None, :],
+                        mask=(w > 0)[:, None], other=0.0, cache_modifier=".cg")
+            o += tl.sum(w[:, None] * a, axis=0)
+        g, i = r // nq, r % nq
+        dst = out_ptr + (((bh // hkv) * nq + i) * hq + (bh % hkv) * (R // nq) + g) * D
+        tl.store(dst + cols, o / total)
