@@ -45,4 +45,15 @@ if cpu_kernels() is not None:
     entropy.decode(np.frombuffer(entropy.encode(data, code_bits=3, row_bytes=48), np.uint8),
                    data.size)
 PY
+# build optimum-quanto's C++ CPU extension (the QuantizedCache peer of benchmarks/peers.py and
+# benchmarks/quality.py) into the venv: its first use compiles it (~35 s on 2 cores, in the
+# middle of a test); built, it just loads
+.venv/bin/python - <<'PY'
+try:
+    from optimum.quanto.library.extensions import get_extension
+
+    get_extension("quanto_cpp").lib
+except Exception as e:  # no C++ compiler: the peer rows compile (or fail) on first use instead
+    print(f"optimum-quanto's CPU extension was not built: {type(e).__name__}: {e}")
+PY
 echo "kvtool environment ready: $(.venv/bin/kvtool --version)"
