@@ -9,7 +9,9 @@ process: no torch import per command). Then every ``python`` block runs there to
 The reader's own files, provided before the commands run (:data:`READER_FILES`): ``doc.txt``
 (a short document), ``STORE_DIR/`` (an empty store directory, the placeholder's literal name),
 ``system_prompt.kvz`` (a captured 300-token system prompt) and ``HOME`` (the temp dir) with an
-empty ``~/kvstore/`` (the store a server, not run here, would have made).
+empty ``~/kvstore/`` (the store a server, not run here, would have made) and the default model
+converted already, as ``scripts/setup.sh``'s demo or any earlier run leaves it in kvtool's cache
+(a link to the session's converted model).
 
 Not run (:func:`NOT_RUN`): ``kvtool serve`` without ``--dry-run`` (a server that does not
 exit), ``kvtool patch-vllm`` without ``--status``/``--dry-run`` (it edits the installed vLLM)
@@ -89,6 +91,18 @@ def workdir(tmp_path_factory):
     (work / "doc.txt").write_text(DOC_TXT, encoding="utf-8")
     (work / "STORE_DIR").mkdir()
     (work / "kvstore").mkdir()  # ~/kvstore: the store `kvtool serve --store ~/kvstore` makes
+    # the default model as converted for the rest of the session (its GGUF conversion, ~25 s:
+    # the first load of the session; tests/test_hf_engine.py), where kvtool looks under HOME
+    from kvtool import models
+
+    converted = models.ensure_default_converted()
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HOME", str(work))
+        m.delenv("KVTOOL_CACHE_DIR", raising=False)
+        m.delenv("XDG_CACHE_HOME", raising=False)
+        shared = models.converted_dir(models.default_gguf_path())
+    shared.parent.mkdir(parents=True)
+    shared.symlink_to(converted, target_is_directory=True)
     return work
 
 
