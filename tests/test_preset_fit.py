@@ -15,6 +15,7 @@ from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.formats import open_kvz  # noqa: E402
 from kvtool.policy import PRESETS, CodecPolicy, preset_policy  # noqa: E402
 from kvtool.preset_fit import (  # noqa: E402
+    BUDGETS,
     MENUS,
     Fit,
     expected_bits,
@@ -46,8 +47,16 @@ def test_expected_bits_counts_the_exact_sinks():
     assert expected_bits(quality, 64, 4) == 16
 
 
+def test_every_menu_policy_fits_its_budget_at_gemmas_head_dim():
+    """The alternatives were chosen on Gemma 3 270M (head_dim 256): each must be measurable
+    there, or the fit could never choose it (a menu edit that overspends fails here)."""
+    for name, labels in MENUS.items():
+        for label in labels:
+            assert expected_bits(CodecPolicy.from_label(label), 256, 2048) <= BUDGETS[name], label
+
+
 def test_fit_measures_the_menu_within_the_budget(loaded, fits):
-    """At head_dim 64 quality's outlier alternatives spend 4.19 bits: over the budget, not
+    """At head_dim 64 quality's outlier alternatives spend 4.02-4.15 bits: over the budget, not
     measured; the fixed preset is the only one measured, so it is chosen."""
     fit = fit_preset(loaded, "quality", texts={"story_text.md": None}, tokens=96, seeds=(1,))
     skipped = [r for r in fit.candidates if "skipped" in r]
