@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should run, in one command (a stock CUDA PyTorch image: torch,
 # triton, transformers, numba, safetensors, pytest, pytest-xdist; no vLLM, no install step):
-#   1. benchmarks/gpu.py --all (every table; its own time budget, BENCH_BUDGET seconds),
+#   1. benchmarks/gpu.py --all (every table; its own time budget, BENCH_BUDGET seconds), then
+#      benchmarks/gpu_attention_split.py (≤ 2 min),
 #   2. the gpu test cases, compiled, with xdist workers (TEST_SECONDS at most).
 # Logs and the benchmark's JSON go to $OUT (default ./gpu-out). Wheels missing there (zstandard)
 # travel in .whl/ (see the README's GPU section) and are installed into /tmp/site first.
@@ -29,6 +30,9 @@ start=$SECONDS
 timeout $((BENCH_BUDGET + 60)) python3 benchmarks/gpu.py --all --budget "$BENCH_BUDGET" \
     --json "$OUT/gpu.json" 2>&1 | tee "$OUT/bench.log" || status=1
 echo "benchmark: $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
+# where attention from codes spends a call: host µs, device time per split-K, autotune picks
+timeout 120 python3 benchmarks/gpu_attention_split.py 2>&1 | tee "$OUT/attention_split.log" \
+    || status=1
 
 start=$SECONDS
 cases=(tests/triton_cases.py tests/triton_turbomix_cases.py tests/triton_attention_cases.py
