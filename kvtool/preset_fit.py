@@ -9,8 +9,9 @@ preset first). :func:`fit_preset` measures every menu policy that fits the budge
 model's head_dim, as ``benchmarks/quality.py`` does (mean next-token KL over texts × rotation
 seeds), and keeps the least-KL one; :func:`save_fit` records it per model fingerprint (the
 fields that decide the KV layout) in ``cache_dir()/presets``, and :func:`fitted_label` gives it
-back to every command that takes ``--preset`` for that model. Without a fit, a preset is its
-fixed policy, as before.
+back to every command that takes ``--preset`` for that model. kvtool ships the fits it measured
+for the bundled models (``kvtool/data/preset-fits-*.json``: Gemma 3 270M's ``quality``); a
+user's own fit comes first. Without a fit, a preset is its fixed policy, as before.
 
 A fit file names a menu entry, never a policy of its own: a file naming anything else, or
 damaged, is ignored with a warning (the fixed preset is used), so a crafted cache file cannot
@@ -184,30 +185,36 @@ def save_fit(fit: Fit) -> Path:
     return path
 
 
+def shipped_path(fingerprint: str) -> Path:
+    """The fits kvtool ships for a bundled model (``kvtool/data/preset-fits-<fp>.json``),
+    measured with ``kvtool calibrate --preset`` and copied as written."""
+    return Path(__file__).parent / "data" / f"preset-fits-{str(fingerprint)[:32]}.json"
+
+
 def fitted_label(name: str, fingerprint: str | None) -> str | None:
     """The label of ``name`` fitted to the model with ``fingerprint``, or None (no fit: the
-    fixed preset). A fit that is damaged, for another model or not on the preset's menu is
-    ignored with a warning."""
+    fixed preset): the user's own fit (:func:`fits_path`) first, else the one kvtool ships for
+    that model (:func:`shipped_path`). A fit that is damaged, for another model or not on the
+    preset's menu is ignored with a warning."""
     if not fingerprint or name not in MENUS:
         return None
-    path = fits_path(fingerprint)
-    if not path.is_file():
-        return None
-    try:
-        data = _read(path)
-        entry = data["presets"].get(name)
-        if entry is None:
-            return None
-        if data.get("fingerprint") != fingerprint or entry.get("fingerprint") != fingerprint:
-            raise ValueError("it was fitted to another model")
-        menu = {CodecPolicy.from_label(label).describe() for label in MENUS[name]}
-        if entry.get("label") not in menu:
-            raise ValueError(f"its {name} policy is not on the preset's menu")
-        return str(entry["label"])
-    except (OSError, ValueError, TypeError, AttributeError, KvtoolError) as e:
-        log.warning("kvtool: ignoring the preset fits in %s (%s); using the fixed %s preset",
-                    path, str(e)[:120], name)
-        return None
+    for path in (fits_path(fingerprint), shipped_path(fingerprint)):
+        if not path.is_file():
+            continue
+        try:
+            data = _read(path)
+            entry = data["presets"].get(name)
+            if entry is None:
+                continue
+            if data.get("fingerprint") != fingerprint or entry.get("fingerprint") != fingerprint:
+                raise ValueError("it was fitted to another model")
+            menu = {CodecPolicy.from_label(label).describe() for label in MENUS[name]}
+            if entry.get("label") not in menu:
+                raise ValueError(f"its {name} policy is not on the preset's menu")
+            return str(entry["label"])
+        except (OSError, ValueError, TypeError, AttributeError, KvtoolError) as e:
+            log.warning("kvtool: ignoring the preset fits in %s (%s)", path, str(e)[:120])
+    return None
 
 
 def format_fit(fit: Fit) -> list[str]:

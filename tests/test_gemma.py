@@ -59,6 +59,19 @@ def test_quality_preset_keeps_the_next_token_distribution(gemma, baseline):
     assert good.kl < 0.02 < bare.kl  # measured: ~0.006 against ~0.4
 
 
+def test_quality_means_the_shipped_fit_here_and_it_beats_the_fixed_preset(gemma, baseline):
+    """kvtool ships Gemma's ``quality`` fit, keyed by this model's fingerprint: ``--preset
+    quality`` resolves to it with no calibration step, and it loses less than the fixed one."""
+    from kvtool.policy import PRESETS, preset_policy
+    from kvtool.preset_fit import MENUS
+
+    fitted = preset_policy("quality", gemma.fingerprints["model"])
+    assert fitted == CodecPolicy.from_label(MENUS["quality"][1])
+    kl = {name: evaluate(gemma, policy, baseline=baseline).kl for name, policy in
+          (("fitted", fitted), ("fixed", CodecPolicy.from_label(PRESETS["quality"][0])))}
+    assert kl["fitted"] < 0.6 * kl["fixed"], kl  # measured: ~0.002 against ~0.006
+
+
 def test_calibrate_capture_inspect_generate_from_the_cli(gemma, tmp_path, monkeypatch, runner):
     """The calibration flow on the second model, all from the CLI: a per-layer policy within
     budget for its 18 layers, a capture with it, the file's per-layer codecs, generation from

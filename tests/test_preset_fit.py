@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from kvtool import preset_fit  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.formats import open_kvz  # noqa: E402
 from kvtool.policy import PRESETS, CodecPolicy, preset_policy  # noqa: E402
@@ -100,6 +101,36 @@ def test_a_crafted_or_damaged_fit_is_ignored(fits, damage, caplog):
         assert fitted_label("balanced", "fp-a") is None
     assert preset_policy("balanced", "fp-a") == CodecPolicy.from_label(PRESETS["balanced"][0])
     assert "ignoring the preset fits" in caplog.text
+
+
+def test_the_shipped_fits_are_valid_menu_choices():
+    """Each fit kvtool ships names its model by file and content, and only menu policies within
+    their preset's budget at that model's head_dim (256: Gemma 3 270M)."""
+    shipped = sorted(preset_fit.shipped_path("x").parent.glob("preset-fits-*.json"))
+    assert shipped
+    for path in shipped:
+        data = json.loads(path.read_text())
+        assert path.name == f"preset-fits-{data['fingerprint'][:32]}.json"
+        for name, entry in data["presets"].items():
+            policy = CodecPolicy.from_label(entry["label"])
+            assert entry["label"] in {CodecPolicy.from_label(x).describe() for x in MENUS[name]}
+            assert expected_bits(policy, 256, 2048) <= BUDGETS[name]
+            assert fitted_label(name, data["fingerprint"]) == entry["label"]
+
+
+def test_a_users_fit_comes_before_the_shipped_one(fits, tmp_path, monkeypatch):
+    shipped = {"version": 1, "fingerprint": "fp-s", "model": "m", "presets": {
+        name: _fit(name, MENUS[name][1], "fp-s").to_json() for name in ("balanced", "small")}}
+    (tmp_path / "shipped.json").write_text(json.dumps(shipped))
+    monkeypatch.setattr(preset_fit, "shipped_path", lambda fp: tmp_path / "shipped.json")
+    assert fitted_label("balanced", "fp-s") == CodecPolicy.from_label(MENUS["balanced"][1]
+                                                                      ).describe()
+    save_fit(_fit("balanced", MENUS["balanced"][0], "fp-s"))  # the user's own: the fixed one
+    assert fitted_label("balanced", "fp-s") == CodecPolicy.from_label(MENUS["balanced"][0]
+                                                                      ).describe()
+    # a preset the user did not fit still comes from the shipped file
+    assert fitted_label("small", "fp-s") == CodecPolicy.from_label(MENUS["small"][1]).describe()
+    assert fitted_label("quality", "fp-s") is None
 
 
 def test_calibrate_preset_then_capture_and_compress_use_the_fit(loaded, fits, tmp_path, runner):
