@@ -70,14 +70,14 @@ class Launcher:
     def __call__(self, grid: Sequence[int], args: Sequence[Any], constants: dict[str, Any],
                  tuned: Hashable = ()) -> None:
         if not self.direct or _hooks_set():
-            self.kernel[tuple(grid)](*args, **constants)
+            self._through_triton(grid, args, constants)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         try:
             key = (device, tuned, tuple(constants.values()), *map(_spec, args))
         except TypeError:  # an argument of another type: Triton's own dispatch decides
-            self.kernel[tuple(grid)](*args, **constants)
+            self._through_triton(grid, args, constants)
             return
         hit = self.compiled.get(key)
         if hit is None:
@@ -90,14 +90,19 @@ class Launcher:
                        kernel.packed_metadata, None, None, None, *args, *tail)
         except TypeError:  # this Triton's launcher takes other arguments: nothing launched
             self.direct = False
-            self.kernel[tuple(grid)](*args, **constants)
+            self._through_triton(grid, args, constants)
             return
         self.fast += 1
+
+    def _through_triton(self, grid: Sequence[int], args: Sequence[Any],
+                        constants: dict[str, Any]) -> Any:
+        """Triton's own launch (it compiles, autotunes and specialises); its compiled kernel."""
+        return self.kernel[tuple(grid)](*args, **constants)
 
     def _first(self, key: Hashable, grid: Sequence[int], args: Sequence[Any],
                constants: dict[str, Any]) -> None:
         """Launch through Triton and keep what it compiled, if its launcher takes our call."""
-        kernel = self.kernel[tuple(grid)](*args, **constants)
+        kernel = self._through_triton(grid, args, constants)
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         config = getattr(self.kernel, "best_config", None)
         values = {**constants, **(config.kwargs if config is not None else {})}
