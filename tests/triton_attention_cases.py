@@ -219,17 +219,56 @@ def test_bad_shapes_are_refused_with_a_clear_error():
 
 def test_launch_keys_tell_apart_what_triton_specialises_on():
     """A compiled kernel is reused only for arguments Triton would compile the same way."""
-    from kvtool.kernels.triton_launch import _hooks_set, _spec
+    from kvtool.kernels.triton_launch import _hooks_set, launch_key
 
     assert not _hooks_set()  # no profiler here: the direct launches are on
 
+    def spec(arg):
+        return launch_key((arg,))
+
     buf = torch.zeros(64, dtype=torch.uint8)
-    assert _spec(buf) != _spec(buf[1:]) and _spec(buf) != _spec(buf.view(torch.int8))
-    assert _spec(buf[16:]) == _spec(buf)
-    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31)}) == 4
-    assert _spec(17) == _spec(19) and _spec(0.5) == _spec(2.0)
+    assert spec(buf) != spec(buf[1:]) and spec(buf) != spec(buf.view(torch.int8))
+    assert spec(buf[16:]) == spec(buf)
+    assert len({spec(1), spec(16), spec(17), spec(2**31), spec(-2**31 - 1)}) == 5
+    assert spec(17) == spec(19) and spec(0.5) == spec(2.0) and spec(-16) == spec(32)
+    assert spec(True) != spec(False) != spec(None) and spec(1) != spec(True)
+    assert spec(buf) != spec(torch.nn.Parameter(buf.float()))  # another type, another key
+    args = (buf, 3, buf[16:], 1.5, None, 32)
+    assert launch_key(args) == launch_key((buf[32:], 5, buf, 0.1, None, 64))
+    for other in ((buf, 3, buf[1:], 1.5, None, 32), (buf, 1, buf, 1.5, None, 32),
+                  (buf, 3, buf, 1.5, True, 32), (buf, 3, buf, 1.5, None, 33),
+                  (buf, 3, buf.view(torch.int8), 1.5, None, 32), (buf, 3, buf, 2, None, 32)):
+        assert launch_key(other) != launch_key(args), other
     with pytest.raises(TypeError):
-        _spec("a")
+        launch_key((buf, "a"))
+
+
+def test_calls_share_their_scratch_and_plans(monkeypatch):
+    """Launches that share a stream's scratch (on CUDA by default; turned on here) read only
+    their own parts: a larger call after a smaller one, then the smaller again, each matches
+    its reference; every KV head's ticket is back at zero after each launch; a repeat call
+    reuses its plan, and bad shapes after good ones are still refused."""
+    monkeypatch.setattr(ta, "_SHARE_SCRATCH", True)
+    monkeypatch.setattr(ta, "_SCRATCH", ta._Scratch())
+    calls = []
+    for seed, (batch, group, n, x) in enumerate(((1, 2, 64, 3), (2, 4, 96, 130), (1, 2, 64, 5))):
+        q, k, v, ke, ve = _inputs(batch, 2, group, 1, n, 32, seed=seed, x=x)
+        kr, vr = Role("turbo3", k, n), Role("turbo4", v, n)
+        out = _attend(q, kr, vr, ke, ve, scale=0.2, split_k=2)
+        close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.2))
+        (work, tickets), = ta._SCRATCH.buffers.values()
+        assert not tickets.any() and tickets.numel() >= 2 * batch
+        calls.append((q, kr, vr, ke, ve))
+    assert tickets.numel() == 4  # grown once, for the largest call
+    plans = len(ta._PLANS)
+    q, kr, vr, ke, ve = calls[0]
+    close(_attend(q, kr, vr, ke, ve, scale=0.2, split_k=2),
+          reference(q, kr.decoded, vr.decoded, ke, ve, 0.2))
+    assert len(ta._PLANS) == plans
+    with pytest.raises(ValueError, match="exact keys/values"):
+        _attend(q, kr, vr, ke, ve[..., :2, :], scale=0.2, split_k=2)
+    with pytest.raises(ValueError, match="split_k"):
+        _attend(q, kr, vr, ke, ve, scale=0.2, split_k=0)
 
 
 @pytest.mark.gpu

@@ -48,7 +48,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -240,15 +240,38 @@ def _splits(device: torch.device, programs: int, tokens: int) -> int:
     return max(1, min(want, cdiv(tokens, _MIN_SPLIT)))
 
 
-def _words(codes: torch.Tensor) -> bool:
-    """Whether every packed row starts 4-byte aligned (the kernel then reads 32-bit words)."""
-    return codes.shape[-1] % 4 == 0 and codes.data_ptr() % 4 == 0
-
-
 def max_rows(dim: int) -> int:
     """Most query rows per KV head (query heads per KV head × query tokens) :func:`attend`
     takes at head_dim ``dim`` (their value sums stay in registers)."""
     return MAX_ROWS if dim <= 128 else MAX_ROWS // 2
+
+
+class _Plan(NamedTuple):
+    """What a call's shapes and options decide (checked once per distinct signature)."""
+
+    hkv: int
+    rows: int
+    blocks: int
+    x: int
+    split_k: int
+    parts: int
+    exact_parts: int
+    size_class: int
+    k_rt: torch.Tensor
+    v_r: torch.Tensor
+    k_table: torch.Tensor
+    v_table: torch.Tensor
+    constants: dict[str, Any]
+    k_words: bool  # packed rows a whole number of 32-bit words (the pointer is checked per call)
+    v_words: bool
+
+
+_PLANS: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+
+
+def _meta(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    return None if t is None else (t.shape, t.dtype)
 
 
 def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int, n: int,
@@ -260,28 +283,13 @@ def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int
                          f"uint8 [{heads}, {n}, {nbytes}] / float [{heads}, {n}]")
 
 
-def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
-           v_codes: torch.Tensor, v_norms: torch.Tensor, ke: torch.Tensor | None = None,
-           ve: torch.Tensor | None = None, *, dim: int, k_bits: int, v_bits: int,
-           k_seeds: Sequence[int], v_seeds: Sequence[int], scale: float,
-           bias: torch.Tensor | None = None, causal: bool = False,
-           k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
-           key_means: torch.Tensor | None = None, block: int = 0,
-           split_k: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Softmax attention of ``q`` over encoded tokens and exact ones: ``[B, Q, Hq, D]`` (the
-    layout attention functions return) in ``out_dtype`` (fp32 accumulation, one rounding).
-
-    ``q`` [B, Hq, Q, D] (any float dtype, strided); ``k_codes``/``v_codes`` uint8 packed codes
-    [B·Hkv, N, D·bits/8] and ``k_norms``/``v_norms`` float [B·Hkv, N] of the N encoded tokens,
-    which every query sees; ``k_seeds``/``v_seeds``: the rotation seed of each candidate
-    (turbo: one). With several candidates or ``key_means``, tokens come in blocks of ``block``:
-    ``k_rotations``/``v_rotations`` (uint8 [B·Hkv, N / block], each < its candidates; None:
-    candidate 0) name each block's rotation and ``key_means`` (fp16 values [B·Hkv, N / block,
-    D]) its keys' mean. ``ke``/``ve`` [B, Hkv, X, D] (fp16, bf16 or fp32): the exact tokens, the
-    Q new ones last; exact token j is visible to query i unless ``causal`` and
-    ``j > X − Q + i``; ``bias`` (float [1 or B, Q, X], additive, ``-inf`` hides) is added to
-    exact scores. ``split_k``: parts per rotation group (default: enough to fill the GPU).
-    """
+def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
+          v_norms: torch.Tensor, ke: torch.Tensor | None, ve: torch.Tensor | None, dim: int,
+          k_bits: int, v_bits: int, k_seeds: tuple[int, ...], v_seeds: tuple[int, ...],
+          bias: torch.Tensor | None, causal: bool, k_rotations: torch.Tensor | None,
+          v_rotations: torch.Tensor | None, key_means: torch.Tensor | None, block: int,
+          split_k: int | None, out_dtype: torch.dtype) -> _Plan:
+    """Check a call's shapes and options (ValueError on a bad one) and work out its launch."""
     for bits in (k_bits, v_bits):
         if not supported(dim, bits):
             raise ValueError(f"attention from codes supports dims {DIMS} and bits {BITS}, "
@@ -329,13 +337,6 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
                          f"[1 or {batch}, {nq}, {x}]")
     device = q.device
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    krt, _ = _rotations(dim, tuple(int(s) for s in k_seeds), device)
-    if sorted_:
-        order, offsets = _groups(k_rotations, v_rotations, ck, cv, heads, blocks, device)
-    else:
-        order = offsets = k_codes  # unused
     groups = ck * cv
     if split_k is None:
         split_k = _splits(device, heads * groups, cdiv(n, groups))
@@ -343,35 +344,136 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         raise ValueError(f"split_k must be in 1..{65535 // groups}, got {split_k}")
     exact_parts = cdiv(x, _EXACT_SPLIT)
     parts = groups * split_k + exact_parts
-    work = torch.empty((heads * parts * rows * (dim + 2),), dtype=torch.float32, device=device)
-    m_part = work[:heads * parts * rows]
-    l_part = work[heads * parts * rows:2 * heads * parts * rows]
-    acc = work[2 * heads * parts * rows:]
+    per_part = n // max(1, groups * split_k)
     kcpg, kbpg = group_shape(k_bits)
     vcpg, vbpg = group_shape(v_bits)
-    per_part = n // max(1, groups * split_k)
-    size_class = int(per_part >= 1024) + int(per_part >= 8192)
     blocked = sorted_ or key_means is not None
+    constants = dict(
+        MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
+        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=False, VWORDS=False, CK=ck, CV=cv,
+        SORTED=sorted_, CENTERED=key_means is not None, BLOCK=block if blocked else 1,
+        CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
+        ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
+        PCH=min(next_power_of_2(parts), 64, 8192 // dim),
+        **({"BLOCK_N": 16} if INTERPRET else {}))
+    return _Plan(hkv, rows, blocks, x, split_k, parts, exact_parts,
+                 int(per_part >= 1024) + int(per_part >= 8192),
+                 _rotations(dim, k_seeds, device)[0], _rotations(dim, v_seeds, device)[1],
+                 _table(dim, k_bits, device), _table(dim, v_bits, device), constants,
+                 k_codes.shape[-1] % 4 == 0, v_codes.shape[-1] % 4 == 0)
+
+
+class _Scratch(threading.local):
+    """Per-thread scratch of the launches on one stream: the parts' softmax states (fp32) and
+    the KV heads' tickets (int32, zero between launches: the program that merges a head puts
+    its ticket back to zero). Launches on one stream run one after another, so they can share
+    it; a CUDA graph being captured gets its own buffers (a replay may overlap other work)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, floats: int, heads: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _SHARE_SCRATCH or floats > _SHARED_FLOATS or (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return (torch.empty((floats,), dtype=torch.float32, device=device),
+                    torch.zeros((heads,), dtype=torch.int32, device=device))
+        key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
+        hit = self.buffers.get(key)
+        if hit is None or hit[0].numel() < floats or hit[1].numel() < heads:
+            floats = max(floats, 0 if hit is None else hit[0].numel())
+            heads = max(heads, 0 if hit is None else hit[1].numel())
+            hit = (torch.empty((floats,), dtype=torch.float32, device=device),
+                   torch.zeros((heads,), dtype=torch.int32, device=device))
+            self.buffers[key] = hit
+        return hit
+
+
+def _raw_stream(index: int | None) -> int:
+    """The current CUDA stream's handle (what Triton launches on)."""
+    try:
+        from torch._C import _cuda_getCurrentRawStream
+    except ImportError:  # pragma: no cover - older torch
+        return torch.cuda.current_stream(index).cuda_stream
+    return _cuda_getCurrentRawStream(index)
+
+
+#: share scratch between the launches of a stream (off under the interpreter, where a kernel
+#: runs on the calling thread and tests turn it on)
+_SHARE_SCRATCH = not INTERPRET
+_SHARED_FLOATS = 1 << 23  # 32 MiB: larger scratch (long prefills) is allocated per call
+_SCRATCH = _Scratch()
+
+
+def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
+           v_codes: torch.Tensor, v_norms: torch.Tensor, ke: torch.Tensor | None = None,
+           ve: torch.Tensor | None = None, *, dim: int, k_bits: int, v_bits: int,
+           k_seeds: Sequence[int], v_seeds: Sequence[int], scale: float,
+           bias: torch.Tensor | None = None, causal: bool = False,
+           k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
+           key_means: torch.Tensor | None = None, block: int = 0,
+           split_k: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Softmax attention of ``q`` over encoded tokens and exact ones: ``[B, Q, Hq, D]`` (the
+    layout attention functions return) in ``out_dtype`` (fp32 accumulation, one rounding).
+
+    ``q`` [B, Hq, Q, D] (any float dtype, strided); ``k_codes``/``v_codes`` uint8 packed codes
+    [B·Hkv, N, D·bits/8] and ``k_norms``/``v_norms`` float [B·Hkv, N] of the N encoded tokens,
+    which every query sees; ``k_seeds``/``v_seeds``: the rotation seed of each candidate
+    (turbo: one). With several candidates or ``key_means``, tokens come in blocks of ``block``:
+    ``k_rotations``/``v_rotations`` (uint8 [B·Hkv, N / block], each < its candidates; None:
+    candidate 0) name each block's rotation and ``key_means`` (fp16 values [B·Hkv, N / block,
+    D]) its keys' mean. ``ke``/``ve`` [B, Hkv, X, D] (fp16, bf16 or fp32): the exact tokens, the
+    Q new ones last; exact token j is visible to query i unless ``causal`` and
+    ``j > X − Q + i``; ``bias`` (float [1 or B, Q, X], additive, ``-inf`` hides) is added to
+    exact scores. ``split_k``: parts per rotation group (default: enough to fill the GPU).
+
+    A decode step calls this once per layer with the same shapes, so what the shapes decide
+    (checks, split, constants) is worked out once per distinct signature (:func:`_plan`).
+    """
+    k_seeds, v_seeds = tuple(k_seeds), tuple(v_seeds)
+    key = (q.shape, q.dtype, q.device, k_codes.shape, k_codes.dtype, k_norms.shape,
+           k_norms.dtype, v_codes.shape, v_codes.dtype, v_norms.shape, v_norms.dtype,
+           _meta(ke), _meta(ve), _meta(bias), _meta(k_rotations), _meta(v_rotations),
+           _meta(key_means), dim, k_bits, v_bits, k_seeds, v_seeds, bool(causal), block,
+           split_k, out_dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k_codes, k_norms, v_codes, v_norms, ke, ve, dim, k_bits, v_bits,
+                     k_seeds, v_seeds, bias, causal, k_rotations, v_rotations, key_means, block,
+                     split_k, out_dtype)
+        with _PLANS_LOCK:
+            _PLANS[key] = plan
+            while len(_PLANS) > 64:
+                _PLANS.popitem(last=False)
+    batch, hq, nq, _ = q.shape
+    heads, n = k_codes.shape[0], k_codes.shape[1]
+    device = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    constants = plan.constants
+    if constants["SORTED"]:
+        order, offsets = _groups(k_rotations, v_rotations, constants["CK"], constants["CV"],
+                                 heads, plan.blocks, device)
+    else:
+        order = offsets = k_codes  # unused
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
+    k_words = plan.k_words and k_codes.data_ptr() % 4 == 0
+    v_words = plan.v_words and v_codes.data_ptr() % 4 == 0
+    if k_words != constants["KWORDS"] or v_words != constants["VWORDS"]:
+        constants = {**constants, "KWORDS": k_words, "VWORDS": v_words}
+    states = heads * plan.parts * plan.rows
+    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)
     out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
-    _LAUNCH((heads, parts), (
-        q, krt, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
-        _table(dim, k_bits, device), _table(dim, v_bits, device), order, offsets,
-        k_codes if key_means is None else key_means.to(torch.float16).contiguous(),
-        _rotations(dim, tuple(int(s) for s in v_seeds), device)[1],
+    _LAUNCH((heads, plan.parts), (
+        q, plan.k_rt, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
+        plan.k_table, plan.v_table, order, offsets,
+        k_codes if key_means is None else key_means.to(torch.float16).contiguous(), plan.v_r,
         *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
         q if bias is None else bias.to(torch.float32).contiguous(),
-        m_part, l_part, acc, torch.zeros((heads,), dtype=torch.int32, device=device), out,
-        n, blocks, x, split_k, exact_parts, hkv, nq, hq, rows,
+        work, work[states:], work[2 * states:], tickets, out,
+        n, plan.blocks, plan.x, plan.split_k, plan.exact_parts, plan.hkv, nq, hq, plan.rows,
         1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
-        float(scale), size_class), dict(
-        MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
-        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=_words(k_codes), VWORDS=_words(v_codes),
-        CK=ck, CV=cv, SORTED=sorted_, CENTERED=key_means is not None,
-        BLOCK=block if blocked else 1, CAUSAL=bool(causal) and nq > 1,
-        HAS_BIAS=bias is not None, BLOCK_X=16, ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
-        PCH=min(next_power_of_2(parts), 64, 8192 // dim),
-        **({"BLOCK_N": 16} if INTERPRET else {})), tuned=size_class)
+        float(scale), plan.size_class), constants, tuned=plan.size_class)
     return out
 
 

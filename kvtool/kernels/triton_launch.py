@@ -20,7 +20,9 @@ not take the call this module makes (checked on first use).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from functools import lru_cache
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -30,19 +32,40 @@ from kvtool.kernels.triton_cuda import INTERPRET, triton
 _I32 = 2**31
 
 
-def _spec(arg: Any) -> Hashable:
-    """What Triton specialises ``arg`` on (see the module doc); the common types first, by
-    exact type (this runs for every argument of every launch)."""
-    kind = type(arg)
-    if kind is int:
-        return arg == 1, arg % 16 == 0, -_I32 <= arg < _I32
-    if kind is float:
-        return float
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if kind is bool or arg is None:
-        return arg
-    raise TypeError(f"no launch key for a {kind.__name__} argument")
+def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        return lambda args, at=positions[0]: (args[at],)
+    return itemgetter(*positions)
+
+
+@lru_cache(maxsize=256)
+def _kinds(types: tuple[type, ...]) -> tuple[Callable[[Sequence[Any]], tuple[Any, ...]], ...]:
+    """Getters of the tensors, the ints and the flags (bools, None) among arguments of these
+    types (floats are not specialised on); TypeError for any other type."""
+    tensors, ints, flags = [], [], []
+    for at, kind in enumerate(types):
+        if issubclass(kind, torch.Tensor):
+            tensors.append(at)
+        elif kind is int:
+            ints.append(at)
+        elif kind is bool or kind is type(None):
+            flags.append(at)
+        elif kind is not float:
+            raise TypeError(f"no launch key for a {kind.__name__} argument")
+    return _getter(tensors), _getter(ints), _getter(flags)
+
+
+def launch_key(args: Sequence[Any]) -> tuple[Hashable, ...]:
+    """What Triton specialises ``args`` on: their types, each tensor's dtype and 16-byte
+    alignment, each int's equality to 1, divisibility by 16 and 32-bit width, each flag's
+    value. Built per kind in bulk: it runs for every launch (~35 arguments for attention)."""
+    types = tuple(map(type, args))
+    tensors, ints, flags = (get(args) for get in _kinds(types))
+    return (types, tuple([t.dtype for t in tensors]),
+            tuple([t.data_ptr() & 15 == 0 for t in tensors]),
+            tuple([(v == 1, v & 15 == 0, -_I32 <= v < _I32) for v in ints]), flags)
 
 
 def _hooks_set() -> bool:
@@ -75,7 +98,7 @@ class Launcher:
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         try:
-            key = (device, tuned, tuple(constants.values()), *map(_spec, args))
+            key = (device, tuned, tuple(constants.values()), launch_key(args))
         except TypeError:  # an argument of another type: Triton's own dispatch decides
             self._through_triton(grid, args, constants)
             return

@@ -1,0 +1,97 @@
+"""Host time of one call of attention from codes (:func:`kvtool.kernels.triton_attention.attend`),
+the part of a decode step's attention that no GPU speeds up: at batch 1 an H200 ran the kernel
+in ~38 µs while the call took ~100 µs to issue.
+
+It measures the Python work of a call up to the kernel launch, on CPU tensors (no GPU needed):
+the kernel is replaced by building its launch key (what a repeat launch computes before calling
+the compiled kernel), so the numbers leave out the launch itself (~10 µs on an H200) and CUDA's
+allocator. Rows: a repeat call of one signature (what every layer after the first makes in a
+decode step) against a first call of a signature (checks and launch plan worked out again, as
+before plans were kept: the baseline, in the same process).
+
+    python benchmarks/attend_host.py              # the decode shapes of gpu.py's attention table
+    python benchmarks/attend_host.py --calls 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--calls", type=int, default=3000, help="calls per row (default 3000)")
+    p.add_argument("--repeats", type=int, default=5, help="best of this many runs (default 5)")
+    return p.parse_args(argv)
+
+
+def _first(plans: dict, call: Callable[[], object]) -> None:
+    """A call whose signature has no plan yet."""
+    plans.clear()
+    call()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from kvtool.kernels import triton_attention as ta
+    from kvtool.kernels.triton_launch import launch_key
+
+    keys = []
+    ta._LAUNCH = lambda grid, a, constants, tuned=(): keys.append(  # noqa: E731
+        (tuned, tuple(constants.values()), launch_key(a)))
+    ta._sm_count = lambda device: 132  # an H100's split heuristic
+    torch.set_num_threads(1)
+    print(f"host µs per call, best of {args.repeats} runs of {args.calls} calls (kernel launch "
+          f"replaced by its launch key)")
+    print(f"{'shape':>28} | {'first call':>10} | {'repeat call':>11} | {'ratio':>6}")
+    for batch, n, x, preset in ((1, 8192, 100, "turbo3"), (8, 32768, 100, "turbo3"),
+                                (1, 8192, 100, "quality")):
+        hq, hkv, dim = 32, 8, 128
+        q = torch.randn(batch, hq, 1, dim, dtype=torch.bfloat16)
+        bits = (4, 3) if preset == "quality" else (3, 3)
+        codes = [torch.zeros(batch * hkv, n, dim * b // 8, dtype=torch.uint8) for b in bits]
+        norms = torch.ones(batch * hkv, n, dtype=torch.float16)
+        ke = torch.randn(batch, hkv, x, dim, dtype=torch.bfloat16)
+        extra = {}
+        if preset == "quality":
+            blocks = n // 64
+            extra = dict(k_rotations=torch.zeros(batch * hkv, blocks, dtype=torch.uint8),
+                         v_rotations=torch.zeros(batch * hkv, blocks, dtype=torch.uint8),
+                         key_means=torch.zeros(batch * hkv, blocks, dim,
+                                               dtype=torch.float16), block=64)
+        kw = dict(dim=dim, k_bits=bits[0], v_bits=bits[1], scale=dim ** -0.5,
+                  k_seeds=(1, 2, 3, 4) if preset == "quality" else (1,),
+                  v_seeds=(5, 6, 7, 8) if preset == "quality" else (5,),
+                  out_dtype=torch.bfloat16, **extra)
+
+        call = partial(ta.attend, q, codes[0], norms, codes[1], norms, ke, ke, **kw)
+        first = partial(_first, ta._PLANS, call)
+
+        times = {}
+        for label, fn in (("first", first), ("repeat", call)):
+            best = float("inf")
+            for _ in range(args.repeats):
+                fn()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                best = min(best, (time.perf_counter() - start) / args.calls * 1e6)
+                keys.clear()
+            times[label] = best
+        shape = f"B={batch} N={n // 1024}K {preset}"
+        print(f"{shape:>28} | {times['first']:>10.1f} | {times['repeat']:>11.1f} | "
+              f"{times['first'] / times['repeat']:>5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
