@@ -121,10 +121,12 @@ def _misaligned(codes: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kspec,vspec,group,dim,split", [
     ("turbo2", "turbo2", 1, 32, 1), ("turbo3", "turbo4:seed=9", 2, 32, 3),
-    ("turbo4", "turbo3", 4, 16, 1), ("turbo2:seed=5", "turbo4", 8, 64, 3)])
+    ("turbo4", "turbo3", 4, 16, 1), ("turbo2:seed=5", "turbo4", 8, 64, 3),
+    ("turbo3:seed=3", "turbo3", 4, 128, 2)])
 def test_decode_attention_matches_the_decoded_reference(kspec, vspec, group, dim, split):
     """Bit widths × GQA groups × splits; 3-bit rows of 6 bytes (dim 16) and, for the first
-    two cases, codes at an odd address are read byte by byte, the rest as 32-bit words."""
+    two cases, codes at an odd address are read byte by byte, the rest as 32-bit words; at
+    dim 128 the 3-bit tiles pair rows (as GPUs do with two rows per thread)."""
     q, k, v, _, _ = _inputs(2, 2, group, 1, 48, dim, seed=group)
     kr, vr = Role(kspec, k, 48), Role(vspec, v, 48)
     if group <= 2:

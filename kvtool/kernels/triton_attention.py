@@ -90,6 +90,9 @@ MAX_ROWS = 64  # query rows (query heads per KV head × query tokens) one progra
 _EXACT = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_SPLIT = 256  # fewest encoded tokens worth a part of their own
 _EXACT_SPLIT = 128  # exact tokens per part
+#: the warps the interpreter's tiles are laid out for: 3-bit tiles pair rows at head_dim ≥ 128
+#: (``BLOCK_N · D ≥ 2048 · WARPS``), as on GPUs where a thread holds two rows' codes
+_INTERPRET_WARPS = 1
 
 
 def _tuned(fn: Any) -> Any:
@@ -98,9 +101,9 @@ def _tuned(fn: Any) -> Any:
     Two-stage configs let the next tile's code words load while this one is scored."""
     if triton is None or INTERPRET:
         return _jit(fn)
-    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
+    configs = [triton.Config({"BLOCK_N": n, "WARPS": w}, num_warps=w, num_stages=1)
                for n, w in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8), (128, 8))]
-    configs += [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=2)
+    configs += [triton.Config({"BLOCK_N": n, "WARPS": w}, num_warps=w, num_stages=2)
                 for n, w in ((32, 4), (64, 4), (64, 8))]
     return triton.autotune(configs, key=["MP", "D", "KBITS", "VBITS", "CK", "CV", "CENTERED",
                                          "BLOCK", "size_class"],
@@ -135,7 +138,7 @@ def _attend_kernel(q_ptr, krt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vc
                    CV: tl.constexpr, SORTED: tl.constexpr, CENTERED: tl.constexpr,
                    BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_X: tl.constexpr, ROT_N: tl.constexpr, BK: tl.constexpr,
-                   PCH: tl.constexpr, BLOCK_N: tl.constexpr):
+                   PCH: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
     """One (batch · KV head, part): encoded parts first (CK·CV groups × S splits), then E exact
     parts. Writes the part's (max, sum, value sum) per row, the value sum unrotated; the KV
     head's last program to finish (a ticket in ``count_ptr``) merges them into ``out``."""
@@ -150,7 +153,7 @@ def _attend_kernel(q_ptr, krt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vc
                                     vcent_ptr, order_ptr, goff_ptr, mean_ptr, bh, part, N, NBLK,
                                     S, R, nq, hq, sb, sh, sn, scale, MP, D, KBITS, KCPG, KBPG,
                                     VBITS, VCPG, VBPG, KWORDS, VWORDS, CK, CV, SORTED, CENTERED,
-                                    BLOCK, BK, BLOCK_N)
+                                    BLOCK, BK, BLOCK_N, WARPS)
         # back from the value rotation: acc @ R_c (R exact in bf16, acc in two bf16 pieces)
         hi, mid, lo = _split(acc, 2)
         rot = vr_ptr + (part // S // CK) * D * D
@@ -355,7 +358,7 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
         CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
         ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
         PCH=min(next_power_of_2(parts), 64, 8192 // dim),
-        **({"BLOCK_N": 16} if INTERPRET else {}))
+        **({"BLOCK_N": 16, "WARPS": _INTERPRET_WARPS} if INTERPRET else {}))
     return _Plan(hkv, rows, blocks, x, split_k, parts, exact_parts,
                  int(per_part >= 1024) + int(per_part >= 8192),
                  _rotations(dim, k_seeds, device)[0], _rotations(dim, v_seeds, device)[1],

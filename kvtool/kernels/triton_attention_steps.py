@@ -91,23 +91,51 @@ def _lookup(table_ptr, codes):
 
 
 @_jit
+def _words3(codes_ptr, row_off, rmask, D: tl.constexpr):
+    """The three 32-bit words of each 32-code group of 3-bit rows: ([R, D / 32] × 3)."""
+    qi = tl.arange(0, D // 32)
+    ptr = (codes_ptr + row_off[:, None] + qi[None, :] * 12).to(tl.pointer_type(tl.uint32))
+    return (tl.load(ptr, mask=rmask[:, None], other=0),
+            tl.load(ptr + 1, mask=rmask[:, None], other=0),
+            tl.load(ptr + 2, mask=rmask[:, None], other=0))
+
+
+@_jit
+def _halves(x, R: tl.constexpr):
+    """``x`` [R] as its first and second halves ([R / 2] each)."""
+    return tl.split(tl.permute(tl.reshape(x, [2, R // 2]), [1, 0]))
+
+
+@_jit
 def _unit_tile(codes_ptr, row_off, rmask, table_ptr, R: tl.constexpr, D: tl.constexpr,
                BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-               WORDS: tl.constexpr):
+               WORDS: tl.constexpr, PAIR: tl.constexpr):
     """fp16 centroids [R, D] of the packed rows at byte offsets ``row_off``. ``WORDS`` (rows
     4-byte aligned): the codes read as 32-bit words and split in registers; else byte by byte
-    (:func:`~kvtool.kernels.triton_cuda._centroids`)."""
+    (:func:`~kvtool.kernels.triton_cuda._centroids`).
+
+    ``PAIR`` (3 bits; set where each thread holds at least two rows' groups): rows r and
+    r + R/2 are joined before their codes are split, so a thread's centroids span two rows and
+    Triton stores the tile to shared memory for ``tl.dot`` along D, 16 bytes at a time
+    (compiled for sm_90 that is ~12 ``st.shared.v4`` per thread and tile instead of 64 16-bit
+    stores: with one row per thread its layout picks the row axis as the fast one)."""
     if not WORDS:  # (no early return: Triton would still compile what follows)
         y = _centroids(codes_ptr, row_off, rmask, table_ptr, R, D, BITS, CPG, BPG)
     elif BITS == 3:  # 32 codes in 3 words: 4 groups of 8 codes in 3 bytes each
-        qi = tl.arange(0, D // 32)
-        ptr = (codes_ptr + row_off[:, None] + qi[None, :] * 12).to(tl.pointer_type(tl.uint32))
-        w0 = tl.load(ptr, mask=rmask[:, None], other=0)
-        w1 = tl.load(ptr + 1, mask=rmask[:, None], other=0)
-        w2 = tl.load(ptr + 2, mask=rmask[:, None], other=0)
+        if PAIR:
+            off_a, off_b = _halves(row_off, R)
+            mask_a, mask_b = _halves(rmask, R)
+            a0, a1, a2 = _words3(codes_ptr, off_a, mask_a, D)
+            b0, b1, b2 = _words3(codes_ptr, off_b, mask_b, D)
+            w0, w1, w2 = tl.join(a0, b0), tl.join(a1, b1), tl.join(a2, b2)
+        else:
+            w0, w1, w2 = _words3(codes_ptr, row_off, rmask, D)
         groups = tl.join(tl.join(w0 & 0xFFFFFF, (w1 >> 16) | ((w2 & 0xFF) << 16)),
                          tl.join((w0 >> 24) | ((w1 & 0xFFFF) << 8), w2 >> 8))
-        y = tl.reshape(_lookup(table_ptr, _fields8(groups, 0, 3, 3)), [R, D])
+        y = _lookup(table_ptr, _fields8(groups, 0, 3, 3))
+        if PAIR:  # [R/2, D/32, half, 2, 2, 2, 2, 2] -> [half, R/2, D/32, ...]
+            y = tl.permute(y, [2, 0, 1, 3, 4, 5, 6, 7])
+        y = tl.reshape(y, [R, D])
     else:
         wi = tl.arange(0, D * BITS // 32)
         ptr = (codes_ptr + row_off[:, None]).to(tl.pointer_type(tl.uint32)) + wi[None, :]
@@ -127,9 +155,11 @@ def _codes_part(q_ptr, rt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_
                 VBPG: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
                 CK: tl.constexpr, CV: tl.constexpr, SORTED: tl.constexpr,
                 CENTERED: tl.constexpr, BLOCK: tl.constexpr, BK: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, WARPS: tl.constexpr):
     """Online softmax of the part's encoded tokens: (max, sum, value sum in the rotated
-    domain) per row. Part = (group, split); group = value rotation · CK + key rotation."""
+    domain) per row. Part = (group, split); group = value rotation · CK + key rotation.
+    ``WARPS``: the launch's warps (two rows per thread and more: 3-bit tiles are paired)."""
+    PAIR: tl.constexpr = BLOCK_N * D >= 2048 * WARPS
     group = part // S
     cols = tl.arange(0, D)
     if SORTED:  # the group's blocks: order[first:first + count], tokens block by block
@@ -162,7 +192,7 @@ def _codes_part(q_ptr, rt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_
             blk = tok // BLOCK
         kv = bh * N + tok
         yk = _unit_tile(kc_ptr, kv * (D * KBITS // 8), vmask, kcent_ptr, BLOCK_N, D, KBITS,
-                        KCPG, KBPG, KWORDS)
+                        KCPG, KBPG, KWORDS, PAIR)
         s = _dot(q, tl.trans(yk), tl.zeros([MP, BLOCK_N], tl.float32))
         s = s * tl.load(kn_ptr + kv, mask=vmask, other=0.0).to(tl.float32)[None, :]
         if CENTERED:
@@ -175,7 +205,7 @@ def _codes_part(q_ptr, rt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vcent_
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         yv = _unit_tile(vc_ptr, kv * (D * VBITS // 8), vmask, vcent_ptr, BLOCK_N, D, VBITS,
-                        VCPG, VBPG, VWORDS)
+                        VCPG, VBPG, VWORDS, PAIR)
         pv = p * tl.load(vn_ptr + kv, mask=vmask, other=0.0).to(tl.float32)[None, :]
         acc = _dot(pv.to(tl.float16), yv, acc * alpha[:, None])
         m_i = m_new
