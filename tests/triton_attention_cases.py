@@ -20,11 +20,13 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.turbomix import candidate_seed  # noqa: E402
 from kvtool.kernels import triton_attention as ta  # noqa: E402
 from kvtool.kernels import triton_cuda  # noqa: E402
+from kvtool.kernels.triton_attention_steps import _prmt  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 QUALITY = ("turbomix:bits=4,center=true,candidates=4", "turbomix:candidates=4")  # the preset's
@@ -108,6 +110,28 @@ def _attend(q, kr: Role, vr: Role, ke=None, ve=None, block=0, **kw):
                      k_bits=kr.codec.bits, v_bits=vr.codec.bits, k_seeds=kr.seeds,
                      v_seeds=vr.seeds, k_rotations=kr.rotations, v_rotations=vr.rotations,
                      key_means=kr.means, block=block, **kw)
+
+
+@triton.jit
+def _prmt_kernel(a_ptr, b_ptr, sel_ptr, out_ptr):
+    i = tl.arange(0, 4)
+    tl.store(out_ptr + i, _prmt(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(sel_ptr + i)))
+
+
+def test_byte_permute_is_ptx_prmt():
+    """``_prmt`` (PTX ``prmt.b32`` compiled, emulated under the interpreter) picks bytes of
+    {b, a} as PTX documents: cub's example, the byte planes and the interleave the code
+    lookups use."""
+    def u32(*values):
+        return torch.tensor(values, dtype=torch.int64).to(torch.uint32).to(DEVICE)
+
+    out = torch.empty(4, dtype=torch.uint32, device=DEVICE)
+    # fp16 pairs (1.0, 0.5), (3.0, 4.0) -> their high bytes; lo/hi bytes -> fp16 pairs
+    _prmt_kernel[(1,)](u32(0x03020100, 0x3C003800, 0x03020100, 0x12345678),
+                       u32(0x07060504, 0x44004200, 0x07060504, 0x9ABCDEF0),
+                       u32(0x7531, 0x7531, 0x5140, 0x0123), out)
+    assert out.cpu().to(torch.int64).tolist() == [0x07050301, 0x44423C38, 0x05010400,
+                                                  0x78563412]
 
 
 # -- turbo ---------------------------------------------------------------------------------------
