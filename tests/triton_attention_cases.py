@@ -126,12 +126,13 @@ def test_byte_permute_is_ptx_prmt():
         return torch.tensor(values, dtype=torch.int64).to(torch.uint32).to(DEVICE)
 
     out = torch.empty(4, dtype=torch.uint32, device=DEVICE)
-    # fp16 pairs (1.0, 0.5), (3.0, 4.0) -> their high bytes; lo/hi bytes -> fp16 pairs
-    _prmt_kernel[(1,)](u32(0x03020100, 0x3C003800, 0x03020100, 0x12345678),
-                       u32(0x07060504, 0x44004200, 0x07060504, 0x9ABCDEF0),
-                       u32(0x7531, 0x7531, 0x5140, 0x0123), out)
+    # fp16 pairs (1.0, 0.5), (3.0, 4.0) -> their high bytes; lo/hi bytes -> fp16 pairs; the
+    # sign mode (nibble bit 3) that masks 4-bit codes' upper table half
+    _prmt_kernel[(1,)](u32(0x03020100, 0x3C003800, 0x03020100, 0),
+                       u32(0x07060504, 0x44004200, 0x07060504, 0x80808080),
+                       u32(0x7531, 0x7531, 0x5140, 0x8C8C), out)
     assert out.cpu().to(torch.int64).tolist() == [0x07050301, 0x44423C38, 0x05010400,
-                                                  0x78563412]
+                                                  0x00FF00FF]
 
 
 # -- turbo ---------------------------------------------------------------------------------------

@@ -92,15 +92,17 @@ def _lookup(table_ptr, codes):
 
 @_jit
 def _prmt(a, b, sel):
-    """PTX ``prmt.b32`` in its default mode: byte k of the result is byte ``sel``'s nibble k
-    (< 8, bit 3 clear) of the eight bytes of ``a`` (0..3) then ``b`` (4..7); emulated under the
-    interpreter."""
+    """PTX ``prmt.b32`` in its default mode: byte k of the result is byte ``n & 7`` of the
+    eight bytes of ``a`` (0..3) then ``b`` (4..7), ``n`` being ``sel``'s nibble k; with ``n``'s
+    bit 3 set, that byte's sign bit fills the result byte. Emulated under the interpreter."""
     if _INTERP:
         out = (sel & 0) + (a & 0)
         for k in tl.static_range(4):
-            at = (sel >> (4 * k)) & 7
-            src = tl.where(at < 4, a, b)
-            out = out | (((src >> ((at & 3) * 8)) & 0xFF) << (8 * k))
+            nibble = (sel >> (4 * k)) & 15
+            at = nibble & 7
+            byte = (tl.where(at < 4, a, b) >> ((at & 3) * 8)) & 0xFF
+            byte = tl.where(nibble < 8, byte, tl.where(byte < 0x80, 0, 0xFF))
+            out = out | (byte << (8 * k))
     else:
         out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
                                         dtype=tl.uint32, is_pure=True, pack=1)
@@ -109,7 +111,7 @@ def _prmt(a, b, sel):
 
 @_jit
 def _planes(table_ptr):
-    """An 8-entry fp16 table as byte planes for :func:`_prmt`: (low bytes of entries 0..3,
+    """Eight fp16 table entries as byte planes for :func:`_prmt`: (low bytes of entries 0..3,
     of 4..7, high bytes of 0..3, of 4..7)."""
     words = table_ptr.to(tl.pointer_type(tl.uint32))
     w0, w1 = tl.load(words), tl.load(words + 1)
@@ -133,6 +135,32 @@ def _look4(lo0, lo1, hi0, hi1, sel):
     c0, c1 = _halves16(_prmt(lo, hi, 0x5140))
     c2, c3 = _halves16(_prmt(lo, hi, 0x7362))
     return c0, c1, c2, c3
+
+
+@_jit
+def _look4x16(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, codes):
+    """Centroids of the four 4-bit codes in nibbles 0..3 of ``codes``: entries 0..7 and 8..15
+    looked up, then picked per byte by each code's bit 3 (a byte mask from ``prmt``'s sign
+    mode)."""
+    sel = codes & 0x7777
+    upper = _prmt(codes & 0, (codes & 0) | 0x80808080, 0x8888 | ((codes >> 1) & 0x4444))
+    lo = (_prmt(lo0, lo1, sel) & ~upper) | (_prmt(lo2, lo3, sel) & upper)
+    hi = (_prmt(hi0, hi1, sel) & ~upper) | (_prmt(hi2, hi3, sel) & upper)
+    c0, c1 = _halves16(_prmt(lo, hi, 0x5140))
+    c2, c3 = _halves16(_prmt(lo, hi, 0x7362))
+    return c0, c1, c2, c3
+
+
+@_jit
+def _look8x4(words, table_ptr):
+    """Centroids of the eight 4-bit codes of each 32-bit word as a trailing [2, 2, 2] in
+    natural order (16-entry table: its byte planes in eight registers)."""
+    lo0, lo1, hi0, hi1 = _planes(table_ptr)
+    lo2, lo3, hi2, hi3 = _planes(table_ptr + 8)
+    c0, c1, c2, c3 = _look4x16(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, words & 0xFFFF)
+    c4, c5, c6, c7 = _look4x16(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, words >> 16)
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
 
 
 @_jit
@@ -204,7 +232,7 @@ def _unit_tile(codes_ptr, row_off, rmask, table_ptr, R: tl.constexpr, D: tl.cons
         ptr = (codes_ptr + row_off[:, None]).to(tl.pointer_type(tl.uint32)) + wi[None, :]
         w = tl.load(ptr, mask=rmask[:, None], other=0)
         if BITS == 4:
-            y = tl.reshape(_lookup(table_ptr, _fields8(w, 0, 4, 4)), [R, D])
+            y = tl.reshape(_look8x4(w, table_ptr), [R, D])
         else:
             y = tl.reshape(_lookup(table_ptr, _fields16(w, 0, 2, 2)), [R, D])
     return y
