@@ -118,10 +118,16 @@ def _footprint(config: Any, dim: int, rows: int) -> float:
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Tiles that fit in registers (≤ 64 values per thread: compiled for sm_90 that is ≤ ~180
-    registers and no spills), else the smallest."""
+    """Up to 32 query rows, every config: each builds for sm_90 (Triton 3.6) with at most 40
+    bytes of spills, and the tiles that pair rows (``BLOCK_N`` 64 with 4 warps at head_dim 128)
+    are the cheapest per token now that codes are unpacked in registers
+    (``benchmarks/attention_sass.py --all-configs``). At 64 rows, tiles of ≤ 64 values per
+    thread, else the smallest: larger 3-bit ones do not build (Triton's dot-operand pass
+    rejects their shared layout)."""
     dim = kwargs.get("D", named_args.get("D", 128))
     rows = kwargs.get("MP", named_args.get("MP", 16))
+    if rows <= 32:
+        return configs
     keep = [c for c in configs if _footprint(c, dim, rows) <= 64]
     return keep or [min(configs, key=lambda c: _footprint(c, dim, rows))]
 
