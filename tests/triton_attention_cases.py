@@ -275,8 +275,9 @@ def test_calls_share_their_scratch_and_plans(monkeypatch):
     their own parts: a larger call after a smaller one, then the smaller again, each matches
     its reference; every KV head's ticket is back at zero after each launch; a repeat call
     reuses its plan, and bad shapes after good ones are still refused."""
-    monkeypatch.setattr(ta, "_SHARE_SCRATCH", True)
-    monkeypatch.setattr(ta, "_SCRATCH", ta._Scratch())
+    from kvtool.kernels.triton_launch import StreamScratch
+
+    monkeypatch.setattr(ta, "_SCRATCH", StreamScratch(shared=True))
     calls = []
     for seed, (batch, group, n, x) in enumerate(((1, 2, 64, 3), (2, 4, 96, 130), (1, 2, 64, 5))):
         q, k, v, ke, ve = _inputs(batch, 2, group, 1, n, 32, seed=seed, x=x)

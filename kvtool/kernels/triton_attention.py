@@ -6,9 +6,12 @@ A turbo key is ``k̂ = ‖k‖ · c @ R`` (``c``: the centroids its codes name),
 a rotated query with centroids looked up in a 4..16-entry fp16 table. Values are summed in the
 rotated domain, ``Σ p ‖v‖ c``, and rotated back once per part. Code rows are read as 32-bit
 words (3 words hold 32 three-bit codes) and split into codes by join trees that keep each code
-in the thread that loaded it; the table lookup is an ``ld.global.nc`` in the codes' own layout
-(compiled for sm_90 that is ~670 instructions per thread per 32-token tile of keys and values at
-head_dim 128 with 4 warps, against ~1,270 for byte loads and ``tl.load`` gathers).
+in the thread that loaded it; 3- and 4-bit centroids are then looked up in registers with PTX
+``prmt`` on byte planes of the table (no memory access per code; 2-bit codes still load from
+the table), and 3-bit tiles pair two rows per thread where the tile allows, so their centroids
+reach shared memory for ``tl.dot`` 16 bytes at a time. Compiled for sm_90 that is ~62
+warp-instructions per token of a KV head for turbo3 at head_dim 128 (BLOCK_N 64, 4 warps),
+against ~89 with a table load per code (``benchmarks/attention_sass.py``).
 
 One kernel per call, :func:`_attend_kernel` (its steps:
 :mod:`kvtool.kernels.triton_attention_steps`), one program per (batch · KV head, part). A call
@@ -70,7 +73,7 @@ from kvtool.kernels.triton_cuda import (
     next_power_of_2,
     supported,
 )
-from kvtool.kernels.triton_launch import Launcher
+from kvtool.kernels.triton_launch import Launcher, StreamScratch
 
 try:
     import triton
@@ -372,46 +375,9 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
                  k_codes.shape[-1] % 4 == 0, v_codes.shape[-1] % 4 == 0)
 
 
-class _Scratch(threading.local):
-    """Per-thread scratch of the launches on one stream: the parts' softmax states (fp32) and
-    the KV heads' tickets (int32, zero between launches: the program that merges a head puts
-    its ticket back to zero). Launches on one stream run one after another, so they can share
-    it; a CUDA graph being captured gets its own buffers (a replay may overlap other work)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, device: torch.device, floats: int, heads: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _SHARE_SCRATCH or floats > _SHARED_FLOATS or (
-                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return (torch.empty((floats,), dtype=torch.float32, device=device),
-                    torch.zeros((heads,), dtype=torch.int32, device=device))
-        key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
-        hit = self.buffers.get(key)
-        if hit is None or hit[0].numel() < floats or hit[1].numel() < heads:
-            floats = max(floats, 0 if hit is None else hit[0].numel())
-            heads = max(heads, 0 if hit is None else hit[1].numel())
-            hit = (torch.empty((floats,), dtype=torch.float32, device=device),
-                   torch.zeros((heads,), dtype=torch.int32, device=device))
-            self.buffers[key] = hit
-        return hit
-
-
-def _raw_stream(index: int | None) -> int:
-    """The current CUDA stream's handle (what Triton launches on)."""
-    try:
-        from torch._C import _cuda_getCurrentRawStream
-    except ImportError:  # pragma: no cover - older torch
-        return torch.cuda.current_stream(index).cuda_stream
-    return _cuda_getCurrentRawStream(index)
-
-
-#: share scratch between the launches of a stream (off under the interpreter, where a kernel
-#: runs on the calling thread and tests turn it on)
-_SHARE_SCRATCH = not INTERPRET
-_SHARED_FLOATS = 1 << 23  # 32 MiB: larger scratch (long prefills) is allocated per call
-_SCRATCH = _Scratch()
+#: the parts' scratch and the KV heads' tickets, shared by the launches of a stream on GPUs
+#: (under the interpreter a kernel runs on the calling thread: scratch of its own per call)
+_SCRATCH = StreamScratch(shared=not INTERPRET)
 
 
 def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
@@ -471,7 +437,7 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     if k_words != constants["KWORDS"] or v_words != constants["VWORDS"]:
         constants = {**constants, "KWORDS": k_words, "VWORDS": v_words}
     states = heads * plan.parts * plan.rows
-    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)
+    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
     out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
     _LAUNCH((heads, plan.parts), (
         q, plan.k_rt, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),

@@ -128,6 +128,14 @@ def _halves16(pair):
 
 
 @_jit
+def _in_order(c0, c1, c2, c3, c4, c5, c6, c7):
+    """Eight tensors as one with a trailing [2, 2, 2] holding them in order (the last join's
+    axis is the lowest bit; adjacent codes end in adjacent registers, a fp16 pair)."""
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@_jit
 def _look4(lo0, lo1, hi0, hi1, sel):
     """Centroids of the four 3-bit codes in ``sel``'s nibbles 0..3: four ``prmt``."""
     lo = _prmt(lo0, lo1, sel)
@@ -159,8 +167,7 @@ def _look8x4(words, table_ptr):
     lo2, lo3, hi2, hi3 = _planes(table_ptr + 8)
     c0, c1, c2, c3 = _look4x16(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, words & 0xFFFF)
     c4, c5, c6, c7 = _look4x16(lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, words >> 16)
-    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return _in_order(c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 @_jit
@@ -176,8 +183,7 @@ def _look8(groups, lo0, lo1, hi0, hi1):
     and ~2 instructions a code, where a table load costs ~5 and an L1 round trip."""
     c0, c1, c2, c3 = _look4(lo0, lo1, hi0, hi1, _nibbles3(groups & 0xFFF))
     c4, c5, c6, c7 = _look4(lo0, lo1, hi0, hi1, _nibbles3(groups >> 12))
-    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                   tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return _in_order(c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 @_jit

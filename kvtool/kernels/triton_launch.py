@@ -1,4 +1,5 @@
-"""Repeated launches of a Triton kernel without Triton's per-call Python dispatch.
+"""Repeated launches of a Triton kernel without Triton's per-call Python dispatch, and
+scratch shared by the launches of a stream (:class:`StreamScratch`).
 
 At decode sizes a kernel's host launch cost, not the device, sets the time of a call. Triton's
 dispatch binds and specialises every argument, builds the autotuner's key and hashes the
@@ -20,6 +21,7 @@ not take the call this module makes (checked on first use).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 from operator import itemgetter
@@ -138,3 +140,44 @@ class Launcher:
         if len(self.compiled) >= 512:  # shapes come and go; keys stay few per shape
             self.compiled.clear()
         self.compiled[key] = (kernel, tail)
+
+
+class StreamScratch(threading.local):
+    """Per-thread scratch for the launches of a kernel on one stream: ``floats`` fp32 values
+    and ``counters`` int32 counters at zero, which the kernel must put back to zero before it
+    ends (a ticket counter, say). Launches on one stream run one after another, so they can
+    share it and no launch needs a memset first. Not shared (fresh buffers per call) while
+    ``shared`` is off, for scratch over 32 MiB, and while a CUDA graph is being captured (a
+    replay may overlap other work)."""
+
+    def __init__(self, shared: bool):
+        self.shared = shared
+        self.buffers: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, floats: int, counters: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.shared or floats > _SHARED_FLOATS or (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return (torch.empty((floats,), dtype=torch.float32, device=device),
+                    torch.zeros((counters,), dtype=torch.int32, device=device))
+        key = (device, _raw_stream(device.index) if device.type == "cuda" else 0)
+        hit = self.buffers.get(key)
+        if hit is None or hit[0].numel() < floats or hit[1].numel() < counters:
+            floats = max(floats, 0 if hit is None else hit[0].numel())
+            counters = max(counters, 0 if hit is None else hit[1].numel())
+            hit = (torch.empty((floats,), dtype=torch.float32, device=device),
+                   torch.zeros((counters,), dtype=torch.int32, device=device))
+            self.buffers[key] = hit
+        return hit
+
+
+_SHARED_FLOATS = 1 << 23  # 32 MiB
+
+
+def _raw_stream(index: int | None) -> int:
+    """The current CUDA stream's handle (what Triton launches on)."""
+    try:
+        from torch._C import _cuda_getCurrentRawStream
+    except ImportError:  # pragma: no cover - older torch
+        return torch.cuda.current_stream(index).cuda_stream
+    return _cuda_getCurrentRawStream(index)
