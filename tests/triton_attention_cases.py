@@ -440,6 +440,36 @@ def test_compressed_cache_on_cuda_attends_from_codes(preset):
     _agree(runs, ("decoded",))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_every_autotune_config_reads_the_codes_right(monkeypatch):
+    """Each config the autotuner may pick, forced alone, against the decoded reference: turbo
+    2/3/4 bits (the register lookups, 3-bit tiles paired or not), the byte path (misaligned
+    codes) and the quality preset's codes, at head_dim 128 and 64 rows of tokens per part."""
+    kernel = ta._attend_kernel
+    configs = list(kernel.configs)
+    cases = []
+    for kspec, vspec, group, dim, odd in (("turbo3", "turbo3", 4, 128, False),
+                                          ("turbo4", "turbo2", 4, 128, False),
+                                          ("turbo3", "turbo4", 2, 64, True)):
+        q, k, v, ke, ve = _inputs(2, 2, group, 1, 640, dim, seed=dim, x=5)
+        kr, vr = Role(kspec, k, 640), Role(vspec, v, 640)
+        if odd:
+            kr.codes = _misaligned(kr.codes)
+        cases.append((q, kr, vr, ke, ve, 0))
+    q, k, v, ke, ve = _inputs(1, 2, 4, 1, 640, 128, seed=3, x=5)
+    cases.append((q, Role(QUALITY[0], k, 64), Role(QUALITY[1], v, 64), ke, ve, 64))
+    for config in configs:
+        monkeypatch.setattr(kernel, "configs", [config])
+        kernel.cache.clear()
+        ta._LAUNCH.compiled.clear()
+        for q, kr, vr, ke, ve, block in cases:
+            out = _attend(q, kr, vr, ke, ve, block=block, scale=0.1, split_k=3)
+            close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.1))
+    kernel.cache.clear()
+    ta._LAUNCH.compiled.clear()
+
+
 # -- real CUDA at benchmark shapes ---------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
