@@ -199,7 +199,7 @@ def codes_enabled(device: torch.device | str | None = None) -> bool:
 def device_path(device: torch.device | str) -> bool:
     """Whether states on ``device`` attend through the Triton kernels: CUDA (and the CPU while
     :data:`DEVICE_ATTENTION_ON_CPU` is set)."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return kind == "cuda" or (DEVICE_ATTENTION_ON_CPU and kind == "cpu")
 
 
@@ -229,12 +229,22 @@ def device_codes(key_codec: Codec | None, value_codec: Codec | None, dim: int) -
     return codes_codec(key_codec, "key") and codes_codec(value_codec) and dim in DIMS
 
 
-def rotation_seeds(codec: Codec) -> list[int]:
-    """The rotation seed of each of a turbo or turbomix codec's candidates (turbo: one)."""
-    from kvtool.codecs.turbomix import TurboMixCodec, candidate_seed
+_SEEDS: dict[int, tuple[Codec, tuple[int, ...]]] = {}
 
-    return [candidate_seed(codec.seed, c) for c in range(codec.candidates)] \
-        if isinstance(codec, TurboMixCodec) else [codec.seed]
+
+def rotation_seeds(codec: Codec) -> tuple[int, ...]:
+    """The rotation seed of each of a turbo or turbomix codec's candidates (turbo: one), kept
+    per codec (every layer's attention call asks)."""
+    hit = _SEEDS.get(id(codec))
+    if hit is None or hit[0] is not codec:
+        from kvtool.codecs.turbomix import TurboMixCodec, candidate_seed
+
+        seeds = tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates)) \
+            if isinstance(codec, TurboMixCodec) else (codec.seed,)
+        if len(_SEEDS) > 256:
+            _SEEDS.clear()
+        hit = _SEEDS[id(codec)] = (codec, seeds)
+    return hit[1]
 
 
 def install() -> None:

@@ -129,6 +129,7 @@ class CompressedLayer(DynamicLayer):
             stream.parts = self.codes_capable and not (
                 scalar_codes(key_codec, "key") and scalar_codes(value_codec))
         self.codecs = (key_codec, value_codec)
+        self._device_dims: dict[int, bool] = {}  # head_dim -> whether the Triton kernels read it
         self._pending: CodesView | None = None
 
     @property
@@ -157,7 +158,7 @@ class CompressedLayer(DynamicLayer):
         dim = key_states.shape[-1]
         on_device = device_path(key_states.device)  # the Triton kernel reads the codes
         from_codes = from_codes and self.codes_capable and value_states.shape[-1] == dim and (
-            device_codes(*self.codecs, dim) if on_device else
+            self._reads_on_device(dim) if on_device else
             key_states.device.type == "cpu" and dim >= 8 and dim & (dim - 1) == 0)
         self.cumulative_length += key_states.shape[-2]
         if self.joint:
@@ -190,6 +191,13 @@ class CompressedLayer(DynamicLayer):
         if self.is_sliding:
             self._slide()
         return keys, values
+
+    def _reads_on_device(self, dim: int) -> bool:
+        """:func:`~kvtool.engines.hf_attention.device_codes` of this layer's codecs, kept."""
+        hit = self._device_dims.get(dim)
+        if hit is None:
+            hit = self._device_dims[dim] = device_codes(*self.codecs, dim)
+        return hit
 
     def _slide(self) -> None:
         """Drop what the next query cannot see (older than ``sliding_window - 1`` tokens back), in
