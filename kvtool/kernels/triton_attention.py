@@ -273,9 +273,7 @@ class _Plan(NamedTuple):
     v_r: torch.Tensor
     k_table: torch.Tensor
     v_table: torch.Tensor
-    constants: dict[str, Any]
-    k_words: bool  # packed rows a whole number of 32-bit words (the pointer is checked per call)
-    v_words: bool
+    constants: dict[str, Any]  # KWORDS/VWORDS: rows of whole 32-bit words (pointers: per call)
 
 
 _PLANS: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
@@ -362,7 +360,8 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
     blocked = sorted_ or key_means is not None
     constants = dict(
         MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
-        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=False, VWORDS=False, CK=ck, CV=cv,
+        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=k_codes.shape[-1] % 4 == 0,
+        VWORDS=v_codes.shape[-1] % 4 == 0, CK=ck, CV=cv,
         SORTED=sorted_, CENTERED=key_means is not None, BLOCK=block if blocked else 1,
         CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
         ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
@@ -371,8 +370,7 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
     return _Plan(hkv, rows, blocks, x, split_k, parts, exact_parts,
                  int(per_part >= 1024) + int(per_part >= 8192),
                  _rotations(dim, k_seeds, device)[0], _rotations(dim, v_seeds, device)[1],
-                 _table(dim, k_bits, device), _table(dim, v_bits, device), constants,
-                 k_codes.shape[-1] % 4 == 0, v_codes.shape[-1] % 4 == 0)
+                 _table(dim, k_bits, device), _table(dim, v_bits, device), constants)
 
 
 #: the parts' scratch and the KV heads' tickets, shared by the launches of a stream on GPUs
@@ -432,10 +430,11 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     else:
         order = offsets = k_codes  # unused
     k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
-    k_words = plan.k_words and k_codes.data_ptr() % 4 == 0
-    v_words = plan.v_words and v_codes.data_ptr() % 4 == 0
-    if k_words != constants["KWORDS"] or v_words != constants["VWORDS"]:
-        constants = {**constants, "KWORDS": k_words, "VWORDS": v_words}
+    k_odd = constants["KWORDS"] and k_codes.data_ptr() % 4 != 0  # rows read byte by byte
+    v_odd = constants["VWORDS"] and v_codes.data_ptr() % 4 != 0
+    if k_odd or v_odd:
+        constants = {**constants, "KWORDS": constants["KWORDS"] and not k_odd,
+                     "VWORDS": constants["VWORDS"] and not v_odd}
     states = heads * plan.parts * plan.rows
     work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
     out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
