@@ -47,6 +47,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvtool.engines.vllm.engine import server_env
+
 SHARED_TOKENS = (300, 520, 780, 1040, 1300)  # the shared documents' lengths
 FRESH_SHARE = 0.25  # requests with a prefix of their own (new chunks: the store fills)
 LOOKUP_LINE = re.compile(r"kvtool store: (?:hit|miss): request (\S+?):? .* in (\d+) ms")
@@ -267,7 +269,8 @@ class Storage:
     """The store's location and environment: a tmpfs-backed directory, or a moto bucket."""
 
     def __init__(self, args: argparse.Namespace, work: Path):
-        self.args, self.work, self.env = args, work, dict(os.environ)
+        # the servers' logs are read (store hits and waits): not an in-process engine's quiet
+        self.args, self.work, self.env = args, work, server_env()
         self.mounted, self.moto = False, None
         self.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         if args.s3:

@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtool.engines.vllm.engine import server_env
+
 
 @dataclass
 class Server:
@@ -31,9 +33,7 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         kvtool = shutil.which("kvtool", path=os.path.dirname(sys.executable))
-        env = {k: v for k, v in os.environ.items()  # what kvtool's in-process engine quietens
-               if k not in ("VLLM_LOGGING_LEVEL", "KVTOOL_LOG_LEVEL",
-                            "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        env = server_env()  # not what an in-process engine in this worker quietened
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [kvtool, "serve", "--store", str(self.store), "--port", str(self.port),

@@ -6,6 +6,8 @@ tables: the README)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -33,6 +35,23 @@ def check(result: dict) -> None:
     assert result["requests"] >= 20 and result["restarts"] >= 1
     assert all(h > 0 for h in result["hits_after_restart"])
     assert result["samples"] >= 20 and result["prune_runs"] >= 2
+
+
+def test_servers_log_what_the_harness_reads(monkeypatch, tmp_path):
+    """An in-process vLLM engine earlier in this worker quietens vLLM and kvtool's logs through
+    the environment; the harness's servers must not inherit that: it counts the store hits
+    and waits in their logs (a CI run once saw no hits after a restart for this alone)."""
+    from kvtool.engines.vllm.engine import QUIETENED_ENV, server_env
+
+    for name, value in zip(QUIETENED_ENV, ("0", "WARNING", "ERROR"), strict=True):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KVTOOL_SOAK_KEPT", "1")
+    spec = importlib.util.spec_from_file_location("soak_harness", SOAK)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    storage = harness.Storage(argparse.Namespace(s3=False, no_tmpfs=True, disk_mb=1), tmp_path)
+    for env in (storage.env, server_env()):
+        assert not set(QUIETENED_ENV) & set(env) and env["KVTOOL_SOAK_KEPT"] == "1"
 
 
 def test_soak_directory_store_with_restarts_and_a_full_disk(tmp_path):

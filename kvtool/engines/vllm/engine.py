@@ -51,6 +51,18 @@ class VllmModel:
         shutil.rmtree(self.capture_dir, ignore_errors=True)
 
 
+# what _quiet_env may set in this process's environment, for an in-process engine only
+QUIETENED_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "KVTOOL_LOG_LEVEL", "VLLM_LOGGING_LEVEL")
+
+
+def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) without what an in-process engine set to quieten
+    itself: a ``kvtool serve`` started from this process must log its store activity and run
+    vLLM's engine in its own process, as it would from a shell."""
+    return {k: v for k, v in (os.environ if env is None else env).items()
+            if k not in QUIETENED_ENV}
+
+
 def _quiet_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("KVTOOL_LOG_LEVEL", "WARNING")  # kvtool's CLI reports for itself
