@@ -15,6 +15,7 @@ from kvtool.codecs import get_codec
 from kvtool.codecs.trellis import (
     MEMORY,
     STATES,
+    state_values,
     subset_table,
     trellis_codes,
     trellis_values,
@@ -34,6 +35,19 @@ def test_tables_are_sorted_finite_and_twice_the_scalar_levels(bits):
     assert levels.dtype == np.float32 and levels.shape == (2 ** (bits + 1),)
     assert np.isfinite(levels).all() and (np.diff(levels) > 0).all()
     np.testing.assert_allclose(levels, -levels[::-1], atol=0.05)  # trained on a symmetric law
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_state_indexed_table_gives_the_decoded_values(bits):
+    """What the Triton and MLX kernels look up (one load per coordinate): the value at
+    ``state << bits | code``, the state the path bits of the 5 codes before (zeros first)."""
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, (50, 40)).astype(np.uint8)
+    path = np.pad(codes.astype(np.int64) >> (bits - 1), ((0, 0), (MEMORY, 0)))
+    state = sum(path[:, MEMORY - k:MEMORY - k + 40] << (k - 1) for k in range(1, MEMORY + 1))
+    table = state_values(40, bits)
+    assert table.shape == (STATES << bits,) and table.dtype == np.float32
+    np.testing.assert_array_equal(table[(state << bits) | codes], trellis_values(codes, bits))
 
 
 def test_subsets_follow_ungerboecks_rules():

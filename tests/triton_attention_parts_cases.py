@@ -90,8 +90,7 @@ def test_several_candidates_are_really_in_use_and_read():
     out = tap.attend(q, kr.tensors, vr.tensors, scale=0.25)
     want = reference(q, kr.decoded, vr.decoded, None, None, 0.25)
     close(out, want)
-    wrong = tap.RoleTensors(**{**kr.tensors.__dict__,
-                               "choice": torch.zeros_like(kr.tensors.choice)})
+    wrong = dataclasses.replace(kr.tensors, choice=torch.zeros_like(kr.tensors.choice))
     err = (tap.attend(q, wrong, vr.tensors, scale=0.25).double().cpu() - want).abs().max()
     assert err > 2e-2 * want.abs().max()
 

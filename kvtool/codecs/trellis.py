@@ -122,4 +122,14 @@ def trellis_values(codes: np.ndarray, bits: int) -> np.ndarray:
     return levels[level_indices(c >> (bits - 1), c & ((1 << (bits - 1)) - 1))]
 
 
-__all__ = ["MEMORY", "STATES", "subset_table", "trellis_codes", "trellis_values", "viterbi"]
+def state_values(n: int, bits: int) -> np.ndarray:
+    """float32 [STATES << bits]: the value of code q after path state s at index ``s << bits |
+    q`` (for an n-wide part): what a kernel looks up once per coordinate, given the state."""
+    levels = trellis_levels(bits) / np.float32(np.sqrt(n))
+    state, q = np.arange(STATES)[:, None], np.arange(1 << bits)[None, :]
+    within = q & ((1 << (bits - 1)) - 1)
+    return levels[4 * within + _SUBSETS[state, q >> (bits - 1)]].reshape(-1)
+
+
+__all__ = ["MEMORY", "STATES", "state_values", "subset_table", "trellis_codes", "trellis_values",
+           "viterbi"]

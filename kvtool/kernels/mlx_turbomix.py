@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.rotation import hadamard_signs, is_power_of_two, rotation_matrix
-from kvtool.codecs.trellis import MEMORY, STATES, subset_table
+from kvtool.codecs.trellis import MEMORY, STATES, state_values, subset_table
 from kvtool.codecs.trellis_tables import trellis_levels
 from kvtool.codecs.turbo import FP16_MAX
 from kvtool.codecs.turbomix import _NORM_STEPS, candidate_seed
@@ -383,10 +383,7 @@ def _values(codes: mx.array, n: int, bits: int, quantizer: str) -> mx.array:
 @cache
 def _trellis_values(n: int, bits: int) -> mx.array:
     """The value of code q after path state s, at index ``s << bits | q``."""
-    levels = trellis_levels(bits) / np.float32(np.sqrt(n))
-    state, q = np.arange(STATES)[:, None], np.arange(1 << bits)[None, :]
-    within = q & ((1 << (bits - 1)) - 1)
-    return mx.array(levels[4 * within + subset_table()[state, q >> (bits - 1)]].reshape(-1))
+    return mx.array(state_values(n, bits))
 
 
 @cache

@@ -7,19 +7,24 @@ and the device twin of :mod:`kvtool.kernels.numba_attention_parts`, which is its
 key of block ``b`` is ``k̂[ch_p] = ‖k_p‖ · (y_p @ R_p) + mean[ch_p]`` per part ``p`` (the
 outlier channels and the rest, each with the block's own channel set and rotation candidate),
 so a score is ``Σ_p ‖k_p‖ · (R_p q[ch_p])·y_p + q·mean``. Every block has its own channels,
-rotations and means, so the work splits by block:
+rotations and means, so the work splits by block, in one launch of :func:`_parts_kernel`, one
+program per (batch · KV head, part) (one launch: at decode sizes the host's launch cost sets
+the time; the host-side rotations and merge this replaced were ~100 torch ops per call):
 
-- host side, torch ops on the device (no host sync): each key part's query rotated into every
-  block's domain, ``scale · q[ch_p] @ R_cᵀ`` (one matmul per candidate), and ``q·mean``;
-- :func:`_block_kernel`, one program per (batch · KV head, block): the block's scores from the
-  codes (each part's unit values unpacked and looked up as ``turbomix``'s decode does, fp16
-  tensor-core dots with the rotated query, times the token's norm), the softmax local to the
-  block, and the block's value sums per part in the part's rotated domain (``p · ‖v_p‖`` in
-  fp16 against the values, fp32 sums; ~6e-4 relative error, as the turbo kernel);
-- host side: each part's value sum rotated back with its block's ``R`` and put in its
-  channels, plus the softmax weight times the value mean; the exact tokens (sinks, window, this
-  forward's tokens) in fp32 with the additive bias and the causal rule among the new tokens;
-  every block and the exact tokens merged by their maxima.
+- a block's program gathers each key part's query channels and rotates them into the block's
+  domain, ``scale · q[ch_p] @ R_cᵀ`` (fp32 accuracy: bf16 pieces of both), and takes
+  ``q·mean`` for centered keys;
+- it scores the block's tokens from the codes (each part's unit values unpacked and looked up
+  as ``turbomix``'s decode does, fp16 tensor-core dots with the rotated query, times the
+  token's norm) with the softmax local to the block, and sums each value part in its rotated
+  domain (``p · ‖v_p‖`` in fp16 against the values, fp32 sums; ~6e-4 relative error, as the
+  turbo kernel);
+- it rotates each value sum back with its block's ``R`` and stores it in the part's channels
+  (plus the softmax weight times the value mean);
+- the last parts attend the exact tokens (sinks, window, this forward's tokens) as
+  :mod:`kvtool.kernels.triton_attention` does, with the additive bias and the causal rule
+  among the new tokens;
+- the program that draws a KV head's last ticket merges its parts by their maxima.
 
 The token tile and warps are autotuned per shape on GPUs (results cached where Triton can).
 """
@@ -27,22 +32,24 @@ The token tile and warps are autotuned per shape on GPUs (results cached where T
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property
 from typing import Any
 
 import torch
 
-from kvtool.codecs.rotation import rotation_matrix
+from kvtool.kernels.triton_attention_steps import _exact_part, _merge, _query_rows, _query_src
 from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
+from kvtool.kernels.triton_launch import Launcher, StreamScratch
 from kvtool.kernels.triton_turbomix import (
     QUANTIZERS,
+    _rotations,
     _seeds,
     _tables,
     _width,
     channel_sets_of,
     norm_values,
 )
-from kvtool.kernels.triton_turbomix_steps import _dot, _values
+from kvtool.kernels.triton_turbomix_steps import _dot, _rot, _rot_cols, _split, _values
 
 try:
     import triton
@@ -53,7 +60,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 name = "triton"
 MAX_ROWS = 64  # query rows (query heads per KV head × query tokens) one program holds
-_TABLE = {"scalar": "cent", "pair": "pts", "trellis": "lvl"}  # each quantiser's value table
+_EXACT_SPLIT = 128  # exact tokens per part
+_TABLE = {"scalar": "cent", "pair": "pts", "trellis": "slv"}  # each quantiser's value table
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,9 @@ class RoleTensors:
     codec: Any
     codes: tuple[torch.Tensor, ...]  # uint8 [heads, E, bytes_p]
     norms: tuple[torch.Tensor, ...]  # float32 [heads, E]
-    channels: tuple[torch.Tensor, ...]  # int64 [heads, blocks, n_p]
+    channels: tuple[torch.Tensor, ...]  # int32 [heads · blocks, n_p], or [1, D]: every block's
     bits: tuple[int, ...]
-    choice: torch.Tensor | None  # int64 [heads, blocks]: each block's candidate (None: one)
+    choice: torch.Tensor | None  # int32 [heads, blocks]: each block's candidate (None: one)
     mean: torch.Tensor | None  # float32 [heads, blocks, D] (None: uncentered)
     block: int
 
@@ -78,6 +86,31 @@ class RoleTensors:
     @property
     def tokens(self) -> int:
         return int(self.codes[0].shape[1])
+
+    @cached_property
+    def launch_parts(self) -> tuple[tuple[list[Any], torch.Tensor, torch.Tensor, dict[str, int]],
+                                    ...]:
+        """Per part 0 and 1: its kernel arguments but the rotation (codes, norms, value table,
+        channels, channel stride per block), its Rᵀ and R pieces and its constants; part 1 of
+        a codec without outliers is a placeholder of width 0 (part 0's arguments, unread).
+        Worked out once: a store builds its views once per change and attends with them at
+        every layer and step."""
+        out = []
+        for p in range(len(self.codes)):
+            channels, bits = self.channels[p], self.bits[p]
+            n, device = channels.shape[-1], self.codes[p].device
+            quantizer = getattr(self.codec, "quantizer", "scalar")
+            seeds = _seeds(self.codec) if hasattr(self.codec, "candidates") \
+                else (int(self.codec.seed),)
+            rt, r, pieces = _rotations(n, seeds, device)
+            out.append(([self.codes[p], self.norms[p], _tables(n, bits, quantizer, device)[
+                _TABLE[quantizer]], channels, n if channels.shape[0] > 1 else 0], rt, r,
+                {"N": n, "NP": _width(n), "NB": self.codes[p].shape[-1], "B": bits,
+                 "RP": pieces}))
+        if len(out) == 1:
+            out.append((out[0][0], out[0][1], out[0][2],
+                        {"N": 0, "NP": 16, "NB": 1, "B": 2, "RP": 1}))
+        return tuple(out)
 
 
 def role_tensors(codec: Any, arrays: dict[str, torch.Tensor], heads: int, tokens: int,
@@ -99,11 +132,12 @@ def role_tensors(codec: Any, arrays: dict[str, torch.Tensor], heads: int, tokens
         norms.append(raw.float().reshape(heads, tokens).contiguous())
     codes = [arrays["codes" + s].reshape(heads, tokens, -1).contiguous()
              for s in ("", "_hi")[:len(sets)]]
-    choice = arrays["rotation"].reshape(heads, blocks).long() if "rotation" in arrays else None
-    mean = arrays["mean"].reshape(heads, blocks, dim).float() if "mean" in arrays else None
+    choice = arrays["rotation"].reshape(heads, blocks).int().contiguous() \
+        if "rotation" in arrays else None
+    mean = arrays["mean"].reshape(heads, blocks, dim).float().contiguous() \
+        if "mean" in arrays else None
     return RoleTensors(codec, tuple(codes), tuple(norms),
-                       tuple(s.long().expand(groups, -1).reshape(heads, blocks, -1)
-                             for s in sets), bits, choice, mean, block)
+                       tuple(s.int().contiguous() for s in sets), bits, choice, mean, block)
 
 
 # -- launch helpers ------------------------------------------------------------------------------
@@ -114,181 +148,179 @@ def _tuned(fn: Any) -> Any:
         return _jit(fn)
     configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=1)
                for n, w in ((16, 4), (32, 4), (16, 8), (32, 8), (64, 8))]
-    return triton.autotune(configs, key=["MP", "KNP0", "KNP1", "VNP0", "VNP1", "KQ", "VQ",
+    return triton.autotune(configs, key=["MP", "D", "KNP0", "KNP1", "VNP0", "VNP1", "KQ", "VQ",
                                          "KB0", "KB1", "VB0", "VB1", "BLOCK"],
                            prune_configs_by={"early_config_prune": _prune}, **_persisted())(
         triton.jit(fn))
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Tiles of at most 16 unit values per thread (the trellis lookups hold several such tiles;
-    compiled for sm_90, ``balanced`` and ``small`` at head_dim 128 spill nothing there and
-    272-1,968 bytes at 32), else the smallest."""
+    """Tiles of at most 32 unit values per thread, else the smallest: compiled for sm_90
+    (Triton 3.6), ``balanced`` and ``small`` at head_dim 128 spill at most 24 bytes in every
+    config up to that (``benchmarks/attention_sass.py --preset``; each trellis code is one
+    window of bytes and one table load)."""
     def per_thread(c: Any) -> float:
         width = max(kwargs.get(k, named_args.get(k, 128)) for k in ("KNP0", "VNP0"))
         return c.kwargs["BLOCK_N"] * width / (32 * c.num_warps)
 
-    keep = [c for c in configs if per_thread(c) <= 16]
+    keep = [c for c in configs if per_thread(c) <= 32]
     return keep or [min(configs, key=per_thread)]
 
 
 # -- kernels -------------------------------------------------------------------------------------
 @_jit
-def _scores(s, q, row_ptr, norm_ptr, tok, tmask, table_ptr, sub_ptr, N: tl.constexpr,
+def _part_query(q_ptr, ch_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, N: tl.constexpr,
+                NP: tl.constexpr, RP: tl.constexpr, MP: tl.constexpr, BK: tl.constexpr):
+    """fp16 ``scale · q[ch] @ R_cᵀ`` [MP, NP] of a key part (``ch_ptr``: the block's N
+    channels; ``rt_ptr``: its candidate's Rᵀ pieces), rotated in fp32 accuracy."""
+    rmask = tl.arange(0, MP) < R
+    src = _query_src(q_ptr, bh, R, nq, hq, sb, sh, sn, MP)
+    acc = tl.zeros([MP, NP], tl.float32)
+    for k0 in tl.static_range(0, NP, BK):
+        j = k0 + tl.arange(0, BK)
+        ch = tl.load(ch_ptr + j, mask=j < N, other=0)
+        x = tl.load(src[:, None] + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
+                    other=0.0).to(tl.float32)
+        acc = _rot(acc, x, rt_ptr, k0, NP, BK, RP)
+    return (acc * scale).to(tl.float16)
+
+
+@_jit
+def _scores(s, q, row_ptr, norm_ptr, tok, tmask, table_ptr, N: tl.constexpr,
             NP: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
             BLOCK_N: tl.constexpr):
     """``s + ‖k_p‖ · q_p · y_p`` for one key part of the tile's tokens."""
-    y = _values(row_ptr, tmask, tl.arange(0, NP), table_ptr, table_ptr, table_ptr, sub_ptr, N,
-                NB, BITS, QUANT, BLOCK_N, NP)
+    y = _values(row_ptr, tmask, tl.arange(0, NP), table_ptr, table_ptr, table_ptr, N, NB,
+                BITS, QUANT, BLOCK_N, NP)
     part = _dot(q, tl.trans(y.to(tl.float16)), tl.zeros(s.shape, tl.float32))
     return s + part * tl.load(norm_ptr + tok, mask=tmask, other=0.0)[None, :]
 
 
 @_jit
-def _value_sum(acc, p, row_ptr, norm_ptr, tok, tmask, table_ptr, sub_ptr, N: tl.constexpr,
+def _value_sum(acc, p, row_ptr, norm_ptr, tok, tmask, table_ptr, N: tl.constexpr,
                NP: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """``acc + (p · ‖v_p‖) @ y_p`` for one value part of the tile's tokens."""
-    y = _values(row_ptr, tmask, tl.arange(0, NP), table_ptr, table_ptr, table_ptr, sub_ptr, N,
-                NB, BITS, QUANT, BLOCK_N, NP)
+    y = _values(row_ptr, tmask, tl.arange(0, NP), table_ptr, table_ptr, table_ptr, N, NB,
+                BITS, QUANT, BLOCK_N, NP)
     pv = p * tl.load(norm_ptr + tok, mask=tmask, other=0.0)[None, :]
     return _dot(pv.to(tl.float16), y.to(tl.float16), acc)
 
 
+@_jit
+def _put_values(acc, l_i, dst, rmask, ch_ptr, r_ptr, mean_ptr, N: tl.constexpr,
+                NP: tl.constexpr, RP: tl.constexpr, CENTERED: tl.constexpr, MP: tl.constexpr,
+                BN: tl.constexpr):
+    """Store a value part's sum ``acc`` [MP, NP] rotated back, ``acc @ R_c`` (fp32 accuracy),
+    in its channels of the rows at ``dst`` [MP], plus ``l_i`` times the block's mean there."""
+    hi, mid, lo = _split(acc)
+    for n0 in tl.static_range(0, NP, BN):
+        j = n0 + tl.arange(0, BN)
+        ch = tl.load(ch_ptr + j, mask=j < N, other=0)
+        o = _rot_cols(hi, mid, lo, r_ptr, n0, MP, NP, BN, RP)
+        if CENTERED:
+            o += l_i[:, None] * tl.load(mean_ptr + ch, mask=j < N, other=0.0)[None, :]
+        tl.store(dst[:, None] + ch[None, :], o, mask=rmask[:, None] & (j < N)[None, :])
+
+
 @_tuned
-def _block_kernel(q0_ptr, q1_ptr, qm_ptr, kc0_ptr, kc1_ptr, kn0_ptr, kn1_ptr, vc0_ptr,
-                  vc1_ptr, vn0_ptr, vn1_ptr, kt0_ptr, kt1_ptr, vt0_ptr, vt1_ptr, sub_ptr,
-                  m_ptr, l_ptr, a0_ptr, a1_ptr, E, NBLK, R,
-                  MP: tl.constexpr, BLOCK: tl.constexpr, CENTERED: tl.constexpr,
+def _parts_kernel(q_ptr, kc0_ptr, kn0_ptr, kt0_ptr, kch0_ptr, kcs0, kr0_ptr, kc1_ptr, kn1_ptr,
+                  kt1_ptr, kch1_ptr, kcs1, kr1_ptr, vc0_ptr, vn0_ptr, vt0_ptr, vch0_ptr, vcs0,
+                  vr0_ptr, vc1_ptr, vn1_ptr, vt1_ptr, vch1_ptr, vcs1, vr1_ptr, kpick_ptr,
+                  vpick_ptr, kmean_ptr, vmean_ptr, ke_ptr, ve_ptr, bias_ptr,
+                  m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, NBLK, X, E, hkv, nq, hq, R,
+                  bias_b, sb, sh, sn, scale, MP: tl.constexpr, D: tl.constexpr,
+                  BLOCK: tl.constexpr, KPICK: tl.constexpr, VPICK: tl.constexpr,
+                  KCENTERED: tl.constexpr, VCENTERED: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_X: tl.constexpr, PCH: tl.constexpr,
                   KQ: tl.constexpr, KN0: tl.constexpr, KNP0: tl.constexpr, KNB0: tl.constexpr,
-                  KB0: tl.constexpr, KN1: tl.constexpr, KNP1: tl.constexpr,
-                  KNB1: tl.constexpr, KB1: tl.constexpr,
-                  VQ: tl.constexpr, VN0: tl.constexpr, VNP0: tl.constexpr, VNB0: tl.constexpr,
-                  VB0: tl.constexpr, VN1: tl.constexpr, VNP1: tl.constexpr,
-                  VNB1: tl.constexpr, VB1: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (batch · KV head, block): its (max, sum) per query row and its value sums per part
-    in the part's rotated domain, the softmax local to the block."""
+                  KB0: tl.constexpr, KRP0: tl.constexpr, KN1: tl.constexpr,
+                  KNP1: tl.constexpr, KNB1: tl.constexpr, KB1: tl.constexpr,
+                  KRP1: tl.constexpr, VQ: tl.constexpr, VN0: tl.constexpr,
+                  VNP0: tl.constexpr, VNB0: tl.constexpr, VB0: tl.constexpr,
+                  VRP0: tl.constexpr, VN1: tl.constexpr, VNP1: tl.constexpr,
+                  VNB1: tl.constexpr, VB1: tl.constexpr, VRP1: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """One (batch · KV head, part): the NBLK blocks first (one each), then E exact parts.
+    Writes the part's (max, sum, unrotated value sum) per row; the KV head's last program to
+    finish (a ticket in ``count_ptr``) merges them into ``out``."""
     bh = tl.program_id(0).to(tl.int64)
-    g = bh * NBLK + tl.program_id(1)
+    part = tl.program_id(1)
     rows = tl.arange(0, MP)
     rmask = rows < R
-    at = g * R + rows
-    q0 = tl.load(q0_ptr + at[:, None] * KNP0 + tl.arange(0, KNP0)[None, :],
-                 mask=rmask[:, None], other=0.0).to(tl.float16)
-    if KN1 > 0:
-        q1 = tl.load(q1_ptr + at[:, None] * KNP1 + tl.arange(0, KNP1)[None, :],
-                     mask=rmask[:, None], other=0.0).to(tl.float16)
-    if CENTERED:
-        qm = tl.load(qm_ptr + at, mask=rmask, other=0.0)
-    m_i = tl.full([MP], float("-inf"), tl.float32)
-    l_i = tl.zeros([MP], tl.float32)
-    acc0 = tl.zeros([MP, VNP0], tl.float32)
-    acc1 = tl.zeros([MP, VNP1], tl.float32)
-    for t0 in range(0, BLOCK, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < BLOCK
-        tok = g * BLOCK + t  # = bh · E + blk · BLOCK + t
-        s = _scores(tl.zeros([MP, BLOCK_N], tl.float32), q0, kc0_ptr + tok * KNB0, kn0_ptr,
-                    tok, tmask, kt0_ptr, sub_ptr, KN0, KNP0, KNB0, KB0, KQ, BLOCK_N)
+    out = (bh * (NBLK + E) + part) * R + rows
+    if part < NBLK:
+        g = bh * NBLK + part
+        kc = 0
+        if KPICK:
+            kc = tl.load(kpick_ptr + g)
+        q0 = _part_query(q_ptr, kch0_ptr + g * kcs0, kr0_ptr + kc * (KRP0 * KNP0 * KNP0), bh, R,
+                         nq, hq, sb, sh, sn, scale, KN0, KNP0, KRP0, MP, min(KNP0, 32))
+        q1 = q0
         if KN1 > 0:
-            s = _scores(s, q1, kc1_ptr + tok * KNB1, kn1_ptr, tok, tmask, kt1_ptr, sub_ptr,
-                        KN1, KNP1, KNB1, KB1, KQ, BLOCK_N)
-        if CENTERED:
-            s += qm[:, None]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _value_sum(acc0 * alpha[:, None], p, vc0_ptr + tok * VNB0, vn0_ptr, tok, tmask,
-                          vt0_ptr, sub_ptr, VN0, VNP0, VNB0, VB0, VQ, BLOCK_N)
+            q1 = _part_query(q_ptr, kch1_ptr + g * kcs1, kr1_ptr + kc * (KRP1 * KNP1 * KNP1),
+                             bh, R, nq, hq, sb, sh, sn, scale, KN1, KNP1, KRP1, MP,
+                             min(KNP1, 32))
+        qm = tl.zeros([MP], tl.float32)
+        if KCENTERED:
+            qs = _query_rows(q_ptr, q_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP, D, False, 16)
+            qm = tl.sum(qs * tl.load(kmean_ptr + g * D + tl.arange(0, D))[None, :], axis=1)
+        m_i = tl.full([MP], float("-inf"), tl.float32)
+        l_i = tl.zeros([MP], tl.float32)
+        acc0 = tl.zeros([MP, VNP0], tl.float32)
+        acc1 = tl.zeros([MP, VNP1], tl.float32)
+        for t0 in range(0, BLOCK, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < BLOCK
+            tok = g * BLOCK + t  # = bh · E + blk · BLOCK + t
+            s = _scores(qm[:, None] + tl.zeros([MP, BLOCK_N], tl.float32), q0,
+                        kc0_ptr + tok * KNB0, kn0_ptr, tok, tmask, kt0_ptr, KN0, KNP0,
+                        KNB0, KB0, KQ, BLOCK_N)
+            if KN1 > 0:
+                s = _scores(s, q1, kc1_ptr + tok * KNB1, kn1_ptr, tok, tmask, kt1_ptr,
+                            KN1, KNP1, KNB1, KB1, KQ, BLOCK_N)
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc0 = _value_sum(acc0 * alpha[:, None], p, vc0_ptr + tok * VNB0, vn0_ptr, tok,
+                              tmask, vt0_ptr, VN0, VNP0, VNB0, VB0, VQ, BLOCK_N)
+            if VN1 > 0:
+                acc1 = _value_sum(acc1 * alpha[:, None], p, vc1_ptr + tok * VNB1, vn1_ptr, tok,
+                                  tmask, vt1_ptr, VN1, VNP1, VNB1, VB1, VQ, BLOCK_N)
+            m_i = m_new
+        vc = 0
+        if VPICK:
+            vc = tl.load(vpick_ptr + g)
+        dst = acc_ptr + out * D
+        _put_values(acc0, l_i, dst, rmask, vch0_ptr + g * vcs0,
+                    vr0_ptr + vc * (VRP0 * VNP0 * VNP0), vmean_ptr + g * D, VN0, VNP0, VRP0,
+                    VCENTERED, MP, min(VNP0, 32))
         if VN1 > 0:
-            acc1 = _value_sum(acc1 * alpha[:, None], p, vc1_ptr + tok * VNB1, vn1_ptr, tok,
-                              tmask, vt1_ptr, sub_ptr, VN1, VNP1, VNB1, VB1, VQ, BLOCK_N)
-        m_i = m_new
-    tl.store(m_ptr + at, m_i, mask=rmask)
-    tl.store(l_ptr + at, l_i, mask=rmask)
-    tl.store(a0_ptr + at[:, None] * VNP0 + tl.arange(0, VNP0)[None, :], acc0,
-             mask=rmask[:, None])
-    if VN1 > 0:
-        tl.store(a1_ptr + at[:, None] * VNP1 + tl.arange(0, VNP1)[None, :], acc1,
+            _put_values(acc1, l_i, dst, rmask, vch1_ptr + g * vcs1,
+                        vr1_ptr + vc * (VRP1 * VNP1 * VNP1), vmean_ptr + g * D, VN1, VNP1,
+                        VRP1, VCENTERED, MP, min(VNP1, 32))
+    else:
+        m_i, l_i, acc = _exact_part(q_ptr, ke_ptr, ve_ptr, bias_ptr, bh, part - NBLK, X, E, hkv,
+                                    nq, R, bias_b, hq, sb, sh, sn, scale, MP, D, CAUSAL,
+                                    HAS_BIAS, BLOCK_X)
+        tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc,
                  mask=rmask[:, None])
+    tl.store(m_ptr + out, m_i, mask=rmask)
+    tl.store(l_ptr + out, l_i, mask=rmask)
+    # every thread's stores, then one gpu-scope acq_rel ticket: the last program sees them all
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if ticket == NBLK + E - 1:
+        _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, NBLK + E, R, hkv, nq, D, PCH)
+        tl.store(count_ptr + bh, 0)  # ready for a relaunch on the same buffers (autotuning)
+
+
+_LAUNCH = Launcher(_parts_kernel)
 
 
 # -- host side -----------------------------------------------------------------------------------
-@lru_cache(maxsize=64)
-def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """R [C, n, n] float32 of each candidate's seed."""
-    return torch.stack([torch.tensor(rotation_matrix(n, s), dtype=torch.float32)
-                        for s in seeds]).to(device)
-
-
-def _part_meta(role: RoleTensors, p: int) -> dict[str, Any]:
-    """The kernel's constants and table of part ``p`` of ``role`` (a placeholder part of width
-    0 past the last)."""
-    if p >= len(role.codes):
-        return {"N": 0, "NP": 16, "NB": 1, "B": 2, "table": None}
-    n, bits = role.channels[p].shape[-1], role.bits[p]
-    quantizer = getattr(role.codec, "quantizer", "scalar")
-    tables = _tables(n, bits, quantizer, role.codes[p].device)
-    return {"N": n, "NP": _width(n), "NB": role.codes[p].shape[-1], "B": bits,
-            "table": tables[_TABLE[quantizer]], "sub": tables["sub"]}
-
-
-def _select(x: torch.Tensor, rots: torch.Tensor, choice: torch.Tensor | None,
-            transpose: bool) -> torch.Tensor:
-    """``x @ R_cᵀ`` (``transpose``) or ``x @ R_c`` per block, c = the block's candidate;
-    ``x`` [heads, blocks, rows, n]: one matmul per candidate."""
-    if choice is None or rots.shape[0] == 1:
-        return x @ (rots[0].T if transpose else rots[0])
-    out = torch.zeros_like(x)
-    for c in range(rots.shape[0]):
-        y = x @ (rots[c].T if transpose else rots[c])
-        out += torch.where((choice == c)[:, :, None, None], y, 0.0)
-    return out
-
-
-def _queries(qs: torch.Tensor, keys: RoleTensors, width: int, p: int) -> torch.Tensor:
-    """Key part ``p``'s query per block: ``scale · q[ch_p] @ R_cᵀ`` float32 [heads, blocks,
-    rows, width], zero-padded."""
-    heads, rows, _ = qs.shape
-    channels = keys.channels[p]
-    blocks, n = channels.shape[1:]
-    part = torch.gather(qs[:, None].expand(-1, blocks, -1, -1), 3,
-                        channels[:, :, None, :].expand(-1, -1, rows, -1))
-    rotated = _select(part, _rotations(n, _seeds_of(keys.codec), qs.device), keys.choice, True)
-    if width == n:
-        return rotated.contiguous()
-    out = torch.zeros((heads, blocks, rows, width), dtype=torch.float32, device=qs.device)
-    out[..., :n] = rotated
-    return out
-
-
-def _seeds_of(codec: Any) -> tuple[int, ...]:
-    """Each candidate's rotation seed (turbo: its one seed)."""
-    return _seeds(codec) if hasattr(codec, "candidates") else (int(codec.seed),)
-
-
-def _exact(qs: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, bias: torch.Tensor | None,
-           causal: bool, batch: int, nq: int) -> tuple[torch.Tensor, ...]:
-    """(max, sum, value sum) per row of the exact tokens, in fp32: token j is visible to row r
-    (query token i = r mod Q) unless causal and ``j > X − Q + i``; ``bias`` [1 or B, Q, X]."""
-    heads, rows, dim = qs.shape
-    x = ke.shape[2]
-    k = ke.reshape(heads, x, dim).float()
-    s = qs @ k.transpose(1, 2)
-    qi = torch.arange(rows, device=qs.device) % nq
-    if bias is not None:
-        b = bias.float()[:, qi]  # [1 or B, rows, X]
-        s = (s.view(batch, heads // batch, rows, x) + b[:, None]).reshape(heads, rows, x)
-    if causal:
-        j = torch.arange(x, device=qs.device)
-        s = s.masked_fill(j[None, :] > x - nq + qi[:, None], -torch.inf)
-    m = s.amax(-1)
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m)[..., None])
-    return m, p.sum(-1), p @ ve.reshape(heads, x, dim).float()
-
-
 def _check(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve: Any,
            bias: Any) -> None:
     batch, hq, nq, dim = q.shape
@@ -305,20 +337,29 @@ def _check(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve:
         if role.mean is not None and role.mean.shape[-1] != dim \
                 or sum(c.shape[-1] for c in role.channels) != dim:
             raise ValueError(f"attention from codes: the codes are not of head_dim {dim}")
+    if dim & (dim - 1) or not 16 <= dim <= 256:
+        raise ValueError(f"attention from codes: head_dim {dim} is not a power of two in "
+                         "16..256")
     if (hq // hkv) * nq > MAX_ROWS:
         raise ValueError(f"attention from codes: {(hq // hkv) * nq} query rows per KV head, "
                          f"more than {MAX_ROWS}")
     if (ke is None) != (ve is None) or ke is not None and (
-            ke.shape != ve.shape or tuple(ke.shape[:2]) != (batch, hkv) or ke.shape[-1] != dim):
+            ke.shape != ve.shape or tuple(ke.shape[:2]) != (batch, hkv) or ke.shape[-1] != dim
+            or ke.dtype != ve.dtype):
         raise ValueError(f"attention from codes: exact keys/values must both be "
-                         f"[{batch}, {hkv}, X, {dim}]")
+                         f"[{batch}, {hkv}, X, {dim}] of one dtype")
     x = 0 if ke is None else ke.shape[2]
     if bias is not None and (bias.ndim != 3 or bias.shape[0] not in (1, batch)
                              or tuple(bias.shape[1:]) != (nq, x)):
         raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
                          f"[1 or {batch}, {nq}, {x}]")
-    if n // keys.block > 65535:
+    if n // keys.block + -(-x // _EXACT_SPLIT) > 65535:
         raise ValueError("attention from codes: more than 65535 blocks per row")
+
+
+#: the parts' scratch and the KV heads' tickets, shared by the launches of a stream on GPUs
+#: (under the interpreter a kernel runs on the calling thread: scratch of its own per call)
+_SCRATCH = StreamScratch(shared=not INTERPRET)
 
 
 def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
@@ -330,56 +371,43 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
     [B, Q, Hq, D]: the semantics of :func:`kvtool.kernels.triton_attention.attend`."""
     _check(q, keys, values, ke, ve, bias)
     batch, hq, nq, dim = q.shape
-    heads, n, block = keys.heads, keys.tokens, keys.block
+    heads, block = keys.heads, keys.block
     hkv = heads // batch
-    rows, blocks = (hq // hkv) * nq, n // block
+    rows, blocks = (hq // hkv) * nq, keys.tokens // block
+    x = 0 if ke is None else ke.shape[2]
+    exact_parts = -(-x // _EXACT_SPLIT)
+    parts = blocks + exact_parts
     device = q.device
-    qs = (q.float() * scale).reshape(heads, rows, dim)  # row r: query head r // Q, token r % Q
-    kp = [_part_meta(keys, p) for p in (0, 1)]
-    vp = [_part_meta(values, p) for p in (0, 1)]
-    q0 = _queries(qs, keys, kp[0]["NP"], 0)
-    q1 = _queries(qs, keys, kp[1]["NP"], 1) if kp[1]["N"] else q0
-    qm = torch.einsum("hrd,hbd->hbr", qs, keys.mean).contiguous() \
-        if keys.mean is not None else q0
-    m = torch.empty((heads, blocks, rows), dtype=torch.float32, device=device)
-    lsum = torch.empty_like(m)
-    acc = [torch.empty((heads, blocks, rows, vp[p]["NP"] if vp[p]["N"] else 1),
-                       dtype=torch.float32, device=device) for p in (0, 1)]
-    codes = [r.codes[p] if p < len(r.codes) else r.codes[0] for r in (keys, values)
-             for p in (0, 1)]
-    norms = [r.norms[p] if p < len(r.norms) else r.norms[0] for r in (keys, values)
-             for p in (0, 1)]
-    tables = [meta["table"] if meta["N"] else kp[0]["table"] for meta in (*kp, *vp)]
-    _block_kernel[(heads, blocks)](
-        q0, q1, qm, codes[0], codes[1], norms[0], norms[1], codes[2], codes[3], norms[2],
-        norms[3], *tables, kp[0]["sub"], m, lsum, acc[0], acc[1], n, blocks, rows,
-        MP=max(16, next_power_of_2(rows)), BLOCK=block, CENTERED=keys.mean is not None,
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    kargs = [[*args, rt] for args, rt, _, _ in keys.launch_parts]
+    vargs = [[*args, r] for args, _, r, _ in values.launch_parts]
+    kmeta = [meta for *_, meta in keys.launch_parts]
+    vmeta = [meta for *_, meta in values.launch_parts]
+    states = heads * parts * rows
+    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
+    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32, device=device)
+    anything = kargs[0][0]  # a pointer for arguments the constants leave unread
+    constants = dict(
+        MP=max(16, next_power_of_2(rows)), D=dim, BLOCK=block, KPICK=keys.choice is not None,
+        VPICK=values.choice is not None, KCENTERED=keys.mean is not None,
+        VCENTERED=values.mean is not None, CAUSAL=bool(causal) and nq > 1,
+        HAS_BIAS=bias is not None, BLOCK_X=16, PCH=min(next_power_of_2(parts), 64, 8192 // dim),
         KQ=QUANTIZERS[getattr(keys.codec, "quantizer", "scalar")],
-        **{f"K{k}{p}": kp[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B")},
+        **{f"K{k}{p}": kmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
         VQ=QUANTIZERS[getattr(values.codec, "quantizer", "scalar")],
-        **{f"V{k}{p}": vp[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B")},
+        **{f"V{k}{p}": vmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
         **({"BLOCK_N": min(64, max(16, next_power_of_2(block)))} if INTERPRET else {}))
-    o = torch.zeros((heads, blocks, rows, dim), dtype=torch.float32, device=device)
-    for p, channels in enumerate(values.channels):
-        width = channels.shape[-1]
-        back = _select(acc[p][..., :width], _rotations(width, _seeds_of(values.codec), device),
-                       values.choice, False)
-        o.scatter_(3, channels[:, :, None, :].expand(-1, -1, rows, -1), back)
-    if values.mean is not None:
-        o += lsum[..., None] * values.mean[:, :, None, :]
-    top = m.amax(1)
-    if ke is not None and ke.shape[2]:
-        me, le, oe = _exact(qs, ke, ve, bias, causal, batch, nq)
-        top = torch.maximum(top, me)
-        we = torch.exp(me - top)
-    w = torch.exp(m - top[:, None])
-    num = (w[..., None] * o).sum(1)
-    den = (w * lsum).sum(1)
-    if ke is not None and ke.shape[2]:
-        num += we[..., None] * oe
-        den += we * le
-    out = (num / den[..., None]).view(batch, hkv, hq // hkv, nq, dim)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, nq, hq, dim)
+    _LAUNCH((heads, parts), (
+        q, *kargs[0], *kargs[1], *vargs[0], *vargs[1],
+        *(anything if t is None else t for t in (keys.choice, values.choice, keys.mean,
+                                                 values.mean)),
+        *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
+        q if bias is None else bias.to(torch.float32).contiguous(),
+        work, work[states:], work[2 * states:], tickets, out, blocks, x, exact_parts, hkv, nq,
+        hq, rows, 1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
+        float(scale)), constants)
+    return out
 
 
 __all__ = ["MAX_ROWS", "RoleTensors", "attend", "available", "name", "role_tensors"]

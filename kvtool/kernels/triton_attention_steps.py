@@ -25,6 +25,15 @@ def _exact_dot(a, b, acc):
 
 
 @_jit
+def _query_src(q_ptr, bh, R, nq, hq, sb, sh, sn, MP: tl.constexpr):
+    """Pointers [MP] to the query rows of KV head row ``bh``: row r is query token ``r mod
+    nq`` of query head ``(bh mod hkv)·(R / nq) + r / nq`` (strides ``sb``/``sh``/``sn``)."""
+    row = bh * R + tl.arange(0, MP)  # (batch, query head, query token) order
+    head = row // nq
+    return q_ptr + (head // hq) * sb + (head % hq) * sh + (row % nq) * sn
+
+
+@_jit
 def _query_rows(q_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP: tl.constexpr,
                 D: tl.constexpr, ROTATE: tl.constexpr, BK: tl.constexpr):
     """fp32 ``scale · q @ R_cᵀ`` (``ROTATE``; ``rt_ptr`` at ``R_cᵀ``, exact in bf16, q in
@@ -32,9 +41,7 @@ def _query_rows(q_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, MP: tl.constexp
     row r is query token ``r mod nq`` of query head ``(bh mod hkv)·(R / nq) + r / nq``."""
     rows = tl.arange(0, MP)
     rmask = rows < R
-    row = bh * R + rows  # (batch, query head, query token) order
-    head = row // nq
-    src = q_ptr + (head // hq) * sb + (head % hq) * sh + (row % nq) * sn
+    src = _query_src(q_ptr, bh, R, nq, hq, sb, sh, sn, MP)
     if ROTATE:
         acc = tl.zeros([MP, D], tl.float32)
         for k0 in range(0, D, BK):  # BK rows of Rᵀ at a time: few live registers

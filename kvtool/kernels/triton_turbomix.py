@@ -180,7 +180,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
 
 @_tuned
 def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr, r_ptr,
-                   cent_ptr, pts_ptr, lvl_ptr, sub_ptr, out_ptr, tokens, tok_class,
+                   cent_ptr, pts_ptr, slv_ptr, out_ptr, tokens, tok_class,
                    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr, QUANT: tl.constexpr, RP: tl.constexpr,
                    HAS_MEAN: tl.constexpr, HAS_CHOICE: tl.constexpr, BM: tl.constexpr,
@@ -198,7 +198,7 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
         c = tl.load(choice_ptr + g).to(tl.int32)
     acc = tl.zeros([BM, NP], tl.float32)
     for k0 in tl.static_range(0, NP, BK):
-        y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, lvl_ptr, sub_ptr,
+        y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, slv_ptr,
                     N, NB, BITS, QUANT, BM, BK)
         acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
     v = acc * tl.load(norms_ptr + r, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -245,12 +245,13 @@ def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> tuple[An
 def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str, Any]:
     """The part's quantiser tables (the reference's float32 values; unused ones: a zero)."""
     from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-    from kvtool.codecs.trellis import subset_table
+    from kvtool.codecs.trellis import state_values, subset_table
     from kvtool.codecs.trellis_tables import trellis_levels
     from kvtool.codecs.vq_tables import pair_codebook
 
     zero = np.zeros(1, np.float32)
-    t = {"bnd": zero, "cent": zero, "pts": zero, "hsq": zero, "lvl": zero, "edge": zero}
+    t = {"bnd": zero, "cent": zero, "pts": zero, "hsq": zero, "lvl": zero, "edge": zero,
+         "slv": zero}
     if quantizer == "scalar":
         book = sphere_marginal_codebook(n, 1 << bits)
         t["bnd"], t["cent"] = book.boundaries, book.centroids
@@ -261,6 +262,7 @@ def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str
         t["lvl"] = levels = trellis_levels(bits) / np.float32(np.sqrt(n))
         per_subset = levels.reshape(-1, 4).T
         t["edge"] = (per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5)
+        t["slv"] = state_values(n, bits)  # what decoding looks up: one load per coordinate
     out = {k: torch.from_numpy(np.array(v, np.float32).reshape(-1)).to(device)
            for k, v in t.items()}
     out["sub"] = torch.from_numpy(subset_table().astype(np.int32).reshape(-1)).to(device)
@@ -485,7 +487,7 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
             arrays["codes" + suffix].reshape(rows, -1).contiguous(), norms.reshape(-1).contiguous(),
             choice if choice is not None else channels, channels,
             n if channels.shape[0] > 1 else 0, mean if mean is not None else out, r, tab["cent"],
-            tab["pts"], tab["lvl"], tab["sub"], out, tokens, tok_class, D=dim, N=n,
+            tab["pts"], tab["slv"], out, tokens, tok_class, D=dim, N=n,
             NP=_width(n), NB=(n * bits + 7) // 8, BITS=bits, QUANT=QUANTIZERS[codec.quantizer],
             RP=pieces, HAS_MEAN=mean is not None, HAS_CHOICE=choice is not None,
             BK=min(_width(n), 32), enable_fp_fusion=False, **meta)

@@ -47,6 +47,27 @@ def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr
 
 
 @_jit
+def _rot_cols(hi, mid, lo, m_ptr, n0, MP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
+              RP: tl.constexpr):
+    """``(hi + mid + lo) @ M[:, n0:n0+BN]`` [MP, BN] in fp32 accuracy for an fp32 tile in bf16
+    pieces (:func:`_split`) and ``M`` [NP, NP] stored as :func:`_rot`'s RP pieces: the
+    columns of a product a program cannot slice out of registers, one chunk at a time."""
+    offs = tl.arange(0, NP)[:, None] * NP + (n0 + tl.arange(0, BN))[None, :]
+    acc = tl.zeros([MP, BN], tl.float32)
+    m1 = tl.load(m_ptr + offs)
+    if RP == 3:
+        m2 = tl.load(m_ptr + NP * NP + offs)
+        acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
+        acc = _dot(mid, m2, acc)
+        acc = _dot(lo, m1, acc)
+        acc = _dot(hi, m2, acc)
+    else:
+        acc = _dot(lo, m1, acc)
+    acc = _dot(mid, m1, acc)
+    return _dot(hi, m1, acc)
+
+
+@_jit
 def _pack(q, row_ptr, rmask, NB: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr,
           BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
     """Store int32 codes ``q`` [BM, NP] LSB-first into the rows at ``row_ptr`` [BM]."""
@@ -87,24 +108,40 @@ def _part(x_ptr, mean_ptr, ch_ptr, g, r, rmask, j, N: tl.constexpr, D: tl.conste
 
 
 @_jit
-def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, lvl_ptr, sub_ptr, N: tl.constexpr,
+def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, slv_ptr, N: tl.constexpr,
             NB: tl.constexpr, BITS: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr,
             BK: tl.constexpr):
     """Unit-vector coordinates [BM, BK] at code indices ``idx`` (0 where idx ≥ N)."""
-    q = _unpack(row_ptr, rmask, idx, N, NB, BITS)
     if QUANT == 0:
-        y = tl.load(cent_ptr + q)
+        y = tl.load(cent_ptr + _unpack(row_ptr, rmask, idx, N, NB, BITS))
     elif QUANT == 1:  # the pair's index from both its codes; this coordinate of its point
         first = _unpack(row_ptr, rmask, idx & ~1, N, NB, BITS)
         second = _unpack(row_ptr, rmask, idx | 1, N, NB, BITS)
         y = tl.load(pts_ptr + 2 * ((first << BITS) | second) + (idx & 1)[None, :])
-    else:  # the subset from the path bits of the 5 coordinates before (zeros before the first)
-        state = tl.zeros([BM, BK], tl.int32)
-        for k in tl.static_range(1, 6):
-            state |= (_unpack(row_ptr, rmask, idx - k, N, NB, BITS) >> (BITS - 1)) << (k - 1)
-        subset = tl.load(sub_ptr + state * 2 + (q >> (BITS - 1)))
-        y = tl.load(lvl_ptr + 4 * (q & ((1 << (BITS - 1)) - 1)) + subset)
+    else:  # the code and the 5 before it in one window of bytes (zeros before the first)
+        y = tl.load(slv_ptr + _trellis_index(row_ptr, rmask, idx, N, NB, BITS))
     return tl.where((idx < N)[None, :], y, 0.0)
+
+
+@_jit
+def _trellis_index(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr,
+                   BITS: tl.constexpr):
+    """``state << BITS | code`` [BM, len(idx)] of trellis codes: the code at ``idx`` and its
+    path state, the top bits of the 5 codes before it (the latest in bit 0; zeros before the
+    first), from the 6·BITS bits that end with the code, read as 3-4 bytes (int32 window)."""
+    lo = (idx - 5) * BITS  # the window's first bit (negative: before the row)
+    first = lo >> 3
+    w = tl.zeros([rmask.shape[0], idx.shape[0]], tl.int32)
+    for k in tl.static_range((6 * BITS + 6) // 8 + 1):
+        b = first + k
+        ok = (b >= 0) & (b < NB) & (idx < N)
+        w |= tl.load(row_ptr[:, None] + b[None, :], mask=rmask[:, None] & ok[None, :],
+                     other=0).to(tl.int32) << (8 * k)
+    w = w >> (lo & 7)[None, :]
+    index = (w >> (5 * BITS)) & ((1 << BITS) - 1)
+    for k in tl.static_range(1, 6):
+        index |= ((w >> ((6 - k) * BITS - 1)) & 1) << (BITS + k - 1)
+    return index
 
 
 @_jit
