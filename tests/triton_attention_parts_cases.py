@@ -155,3 +155,28 @@ def test_preset_codes_at_bench_shape_match_the_decoded_reference(preset):
     kr, vr = Role(preset[0], k.numpy(), block), Role(preset[1], v.numpy(), block)
     out = tap.attend(q, kr.tensors, vr.tensors, scale=dim ** -0.5)
     close(out, reference(q, kr.decoded, vr.decoded, None, None, dim ** -0.5), rel=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_every_autotune_config_reads_the_codes_right(monkeypatch):
+    """Each config the autotuner may pick, forced alone, against the decoded reference: both
+    presets at head_dim 128 (the trellis byte windows, the in-kernel rotations of 96- and
+    32-wide parts) with exact tokens, and pairs with outliers at head_dim 64."""
+    kernel = tap._parts_kernel
+    cases = []
+    for kspec, vspec, dim in (*((*spec, 128) for spec in (BALANCED, SMALL)),
+                              ("turbomix:bits=3,outliers=8,outlier_bits=4,vq=2,norm_bits=8,"
+                               "candidates=2", "turbomix:bits=2,outliers=6,center=true,"
+                               "candidates=3", 64)):
+        q, k, v, ke, ve = _inputs(2, 2, 4, 1, 256, dim, seed=dim, x=5, dtype=torch.bfloat16)
+        cases.append((q, Role(kspec, k + 1.0, 64), Role(vspec, v, 64), ke, ve))
+    for config in list(kernel.configs):
+        monkeypatch.setattr(kernel, "configs", [config])
+        kernel.cache.clear()
+        tap._LAUNCH.compiled.clear()
+        for q, kr, vr, ke, ve in cases:
+            out = tap.attend(q, kr.tensors, vr.tensors, ke, ve, scale=0.1)
+            close(out, reference(q, kr.decoded, vr.decoded, ke, ve, 0.1))
+    kernel.cache.clear()
+    tap._LAUNCH.compiled.clear()
