@@ -12,7 +12,8 @@ program per (batch · KV head, part) (one launch: at decode sizes the host's lau
 the time; the host-side rotations and merge this replaced were ~100 torch ops per call):
 
 - a block's program gathers each key part's query channels and rotates them into the block's
-  domain, ``scale · q[ch_p] @ R_cᵀ`` (fp32 accuracy: bf16 pieces of both), and takes
+  domain, ``scale · q[ch_p] @ R_cᵀ`` (to ~16 bits: the leading terms of bf16 pieces of both;
+  the fp16 dots after it err by ~6e-4), and takes
   ``q·mean`` for centered keys;
 - it scores the block's tokens from the codes (each part's unit values unpacked and looked up
   as ``turbomix``'s decode does, fp16 tensor-core dots with the rotated query, times the
@@ -172,7 +173,7 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
 def _part_query(q_ptr, ch_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, N: tl.constexpr,
                 NP: tl.constexpr, RP: tl.constexpr, MP: tl.constexpr, BK: tl.constexpr):
     """fp16 ``scale · q[ch] @ R_cᵀ`` [MP, NP] of a key part (``ch_ptr``: the block's N
-    channels; ``rt_ptr``: its candidate's Rᵀ pieces), rotated in fp32 accuracy."""
+    channels; ``rt_ptr``: its candidate's Rᵀ pieces), rotated to ~16 bits."""
     rmask = tl.arange(0, MP) < R
     src = _query_src(q_ptr, bh, R, nq, hq, sb, sh, sn, MP)
     acc = tl.zeros([MP, NP], tl.float32)
@@ -181,7 +182,7 @@ def _part_query(q_ptr, ch_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, N: tl.c
         ch = tl.load(ch_ptr + j, mask=j < N, other=0)
         x = tl.load(src[:, None] + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
                     other=0.0).to(tl.float32)
-        acc = _rot(acc, x, rt_ptr, k0, NP, BK, RP)
+        acc = _rot(acc, x, rt_ptr, k0, NP, BK, RP, False)  # ~16 bits: fp16 next
     return (acc * scale).to(tl.float16)
 
 
@@ -211,13 +212,14 @@ def _value_sum(acc, p, row_ptr, norm_ptr, tok, tmask, table_ptr, N: tl.constexpr
 def _put_values(acc, l_i, dst, rmask, ch_ptr, r_ptr, mean_ptr, N: tl.constexpr,
                 NP: tl.constexpr, RP: tl.constexpr, CENTERED: tl.constexpr, MP: tl.constexpr,
                 BN: tl.constexpr):
-    """Store a value part's sum ``acc`` [MP, NP] rotated back, ``acc @ R_c`` (fp32 accuracy),
-    in its channels of the rows at ``dst`` [MP], plus ``l_i`` times the block's mean there."""
+    """Store a value part's sum ``acc`` [MP, NP] rotated back, ``acc @ R_c`` (to ~16 bits,
+    far below the fp16 dots' ~6e-4), in its channels of the rows at ``dst`` [MP], plus ``l_i``
+    times the block's mean there."""
     hi, mid, lo = _split(acc)
     for n0 in tl.static_range(0, NP, BN):
         j = n0 + tl.arange(0, BN)
         ch = tl.load(ch_ptr + j, mask=j < N, other=0)
-        o = _rot_cols(hi, mid, lo, r_ptr, n0, MP, NP, BN, RP)
+        o = _rot_cols(hi, mid, lo, r_ptr, n0, MP, NP, BN, RP, False)
         if CENTERED:
             o += l_i[:, None] * tl.load(mean_ptr + ch, mask=j < N, other=0.0)[None, :]
         tl.store(dst[:, None] + ch[None, :], o, mask=rmask[:, None] & (j < N)[None, :])

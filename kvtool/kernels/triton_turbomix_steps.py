@@ -28,40 +28,40 @@ def _dot(a, m, acc):
 
 
 @_jit
-def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr):
-    """``acc + t @ M[k0:k0+BK, :]`` in fp32 accuracy for an fp32 chunk ``t`` [BM, BK] and
-    ``M`` [NP, NP] stored as RP bf16 pieces (one where exact); small terms first."""
+def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+         FP32: tl.constexpr = True):
+    """``acc + t @ M[k0:k0+BK, :]`` for an fp32 chunk ``t`` [BM, BK] and ``M`` [NP, NP] stored
+    as RP bf16 pieces (one where exact): in fp32 accuracy, or (not ``FP32``) to ~16 bits, the
+    leading terms only (for a result rounded to fp16 next, or summed with fp16 dots' error)."""
     hi, mid, lo = _split(t)
     offs = (k0 + tl.arange(0, BK))[:, None] * NP + tl.arange(0, NP)[None, :]
-    m1 = tl.load(m_ptr + offs)
-    if RP == 3:
-        m2 = tl.load(m_ptr + NP * NP + offs)
-        acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
-        acc = _dot(mid, m2, acc)
-        acc = _dot(lo, m1, acc)
-        acc = _dot(hi, m2, acc)
-    else:
-        acc = _dot(lo, m1, acc)
-    acc = _dot(mid, m1, acc)
-    return _dot(hi, m1, acc)
+    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP, RP, FP32)
 
 
 @_jit
 def _rot_cols(hi, mid, lo, m_ptr, n0, MP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
-              RP: tl.constexpr):
-    """``(hi + mid + lo) @ M[:, n0:n0+BN]`` [MP, BN] in fp32 accuracy for an fp32 tile in bf16
-    pieces (:func:`_split`) and ``M`` [NP, NP] stored as :func:`_rot`'s RP pieces: the
-    columns of a product a program cannot slice out of registers, one chunk at a time."""
+              RP: tl.constexpr, FP32: tl.constexpr = True):
+    """``(hi + mid + lo) @ M[:, n0:n0+BN]`` [MP, BN] for an fp32 tile in bf16 pieces
+    (:func:`_split`) and ``M`` as :func:`_rot`'s (accuracy likewise): the columns of a
+    product a program cannot slice out of registers, one chunk at a time."""
     offs = tl.arange(0, NP)[:, None] * NP + (n0 + tl.arange(0, BN))[None, :]
-    acc = tl.zeros([MP, BN], tl.float32)
+    return _by_pieces(tl.zeros([MP, BN], tl.float32), hi, mid, lo, m_ptr, offs, NP, RP, FP32)
+
+
+@_jit
+def _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP: tl.constexpr, RP: tl.constexpr,
+               FP32: tl.constexpr):
+    """``acc + (hi + mid + lo) @ (M₁ + M₂ + M₃)[offs]``, small terms first: in fp32 accuracy
+    (every term down to 2⁻²⁴ of the leading one), or to ~16 bits (hi·M₁, mid·M₁, hi·M₂)."""
     m1 = tl.load(m_ptr + offs)
     if RP == 3:
         m2 = tl.load(m_ptr + NP * NP + offs)
-        acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
-        acc = _dot(mid, m2, acc)
-        acc = _dot(lo, m1, acc)
+        if FP32:
+            acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
+            acc = _dot(mid, m2, acc)
+            acc = _dot(lo, m1, acc)
         acc = _dot(hi, m2, acc)
-    else:
+    elif FP32:
         acc = _dot(lo, m1, acc)
     acc = _dot(mid, m1, acc)
     return _dot(hi, m1, acc)
