@@ -79,6 +79,12 @@ def test_every_option_matches_the_decoded_reference(kspec, vspec, group, nq, dim
                          causal=nq > 1))
     out = tap.attend(q, kr.tensors, vr.tensors, scale=0.3)  # no exact tokens
     close(out, reference(q, kr.decoded, vr.decoded, None, None, 0.3))
+    # written in the query's 16-bit dtype straight from the fp32 accumulator: one rounding (to
+    # nearest on GPUs; the interpreter may truncate: one ulp)
+    typed = tap.attend(q, kr.tensors, vr.tensors, scale=0.3, out_dtype=torch.bfloat16)
+    assert typed.dtype == torch.bfloat16
+    torch.testing.assert_close(typed, out.to(torch.bfloat16),
+                               rtol=torch.finfo(torch.bfloat16).eps, atol=0)
 
 
 def test_several_candidates_are_really_in_use_and_read():
@@ -104,7 +110,8 @@ def test_bad_shapes_are_refused_with_a_clear_error():
            ((q.expand(1, 4, 40, 32), kr.tensors, vr.tensors), {}, "query rows"),
            ((q, kr.tensors, vr.tensors, ke), {}, "exact keys/values"),
            ((q, kr.tensors, vr.tensors, ke, ve), {"bias": torch.zeros(1, 1, 4)}, "bias"),
-           ((q.expand(3, -1, -1, -1), kr.tensors, vr.tensors), {}, "does not fit")]
+           ((q.expand(3, -1, -1, -1), kr.tensors, vr.tensors), {}, "does not fit"),
+           ((q, kr.tensors, vr.tensors), {"out_dtype": torch.int32}, "out_dtype")]
     for call, extra, match in bad:
         with pytest.raises(ValueError, match=match):
             tap.attend(*call, scale=0.1, **extra)

@@ -452,21 +452,20 @@ def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kcodec, vcodec = view.codecs
     dim = query.shape[-1]
     scale = dim ** -0.5 if scaling is None else float(scaling)
+    out_dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float32
     try:
         if view.roles is not None:
             from kvtool.kernels import triton_attention_parts
 
             out = triton_attention_parts.attend(query, *view.roles, key, value, scale=scale,
-                                                bias=bias, causal=causal)
-            return out if query.dtype == torch.float32 else out.to(query.dtype)
-        out = ta.attend(query, view.codes[0], view.norms[0], view.codes[1], view.norms[1], key,
-                        value, dim=dim, k_bits=kcodec.bits, v_bits=vcodec.bits,
-                        k_seeds=rotation_seeds(kcodec), v_seeds=rotation_seeds(vcodec),
-                        scale=scale, bias=bias,
-                        causal=causal, k_rotations=view.rotations[0],
-                        v_rotations=view.rotations[1], key_means=view.key_means,
-                        block=view.block, out_dtype=query.dtype if query.dtype in (
-                            torch.float16, torch.bfloat16) else torch.float32)
+                                                bias=bias, causal=causal, out_dtype=out_dtype)
+        else:
+            out = ta.attend(query, view.codes[0], view.norms[0], view.codes[1], view.norms[1],
+                            key, value, dim=dim, k_bits=kcodec.bits, v_bits=vcodec.bits,
+                            k_seeds=rotation_seeds(kcodec), v_seeds=rotation_seeds(vcodec),
+                            scale=scale, bias=bias, causal=causal,
+                            k_rotations=view.rotations[0], v_rotations=view.rotations[1],
+                            key_means=view.key_means, block=view.block, out_dtype=out_dtype)
     except ta.BUILD_ERRORS as e:  # the kernel does not build here: decode-then-attend from now
         if kernel_mode() == "compiled":
             raise

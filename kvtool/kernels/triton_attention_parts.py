@@ -366,12 +366,17 @@ _SCRATCH = StreamScratch(shared=not INTERPRET)
 
 def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
            ke: torch.Tensor | None = None, ve: torch.Tensor | None = None, *, scale: float,
-           bias: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+           bias: torch.Tensor | None = None, causal: bool = False,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Softmax attention of ``q`` [B, Hq, Q, D] over encoded tokens (``keys``/``values``,
     :class:`RoleTensors`; visible to every query) and exact ones ``ke``/``ve`` [B, Hkv, X, D]
-    (after them; ``bias`` [1 or B, Q, X] added, causal among the last Q) → fp32
-    [B, Q, Hq, D]: the semantics of :func:`kvtool.kernels.triton_attention.attend`."""
+    (after them; ``bias`` [1 or B, Q, X] added, causal among the last Q) → [B, Q, Hq, D] in
+    ``out_dtype`` (fp32 accumulation, one rounding): the semantics of
+    :func:`kvtool.kernels.triton_attention.attend`."""
     _check(q, keys, values, ke, ve, bias)
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"attention from codes: out_dtype must be float16, bfloat16 or "
+                         f"float32, got {out_dtype}")
     batch, hq, nq, dim = q.shape
     heads, block = keys.heads, keys.block
     hkv = heads // batch
@@ -388,7 +393,7 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
     vmeta = [meta for *_, meta in values.launch_parts]
     states = heads * parts * rows
     work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
-    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32, device=device)
+    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
     anything = kargs[0][0]  # a pointer for arguments the constants leave unread
     constants = dict(
         MP=max(16, next_power_of_2(rows)), D=dim, BLOCK=block, KPICK=keys.choice is not None,
