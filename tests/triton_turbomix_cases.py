@@ -374,3 +374,21 @@ def test_every_config(monkeypatch):
                 pin_config(m, kernel, configs[i % len(configs)])
             check_large(spec, x)
     check_large(spec, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_every_trellis_config(monkeypatch):
+    """The trellis search's own tiles (a row per thread: its 32 path costs in registers), each
+    alone, at blocks of 64 tokens and at 8-token groups (the one-warp 16-row tile)."""
+    kernel = tm._encode_kernel
+    spec = "turbomix:bits=3,outliers=16,outlier_bits=4,center=true,candidates=4,trellis=true"
+    for tokens, tok_class in ((64, 64), (8, 16)):
+        x = keys((4, 8, tokens, 128), seed=tokens)
+        configs = kept_configs(kernel, tok_class=tok_class, NP=128, QUANT=tm.TRELLIS)
+        assert configs and all(c.kwargs["BM"] >= 32 * c.num_warps or c.num_warps == 1
+                               for c in configs)
+        for config in configs:
+            with monkeypatch.context() as m:
+                pin_config(m, kernel, config)
+                check_large(spec, x)

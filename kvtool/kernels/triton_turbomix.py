@@ -28,7 +28,7 @@ decision may decide the other way.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -70,26 +70,38 @@ QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
 _INPUT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _tuned(fn: Any) -> Any:
+#: (rows per program, warps) of the autotune search; the encode adds tiles of a row per thread
+_CONFIGS = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8))
+_ROW_CONFIGS = ((16, 1), (32, 1), (64, 2))
+
+
+def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS) -> Any:
     """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter; the
     results persist across processes where Triton can); the ``tok_class`` argument (tokens per
     group, capped at 64) keeps short groups apart."""
     if triton is None or INTERPRET:
         return _jit(fn)
-    configs = [triton.Config({"BM": m}, num_warps=w, num_stages=1)
-               for m in (16, 32, 64) for w in (4, 8)]
-    return triton.autotune(configs, key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
+    return triton.autotune([triton.Config({"BM": m}, num_warps=w, num_stages=1)
+                            for m, w in configs],
+                           key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
                            prune_configs_by={"early_config_prune": _prune},
                            **_persisted())(triton.jit(fn))
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """No more rows per program than a group has (16 at least), and [BM, NP] tiles that fit
-    in registers."""
+    in registers. Tiles of a row per thread (BM ≥ 32 × warps, or one warp) are for the
+    trellis search alone: its [32 states, BM] path costs then stay in each thread's registers
+    (compiled for sm_90, its step is ~20 warp-instructions per row where it was ~170 with the
+    states across a warp's lanes); everything else keeps 4 and 8 warps."""
     most = max(16, named_args.get("tok_class", kwargs.get("tok_class", 64)))
     width = kwargs.get("NP", named_args.get("NP", 128))
-    return [c for c in configs if c.kwargs["BM"] <= most and c.kwargs["BM"] * width <= 8192] \
-        or configs[:2]
+    fits = [c for c in configs if c.kwargs["BM"] <= most and c.kwargs["BM"] * width <= 8192]
+    if kwargs.get("QUANT", named_args.get("QUANT", 0)) == TRELLIS:
+        rows = [c for c in fits if c.kwargs["BM"] >= 32 * c.num_warps]
+        if rows or any(c.num_warps < 4 for c in fits):
+            return rows or [c for c in fits if c.num_warps == 1]
+    return [c for c in fits if c.num_warps >= 4] or configs[:2]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -122,7 +134,7 @@ def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.c
         tl.store(energy_ptr + g * D + cols, acc2, mask=cmask)
 
 
-@_tuned
+@partial(_tuned, configs=_CONFIGS + _ROW_CONFIGS)
 def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr, pts_ptr,
                    hsq_ptr, lvl_ptr, edge_ptr, sub_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
                    dec_scr, q_scr, rows, tokens, groups, C, tok_class,
@@ -151,20 +163,27 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
         n16 = nrm.to(tl.float16).to(tl.float32)
         inv = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.where(nrm > 0, nrm, nrm + 1))
         for c in range(C):
-            u = tl.zeros([BM, NP], tl.float32)
-            for k0 in tl.static_range(0, NP, BK):
-                tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N, D,
-                           HAS_MEAN)
-                u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
             out = codes_ptr + (c * rows + r) * NB
-            if QUANT == 2:
-                tl.store(u_scr + scr + jp[None, :] * BM + lanes[:, None], u)
+            if QUANT == 2:  # u to the scratch a column chunk at a time: few live registers
+                for n0 in tl.static_range(0, NP, BK):
+                    u = tl.zeros([BM, BK], tl.float32)
+                    for k0 in tl.static_range(0, NP, BK):
+                        tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N,
+                                   D, HAS_MEAN)
+                        u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP, True, n0)
+                    tl.store(u_scr + scr + (n0 + tl.arange(0, BK))[None, :] * BM
+                             + lanes[:, None], u)
                 err = _trellis(u_scr + scr, dec_scr + scr, q_scr + scr, inv, n16, lvl_ptr,
                                edge_ptr, sub_ptr, N, BM, BITS, PER)
                 q = tl.load(q_scr + scr + jp[None, :] * BM + lanes[:, None],
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
             else:
+                u = tl.zeros([BM, NP], tl.float32)
+                for k0 in tl.static_range(0, NP, BK):
+                    tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N, D,
+                               HAS_MEAN)
+                    u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
                     q = _scalar(y, bnd_ptr, BITS)

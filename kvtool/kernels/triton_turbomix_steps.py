@@ -29,12 +29,13 @@ def _dot(a, m, acc):
 
 @_jit
 def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
-         FP32: tl.constexpr = True):
-    """``acc + t @ M[k0:k0+BK, :]`` for an fp32 chunk ``t`` [BM, BK] and ``M`` [NP, NP] stored
-    as RP bf16 pieces (one where exact): in fp32 accuracy, or (not ``FP32``) to ~16 bits, the
-    leading terms only (for a result rounded to fp16 next, or summed with fp16 dots' error)."""
+         FP32: tl.constexpr = True, n0=0):
+    """``acc + t @ M[k0:k0+BK, n0:n0+W]`` (W: ``acc``'s width) for an fp32 chunk ``t``
+    [BM, BK] and ``M`` [NP, NP] stored as RP bf16 pieces (one where exact): in fp32 accuracy,
+    or (not ``FP32``) to ~16 bits, the leading terms only (for a result rounded to fp16 next,
+    or summed with fp16 dots' error)."""
     hi, mid, lo = _split(t)
-    offs = (k0 + tl.arange(0, BK))[:, None] * NP + tl.arange(0, NP)[None, :]
+    offs = (k0 + tl.arange(0, BK))[:, None] * NP + (n0 + tl.arange(0, acc.shape[1]))[None, :]
     return _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP, RP, FP32)
 
 
@@ -191,30 +192,33 @@ def _subset_error(y, j: tl.constexpr, lvl_ptr, edge_ptr, PER: tl.constexpr):
 
 @_jit
 def _pick(j, d0, d1, d2, d3):
-    """``d_j[row]`` [BM, 32] for each state's subset ``j`` [1, 32]."""
-    return tl.where(j == 0, d0[:, None], tl.where(j == 1, d1[:, None],
-                                                  tl.where(j == 2, d2[:, None], d3[:, None])))
+    """``d_j[row]`` [32, BM] for each state's subset ``j`` [32, 1]."""
+    return tl.where(j == 0, d0[None, :], tl.where(j == 1, d1[None, :],
+                                                  tl.where(j == 2, d2[None, :], d3[None, :])))
 
 
 @_jit
 def _predecessors(cost, BM: tl.constexpr):
-    """(cost[s >> 1], cost[(s >> 1) | 16]) [BM, 32] for the states s: each state's two
-    predecessors' path costs, by reshapes (``tl.gather`` here trips an assertion in Triton
-    3.6's thread-locality pass on sm_90 at 16-row tiles)."""
-    low, high = tl.split(tl.permute(tl.reshape(cost, [BM, 2, 16]), (0, 2, 1)))
-    return tl.reshape(tl.join(low, low), [BM, 32]), tl.reshape(tl.join(high, high), [BM, 32])
+    """(cost[s >> 1], cost[(s >> 1) | 16]) [32, BM] for the states s: each state's two
+    predecessors' path costs, by reshapes of the state axis (``tl.gather`` here trips an
+    assertion in Triton 3.6's thread-locality pass on sm_90 at 16-row tiles)."""
+    low, high = tl.split(tl.permute(tl.reshape(cost, [2, 16, BM]), (1, 2, 0)))
+    return (tl.reshape(tl.permute(tl.join(low, low), (0, 2, 1)), [32, BM]),
+            tl.reshape(tl.permute(tl.join(high, high), (0, 2, 1)), [32, BM]))
 
 
 @_jit
 def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.constexpr,
              BM: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
     """Viterbi over the tile's rows (32 path costs each), decisions as one int32 bit mask per
-    row and coordinate, then the traceback: codes to ``q_ptr``, returns each row's error."""
+    row and coordinate, then the traceback: codes to ``q_ptr``, returns each row's error.
+    The costs are [32 states, BM rows]: with BM ≥ 32 × warps (the trellis configs) a thread
+    holds a row's 32 costs, so the predecessor step moves registers, not lanes."""
     lanes = tl.arange(0, BM)
     s = tl.arange(0, 32)
-    j0 = tl.load(sub_ptr + (s >> 1) * 2 + (s & 1))[None, :]
-    j1 = tl.load(sub_ptr + ((s >> 1) | 16) * 2 + (s & 1))[None, :]
-    cost = tl.where(tl.broadcast_to(s[None, :], [BM, 32]) == 0, 0.0, float("inf"))
+    j0 = tl.load(sub_ptr + (s >> 1) * 2 + (s & 1))[:, None]
+    j1 = tl.load(sub_ptr + ((s >> 1) | 16) * 2 + (s & 1))[:, None]
+    cost = tl.where(tl.broadcast_to(s[:, None], [32, BM]) == 0, 0.0, float("inf"))
     tl.debug_barrier()
     for t in range(N):
         y = tl.load(u_ptr + t * BM + lanes) * inv
@@ -227,9 +231,9 @@ def _trellis(u_ptr, dec_ptr, q_ptr, inv, n16, lvl_ptr, edge_ptr, sub_ptr, N: tl.
         c1 = from1 + _pick(j1, d0, d1, d2, d3)
         take = c1 < c0
         cost = tl.where(take, c1, c0)
-        tl.store(dec_ptr + t * BM + lanes, tl.sum(take.to(tl.int32) << s[None, :], axis=1))
+        tl.store(dec_ptr + t * BM + lanes, tl.sum(take.to(tl.int32) << s[:, None], axis=0))
     tl.debug_barrier()
-    state = tl.argmin(tl.where(cost == cost, cost, float("inf")), axis=1,
+    state = tl.argmin(tl.where(cost == cost, cost, float("inf")), axis=0,
                       tie_break_left=True).to(tl.int32)
     err = tl.zeros([BM], tl.float32)
     for i in range(N):
