@@ -105,8 +105,7 @@ def _row(kernel, warps: int, block_n: int, looped: bool = True) -> str:
 
 def _preset_parts(preset: str) -> dict[str, int]:
     """The parts kernel's per-part constants for ``preset``'s key and value codecs at D=128."""
-    from kvtool.kernels.triton_attention_parts import _width
-    from kvtool.kernels.triton_turbomix import _rotations
+    from kvtool.kernels.triton_turbomix_tables import _rotations, _width
     from kvtool.policy import preset_policy
 
     policy, out = preset_policy(preset), {}

@@ -41,16 +41,9 @@ import torch
 from kvtool.kernels.triton_attention_steps import _exact_part, _merge, _query_rows, _query_src
 from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
 from kvtool.kernels.triton_launch import Launcher, StreamScratch
-from kvtool.kernels.triton_turbomix import (
-    QUANTIZERS,
-    _rotations,
-    _seeds,
-    _tables,
-    _width,
-    channel_sets_of,
-    norm_values,
-)
+from kvtool.kernels.triton_turbomix import QUANTIZERS, channel_sets_of, norm_values
 from kvtool.kernels.triton_turbomix_steps import _dot, _rot, _rot_cols, _split, _values
+from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _tables, _width
 
 try:
     import triton
