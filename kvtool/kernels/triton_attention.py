@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvtool.kernels.bitpack import group_shape
-from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part, _merge
+from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part, _finish_part
 from kvtool.kernels.triton_cuda import (
     BITS,
     DIMS,
@@ -176,14 +176,8 @@ def _attend_kernel(q_ptr, krt_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, kcent_ptr, vc
                                     HAS_BIAS, BLOCK_X)
         tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc,
                  mask=rmask[:, None])
-    tl.store(m_ptr + out, m_i, mask=rmask)
-    tl.store(l_ptr + out, l_i, mask=rmask)
-    # every thread's stores, then one gpu-scope acq_rel ticket: the last program sees them all
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == coded + E - 1:
-        _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, coded + E, R, hkv, nq, D, PCH)
-        tl.store(count_ptr + bh, 0)  # ready for a relaunch on the same buffers (autotuning)
+    _finish_part(m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, out, rmask, m_i, l_i, bh, coded + E, R,
+                 hkv, nq, D, PCH)
 
 
 _LAUNCH = Launcher(_attend_kernel)

@@ -38,7 +38,12 @@ from typing import Any
 
 import torch
 
-from kvtool.kernels.triton_attention_steps import _exact_part, _merge, _query_rows, _query_src
+from kvtool.kernels.triton_attention_steps import (
+    _exact_part,
+    _finish_part,
+    _query_rows,
+    _query_src,
+)
 from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
 from kvtool.kernels.triton_launch import Launcher, StreamScratch
 from kvtool.kernels.triton_turbomix import QUANTIZERS, channel_sets_of, norm_values
@@ -302,14 +307,8 @@ def _parts_kernel(q_ptr, kc0_ptr, kn0_ptr, kt0_ptr, kch0_ptr, kcs0, kr0_ptr, kc1
                                     HAS_BIAS, BLOCK_X)
         tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc,
                  mask=rmask[:, None])
-    tl.store(m_ptr + out, m_i, mask=rmask)
-    tl.store(l_ptr + out, l_i, mask=rmask)
-    # every thread's stores, then one gpu-scope acq_rel ticket: the last program sees them all
-    tl.debug_barrier()
-    ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-    if ticket == NBLK + E - 1:
-        _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, NBLK + E, R, hkv, nq, D, PCH)
-        tl.store(count_ptr + bh, 0)  # ready for a relaunch on the same buffers (autotuning)
+    _finish_part(m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, out, rmask, m_i, l_i, bh, NBLK + E, R,
+                 hkv, nq, D, PCH)
 
 
 _LAUNCH = Launcher(_parts_kernel)

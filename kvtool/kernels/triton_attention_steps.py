@@ -360,6 +360,21 @@ def _exact_part(q_ptr, ke_ptr, ve_ptr, bias_ptr, bh, e, X, E, hkv, nq, R, bias_b
 
 
 @_jit
+def _finish_part(m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, out, rmask, m_i, l_i, bh, P, R,
+                 hkv, nq, D: tl.constexpr, PCH: tl.constexpr):
+    """Write a part's (max, sum) per row (its value sum already at ``acc_ptr``), take KV head
+    row ``bh``'s ticket, and, drawing the last of its P, merge them into ``out``."""
+    tl.store(m_ptr + out, m_i, mask=rmask)
+    tl.store(l_ptr + out, l_i, mask=rmask)
+    # every thread's stores, then one gpu-scope acq_rel ticket: the last program sees them all
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if ticket == P - 1:
+        _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, P, R, hkv, nq, D, PCH)
+        tl.store(count_ptr + bh, 0)  # ready for a relaunch on the same buffers (autotuning)
+
+
+@_jit
 def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, bh, P, R, hkv, nq, D: tl.constexpr,
            PCH: tl.constexpr):
     """Merge the P parts' softmax states of each of KV head row ``bh``'s R query rows and
