@@ -10,6 +10,12 @@ whole loop, peak allocated memory (``torch.cuda.max_memory_allocated``, reset be
 minus what was allocated before it; CUDA only) and resident K/V bytes after the run
 (:func:`kvtool.engines.hf_runtime.cache_nbytes`). Ratios are this cache / ``DynamicCache`` at
 the same context; "codes" counts attention calls served from codes (``hf_attention.STATS``).
+
+A third run, under ``torch.profiler``, says what bounds each phase: "busy" is the share of the
+timed prefill, and of the timed decode step, that the device spent running kernels and copies
+(their summed durations; on the CPU, aten ops' self time). Far under 100%, the host (Python,
+launches, a sync) is the limit; near it, the kernels are. The JSON rows keep the five costliest
+kernels of each phase.
 """
 
 from __future__ import annotations
@@ -85,6 +91,51 @@ def _run(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
     return out  # the cache goes with this frame (callers collect garbage before the next run)
 
 
+def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]]]:
+    """(``fn()``, milliseconds of work the device ran meanwhile — CUDA kernels and copies; aten
+    ops' self time on the CPU —, the five costliest [name, ms])."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.device == "cuda"
+    b.clock.sync()
+    with profile(activities=[ProfilerActivity.CPU]
+                 + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = fn()
+        b.clock.sync()
+    spent: dict[str, float] = {}
+    for event in prof.events():
+        if cuda and event.device_type == DeviceType.CUDA:
+            us = event.time_range.elapsed_us()
+        elif not cuda and event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
+            us = event.self_cpu_time_total
+        else:
+            continue
+        spent[event.name] = spent.get(event.name, 0.0) + us / 1e3
+    top = sorted(spent.items(), key=lambda item: -item[1])[:5]
+    return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top]
+
+
+def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
+    """Device-busy milliseconds of a prefill and per decode step (:func:`_busy_ms`)."""
+    cache = make()
+    with b.torch.inference_mode():
+        logits, prefill_ms, prefill_top = _busy_ms(b, lambda: model(
+            ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits)
+        tok = logits[:, -1:].argmax(-1)
+
+        def decode():
+            t = tok
+            for _ in range(steps):
+                t = model(t, past_key_values=cache, use_cache=True,
+                          logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+        _, decode_ms, decode_top = _busy_ms(b, decode)
+    return {"prefill_busy_ms": prefill_ms, "step_busy_ms": decode_ms / steps,
+            "prefill_top": prefill_top,
+            "decode_top": [[name, ms / steps] for name, ms in decode_top]}
+
+
 def cache(b: Bench) -> dict:
     """Prefill seconds, decode tok/s, peak memory and K/V bytes of each cache per context."""
     torch, args = b.torch, b.args
@@ -97,9 +148,12 @@ def cache(b: Bench) -> dict:
                   f"batch 1; prefill in one forward, {args.steps} greedy decode steps in a manual "
                   "loop\n  ratios (x) are this cache / DynamicCache; peak: "
                   "max_memory_allocated over the run minus what was allocated before it "
-                  "(weights); K/V: cache_nbytes after the run",
+                  "(weights); K/V: cache_nbytes after the run; busy: the share of the "
+                  "prefill and of a decode step the device spent in kernels and copies "
+                  "(torch.profiler; far under 100%: host-bound)",
                   ["context", "cache", "prefill s", "x", "tok/s", "x", "peak GiB", "x", "K/V MiB",
-                   "x", "codes"], [7, 34, 9, 5, 7, 5, 8, 5, 8, 5, 6])
+                   "x", "codes", "busy: prefill", "step"], [7, 34, 9, 5, 7, 5, 8, 5, 8, 5, 6,
+                                                             13, 5])
     rows = []
     generator = torch.Generator().manual_seed(0)
     for n in args.contexts:
@@ -117,6 +171,10 @@ def cache(b: Bench) -> dict:
                 _run(b, model, make, ids, args.steps)  # untimed: compiles and autotunes all
                 gc.collect()
                 run = _run(b, model, make, ids, args.steps)
+                gc.collect()
+                run.update(_profile(b, model, make, ids, min(args.steps, 8)))
+                run["prefill_busy"] = ratio(run["prefill_busy_ms"], run["prefill_s"] * 1e3)
+                run["step_busy"] = ratio(run["step_busy_ms"] * run["decode_tok_s"], 1e3)
             gc.collect()
             if attempt.failed:
                 continue
@@ -134,7 +192,8 @@ def cache(b: Bench) -> dict:
                        f"{row['prefill_ratio']:.2f}", f"{run['decode_tok_s']:.1f}",
                        f"{row['decode_ratio']:.2f}", peak, peak_x,
                        f"{run['kv_bytes'] / 2**20:.1f}", f"{row['kv_ratio']:.2f}",
-                       str(run["codes_calls"])])
+                       str(run["codes_calls"]), f"{run['prefill_busy']:.0%}",
+                       f"{run['step_busy']:.0%}"])
     del model
     gc.collect()
     if b.device == "cuda":

@@ -3,15 +3,18 @@
 # triton, transformers, numba, safetensors, pytest, pytest-xdist; no vLLM, no install step):
 #   1. benchmarks/gpu.py --all (every table; its own time budget, BENCH_BUDGET seconds), then
 #      benchmarks/gpu_attention_split.py (≤ 2 min),
-#   2. the gpu test cases, compiled, with xdist workers (TEST_SECONDS at most).
+#   2. benchmarks/cold_start.py: the first save/load of a CUDA cache in a fresh process against
+#      warm ones (COLD_SECONDS at most; 0 skips it),
+#   3. the gpu test cases, compiled, with xdist workers (TEST_SECONDS at most).
 # Logs and the benchmark's JSON go to $OUT (default ./gpu-out). Wheels missing there (zstandard)
 # travel in .whl/ (see the README's GPU section) and are installed into /tmp/site first.
-#   bash scripts/gpu_session.sh                 # BENCH_BUDGET=300 TEST_SECONDS=200
+#   bash scripts/gpu_session.sh                 # BENCH_BUDGET=300 COLD_SECONDS=150 TEST_SECONDS=200
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 BENCH_BUDGET=${BENCH_BUDGET:-300}
 TEST_SECONDS=${TEST_SECONDS:-200}
+COLD_SECONDS=${COLD_SECONDS:-150}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -33,6 +36,10 @@ echo "benchmark: $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
 # where attention from codes spends a call: host µs, device time per split-K, autotune picks
 timeout 120 python3 benchmarks/gpu_attention_split.py 2>&1 | tee "$OUT/attention_split.log" \
     || status=1
+if (( COLD_SECONDS > 0 )); then
+    timeout "$COLD_SECONDS" python3 benchmarks/cold_start.py --device cuda \
+        --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log" || status=1
+fi
 
 start=$SECONDS
 cases=(tests/triton_cases.py tests/triton_turbomix_cases.py tests/triton_attention_cases.py

@@ -83,3 +83,32 @@ def assert_every_case_ran(out: str, at_least: int) -> None:
     summary = out.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
     assert int(summary.split()[0]) >= at_least, summary
+
+
+def host_reads(fn: Any) -> int:
+    """How many times ``fn`` reads a tensor's value back to the host (``bool``, ``item``: on
+    CUDA, each one waits for every queued kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default"}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += str(func) in reads
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def defer_cpu_checks(monkeypatch: Any) -> None:
+    """Queue the checks of CPU tensors too, as :mod:`kvtool.kernels.device_checks` queues those
+    of CUDA tensors inside ``deferred()`` (what runs on a GPU, here)."""
+    import torch
+
+    from kvtool.kernels import device_checks
+
+    monkeypatch.setattr(device_checks, "deferrable", lambda ok: isinstance(ok, torch.Tensor))

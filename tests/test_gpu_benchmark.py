@@ -39,7 +39,8 @@ ROW_KEYS = {
     "presets": {"preset", "role", "bits_per_element", "encode_gbs", "decode_gbs",
                 "encode_pct_copy", "decode_pct_copy", "rel_mse"},
     "cache": {"context", "cache", "prefill_s", "decode_tok_s", "peak_bytes", "kv_bytes",
-              "prefill_ratio", "decode_ratio", "kv_ratio", "peak_ratio", "codes_calls"},
+              "prefill_ratio", "decode_ratio", "kv_ratio", "peak_ratio", "codes_calls",
+              "prefill_busy", "step_busy", "prefill_top", "decode_top"},
 }
 
 
@@ -109,6 +110,9 @@ def test_smoke_json_has_every_result(smoke):
     assert len(data["attention"]["preset_rows"]) == 6
     assert len(data["presets"]["rows"]) == 6 and len(data["cache"]["rows"]) == 3
     assert all(r["peak_bytes"] is None for r in data["cache"]["rows"])  # CUDA only
+    for row in data["cache"]["rows"]:  # the profiled run: op time against the timed run's wall
+        assert 0 < row["prefill_busy"] < 3 and 0 < row["step_busy"] < 3, row
+        assert row["prefill_top"] and row["decode_top"][0][0].startswith("aten::"), row
 
 
 def test_smoke_results_are_sane(smoke):

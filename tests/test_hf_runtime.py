@@ -17,7 +17,7 @@ from transformers import DynamicCache  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache, cache_nbytes  # noqa: E402
-from kvtool.errors import KvtoolError  # noqa: E402
+from kvtool.errors import CodecError, KvtoolError  # noqa: E402
 from kvtool.evaluate import data_text  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
@@ -152,6 +152,44 @@ def test_batch_reorder_and_crop():
     assert past.layers[0].materialize()[0].shape[0] == 4
     with pytest.raises(KvtoolError):
         past.crop(-1)
+
+
+def test_a_bad_block_is_refused_when_it_is_encoded_on_the_cpu():
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    x = torch.randn(1, 2, 8, 64)
+    x[0, 1, 2, 5] = float("nan")
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        past.update(x, x, 0)
+
+
+def test_device_checks_of_encoded_blocks_are_read_back_a_step_later(monkeypatch):
+    """On CUDA (here: CPU tensors treated as device ones) a block's input check is queued and
+    raised at the layer's next update, without reading a flag back during the encode."""
+    from gpu_util import defer_cpu_checks, host_reads
+
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    x = torch.randn(1, 2, 8, 64)
+    assert host_reads(lambda: past.update(x, x, 0)) > 0  # checked at once: the flag read back
+    defer_cpu_checks(monkeypatch)
+    good = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    assert host_reads(lambda: good.update(x, x, 0)) == 0
+    assert good.layers[0].k.stored == 8 and len(good.layers[0].k.checks) == 1
+    good.update(x[..., :1, :], x[..., :1, :], 0)  # resolves it: fine
+    assert len(good.layers[0].k.checks) == 0
+
+    bad = x.clone()
+    bad[0, 1, 2, 5] = float("inf")
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    past.update(bad, bad, 0)  # queued, not raised
+    with pytest.raises(CodecError, match="NaN or Inf.*earlier step"):
+        past.update(x[..., :1, :], x[..., :1, :], 0)
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    past.update(bad, bad, 0)
+    with pytest.raises(CodecError, match="earlier step"):
+        past.layers[0].materialize()  # waits for every queued check
+    kv = KVCache([bad[0]], [bad[0]])
+    with pytest.raises(CodecError, match="NaN or Inf"):  # a bad input refused before a step
+        CompressedCache.from_kvcache(kv, CodecPolicy.from_options("turbo3"), block_size=4)
 
 
 def test_needs_config_or_num_layers():

@@ -68,7 +68,14 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved_env
 
-from gpu_util import autotuned, kept_configs, pin_config, pin_kept_config  # noqa: E402
+from gpu_util import (  # noqa: E402
+    autotuned,
+    defer_cpu_checks,
+    host_reads,
+    kept_configs,
+    pin_config,
+    pin_kept_config,
+)
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.abc import Encoded  # noqa: E402
@@ -439,6 +446,36 @@ def numpy_codec(monkeypatch):
     monkeypatch.setenv("KVTOOL_KERNELS", "reference")
 
 
+def check_deferred(bits: int) -> None:
+    """Inside ``deferred()`` (what CompressedCache does) the codec's encode on these kernels
+    queues its input check instead of reading a flag back; resolved, it refuses a bad input."""
+    from kvtool.errors import CodecError
+    from kvtool.kernels.device_checks import Checks, deferred
+
+    codec = get_codec(f"turbo{bits}", seed=SEED)
+    codec._kernels = lambda like, dim: tc  # CPU tensors too (the interpreter)
+    x = _inputs(np.random.default_rng(bits), 40, 64)
+    bad = x.copy()
+    bad[7, 3] = np.nan
+    codec.encode(_dev(x))  # the tables, built and kept on the host
+    for y, fails in ((x, False), (bad, True)):
+        checks = Checks()
+        with deferred() as queued:
+            assert host_reads(lambda y=y: codec.encode(_dev(y))) == 0
+        assert len(queued) == 1
+        checks.add(queued)
+        if fails:
+            with pytest.raises(CodecError, match="NaN or Inf"):
+                checks.wait()
+        else:
+            checks.wait()
+
+
+def test_deferred_checks_read_nothing_back(monkeypatch):
+    defer_cpu_checks(monkeypatch)  # CPU tensors queued as CUDA ones are
+    check_deferred(3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.usefixtures("numpy_codec")
@@ -456,6 +493,9 @@ class TestCuda:
 
     def test_scores(self):
         check_scores((4, 8), 3000, 33, 128, 3)
+
+    def test_deferred_checks(self):
+        check_deferred(4)
 
     @pytest.mark.parametrize("split_k", (None, 1, 13))
     @pytest.mark.parametrize("hq,dim", [(32, 128), (8, 256), (64, 64), (128, 128)])

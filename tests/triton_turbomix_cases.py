@@ -62,7 +62,14 @@ finally:
     else:
         os.environ["TRITON_INTERPRET"] = _saved_env
 
-from gpu_util import autotuned, kept_configs, pin_config, pin_first_config  # noqa: E402
+from gpu_util import (  # noqa: E402
+    autotuned,
+    defer_cpu_checks,
+    host_reads,
+    kept_configs,
+    pin_config,
+    pin_first_config,
+)
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.abc import Encoded  # noqa: E402
@@ -247,6 +254,37 @@ def test_nan_inf_and_huge_inputs_are_refused(spec):
             tm.encode(get_codec(spec), _dev(y))
 
 
+def check_deferred(spec: str) -> None:
+    """Inside ``deferred()`` (what CompressedCache does) an encode queues its input check
+    instead of reading a flag back; the queue refuses a bad input when resolved."""
+    from kvtool.kernels.device_checks import Checks, deferred
+
+    x = keys((2, 16, 32), dtype=np.float32)
+    bad = x.copy()
+    bad[1, 3, 7] = np.inf
+    tm.encode(get_codec(spec), _dev(x))  # the tables, built and kept on the host
+    for y, fails in ((x, False), (bad, True)):
+        checks = Checks()
+        with deferred() as queued:
+            assert host_reads(lambda y=y: tm.encode(get_codec(spec), _dev(y))) == 0
+        assert len(queued) == 1
+        checks.add(queued)
+        if fails:
+            with pytest.raises(CodecError, match="NaN or Inf"):
+                checks.wait()
+        else:
+            checks.wait()
+        assert len(checks) == 0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter
+@pytest.mark.parametrize("spec", ["turbomix:bits=4,center=true,candidates=3",
+                                  "turbomix:bits=2,outliers=4,norm_bits=8"])
+def test_deferred_checks_read_nothing_back(spec, monkeypatch):
+    defer_cpu_checks(monkeypatch)  # CPU tensors queued as CUDA ones are
+    check_deferred(spec)
+
+
 def test_arrays_no_encode_writes_are_refused():
     spec = "turbomix:bits=3,outliers=8,center=true,candidates=2"
     codec = get_codec(spec)
@@ -340,6 +378,9 @@ class TestCuda:
     @pytest.mark.parametrize("spec,dim", [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES])
     def test_encode_decode(self, spec, dim):
         check_large(spec, keys((4, 8, 300, dim), seed=dim))
+
+    def test_deferred_checks(self):
+        check_deferred("turbomix:bits=4,center=true,candidates=4")
 
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
     def test_dtypes(self, dtype):

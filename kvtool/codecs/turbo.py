@@ -13,7 +13,7 @@ leading index as fp16): real keys carry large per-channel offsets that otherwise
 from __future__ import annotations
 
 from math import prod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.lloyd_max import Codebook, sphere_marginal_codebook
@@ -21,6 +21,7 @@ from kvtool.codecs.params import SEED_MAX, check_bool, check_int
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, compiled_for, cpu_kernels, row_blocks
+from kvtool.kernels.device_checks import require
 
 DEFAULT_SEED = 0x6B76  # "kv"
 FP16_MAX = 65504.0
@@ -96,10 +97,14 @@ class TurboCodec(Codec):
             xp.astype(norms, "float16"), lead)
 
     def _check_norms(self, xp: Any, norms: Any, given: Any) -> None:
-        if not bool((norms <= FP16_MAX).all()):
+        """Refuse NaN/Inf input and norms past fp16's range (a queued device check inside
+        :func:`kvtool.kernels.device_checks.deferred`)."""
+        def fail() -> NoReturn:
             if not xp.all_finite(norms):
                 check_finite(xp, given, self.codec_id)  # NaN/Inf input (else: overflow)
             raise CodecError(f"{self.codec_id}: vector norm exceeds the fp16 range")
+
+        require((norms <= FP16_MAX).all(), fail)
 
     def _encode_blocks(self, xp: Any, x: Any, given: Any) -> tuple[Any, Any]:
         """:meth:`_encode_rows` over row blocks (:func:`~kvtool.kernels.row_blocks`).

@@ -62,6 +62,11 @@ stacked and encoded/decoded together, so a step costs one decode or kernel call 
 
 Tokens of the current forward are returned exactly (they attend to themselves uncompressed, as
 with ``QuantizedCache``); they are compressed for the steps that follow.
+
+On CUDA an encode never stalls the host: its input check (NaN/Inf, a norm past fp16's range)
+is read back asynchronously (:mod:`kvtool.kernels.device_checks`) and a failure raises
+:class:`~kvtool.errors.CodecError` at the layer's next update, a step later; ``from_kvcache`` and
+``materialize`` wait for the checks. On the CPU the encode raises at once.
 """
 
 from __future__ import annotations
@@ -384,6 +389,9 @@ class CompressedCache(Cache):
             layer.update(k, v)
             if layer.is_sliding:
                 layer.dropped, layer.cumulative_length = total - k.shape[-2], total
+        for layer in out.layers:  # refuse a bad input here, not at the first step
+            for stream in layer.streams:
+                stream.settle(wait=True)
         return out
 
     def nbytes(self) -> int:

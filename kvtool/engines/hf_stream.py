@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from kvtool.codecs import Codec, Encoded
-from kvtool.errors import KvtoolError
+from kvtool.errors import CodecError, KvtoolError
+from kvtool.kernels.device_checks import Checks, deferred
 
 
 def _blocked(shapes: Any, lead: tuple[int, ...]) -> bool:
@@ -58,6 +59,17 @@ class _Stream:
         self.tail: torch.Tensor | None = None
         self._np: tuple[Any, ...] | None = None  # memo of :meth:`codes_np`
         self._dev: tuple[Any, ...] | None = None  # memo of :meth:`codes_torch`
+        #: the encodes' input checks on CUDA, read back without a host sync (see ``_flush``)
+        self.checks = Checks()
+
+    def settle(self, wait: bool = False) -> None:
+        """Raise the error of an encoded block whose device check failed (a NaN/Inf input or
+        a norm past fp16's range): what has arrived, or (``wait``) every queued check."""
+        try:
+            self.checks.wait() if wait else self.checks.poll()
+        except CodecError as e:
+            raise CodecError(f"{e} (a block this CompressedCache encoded at an earlier step; "
+                             "discard the cache)") from None
 
     def nbytes(self) -> tuple[int, int]:
         """(encoded bytes, full-precision bytes) actually held."""
@@ -69,6 +81,7 @@ class _Stream:
         return [self.codec.decode(enc).flatten(-3, -2) for enc in self.chunks]
 
     def full(self) -> torch.Tensor | None:
+        self.settle(wait=True)
         parts = [p for p in (self.sink, *self.decoded(), self.tail) if p is not None]
         return torch.cat(parts, dim=-2) if len(parts) > 1 else (parts[0] if parts else None)
 
@@ -166,6 +179,8 @@ class _Stream:
         if self.codec is None:
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
             return self.tail, None
+        if self.checks:
+            self.settle()
         have = 0 if self.sink is None else self.sink.shape[-2]
         if from_codes and self.chunks:  # the sinks are full: x goes to the window
             encoded = (*(self.codes_torch() if on_device else self.codes_np()),
@@ -197,11 +212,19 @@ class _Stream:
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
         self._np = self._dev = None
         self.stored += cut
-        if self.sliding and n_blocks > 1 and not self._declares_blocks(x):
-            # a layout without a block axis cannot be cut: one chunk per block, dropped whole
-            self.chunks.extend(self.codec.encode(x[..., i:i + 1, :, :]) for i in range(n_blocks))
+        # on CUDA the encodes' checks are read back later (settle): a sync here would stall
+        # the host in the middle of every layer's forward
+        with deferred() as queued:
+            if self.sliding and n_blocks > 1 and not self._declares_blocks(x):
+                # a layout without a block axis cannot be cut: one chunk per block, dropped whole
+                self.chunks.extend(self.codec.encode(x[..., i:i + 1, :, :])
+                                   for i in range(n_blocks))
+                enc = None
+            else:
+                enc = self.codec.encode(x)
+        self.checks.add(queued)
+        if enc is None:
             return
-        enc = self.codec.encode(x)
         merged = None
         if self.chunks and _blocked(_shapes(enc), (*lead, n_blocks)):
             merged = _concat(self.chunks[-1], enc, len(lead))

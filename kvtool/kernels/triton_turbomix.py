@@ -29,7 +29,7 @@ decision may decide the other way.
 from __future__ import annotations
 
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ import torch
 from kvtool.codecs.turbo import FP16_MAX
 from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
+from kvtool.kernels.device_checks import require
 from kvtool.kernels.triton_cuda import (
     INTERPRET,
     _bf16,
@@ -315,11 +316,14 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     encoded = [_encode_part(codec, rows, tokens, ch, mean if codec.center else None, bits)
                for ch, bits in parts]
     norms = torch.stack([nrm for _, nrm, _ in encoded])
-    if not bool((norms <= FP16_MAX).all()):  # NaN/Inf input, or a norm past fp16's range
+
+    def fail() -> NoReturn:  # NaN/Inf input, or a norm past fp16's range
         from kvtool.kernels import check_finite, torch_ops
 
         check_finite(torch_ops, x, codec.codec_id)
         raise CodecError(f"{codec.codec_id}: vector norm exceeds the fp16 range")
+
+    require((norms <= FP16_MAX).all(), fail)
     cands = codec.candidates
     choice = None
     if cands > 1:  # the least error per group; ties: the lowest candidate
