@@ -1,6 +1,7 @@
-"""Host time of one call of attention from codes (:func:`kvtool.kernels.triton_attention.attend`),
-the part of a decode step's attention that no GPU speeds up: at batch 1 an H200 ran the kernel
-in ~38 µs while the call took ~100 µs to issue.
+"""Host time of one call of attention from codes (:func:`kvtool.kernels.triton_attention.attend`;
+for ``balanced``/``small`` :func:`kvtool.kernels.triton_attention_parts.attend`), the part of a
+decode step's attention that no GPU speeds up: at batch 1 an H200 ran the kernel in ~38 µs
+while the call took ~100 µs to issue.
 
 It measures the Python work of a call up to the kernel launch, on CPU tensors (no GPU needed):
 the kernel is replaced by building its launch key (what a repeat launch computes before calling
@@ -39,15 +40,34 @@ def _first(plans: dict, call: Callable[[], object]) -> None:
     call()
 
 
+def _roles(preset: str, heads: int, n: int, dim: int) -> list:
+    """The preset's key and value :class:`RoleTensors` of ``n`` tokens on ``heads`` rows
+    (encoded on the CPU: only their shapes matter here)."""
+    import torch
+
+    from kvtool.kernels.triton_attention_parts import role_tensors
+    from kvtool.policy import CodecPolicy
+
+    policy = CodecPolicy.from_label(preset)
+    x = torch.randn(heads, n // 64, 64, dim)
+    out = []
+    for role in ("key", "value"):
+        codec = policy.codec_for(role, 1, 4)
+        arrays = {k: torch.as_tensor(v) for k, v in codec.encode(x).arrays.items()}
+        out.append(role_tensors(codec, arrays, heads, n, 64, dim))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
     from kvtool.kernels import triton_attention as ta
+    from kvtool.kernels import triton_attention_parts as tap
     from kvtool.kernels.triton_launch import launch_key
 
     keys = []
-    ta._LAUNCH = lambda grid, a, constants, tuned=(): keys.append(  # noqa: E731
+    ta._LAUNCH = tap._LAUNCH = lambda grid, a, constants, tuned=(): keys.append(  # noqa: E731
         (tuned, tuple(constants.values()), launch_key(a)))
     ta._sm_count = lambda device: 132  # an H100's split heuristic
     torch.set_num_threads(1)
@@ -55,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
           f"replaced by its launch key)")
     print(f"{'shape':>28} | {'first call':>10} | {'repeat call':>11} | {'ratio':>6}")
     for batch, n, x, preset in ((1, 8192, 100, "turbo3"), (8, 32768, 100, "turbo3"),
-                                (1, 8192, 100, "quality")):
+                                (1, 8192, 100, "quality"), (1, 8192, 100, "balanced"),
+                                (1, 8192, 100, "small")):
         hq, hkv, dim = 32, 8, 128
         q = torch.randn(batch, hq, 1, dim, dtype=torch.bfloat16)
         bits = (4, 3) if preset == "quality" else (3, 3)
@@ -74,8 +95,14 @@ def main(argv: list[str] | None = None) -> None:
                   v_seeds=(5, 6, 7, 8) if preset == "quality" else (5,),
                   out_dtype=torch.bfloat16, **extra)
 
-        call = partial(ta.attend, q, codes[0], norms, codes[1], norms, ke, ke, **kw)
-        first = partial(_first, ta._PLANS, call)
+        if preset in ("balanced", "small"):
+            roles = _roles(preset, batch * hkv, n, dim)
+            call = partial(tap.attend, q, *roles, ke, ke, scale=dim ** -0.5,
+                           out_dtype=torch.bfloat16)
+            first = partial(_first, tap._PLANS, call)
+        else:
+            call = partial(ta.attend, q, codes[0], norms, codes[1], norms, ke, ke, **kw)
+            first = partial(_first, ta._PLANS, call)
 
         times = {}
         for label, fn in (("first", first), ("repeat", call)):

@@ -102,9 +102,16 @@ def test_several_candidates_are_really_in_use_and_read():
 
 
 def test_bad_shapes_are_refused_with_a_clear_error():
+    """Also after a good call of the same roles: a plan is kept per signature, and a call of
+    another one is checked anew."""
     q, k, v, ke, ve = _inputs(1, 2, 2, 1, 32, 32, x=3)
     kr, vr = Role(SMALL[0], k, 16), Role(SMALL[1], v, 16)
     other = Role(SMALL[1], v[:, :, :16], 16)
+    want = reference(q, kr.decoded, vr.decoded, ke, ve, 0.1)
+    close(tap.attend(q, kr.tensors, vr.tensors, ke, ve, scale=0.1), want)
+    plans = len(tap._PLANS)
+    close(tap.attend(q, kr.tensors, vr.tensors, ke, ve, scale=0.1), want)  # its plan, reused
+    assert len(tap._PLANS) == plans
     bad = [((q[..., :16], kr.tensors, vr.tensors), {}, "head_dim"),
            ((q, kr.tensors, other.tensors), {}, "same whole blocks"),
            ((q.expand(1, 4, 40, 32), kr.tensors, vr.tensors), {}, "query rows"),

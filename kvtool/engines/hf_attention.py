@@ -337,10 +337,11 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
-    if view.on_device:
-        if not codes_enabled(query.device) or nq * (hq // hkv) > device_kernels().max_rows(dim):
-            return False
-    elif not codes_enabled() or nq * (hq // hkv) > kernels().MAX_ROWS:
+    # the cache's update made the view where the kernels may run (codes_enabled), once per
+    # forward: a kernel that failed to build since then is None here
+    ops = device_kernels() if view.on_device else kernels()
+    if ops is None or nq * (hq // hkv) > (ops.max_rows(dim) if view.on_device
+                                          else ops.MAX_ROWS):
         return False
     if mask is None:
         return None

@@ -96,6 +96,12 @@ from kvtool.policy import CodecPolicy
 DEFAULT_BLOCK_SIZE = 64
 
 
+def _at(encoded: tuple[Any, ...], field: int, index: int) -> Any:
+    """``encoded[field][index]``: a stream's array of keys or values (None: absent)."""
+    arrays = encoded[field]
+    return None if arrays is None else arrays[index]
+
+
 class CompressedLayer(DynamicLayer):
     """One layer of a :class:`CompressedCache` (``key_codec``/``value_codec`` None: lossless).
 
@@ -178,17 +184,16 @@ class CompressedLayer(DynamicLayer):
             encs = [(kenc, None), (venc, None)]
         if encs[0][0] is not None and encs[1][0] is not None:
             (ke, ki), (ve, vi) = encs
-            pick = lambda enc, i, at: None if enc[at] is None else enc[at][i or 0]  # noqa: E731
+            k, v = ki or 0, vi or 0
             view = CodesView(codecs=(self.k.codec, self.v.codec),
-                             codes=(pick(ke, ki, 0), pick(ve, vi, 0)),
-                             norms=(pick(ke, ki, 1), pick(ve, vi, 1)),
+                             codes=(_at(ke, 0, k), _at(ve, 0, v)),
+                             norms=(_at(ke, 1, k), _at(ve, 1, v)),
                              chunks=((ke[5], ki), (ve[5], vi)), sinks=ke[6],
                              batch=key_states.shape[0],
-                             rotations=(pick(ke, ki, 2), pick(ve, vi, 2)) if on_device
-                             else None if ke[2] is None else (ke[2][ki or 0], ve[2][vi or 0]),
-                             key_means=pick(ke, ki, 3), block=self.block_size,
-                             roles=None if ke[4] is None else (ke[4][ki or 0],
-                                                               ve[4][vi or 0]),
+                             rotations=(_at(ke, 2, k), _at(ve, 2, v))
+                             if on_device or ke[2] is not None else None,
+                             key_means=_at(ke, 3, k), block=self.block_size,
+                             roles=None if ke[4] is None else (ke[4][k], ve[4][v]),
                              on_device=on_device)
             keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
             setattr(keys, ATTR, view)
@@ -308,6 +313,7 @@ class CompressedCache(Cache):
         self.policy, self.block_size = policy, block_size
         self.attention_from_codes = attention_from_codes
         self._armed_layers: set[int] = set()  # see get_mask_sizes
+        self._codes_now: dict[torch.device, bool] = {}  # uses_codes per device, this forward
         self._text_config = None if config is None else _text_config(config)
         layers = []
         for i in range(n):
@@ -344,6 +350,7 @@ class CompressedCache(Cache):
         each layer's next update for attention from codes (a direct ``update`` outside a model
         forward keeps returning every token's states)."""
         self._armed_layers = set(range(len(self.layers)))
+        self._codes_now = {}
         return super().get_mask_sizes(query_length, layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -353,8 +360,17 @@ class CompressedCache(Cache):
         self._armed_layers.discard(layer_idx)
         return layer.update(key_states, value_states, *args,
                             from_codes=armed and layer.codes_capable
-                            and self.uses_codes(key_states.device),
+                            and self._uses_codes_now(key_states.device),
                             **kwargs)
+
+    def _uses_codes_now(self, device: torch.device) -> bool:
+        """:meth:`uses_codes`, worked out once per model forward (every layer asks)."""
+        hit = self._codes_now.get(device)
+        if hit is None:
+            hit = self.uses_codes(device)
+            if self.attention_from_codes is not True:  # a forward's get_mask_sizes resets it
+                self._codes_now[device] = hit
+        return hit
 
     @classmethod
     def from_kvcache(cls, cache: Any, policy: CodecPolicy, model: Any = None, **kwargs: Any):

@@ -37,6 +37,13 @@ def _concat(a: Encoded, b: Encoded, axis: int) -> Encoded | None:
     return Encoded(arrays, shape, a.dtype)
 
 
+def _per_index(out: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:meth:`_Stream.codes_np`'s first four arrays ``[L, ...]`` as tuples of their ``L``
+    views, indexed once per store change rather than at every step and layer."""
+    return (*(None if a is None else tuple(a[i] for i in range(len(a))) for a in out[:4]),
+            *out[4:])
+
+
 class _Stream:
     """Sinks, encoded chunks and recent window of one layer's keys, values, or both stacked.
 
@@ -89,10 +96,11 @@ class _Stream:
         """The store's codes ``[L, B·H, E, bytes]`` (uint8), norms ``[L, B·H, E]`` (fp16 bits
         as uint16), each block's rotation ``[L, B·H, blocks]`` (uint8; zeros without one) and
         mean ``[L, B·H, blocks, D]`` (float32; None: uncentered), ``L`` = 2 when keys and
-        values are stacked, else 1: zero-copy numpy views of the single chunk where they can
-        be (several chunks are joined, transiently). With ``parts`` (the attention kernel for
-        every ``turbomix`` option reads this layer), instead (None × 4, then one
-        :class:`~kvtool.kernels.numba_attention_parts.RoleCodes` per ``L``)."""
+        values are stacked, else 1, each as a tuple of its ``L`` views: zero-copy numpy views of
+        the single chunk where they can be (several chunks are joined, transiently). With
+        ``parts`` (the attention kernel for every ``turbomix`` option reads this layer),
+        instead (None × 4, then one :class:`~kvtool.kernels.numba_attention_parts.RoleCodes`
+        per ``L``)."""
         if self._np is not None:
             return self._np
         joined, axis = self._joined()
@@ -121,6 +129,7 @@ class _Stream:
             out = (codes_np,
                    norms.contiguous().reshape(flat).view(torch.int16).numpy().view(np.uint16),
                    rotation, mean, None)
+        out = _per_index(out)
         if len(self.chunks) == 1 or self.parts:
             self._np = out
         return out
@@ -158,9 +167,10 @@ class _Stream:
             self._dev = out  # built once per store change
             return out
         mean = joined.get("mean")
-        out = (codes.reshape(*flat, codes.shape[-1]), joined["norms"].reshape(flat),
-               joined["rotation"].reshape(-1, heads, blocks) if "rotation" in joined else None,
-               None if mean is None else mean.reshape(-1, heads, blocks, mean.shape[-1]), None)
+        out = _per_index((
+            codes.reshape(*flat, codes.shape[-1]), joined["norms"].reshape(flat),
+            joined["rotation"].reshape(-1, heads, blocks) if "rotation" in joined else None,
+            None if mean is None else mean.reshape(-1, heads, blocks, mean.shape[-1]), None))
         if len(self.chunks) == 1:
             self._dev = out
         return out

@@ -73,7 +73,7 @@ from kvtool.kernels.triton_cuda import (
     next_power_of_2,
     supported,
 )
-from kvtool.kernels.triton_launch import Launcher, StreamScratch
+from kvtool.kernels.triton_launch import Launcher, Plans, StreamScratch, meta
 
 try:
     import triton
@@ -270,12 +270,7 @@ class _Plan(NamedTuple):
     constants: dict[str, Any]  # KWORDS/VWORDS: rows of whole 32-bit words (pointers: per call)
 
 
-_PLANS: OrderedDict[tuple[Any, ...], _Plan] = OrderedDict()
-_PLANS_LOCK = threading.Lock()
-
-
-def _meta(t: torch.Tensor | None) -> tuple[Any, ...] | None:
-    return None if t is None else (t.shape, t.dtype)
+_PLANS = Plans()
 
 
 def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int, n: int,
@@ -400,18 +395,12 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     k_seeds, v_seeds = tuple(k_seeds), tuple(v_seeds)
     key = (q.shape, q.dtype, q.device, k_codes.shape, k_codes.dtype, k_norms.shape,
            k_norms.dtype, v_codes.shape, v_codes.dtype, v_norms.shape, v_norms.dtype,
-           _meta(ke), _meta(ve), _meta(bias), _meta(k_rotations), _meta(v_rotations),
-           _meta(key_means), dim, k_bits, v_bits, k_seeds, v_seeds, bool(causal), block,
+           meta(ke), meta(ve), meta(bias), meta(k_rotations), meta(v_rotations),
+           meta(key_means), dim, k_bits, v_bits, k_seeds, v_seeds, bool(causal), block,
            split_k, out_dtype)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(q, k_codes, k_norms, v_codes, v_norms, ke, ve, dim, k_bits, v_bits,
-                     k_seeds, v_seeds, bias, causal, k_rotations, v_rotations, key_means, block,
-                     split_k, out_dtype)
-        with _PLANS_LOCK:
-            _PLANS[key] = plan
-            while len(_PLANS) > 64:
-                _PLANS.popitem(last=False)
+    plan = _PLANS.get(key, lambda: _plan(
+        q, k_codes, k_norms, v_codes, v_norms, ke, ve, dim, k_bits, v_bits, k_seeds, v_seeds,
+        bias, causal, k_rotations, v_rotations, key_means, block, split_k, out_dtype))
     batch, hq, nq, _ = q.shape
     heads, n = k_codes.shape[0], k_codes.shape[1]
     device = q.device

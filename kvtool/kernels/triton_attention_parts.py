@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,7 +45,7 @@ from kvtool.kernels.triton_attention_steps import (
     _query_src,
 )
 from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
-from kvtool.kernels.triton_launch import Launcher, StreamScratch
+from kvtool.kernels.triton_launch import Launcher, Plans, StreamScratch, meta
 from kvtool.kernels.triton_turbomix import QUANTIZERS, channel_sets_of, norm_values
 from kvtool.kernels.triton_turbomix_steps import _dot, _rot, _rot_cols, _split, _values
 from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _tables, _width
@@ -110,6 +110,16 @@ class RoleTensors:
             out.append((out[0][0], out[0][1], out[0][2],
                         {"N": 0, "NP": 16, "NB": 1, "B": 2, "RP": 1}))
         return tuple(out)
+
+    @cached_property
+    def signature(self) -> tuple[Any, ...]:
+        """What :func:`attend`'s checks and constants read of this role: its part of a plan
+        key (a store's views are rebuilt when it changes, so this is worked out once)."""
+        return (self.heads, self.tokens, self.block, self.choice is not None,
+                None if self.mean is None else self.mean.shape[-1],
+                sum(c.shape[-1] for c in self.channels),
+                getattr(self.codec, "quantizer", "scalar"),
+                tuple(tuple(meta.values()) for *_, meta in self.launch_parts))
 
 
 def role_tensors(codec: Any, arrays: dict[str, torch.Tensor], heads: int, tokens: int,
@@ -351,6 +361,48 @@ def _check(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve:
         raise ValueError("attention from codes: more than 65535 blocks per row")
 
 
+class _Plan(NamedTuple):
+    """What a call's shapes and options decide (checked once per distinct signature)."""
+
+    rows: int
+    blocks: int
+    x: int
+    exact_parts: int
+    parts: int
+    states: int
+    constants: dict[str, Any]
+
+
+def _plan(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve: Any,
+          bias: Any, causal: bool, out_dtype: torch.dtype) -> _Plan:
+    """Check a call (ValueError on a bad one) and work out its launch."""
+    _check(q, keys, values, ke, ve, bias)
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"attention from codes: out_dtype must be float16, bfloat16 or "
+                         f"float32, got {out_dtype}")
+    batch, hq, nq, dim = q.shape
+    heads, block = keys.heads, keys.block
+    hkv = heads // batch
+    rows, blocks = (hq // hkv) * nq, keys.tokens // block
+    x = 0 if ke is None else ke.shape[2]
+    exact_parts = -(-x // _EXACT_SPLIT)
+    parts = blocks + exact_parts
+    kmeta = [meta for *_, meta in keys.launch_parts]
+    vmeta = [meta for *_, meta in values.launch_parts]
+    constants = dict(
+        MP=max(16, next_power_of_2(rows)), D=dim, BLOCK=block, KPICK=keys.choice is not None,
+        VPICK=values.choice is not None, KCENTERED=keys.mean is not None,
+        VCENTERED=values.mean is not None, CAUSAL=bool(causal) and nq > 1,
+        HAS_BIAS=bias is not None, BLOCK_X=16, PCH=min(next_power_of_2(parts), 64, 8192 // dim),
+        KQ=QUANTIZERS[getattr(keys.codec, "quantizer", "scalar")],
+        **{f"K{k}{p}": kmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
+        VQ=QUANTIZERS[getattr(values.codec, "quantizer", "scalar")],
+        **{f"V{k}{p}": vmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
+        **({"BLOCK_N": min(64, max(16, next_power_of_2(block)))} if INTERPRET else {}))
+    return _Plan(rows, blocks, x, exact_parts, parts, heads * parts * rows, constants)
+
+
+_PLANS = Plans()
 #: the parts' scratch and the KV heads' tickets, shared by the launches of a stream on GPUs
 #: (under the interpreter a kernel runs on the calling thread: scratch of its own per call)
 _SCRATCH = StreamScratch(shared=not INTERPRET)
@@ -364,48 +416,29 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
     :class:`RoleTensors`; visible to every query) and exact ones ``ke``/``ve`` [B, Hkv, X, D]
     (after them; ``bias`` [1 or B, Q, X] added, causal among the last Q) → [B, Q, Hq, D] in
     ``out_dtype`` (fp32 accumulation, one rounding): the semantics of
-    :func:`kvtool.kernels.triton_attention.attend`."""
-    _check(q, keys, values, ke, ve, bias)
-    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"attention from codes: out_dtype must be float16, bfloat16 or "
-                         f"float32, got {out_dtype}")
+    :func:`kvtool.kernels.triton_attention.attend`. Checks and constants are worked out once
+    per signature (a decode step's layers share one)."""
+    key = (q.shape, q.dtype, q.device, keys.signature, values.signature, meta(ke), meta(ve),
+           meta(bias), bool(causal), out_dtype)
+    plan = _PLANS.get(key, lambda: _plan(q, keys, values, ke, ve, bias, causal, out_dtype))
     batch, hq, nq, dim = q.shape
-    heads, block = keys.heads, keys.block
-    hkv = heads // batch
-    rows, blocks = (hq // hkv) * nq, keys.tokens // block
-    x = 0 if ke is None else ke.shape[2]
-    exact_parts = -(-x // _EXACT_SPLIT)
-    parts = blocks + exact_parts
-    device = q.device
     if q.stride(-1) != 1:
         q = q.contiguous()
-    kargs = [[*args, rt] for args, rt, _, _ in keys.launch_parts]
-    vargs = [[*args, r] for args, _, r, _ in values.launch_parts]
-    kmeta = [meta for *_, meta in keys.launch_parts]
-    vmeta = [meta for *_, meta in values.launch_parts]
-    states = heads * parts * rows
-    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
-    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
-    anything = kargs[0][0]  # a pointer for arguments the constants leave unread
-    constants = dict(
-        MP=max(16, next_power_of_2(rows)), D=dim, BLOCK=block, KPICK=keys.choice is not None,
-        VPICK=values.choice is not None, KCENTERED=keys.mean is not None,
-        VCENTERED=values.mean is not None, CAUSAL=bool(causal) and nq > 1,
-        HAS_BIAS=bias is not None, BLOCK_X=16, PCH=min(next_power_of_2(parts), 64, 8192 // dim),
-        KQ=QUANTIZERS[getattr(keys.codec, "quantizer", "scalar")],
-        **{f"K{k}{p}": kmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
-        VQ=QUANTIZERS[getattr(values.codec, "quantizer", "scalar")],
-        **{f"V{k}{p}": vmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
-        **({"BLOCK_N": min(64, max(16, next_power_of_2(block)))} if INTERPRET else {}))
-    _LAUNCH((heads, parts), (
-        q, *kargs[0], *kargs[1], *vargs[0], *vargs[1],
+    (k0, k1), (v0, v1) = keys.launch_parts, values.launch_parts
+    states = plan.states
+    work, tickets = _SCRATCH.get(q.device, states * (dim + 2), keys.heads)  # tickets at zero
+    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=q.device)
+    anything = k0[0][0]  # a pointer for arguments the constants leave unread
+    _LAUNCH((keys.heads, plan.parts), (
+        q, *k0[0], k0[1], *k1[0], k1[1], *v0[0], v0[2], *v1[0], v1[2],
         *(anything if t is None else t for t in (keys.choice, values.choice, keys.mean,
                                                  values.mean)),
         *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
         q if bias is None else bias.to(torch.float32).contiguous(),
-        work, work[states:], work[2 * states:], tickets, out, blocks, x, exact_parts, hkv, nq,
-        hq, rows, 1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
-        float(scale)), constants)
+        work, work[states:], work[2 * states:], tickets, out, plan.blocks, plan.x,
+        plan.exact_parts, keys.heads // batch, nq, hq, plan.rows,
+        1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
+        float(scale)), plan.constants)
     return out
 
 

@@ -1,5 +1,6 @@
-"""Repeated launches of a Triton kernel without Triton's per-call Python dispatch, and
-scratch shared by the launches of a stream (:class:`StreamScratch`).
+"""Repeated launches of a Triton kernel without Triton's per-call Python dispatch, scratch
+shared by the launches of a stream (:class:`StreamScratch`), and the launch plans a caller
+works out once per call signature (:class:`Plans`).
 
 At decode sizes a kernel's host launch cost, not the device, sets the time of a call. Triton's
 dispatch binds and specialises every argument, builds the autotuner's key and hashes the
@@ -22,6 +23,7 @@ not take the call this module makes (checked on first use).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 from operator import itemgetter
@@ -181,3 +183,38 @@ def _raw_stream(index: int | None) -> int:
     except ImportError:  # pragma: no cover - older torch
         return torch.cuda.current_stream(index).cuda_stream
     return _cuda_getCurrentRawStream(index)
+
+
+class Plans:
+    """What a call's shapes and options decide (checks, grid, constants), worked out once per
+    distinct signature: a decode step calls an attention kernel once per layer with the same
+    shapes. The ``limit`` most recent signatures are kept (so a plan must not hold a store's
+    tensors: constant tables only)."""
+
+    def __init__(self, limit: int = 64):
+        self._plans: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The plan of ``key``, made by ``build()`` (which may raise) the first time."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = build()
+            with self._lock:
+                self._plans[key] = plan
+                while len(self._plans) > self.limit:
+                    self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+def meta(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """A tensor argument's part of a plan key: its shape and dtype (None: absent)."""
+    return None if t is None else (t.shape, t.dtype)

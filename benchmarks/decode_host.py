@@ -1,0 +1,173 @@
+"""Host time a ``CompressedCache`` adds to each layer of a decode step, on the CUDA code path,
+without a GPU.
+
+A CUDA decode step of a small model is bound by the host: on an H200 a 16-layer random-init
+Llama decoded ~100 tokens/s with ``DynamicCache`` (~600 µs of host time per layer) and
+``CompressedCache`` ran at 0.72–0.76× that. This measures the Python and torch work of the
+cache's side of a layer — ``update`` (window, flushes, the codes view) and the attention hook
+up to the kernel launch — against ``DynamicCache``'s ``update`` and sdpa call, on CPU tensors
+routed through the Triton path (``hf_attention.DEVICE_ATTENTION_ON_CPU``) with the kernel
+launch replaced by its launch key (as ``benchmarks/attend_host.py``; the launch itself, ~10 µs
+on an H200, and CUDA's allocator are left out). The model is a random-init Llama with a tiny
+hidden size and one KV head of 64 dims, so the tensors are small and what is timed is the
+host's work, not the CPU copying or computing what a GPU would; ``DynamicCache`` holds only
+``--dynamic-tokens`` (its sdpa computes over them on the CPU, unlike on a GPU).
+
+Columns: µs per layer and step spent in the cache's ``update`` and in attention (the hook's
+checks and kernel call; ``DynamicCache``: the sdpa function), the best of ``--rounds`` rounds
+of ``--steps`` steps with the caches interleaved, their sum against ``DynamicCache``'s, and
+aten ops per layer (a ``TorchDispatchMode`` count: the least of three steps, since a step
+that flushes a block, or the one after it, issues more).
+
+    python benchmarks/decode_host.py                    # turbo3 and the presets, 16 layers
+    python benchmarks/decode_host.py --policy balanced --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+POLICIES = ("turbo3", "quality", "balanced", "small")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 3)[3])
+    p.add_argument("--policy", default=",".join(POLICIES), help="comma list (default: all)")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--context", type=int, default=1024, help="tokens prefilled (default 1024)")
+    p.add_argument("--dynamic-tokens", type=int, default=8,
+                   help="tokens DynamicCache holds (default 8: its CPU sdpa stays cheap)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="best of this many (default 5)")
+    p.add_argument("--json", help="write the rows here")
+    return p.parse_args(argv)
+
+
+class _Timer:
+    """Wraps functions to add their wall time (seconds) to ``spent[name]``."""
+
+    def __init__(self) -> None:
+        self.spent: Counter[str] = Counter()
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+
+
+def _stub_launches() -> None:
+    """Triton launches replaced by their launch keys; outputs zeroed (the model reads them)."""
+    from kvtool.engines import hf_attention
+    from kvtool.kernels import triton_attention as ta
+    from kvtool.kernels import triton_attention_parts as tap
+    from kvtool.kernels.triton_launch import launch_key
+
+    ta._LAUNCH = tap._LAUNCH = lambda grid, a, constants, tuned=(): launch_key(a)  # noqa: E731
+    ta._sm_count = lambda device: 132  # an H100's split heuristic
+    for module in (ta, tap):
+        attend = module.attend
+        module.attend = lambda *a, _attend=attend, **k: _attend(*a, **k).zero_()
+    hf_attention.DEVICE_ATTENTION_ON_CPU = True
+    hf_attention._DEVICE_KERNELS[:] = [ta]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kvtool.engines import hf_attention
+    from kvtool.engines.hf_runtime import CompressedCache
+    from kvtool.policy import CodecPolicy
+
+    _stub_launches()
+    torch.set_num_threads(1)
+    config = LlamaConfig(num_hidden_layers=args.layers, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=64, intermediate_size=128,
+                         vocab_size=256, max_position_embeddings=args.context + 4096)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, args.context))
+    timer = _Timer()
+    timer.wrap(CompressedCache, "update", "update")
+    timer.wrap(DynamicCache, "update", "update")
+    hf_attention.install()  # what a CompressedCache does; untagged calls go to _delegate
+    for attr in ("_plan", "_attend", "_delegate"):  # kvtool's checks and call; sdpa
+        timer.wrap(hf_attention, attr, "attention")
+    makers = {"DynamicCache": (lambda: DynamicCache(config=config), args.dynamic_tokens)}
+    for label in args.policy.split(","):
+        policy = CodecPolicy.from_label(label, recent_tokens=128)
+        makers[label] = (lambda p=policy: CompressedCache(p, config=config), args.context)
+    caches, tokens = {}, {}
+    with torch.inference_mode():
+        for name, (make, n) in makers.items():
+            caches[name] = make()
+            logits = model(ids[:, :n], past_key_values=caches[name], logits_to_keep=1).logits
+            tokens[name] = logits[:, -1:].argmax(-1)
+        best: dict[str, dict[str, float]] = {}
+        for _ in range(args.rounds):
+            for name, cache in caches.items():
+                timer.spent.clear()
+                for _ in range(args.steps):
+                    model(tokens[name], past_key_values=cache, logits_to_keep=1)
+                per = {k: v / args.steps / args.layers * 1e6 for k, v in timer.spent.items()}
+                per["total"] = per.get("update", 0.0) + per.get("attention", 0.0)
+                if name not in best or per["total"] < best[name]["total"]:
+                    best[name] = per
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                Count.n += 1
+                return func(*a, **(kw or {}))
+
+        ops: dict[str, float] = {}
+        for name, cache in caches.items():  # the least of 3 steps: one that flushes a block,
+            counts = []                     # or follows a flush (views rebuilt), counts more
+            for _ in range(3):
+                Count.n = 0
+                with Count():
+                    model(tokens[name], past_key_values=cache, logits_to_keep=1)
+                counts.append(Count.n / args.layers)
+            ops[name] = min(counts)
+    base = best["DynamicCache"]
+    print(f"host µs per layer and decode step, best of {args.rounds} rounds of {args.steps} "
+          f"steps ({args.layers} layers; compressed caches hold {args.context} tokens, "
+          f"DynamicCache {args.dynamic_tokens}; kernel launches replaced by their launch keys)")
+    print(f"{'cache':>13} | {'update':>7} | {'attention':>9} | {'sum':>6} | {'vs Dynamic':>10} | "
+          f"{'aten ops':>8}")
+    for name, per in best.items():
+        print(f"{name:>13} | {per.get('update', 0):>7.1f} | {per.get('attention', 0):>9.1f} | "
+              f"{per['total']:>6.1f} | {per['total'] - base['total']:>+10.1f} | "
+              f"{ops[name] - ops['DynamicCache'] if name != 'DynamicCache' else ops[name]:>8.1f}",
+              flush=True)
+    print("(aten ops: per layer and step for DynamicCache, the difference for the others)")
+    if args.json:
+        rows = [{"cache": name, "update_us": per.get("update", 0.0),
+                 "attention_us": per.get("attention", 0.0), "total_us": per["total"],
+                 "over_dynamic_us": per["total"] - base["total"], "aten_ops": ops[name]}
+                for name, per in best.items()]
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""``benchmarks/decode_host.py``: the host work a ``CompressedCache`` adds to a decode step on
+the CUDA code path (run on CPU tensors, launches stubbed). Times are not asserted; the torch
+ops the cache issues per layer are: each is host work (and on CUDA often a launch) at every
+layer of every step."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_host.py"
+
+
+def test_rows_and_ops_per_layer(tmp_path):
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--policy", "turbo3,quality,balanced",
+                          "--layers", "2", "--context", "256", "--steps", "4", "--rounds", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["cache"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"DynamicCache", "turbo3", "quality", "balanced"}
+    for name, row in rows.items():
+        assert all(math.isfinite(row[k]) and row[k] > 0 for k in
+                   ("update_us", "attention_us", "total_us")), row
+        assert f"{name:>13} |" in run.stdout
+    # a layer's step: DynamicCache's own model ops, then what each cache adds (the window's
+    # cats, the stacked K/V, the output and launch; a plan per call signature, views per store)
+    assert 30 < rows["DynamicCache"]["aten_ops"] < 90
+    for name in ("turbo3", "quality", "balanced"):
+        assert rows[name]["aten_ops"] - rows["DynamicCache"]["aten_ops"] <= 7, rows[name]
