@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     from kvtool.errors import KvtoolError
     from kvtool.policy import CodecPolicy
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/cold_start.py: --device cuda, but CUDA is not "
+                             "available (torch.cuda.is_available() is False)")
     for policy in policies:  # refused here, in one line, not by a child's traceback
         try:
             CodecPolicy.from_label(policy)

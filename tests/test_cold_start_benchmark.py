@@ -43,3 +43,11 @@ def test_bad_options_are_refused():
     assert run.returncode == 2 and "--device must be one of" in run.stderr
     run = _run("--policy", "nosuchcodec", "--layers", "1", "--tokens", "64", "--repeats", "1")
     assert run.returncode != 0 and "nosuchcodec" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal")
+def test_cuda_without_cuda_is_one_line():
+    run = _run("--device", "cuda", "--policy", "turbo3")
+    assert run.returncode != 0 and "CUDA is not available" in run.stderr
+    assert "Traceback" not in run.stderr
