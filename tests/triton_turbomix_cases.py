@@ -299,18 +299,25 @@ def test_arrays_no_encode_writes_are_refused():
             _decode(codec, {**enc.arrays, key: value}, enc.shape)
 
 
-def test_norm_codes_match_numpy():
+@pytest.mark.parametrize("shape", [(5, 33), (3, 1500), (4, 1)])
+def test_norm_codes_match_numpy(shape):
+    """One program per group, in chunks of at most 1024 tokens (1500: two passes of two)."""
     rng = np.random.default_rng(3)
-    norms = np.exp(rng.uniform(-6, 4, (5, 33))).astype(np.float16)
+    norms = np.exp(rng.uniform(-6, 4, shape)).astype(np.float16)
     norms[1, :4] = 0
     norms[2] = 0
-    norms[3] = 7.5
+    norms[-1, -1] = 7.5
     codes, ranges = norm_codes(norms)
     mine, mine_range = tm.norm_codes(_dev(norms))
+    assert _np(mine).dtype == np.uint8 and _np(mine_range).shape == (shape[0], 1, 2)
     assert np.mean(_np(mine) != codes) <= 2e-3
     np.testing.assert_array_equal(_np(mine_range), ranges)
     np.testing.assert_allclose(_np(tm.norm_values(_dev(codes), _dev(ranges[:, 0]))),
                                norm_values(codes, ranges[:, 0]), rtol=1e-7)
+    bad = ranges[:, 0].copy()
+    bad[0] = (2.0, 1.0)
+    with pytest.raises(CodecError, match="least norm is above"):
+        tm.norm_values(_dev(codes), _dev(bad))
 
 
 # -- real CUDA, larger shapes -------------------------------------------------------------------

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from kvtool.codecs.turbo import FP16_MAX
-from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
 from kvtool.kernels.device_checks import require
 from kvtool.kernels.triton_cuda import (
@@ -47,6 +46,7 @@ from kvtool.kernels.triton_cuda import (
     cdiv,
     next_power_of_2,
 )
+from kvtool.kernels.triton_turbomix_norms import norm_codes, norm_values
 from kvtool.kernels.triton_turbomix_steps import (
     _pack,
     _pairs,
@@ -350,38 +350,6 @@ def _packbits(mask: torch.Tensor) -> torch.Tensor:
     padded[:, :dim] = mask.int()
     weights = 1 << torch.arange(8, dtype=torch.int32, device=mask.device)
     return (padded.view(groups, -1, 8) * weights).sum(-1).to(torch.uint8)[:, None, :]
-
-
-def _log_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tiny = 2.0 ** -24  # fp16's least step
-    log_lo = torch.log2(lo.double().clamp_min(tiny))
-    return log_lo, (torch.log2(hi.double().clamp_min(tiny)) - log_lo).clamp_min(1e-12)
-
-
-def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvtool.codecs.turbomix.norm_codes` on the device: (uint8 [G, T], fp16 [G, 1, 2])."""
-    n = norms.double()
-    positive = n > 0
-    lo = torch.where(positive, n, torch.inf).amin(1)
-    lo = torch.where(torch.isfinite(lo), lo, 0.0).half()
-    hi = n.amax(1).half()
-    log_lo, span = _log_range(lo, hi)
-    t = (torch.log2(torch.where(positive, n, 1.0)) - log_lo[:, None]) / span[:, None]
-    codes = 1 + torch.round(t.clamp(0.0, 1.0) * _NORM_STEPS)
-    return (torch.where(positive, codes, 0).to(torch.uint8),
-            torch.stack([lo, hi], -1)[:, None, :])
-
-
-def norm_values(codes: torch.Tensor, ranges: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """:func:`kvtool.codecs.turbomix.norm_values` on the device: fp32 [G, T]; ``check=False``
-    skips the range check (a host sync) for arrays this process encoded."""
-    lo, hi = ranges[:, 0], ranges[:, 1]
-    if check and bool((lo > hi).any()):
-        raise CodecError("turbomix: a norm range's least norm is above its greatest, which no "
-                         "writer stores")
-    log_lo, span = _log_range(lo, hi)
-    values = torch.exp2(log_lo[:, None] + (codes.double() - 1) / _NORM_STEPS * span[:, None])
-    return torch.where(codes > 0, values, 0.0).float()
 
 
 def channel_sets_of(codec: Any, arrays: dict[str, torch.Tensor], groups: int, dim: int,
