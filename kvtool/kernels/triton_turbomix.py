@@ -252,6 +252,19 @@ def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
     return lambda meta: (items(meta["BM"]),), {}, tok_class
 
 
+@lru_cache(maxsize=16)
+def _all_channels(dim: int, device: torch.device) -> torch.Tensor:
+    """int32 [1, D]: the one part of a codec without outliers (read-only, kept per device)."""
+    return torch.arange(dim, dtype=torch.int32, device=device)[None, :]
+
+
+@lru_cache(maxsize=16)
+def _unused(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Placeholders for the trellis scratch that other quantisers never touch."""
+    return tuple(torch.empty(1, dtype=t, device=device)
+                 for t in (torch.float32, torch.int32, torch.int8))
+
+
 def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Tensor,
                  mean: torch.Tensor | None, bits: int) -> tuple[Any, Any, Any]:
     """(codes [C, R, nbytes] uint8, norms [R] fp32, errors [C, R] fp32) of one part."""
@@ -265,7 +278,12 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     groups, most = nrows // tokens, _programs(device)
     grid, meta, tok_class = _launch(tokens, lambda bm: min(groups * cdiv(tokens, bm),
                                                             most))
-    scratch = most * width * 64 if codec.quantizer == "trellis" else 1
+    if codec.quantizer == "trellis":  # this launch's own: the kernel writes it
+        size = most * width * 64
+        scratch = tuple(torch.empty(size, dtype=t, device=device)
+                        for t in (torch.float32, torch.int32, torch.int8))
+    else:
+        scratch = _unused(device)
     codes = torch.empty((len(seeds), nrows, nb), dtype=torch.uint8, device=device)
     norms = torch.empty(nrows, dtype=torch.float32, device=device)
     err = torch.empty((len(seeds), nrows), dtype=torch.float32, device=device)
@@ -274,11 +292,8 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
         rows, mean if mean is not None else norms, channels,
         channels.shape[1] if channels.shape[0] > 1 else 0, rt, tab["bnd"], tab["cent"],
         tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], tab["sub"], codes, norms, err,
-        torch.empty(scratch, dtype=torch.float32, device=device),
-        torch.empty(scratch, dtype=torch.int32, device=device),
-        torch.empty(scratch, dtype=torch.int8, device=device),
-        nrows, tokens, groups, len(seeds), tok_class, D=dim, N=n, NP=width, NB=nb, BITS=bits,
-        CPG=cpg, BPG=bpg, QUANT=QUANTIZERS[codec.quantizer], PER=1 << (bits - 1),
+        *scratch, nrows, tokens, groups, len(seeds), tok_class, D=dim, N=n, NP=width, NB=nb,
+        BITS=bits, CPG=cpg, BPG=bpg, QUANT=QUANTIZERS[codec.quantizer], PER=1 << (bits - 1),
         RP=pieces, HAS_MEAN=mean is not None, BK=min(width, 32), enable_fp_fusion=False,
         **meta)
     return codes, norms, err
@@ -295,16 +310,17 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     rows = (x if x.dtype in _INPUT else x.float()).reshape(-1, dim).contiguous()
     groups, device = rows.shape[0] // tokens, rows.device
     out: dict[str, torch.Tensor] = {}
-    mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
-    energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
+    mean = energy = None
     if codec.center or n_hi:
+        mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
+        energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
         bd = min(64, next_power_of_2(dim))
         _stats_kernel[(groups, cdiv(dim, bd))](
             rows, mean, energy, tokens, D=dim, BD=bd, BT=16, CENTER=codec.center,
             ENERGY=n_hi > 0)
     if codec.center:
         out["mean"] = mean.half()
-    parts = [(torch.arange(dim, dtype=torch.int32, device=device)[None, :], codec.bits)]
+    parts = [(_all_channels(dim, device), codec.bits)]
     if n_hi:
         top = torch.sort(energy, dim=1, descending=True, stable=True).indices[:, :n_hi]
         mask = torch.zeros((groups, dim), dtype=torch.bool, device=device)
@@ -327,7 +343,9 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     cands = codec.candidates
     choice = None
     if cands > 1:  # the least error per group; ties: the lowest candidate
-        total = sum(e.double() for _, _, e in encoded).view(cands, groups, tokens).sum(2)
+        errors = encoded[0][2].double() if len(encoded) == 1 else \
+            torch.stack([e for _, _, e in encoded]).sum(0, dtype=torch.float64)
+        total = errors.view(cands, groups, tokens).sum(2)
         choice = total.argmin(0)
         out["rotation"] = choice.to(torch.uint8)[:, None]
     for (codes, nrm, _), suffix in zip(encoded, ("", "_hi"), strict=False):
