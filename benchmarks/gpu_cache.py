@@ -13,9 +13,10 @@ the same context; "codes" counts attention calls served from codes (``hf_attenti
 
 A third run, under ``torch.profiler``, says what bounds each phase: "busy" is the share of the
 timed prefill, and of the timed decode step, that the device spent running kernels and copies
-(their summed durations; on the CPU, aten ops' self time). Far under 100%, the host (Python,
+(their summed durations) against the timed run's wall time. Far under 100%, the host (Python,
 launches, a sync) is the limit; near it, the kernels are. The JSON rows keep the five costliest
-kernels of each phase.
+kernels of each phase. On the CPU (``--device cpu``) it sums aten ops' self time instead, a
+check of the code path more than a measure: the two runs meet different loads.
 """
 
 from __future__ import annotations

