@@ -112,3 +112,27 @@ def defer_cpu_checks(monkeypatch: Any) -> None:
     from kvtool.kernels import device_checks
 
     monkeypatch.setattr(device_checks, "deferrable", lambda ok: isinstance(ok, torch.Tensor))
+
+
+def assert_checks_deferred(encode: Any, good: Any, bad: Any) -> None:
+    """Inside ``deferred()`` (what CompressedCache does) ``encode(x)`` queues its one input
+    check instead of reading a flag back; resolved, the check passes ``good`` and refuses
+    ``bad`` (NaN/Inf). A first encode outside builds the host-side tables."""
+    import pytest
+
+    from kvtool.errors import CodecError
+    from kvtool.kernels.device_checks import Checks, deferred
+
+    encode(good)
+    for x, fails in ((good, False), (bad, True)):
+        checks = Checks()
+        with deferred() as queued:
+            assert host_reads(lambda x=x: encode(x)) == 0
+        assert len(queued) == 1
+        checks.add(queued)
+        if fails:
+            with pytest.raises(CodecError, match="NaN or Inf"):
+                checks.wait()
+        else:
+            checks.wait()
+        assert len(checks) == 0

@@ -69,9 +69,9 @@ finally:
         os.environ["TRITON_INTERPRET"] = _saved_env
 
 from gpu_util import (  # noqa: E402
+    assert_checks_deferred,
     autotuned,
     defer_cpu_checks,
-    host_reads,
     kept_configs,
     pin_config,
     pin_kept_config,
@@ -449,26 +449,12 @@ def numpy_codec(monkeypatch):
 def check_deferred(bits: int) -> None:
     """Inside ``deferred()`` (what CompressedCache does) the codec's encode on these kernels
     queues its input check instead of reading a flag back; resolved, it refuses a bad input."""
-    from kvtool.errors import CodecError
-    from kvtool.kernels.device_checks import Checks, deferred
-
     codec = get_codec(f"turbo{bits}", seed=SEED)
     codec._kernels = lambda like, dim: tc  # CPU tensors too (the interpreter)
     x = _inputs(np.random.default_rng(bits), 40, 64)
     bad = x.copy()
     bad[7, 3] = np.nan
-    codec.encode(_dev(x))  # the tables, built and kept on the host
-    for y, fails in ((x, False), (bad, True)):
-        checks = Checks()
-        with deferred() as queued:
-            assert host_reads(lambda y=y: codec.encode(_dev(y))) == 0
-        assert len(queued) == 1
-        checks.add(queued)
-        if fails:
-            with pytest.raises(CodecError, match="NaN or Inf"):
-                checks.wait()
-        else:
-            checks.wait()
+    assert_checks_deferred(codec.encode, _dev(x), _dev(bad))
 
 
 def test_deferred_checks_read_nothing_back(monkeypatch):

@@ -63,9 +63,9 @@ finally:
         os.environ["TRITON_INTERPRET"] = _saved_env
 
 from gpu_util import (  # noqa: E402
+    assert_checks_deferred,
     autotuned,
     defer_cpu_checks,
-    host_reads,
     kept_configs,
     pin_config,
     pin_first_config,
@@ -257,24 +257,10 @@ def test_nan_inf_and_huge_inputs_are_refused(spec):
 def check_deferred(spec: str) -> None:
     """Inside ``deferred()`` (what CompressedCache does) an encode queues its input check
     instead of reading a flag back; the queue refuses a bad input when resolved."""
-    from kvtool.kernels.device_checks import Checks, deferred
-
     x = keys((2, 16, 32), dtype=np.float32)
     bad = x.copy()
     bad[1, 3, 7] = np.inf
-    tm.encode(get_codec(spec), _dev(x))  # the tables, built and kept on the host
-    for y, fails in ((x, False), (bad, True)):
-        checks = Checks()
-        with deferred() as queued:
-            assert host_reads(lambda y=y: tm.encode(get_codec(spec), _dev(y))) == 0
-        assert len(queued) == 1
-        checks.add(queued)
-        if fails:
-            with pytest.raises(CodecError, match="NaN or Inf"):
-                checks.wait()
-        else:
-            checks.wait()
-        assert len(checks) == 0
+    assert_checks_deferred(lambda y: tm.encode(get_codec(spec), y), _dev(x), _dev(bad))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the interpreter

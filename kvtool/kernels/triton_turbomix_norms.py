@@ -12,8 +12,6 @@ rounding half to even.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvtool.codecs.turbomix import _NORM_STEPS
@@ -117,4 +115,4 @@ def norm_values(codes: torch.Tensor, ranges: torch.Tensor, check: bool = True) -
     return out
 
 
-__all__: list[Any] = ["norm_codes", "norm_values"]
+__all__ = ["norm_codes", "norm_values"]
