@@ -6,9 +6,10 @@ while the call took ~100 µs to issue.
 It measures the Python work of a call up to the kernel launch, on CPU tensors (no GPU needed):
 the kernel is replaced by building its launch key (what a repeat launch computes before calling
 the compiled kernel), so the numbers leave out the launch itself (~10 µs on an H200) and CUDA's
-allocator. Rows: a repeat call of one signature (what every layer after the first makes in a
-decode step) against a first call of a signature (checks and launch plan worked out again, as
-before plans were kept: the baseline, in the same process).
+allocator. Rows: a repeat call of one signature over a kept store (what every layer after the
+first makes in a decode step: ``attend_store`` over the layer's prepared store) against a first
+call of a signature (the store prepared and checks and launch plan worked out again, as before
+plans were kept: the baseline, in the same process).
 
     python benchmarks/attend_host.py              # the decode shapes of gpu.py's attention table
     python benchmarks/attend_host.py --calls 5000
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from functools import partial
 
 os.environ.pop("TRITON_INTERPRET", None)
+
+from host_stubs import stub_kernels  # noqa: E402  (benchmarks/ is the script's directory)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,12 +67,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvtool.kernels import triton_attention as ta
     from kvtool.kernels import triton_attention_parts as tap
-    from kvtool.kernels.triton_launch import launch_key
 
-    keys = []
-    ta._LAUNCH = tap._LAUNCH = lambda grid, a, constants, tuned=(): keys.append(  # noqa: E731
-        (tuned, tuple(constants.values()), launch_key(a)))
-    ta._sm_count = lambda device: 132  # an H100's split heuristic
+    stub_kernels()  # launches stop at their keys; an H100's split heuristic
     torch.set_num_threads(1)
     print(f"host µs per call, best of {args.repeats} runs of {args.calls} calls (kernel launch "
           f"replaced by its launch key)")
@@ -92,17 +91,21 @@ def main(argv: list[str] | None = None) -> None:
                                                dtype=torch.float16), block=64)
         kw = dict(dim=dim, k_bits=bits[0], v_bits=bits[1], scale=dim ** -0.5,
                   k_seeds=(1, 2, 3, 4) if preset == "quality" else (1,),
-                  v_seeds=(5, 6, 7, 8) if preset == "quality" else (5,),
-                  out_dtype=torch.bfloat16, **extra)
+                  v_seeds=(5, 6, 7, 8) if preset == "quality" else (5,), **extra)
 
         if preset in ("balanced", "small"):
             roles = _roles(preset, batch * hkv, n, dim)
             call = partial(tap.attend, q, *roles, ke, ke, scale=dim ** -0.5,
                            out_dtype=torch.bfloat16)
             first = partial(_first, tap._PLANS, call)
-        else:
-            call = partial(ta.attend, q, codes[0], norms, codes[1], norms, ke, ke, **kw)
-            first = partial(_first, ta._PLANS, call)
+        else:  # a CompressedCache prepares its store once per change, then attends
+            scale = kw.pop("scale")
+            store = ta.prepare(codes[0], norms, codes[1], norms, **kw)
+            call = partial(ta.attend_store, q, store, ke, ke, scale=scale,
+                           out_dtype=torch.bfloat16)
+            first = partial(_first, ta._PLANS, partial(ta.attend, q, codes[0], norms, codes[1],
+                                                       norms, ke, ke, scale=scale,
+                                                       out_dtype=torch.bfloat16, **kw))
 
         times = {}
         for label, fn in (("first", first), ("repeat", call)):
@@ -113,7 +116,6 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(args.calls):
                     fn()
                 best = min(best, (time.perf_counter() - start) / args.calls * 1e6)
-                keys.clear()
             times[label] = best
         shape = f"B={batch} N={n // 1024}K {preset}"
         print(f"{shape:>28} | {times['first']:>10.1f} | {times['repeat']:>11.1f} | "

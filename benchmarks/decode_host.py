@@ -34,6 +34,8 @@ from typing import Any
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+from host_stubs import stub_kernels  # noqa: E402  (benchmarks/ is the script's directory)
+
 POLICIES = ("turbo3", "quality", "balanced", "small")
 
 
@@ -71,26 +73,10 @@ class _Timer:
         setattr(owner, attr, timed)
 
 
-class _Stub:
-    """A Triton kernel whose launches do nothing but zero its float outputs (the model and
-    the encodes' checks read them): ``kernel[grid](*args)`` as the host code calls it."""
-
-    def __init__(self, kernel: Any, outputs: tuple[str, ...]):
-        self.names, self.outputs = list(kernel.arg_names), outputs  # JIT or autotuner
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            for name, arg in zip(self.names, args, strict=False):
-                if name in self.outputs:
-                    arg.zero_()
-
-        return launch
-
-
 def _cuda_path_on_cpu() -> None:
     """CPU tensors take the CUDA code path: attention and encodes through the Triton modules'
-    host code, their launches replaced (attention: by the launch key; the rest: by
-    :class:`_Stub`), encode checks queued as on CUDA."""
+    host code, their kernels stubbed (:func:`host_stubs.stub_kernels`), encode checks queued
+    as on CUDA."""
     import torch
 
     from kvtool.codecs.turbo import TurboCodec
@@ -101,21 +87,12 @@ def _cuda_path_on_cpu() -> None:
     from kvtool.kernels import triton_attention_parts as tap
     from kvtool.kernels import triton_cuda as tc
     from kvtool.kernels import triton_turbomix as tt
-    from kvtool.kernels import triton_turbomix_norms as tn
-    from kvtool.kernels.triton_launch import launch_key
 
-    ta._LAUNCH = tap._LAUNCH = lambda grid, a, constants, tuned=(): launch_key(a)  # noqa: E731
-    ta._sm_count = lambda device: 132  # an H100's split heuristic
+    stub_kernels()
     for module in (ta, tap):
         attend = module.attend
         module.attend = lambda *a, _attend=attend, **k: _attend(*a, **k).zero_()
-    for module, name, outputs in (
-            (tc, "_encode_kernel", ("norms_ptr",)), (tc, "_decode_kernel", ("out_ptr",)),
-            (tt, "_stats_kernel", ("mean_ptr", "energy_ptr")),
-            (tt, "_encode_kernel", ("norms_ptr", "err_ptr")),
-            (tt, "_decode_kernel", ("out_ptr",)), (tn, "_norm_codes_kernel", ("range_ptr",)),
-            (tn, "_norm_values_kernel", ("out_ptr",))):
-        setattr(module, name, _Stub(getattr(module, name), outputs))
+    ta.attend_store = lambda *a, _attend=ta.attend_store, **k: _attend(*a, **k).zero_()
     tc._rows_launch = lambda rows, device: {"grid": (1,), "meta": {}}
     TurboCodec._kernels = lambda self, like, dim: tc if tc.supported(dim, self.bits) else None
     TurboMixCodec._fused = lambda self, like: None

@@ -245,17 +245,17 @@ def _preset_attention_row(b: Bench, name: str, batch: int, n: int) -> dict:
     if scalar_codes(policy.key, "key") and scalar_codes(policy.value):
         ka, va = kenc.arrays, venc.arrays
         kernel = "triton_attention"
+        store = triton_attention.prepare(
+            ka["codes"].reshape(heads, n, -1), ka["norms"].reshape(heads, n),
+            va["codes"].reshape(heads, n, -1), va["norms"].reshape(heads, n), dim=dim,
+            k_bits=policy.key.bits, v_bits=policy.value.bits,
+            k_seeds=rotation_seeds(policy.key), v_seeds=rotation_seeds(policy.value),
+            k_rotations=ka["rotation"].reshape(heads, -1),
+            v_rotations=va["rotation"].reshape(heads, -1),
+            key_means=ka["mean"].reshape(heads, -1, dim) if "mean" in ka else None, block=block)
 
         def codes():
-            return triton_attention.attend(
-                q, ka["codes"].reshape(heads, n, -1), ka["norms"].reshape(heads, n),
-                va["codes"].reshape(heads, n, -1), va["norms"].reshape(heads, n), dim=dim,
-                k_bits=policy.key.bits, v_bits=policy.value.bits,
-                k_seeds=rotation_seeds(policy.key), v_seeds=rotation_seeds(policy.value),
-                scale=scale, k_rotations=ka["rotation"].reshape(heads, -1),
-                v_rotations=va["rotation"].reshape(heads, -1),
-                key_means=ka["mean"].reshape(heads, -1, dim) if "mean" in ka else None,
-                block=block)
+            return triton_attention.attend_store(q, store, scale=scale)
     else:
         roles = [triton_attention_parts.role_tensors(c, e.arrays, heads, n, block, dim)
                  for c, e in ((policy.key, kenc), (policy.value, venc))]

@@ -4,7 +4,6 @@ should."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.engines import hf_attention  # noqa: E402
-from kvtool.engines.hf_attention import ATTR, STATS, kvtool_attention  # noqa: E402
+from kvtool.engines.hf_attention import ATTR, STATS, CodesTag, kvtool_attention  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache  # noqa: E402
 from kvtool.errors import CodecError, KvtoolError  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
@@ -94,7 +93,7 @@ def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
     layer = codes.layers[0]
     assert layer.joint == ("/" not in spec)
     q, keys, values = _step(codes, nq, dim)
-    view = getattr(keys, ATTR)
+    view = getattr(keys, ATTR).view
     assert (view.roles is not None) == (spec in PARTS)  # which kernel reads it
     assert keys.shape[-2] == 4 + 16 + nq and view.tokens == 80 and view.sinks == 4
     q2, full_k, full_v = _step(decoded, nq, dim)
@@ -220,6 +219,29 @@ def test_a_view_no_attention_read_is_an_error():
         _step(codes, 1, 64)
 
 
+@pytest.mark.parametrize("spec", ["turbo3/turbo4", QUALITY])
+def test_steps_read_one_view_until_the_store_changes(spec):
+    """The steps between two flushes read one CodesView (worked out once per store change) and
+    stay exact; the step that flushes a block reads the store as it was before, and the layer
+    then lets go of that view (it must not pin replaced chunks); a tag serves one call."""
+    codes, decoded = _pair(spec, 64)  # 80 tokens encoded, a block of 8 flushed every 8 steps
+    layer, views = codes.layers[0], []
+    for step in range(9):
+        q, keys, values = _step(codes, 1, 64, seed=step)
+        q2, full_k, full_v = _step(decoded, 1, 64, seed=step)
+        tag = getattr(keys, ATTR)
+        views.append(tag.view)
+        assert (layer._view is None) == (step == 7)  # the eighth step flushed a block
+        out, _ = kvtool_attention(_module(), q, keys, values, None, scaling=0.125)
+        assert tag.view is None and tag.consumed
+        assert (out - _reference(q2, full_k, full_v, 1)).abs().max().item() <= 1e-4
+        if step == 8:
+            with pytest.raises(KvtoolError, match="already attended"):
+                kvtool_attention(_module(), q, keys, values, None, scaling=0.125)
+    assert all(view is views[0] for view in views[:8]) and views[8] is not views[0]
+    assert (views[0].tokens, views[8].tokens) == (80, 88)
+
+
 def test_bfloat16_states_attend_from_codes():
     codes, decoded = _pair("turbo3", 64, dtype=torch.bfloat16)
     q, keys, values = _step(codes, 1, 64, dtype=torch.bfloat16)
@@ -240,14 +262,14 @@ def test_token_ranges_split_over_threads_give_the_same_output(spec):
 
     codes, decoded = _pair(spec, 64, prefix=1200)
     q, keys, values = _step(codes, 3, 64)
-    view = getattr(keys, ATTR)
+    view = getattr(keys, ATTR).view
     assert view.tokens >= 2 * numba_attention.MIN_TOKENS_PER_TASK
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            setattr(keys, ATTR, dataclasses.replace(view))  # a call releases its view
+            setattr(keys, ATTR, CodesTag(view))  # a call releases its view
             outs.append(kvtool_attention(_module(), q, keys, values, None, scaling=0.125)[0])
     finally:
         torch.set_num_threads(threads)

@@ -9,7 +9,6 @@ and every kernel module are imported, and must never be set in the main test pro
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -373,9 +372,12 @@ def _agree(runs: dict, others: tuple[str, ...]) -> None:
 
 @pytest.mark.skipif(CUDA, reason="the CPU routing switch is for the interpreter")
 @pytest.mark.parametrize("preset", ["turbo3", "quality"])
-def test_compressed_cache_attends_from_codes_through_triton(preset):
+def test_compressed_cache_attends_from_codes_through_triton(preset, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("numba")
+    prepare, stores = ta.prepare, []
+    monkeypatch.setattr(ta, "prepare", lambda *a, **k: stores.append(prepare(*a, **k))
+                        or stores[-1])
     model, policy = _model(), _policy(preset)
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(1))
     runs = {name: _run(model, ids, policy, route, flag) for name, route, flag in
@@ -383,6 +385,8 @@ def test_compressed_cache_attends_from_codes_through_triton(preset):
     # 3 decode steps and the 2-token chunk, 2 layers each, read the encoded tokens from codes
     assert runs["triton"][2] == 8 and runs["numba"][2] == 8 and runs["decoded"][2] == 0
     _agree(runs, ("numba", "decoded"))
+    # no block was flushed after the prefill: each layer prepared its store once for 4 calls
+    assert len(stores) == 2 and stores[0].k_codes.shape[1] == 64
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU routing switch is for the interpreter")
@@ -409,14 +413,14 @@ def test_device_views_masks_and_fallbacks(monkeypatch):
     q = torch.randn(1, 4, 1, 32, generator=gen)
     k1, v1 = (torch.randn(1, 2, 1, 32, generator=gen) for _ in range(2))
     (keys, values), (full_k, full_v) = (past.update(k1, v1, 0) for past in caches)
-    view = getattr(keys, hf_attention.ATTR)
+    view = getattr(keys, hf_attention.ATTR).view
     assert view.on_device and isinstance(view.codes[0], torch.Tensor)
     assert view.tokens == 40 and view.rotations[0].shape == (2, 5)
     assert view.key_means.dtype == torch.float16
     for hidden, path in ((58, "codes"), (10, "fallback")):  # an exact token, an encoded one
         mask = torch.ones(1, 1, 1, 61, dtype=torch.bool)
         mask[..., hidden] = False
-        setattr(keys, hf_attention.ATTR, dataclasses.replace(view))
+        setattr(keys, hf_attention.ATTR, hf_attention.CodesTag(view))
         before = dict(hf_attention.STATS)
         out, _ = hf_attention.kvtool_attention(module, q, keys, values, mask, scaling=0.2)
         assert hf_attention.STATS[path] == before[path] + 1

@@ -53,7 +53,7 @@ import torch
 
 from kvtool.codecs import Codec, Encoded
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
-from kvtool.errors import CodecError
+from kvtool.errors import CodecError, KvtoolError
 from kvtool.kernels import kernel_mode
 
 CODE_BITS = (2, 3, 4)  # kvtool.kernels.numba_attention.BITS (not imported: numba may be absent)
@@ -62,7 +62,7 @@ NAME = "kvtool"
 STATS = {"codes": 0, "fallback": 0}  # attention calls served from codes / by decode-then-attend
 #: tests only: CPU tensors attend from codes through the Triton kernels (``TRITON_INTERPRET=1``)
 DEVICE_ATTENTION_ON_CPU = False
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "cache")
+_UNSUPPORTED_KWARGS = frozenset(("sliding_window", "softcap", "s_aux", "position_bias", "cache"))
 
 _lock = threading.Lock()
 _delegate: Callable[..., Any] | None = None  # the sdpa function that install() replaced
@@ -70,7 +70,9 @@ _delegate: Callable[..., Any] | None = None  # the sdpa function that install() 
 
 @dataclass
 class CodesView:
-    """One layer's encoded tokens for one attention call (tag of the returned key tensor).
+    """One layer's encoded tokens as attention reads them, made once per change of the
+    layer's store (every attention call until then reads the same view, through a
+    :class:`CodesTag` on the key tensor).
 
     ``codes``/``norms``: per role (key, value) the packed codes ``[B·Hkv, E, bytes]`` (uint8)
     and fp16 norms as ``uint16`` ``[B·Hkv, E]``, numpy views of the cache's own tensors;
@@ -96,29 +98,29 @@ class CodesView:
     #: ``turbomix`` option reads this layer (``codes``/``norms`` are then None)
     roles: tuple[Any, Any] | None = None
     on_device: bool = False  # read by the Triton kernel (tensors, not numpy views)
-    consumed: bool = field(default=False)
+    tokens: int = field(init=False)  # encoded tokens
+    heads: int = field(init=False)  # rows of encoded tokens: batch · KV heads
+    _store: Any = field(default=None, init=False, repr=False)
 
-    def release(self) -> None:
-        """Drop the references to the store (the layer keeps this view until its next update:
-        it must not pin chunks that an encode has since replaced)."""
-        self.codes = self.norms = self.chunks = ()  # type: ignore[assignment]
-        self.rotations = self.key_means = self.roles = None
-
-    @property
-    def tokens(self) -> int:
-        """Encoded tokens."""
+    def __post_init__(self) -> None:
         if self.roles:
             role = self.roles[0]
-            return int(role.tokens if self.on_device else role.norms.shape[2])
-        return int(self.norms[0].shape[1])
+            self.tokens = int(role.tokens if self.on_device else role.norms.shape[2])
+            self.heads = int(role.heads if self.on_device else role.norms.shape[1])
+        else:
+            self.tokens, self.heads = int(self.norms[0].shape[1]), int(self.norms[0].shape[0])
 
-    @property
-    def heads(self) -> int:
-        """Rows of encoded tokens: batch · KV heads."""
-        if self.roles:
-            role = self.roles[0]
-            return int(role.heads if self.on_device else role.norms.shape[1])
-        return int(self.norms[0].shape[0])
+    def device_store(self, dim: int) -> Any:
+        """The :class:`kvtool.kernels.triton_attention.Store` of these codes (``on_device``,
+        no ``roles``), prepared at the first call that reads them."""
+        if self._store is None:
+            (kcodec, vcodec), ta = self.codecs, device_kernels()
+            self._store = ta.prepare(
+                self.codes[0], self.norms[0], self.codes[1], self.norms[1], dim=dim,
+                k_bits=kcodec.bits, v_bits=vcodec.bits, k_seeds=rotation_seeds(kcodec),
+                v_seeds=rotation_seeds(vcodec), k_rotations=self.rotations[0],
+                v_rotations=self.rotations[1], key_means=self.key_means, block=self.block)
+        return self._store
 
     def materialize(self, key: torch.Tensor, value: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +135,18 @@ class CodesView:
                      exact[..., self.sinks:, :]]
             out.append(torch.cat(parts, dim=-2))
         return out[0], out[1]
+
+
+class CodesTag:
+    """The tag of one attention call's key tensor: the layer's :class:`CodesView` until that
+    call reads it (the tag then lets go, so a key tensor kept around pins no chunks that an
+    encode has since replaced), and whether it did."""
+
+    __slots__ = ("view", "consumed")
+
+    def __init__(self, view: CodesView):
+        self.view: CodesView | None = view
+        self.consumed = False
 
 
 def codes_codec(codec: Codec | None, role: str = "value") -> bool:
@@ -296,11 +310,14 @@ def kvtool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention function: from codes for tagged keys, else sdpa."""
-    view: CodesView | None = getattr(key, ATTR, None)
-    if view is None:
+    tag: CodesTag | None = getattr(key, ATTR, None)
+    if tag is None:
         return _sdpa()(module, query, key, value, attention_mask, dropout=dropout,
                        scaling=scaling, **kwargs)
-    view.consumed = True
+    view, tag.view, tag.consumed = tag.view, None, True
+    if view is None:
+        raise KvtoolError("this key tensor's encoded tokens were already attended to: a "
+                          "CompressedCache's update serves one attention call")
     bias = _plan(module, query, key, value, attention_mask, dropout, view, kwargs)
     if bias is not False:
         causal = attention_mask is None and query.shape[2] > 1 \
@@ -308,11 +325,9 @@ def kvtool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = _attend(query, key, value, view, bias, causal, scaling)
         if out is not None:
             STATS["codes"] += 1
-            view.release()
             return out, None
     STATS["fallback"] += 1
     key, value = view.materialize(key, value)
-    view.release()
     return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                    **kwargs)
 
@@ -323,12 +338,12 @@ def _plan(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
     """The exact tokens' additive bias [1 or B, Q, X] (None: none), or False: fall back."""
     batch, hq, nq, dim = query.shape
     hkv, n_exact = key.shape[1], key.shape[2]
-    if (dropout and module.training) or kwargs.get("output_attentions") \
-            or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+    if (dropout and module.training) or kwargs.get("output_attentions") or (
+            not _UNSUPPORTED_KWARGS.isdisjoint(kwargs)
+            and any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS)):
         return False
-    if view.on_device:
-        if not device_path(query.device) or key.device != query.device \
-                or value.device != query.device:
+    if view.on_device:  # the layer's update found the key's device on the Triton path
+        if key.device != query.device or value.device != query.device:
             return False
     elif query.device.type != "cpu" or key.device.type != "cpu":
         return False
@@ -450,7 +465,6 @@ def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scaling: float | None) -> torch.Tensor | None:
     """:func:`_attend` through :func:`kvtool.kernels.triton_attention.attend`."""
     ta = device_kernels()
-    kcodec, vcodec = view.codecs
     dim = query.shape[-1]
     scale = dim ** -0.5 if scaling is None else float(scaling)
     out_dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -461,12 +475,8 @@ def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             out = triton_attention_parts.attend(query, *view.roles, key, value, scale=scale,
                                                 bias=bias, causal=causal, out_dtype=out_dtype)
         else:
-            out = ta.attend(query, view.codes[0], view.norms[0], view.codes[1], view.norms[1],
-                            key, value, dim=dim, k_bits=kcodec.bits, v_bits=vcodec.bits,
-                            k_seeds=rotation_seeds(kcodec), v_seeds=rotation_seeds(vcodec),
-                            scale=scale, bias=bias, causal=causal,
-                            k_rotations=view.rotations[0], v_rotations=view.rotations[1],
-                            key_means=view.key_means, block=view.block, out_dtype=out_dtype)
+            out = ta.attend_store(query, view.device_store(dim), key, value, scale=scale,
+                                  bias=bias, causal=causal, out_dtype=out_dtype)
     except ta.BUILD_ERRORS as e:  # the kernel does not build here: decode-then-attend from now
         if kernel_mode() == "compiled":
             raise
@@ -501,7 +511,7 @@ def _numba_threads() -> int:
     return threads
 
 
-__all__ = ["ATTR", "DEVICE_ATTENTION_ON_CPU", "NAME", "STATS", "CodesView", "codes_codec",
-           "codes_enabled", "device_codes", "device_kernels", "device_path", "install",
-           "kvtool_attention", "role_codes", "rotation_seeds", "routes_through_kvtool",
+__all__ = ["ATTR", "DEVICE_ATTENTION_ON_CPU", "NAME", "STATS", "CodesTag", "CodesView",
+           "codes_codec", "codes_enabled", "device_codes", "device_kernels", "device_path",
+           "install", "kvtool_attention", "role_codes", "rotation_seeds", "routes_through_kvtool",
            "scalar_codes", "uninstall"]

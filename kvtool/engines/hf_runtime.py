@@ -80,6 +80,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvtool.codecs import Codec
 from kvtool.engines.hf_attention import (
     ATTR,
+    CodesTag,
     CodesView,
     codes_codec,
     codes_enabled,
@@ -141,7 +142,9 @@ class CompressedLayer(DynamicLayer):
                 scalar_codes(key_codec, "key") and scalar_codes(value_codec))
         self.codecs = (key_codec, value_codec)
         self._device_dims: dict[int, bool] = {}  # head_dim -> whether the Triton kernels read it
-        self._pending: CodesView | None = None
+        self._pending: CodesTag | None = None
+        #: the view of the store as the streams last returned it (until the store changes)
+        self._view: tuple[Any, Any, CodesView] | None = None
 
     @property
     def k(self) -> _Stream:
@@ -175,7 +178,7 @@ class CompressedLayer(DynamicLayer):
         if self.joint:
             out, enc = self.streams[0].update(torch.stack([key_states, value_states]),
                                               from_codes, on_device)
-            keys, values = out[0], out[1]
+            keys, values = out.unbind(0)
             encs = [(enc, 0), (enc, 1)]
         else:
             (keys, kenc), (values, venc) = (s.update(x, from_codes, on_device) for s, x in
@@ -184,23 +187,35 @@ class CompressedLayer(DynamicLayer):
             encs = [(kenc, None), (venc, None)]
         if encs[0][0] is not None and encs[1][0] is not None:
             (ke, ki), (ve, vi) = encs
-            k, v = ki or 0, vi or 0
-            view = CodesView(codecs=(self.k.codec, self.v.codec),
-                             codes=(_at(ke, 0, k), _at(ve, 0, v)),
-                             norms=(_at(ke, 1, k), _at(ve, 1, v)),
-                             chunks=((ke[5], ki), (ve[5], vi)), sinks=ke[6],
-                             batch=key_states.shape[0],
-                             rotations=(_at(ke, 2, k), _at(ve, 2, v))
-                             if on_device or ke[2] is not None else None,
-                             key_means=_at(ke, 3, k), block=self.block_size,
-                             roles=None if ke[4] is None else (ke[4][k], ve[4][v]),
-                             on_device=on_device)
-            keys = keys.view(keys.shape)  # a fresh alias: the tag must not stick to the window
-            setattr(keys, ATTR, view)
-            self._pending = view
+            memo = self._view
+            if memo is not None and memo[0] is ke and memo[1] is ve:
+                view = memo[2]
+            else:
+                view = self._make_view(ke, ki, ve, vi, key_states.shape[0], on_device)
+                self._view = (ke, ve, view)
+            keys = keys.view_as(keys)  # a fresh alias: the tag must not stick to the window
+            self._pending = tag = CodesTag(view)
+            setattr(keys, ATTR, tag)
         if self.is_sliding:
             self._slide()
+        if self.streams[0].changed() or self.streams[-1].changed():  # the view must not pin
+            self._view = None  # chunks an encode has replaced
         return keys, values
+
+    def _make_view(self, ke: tuple[Any, ...], ki: int | None, ve: tuple[Any, ...],
+                   vi: int | None, batch: int, on_device: bool) -> CodesView:
+        """The :class:`CodesView` of the streams' ``encoded`` (index ``ki``/``vi`` in keys and
+        values stacked in one stream, else None)."""
+        k, v = ki or 0, vi or 0
+        return CodesView(codecs=(self.k.codec, self.v.codec),
+                         codes=(_at(ke, 0, k), _at(ve, 0, v)),
+                         norms=(_at(ke, 1, k), _at(ve, 1, v)),
+                         chunks=((ke[5], ki), (ve[5], vi)), sinks=ke[6], batch=batch,
+                         rotations=(_at(ke, 2, k), _at(ve, 2, v))
+                         if on_device or ke[2] is not None else None,
+                         key_means=_at(ke, 3, k), block=self.block_size,
+                         roles=None if ke[4] is None else (ke[4][k], ve[4][v]),
+                         on_device=on_device)
 
     def _reads_on_device(self, dim: int) -> bool:
         """:func:`~kvtool.engines.hf_attention.device_codes` of this layer's codecs, kept."""
@@ -243,7 +258,7 @@ class CompressedLayer(DynamicLayer):
         for s in self.streams:
             s.reset()
         self.cumulative_length = self.dropped = 0
-        self._pending = None
+        self._pending = self._view = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -251,6 +266,7 @@ class CompressedLayer(DynamicLayer):
                           "assisted or speculative decoding needs a DynamicCache")
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._view = None
         if self.is_initialized:
             for s in self.streams:
                 s.map_batch(fn, 1 if self.joint else 0)

@@ -66,6 +66,7 @@ class _Stream:
         self.tail: torch.Tensor | None = None
         self._np: tuple[Any, ...] | None = None  # memo of :meth:`codes_np`
         self._dev: tuple[Any, ...] | None = None  # memo of :meth:`codes_torch`
+        self._enc: tuple[bool, tuple[Any, ...]] | None = None  # memo of update's ``encoded``
         #: the encodes' input checks on CUDA, read back without a host sync (see ``_flush``)
         self.checks = Checks()
 
@@ -193,8 +194,14 @@ class _Stream:
             self.settle()
         have = 0 if self.sink is None else self.sink.shape[-2]
         if from_codes and self.chunks:  # the sinks are full: x goes to the window
-            encoded = (*(self.codes_torch() if on_device else self.codes_np()),
-                       list(self.chunks), have)
+            memo = self._enc
+            if memo is not None and memo[0] == on_device:
+                encoded = memo[1]  # the same object until the store changes
+            else:
+                encoded = (*(self.codes_torch() if on_device else self.codes_np()),
+                           list(self.chunks), have)
+                if (self._dev if on_device else self._np) is not None:  # views kept: memo too
+                    self._enc = (on_device, encoded)
             self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=-2)
             # the window is never changed in place (only replaced), so it can be returned
             out = self.tail if self.sink is None else torch.cat([self.sink, self.tail], dim=-2)
@@ -212,6 +219,15 @@ class _Stream:
             self._flush()
         return out, None
 
+    def forget_views(self) -> None:
+        """Drop what was worked out of the store (it changed)."""
+        self._np = self._dev = self._enc = None
+
+    def changed(self) -> bool:
+        """Whether the store changed since :meth:`update` last returned its ``encoded``
+        (which is the same object until then)."""
+        return self._enc is None
+
     def _flush(self) -> None:
         """Encode the window's oldest whole blocks beyond ``recent_tokens``."""
         n_blocks = (self.tail.shape[-2] - self.recent_tokens) // self.block
@@ -220,7 +236,7 @@ class _Stream:
         cut, lead = n_blocks * self.block, tuple(self.tail.shape[:-2])
         x = self.tail[..., :cut, :].reshape(*lead, n_blocks, self.block, self.tail.shape[-1])
         self.tail = self.tail[..., cut:, :].clone()  # a slice would pin the old buffer
-        self._np = self._dev = None
+        self.forget_views()
         self.stored += cut
         # on CUDA the encodes' checks are read back later (settle): a sync here would stall
         # the host in the middle of every layer's forward
@@ -265,7 +281,7 @@ class _Stream:
                 self.chunks[0] = Encoded(arrays, shape, enc.dtype)
             n -= k * self.block
             self.stored -= k * self.block
-            self._np = self._dev = None
+            self.forget_views()
         if n:
             self.tail = self.tail[..., n:, :].clone()
 
@@ -285,4 +301,5 @@ class _Stream:
             batch = next(iter(arrays.values())).shape[axis]
             shape = (*enc.shape[:axis], batch, *enc.shape[axis + 1:])
             chunks.append(Encoded(arrays, shape, enc.dtype))
-        self.chunks, self._np, self._dev = chunks, None, None
+        self.chunks = chunks
+        self.forget_views()

@@ -73,7 +73,16 @@ from kvtool.kernels.triton_cuda import (
     next_power_of_2,
     supported,
 )
-from kvtool.kernels.triton_launch import Launcher, Plans, StreamScratch, meta
+from kvtool.kernels.triton_launch import (
+    EXACT_SPLIT,
+    Launcher,
+    Plans,
+    Signature,
+    StreamScratch,
+    exact_key,
+    meta,
+    plan_token,
+)
 
 try:
     import triton
@@ -92,7 +101,6 @@ name = "triton"
 MAX_ROWS = 64  # query rows (query heads per KV head × query tokens) one program holds
 _EXACT = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_SPLIT = 256  # fewest encoded tokens worth a part of their own
-_EXACT_SPLIT = 128  # exact tokens per part
 #: the warps the interpreter's tiles are laid out for: 3-bit tiles pair rows at head_dim ≥ 128
 #: (``BLOCK_N · D ≥ 2048 · WARPS``), as on GPUs where a thread holds two rows' codes
 _INTERPRET_WARPS = 1
@@ -252,13 +260,35 @@ def max_rows(dim: int) -> int:
     return MAX_ROWS if dim <= 128 else MAX_ROWS // 2
 
 
+class Store(NamedTuple):
+    """One layer's encoded keys and values as :func:`attend_store` reads them, made by
+    :func:`prepare`: checked, made contiguous, grouped by rotation and keyed once, since a
+    store serves every attention call of a layer until it changes (a decode step's layers
+    share the shapes, so they share a plan too)."""
+
+    k_codes: torch.Tensor
+    k_norms: torch.Tensor
+    v_codes: torch.Tensor
+    v_norms: torch.Tensor
+    dim: int
+    k_bits: int
+    v_bits: int
+    k_seeds: tuple[int, ...]
+    v_seeds: tuple[int, ...]
+    key_means: torch.Tensor | None  # fp16
+    block: int
+    blocks: int
+    order: torch.Tensor  # with several candidates, else ``k_codes`` (unread)
+    offsets: torch.Tensor
+    words: tuple[bool, bool]  # each role's codes start on a 32-bit word
+    signature: Signature  # what a plan depends on
+
+
 class _Plan(NamedTuple):
     """What a call's shapes and options decide (checked once per distinct signature)."""
 
     hkv: int
     rows: int
-    blocks: int
-    x: int
     split_k: int
     parts: int
     exact_parts: int
@@ -267,7 +297,8 @@ class _Plan(NamedTuple):
     v_r: torch.Tensor
     k_table: torch.Tensor
     v_table: torch.Tensor
-    constants: dict[str, Any]  # KWORDS/VWORDS: rows of whole 32-bit words (pointers: per call)
+    constants: dict[str, Any]  # KWORDS/VWORDS: rows of whole 32-bit words (pointers: per store)
+    token: int  # this plan's part of its launches' keys
 
 
 _PLANS = Plans()
@@ -282,33 +313,22 @@ def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int
                          f"uint8 [{heads}, {n}, {nbytes}] / float [{heads}, {n}]")
 
 
-def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
-          v_norms: torch.Tensor, ke: torch.Tensor | None, ve: torch.Tensor | None, dim: int,
-          k_bits: int, v_bits: int, k_seeds: tuple[int, ...], v_seeds: tuple[int, ...],
-          bias: torch.Tensor | None, causal: bool, k_rotations: torch.Tensor | None,
-          v_rotations: torch.Tensor | None, key_means: torch.Tensor | None, block: int,
-          split_k: int | None, out_dtype: torch.dtype) -> _Plan:
-    """Check a call's shapes and options (ValueError on a bad one) and work out its launch."""
+def prepare(k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
+            v_norms: torch.Tensor, *, dim: int, k_bits: int, v_bits: int,
+            k_seeds: Sequence[int], v_seeds: Sequence[int],
+            k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
+            key_means: torch.Tensor | None = None, block: int = 0) -> Store:
+    """The :class:`Store` of encoded tokens (arguments as :func:`attend`'s); ValueError for
+    arrays no encode writes."""
+    k_seeds, v_seeds = tuple(k_seeds), tuple(v_seeds)
     for bits in (k_bits, v_bits):
         if not supported(dim, bits):
             raise ValueError(f"attention from codes supports dims {DIMS} and bits {BITS}, "
                              f"got dim={dim} bits={bits}")
-    if q.ndim != 4 or q.shape[-1] != dim:
-        raise ValueError(f"attention from codes: q must be [B, Hq, Q, {dim}], got "
-                         f"{tuple(q.shape)}")
-    batch, hq, nq, _ = q.shape
     if k_codes.ndim != 3:
         raise ValueError(f"attention from codes: key codes must be [B·Hkv, N, bytes], got "
                          f"{tuple(k_codes.shape)}")
     heads, n = k_codes.shape[0], k_codes.shape[1]
-    if batch == 0 or heads % batch or hq % max(1, heads // batch) or not heads:
-        raise ValueError(f"attention from codes: {heads} code rows do not hold the KV heads "
-                         f"of {hq} query heads × batch {batch}")
-    hkv = heads // batch
-    rows = hq // hkv * nq
-    if rows > max_rows(dim):
-        raise ValueError(f"attention from codes: {rows} query rows per KV head (query heads "
-                         f"per KV head × query tokens), at most {max_rows(dim)} at dim {dim}")
     _check_codes("key", k_codes, k_norms, heads, n, dim * k_bits // 8)
     _check_codes("value", v_codes, v_norms, heads, n, dim * v_bits // 8)
     ck, cv = len(k_seeds), len(v_seeds)
@@ -322,6 +342,41 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
                            ("key_means", key_means, (heads, blocks, dim))):
         if t is not None and tuple(t.shape) != want:
             raise ValueError(f"attention from codes: {name_} {tuple(t.shape)}, expected {want}")
+    k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
+    if sorted_:
+        order, offsets = _groups(k_rotations, v_rotations, ck, cv, heads, blocks,
+                                 k_codes.device)
+    else:
+        order = offsets = k_codes
+    signature = Signature(meta(k_codes), meta(k_norms), meta(v_codes), meta(v_norms),
+                          key_means is not None, dim, k_bits, v_bits, k_seeds, v_seeds, block,
+                          k_codes.device)
+    return Store(k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(), dim, k_bits,
+                 v_bits, k_seeds, v_seeds,
+                 None if key_means is None else key_means.to(torch.float16).contiguous(),
+                 block, blocks, order, offsets,
+                 (k_codes.data_ptr() % 4 == 0, v_codes.data_ptr() % 4 == 0), signature)
+
+
+def _plan(q: torch.Tensor, store: Store, ke: torch.Tensor | None, ve: torch.Tensor | None,
+          bias: torch.Tensor | None, causal: bool, split_k: int | None,
+          out_dtype: torch.dtype) -> _Plan:
+    """Check a call's query, exact tokens and options against its store (ValueError on a bad
+    one) and work out its launch."""
+    dim = store.dim
+    if q.ndim != 4 or q.shape[-1] != dim:
+        raise ValueError(f"attention from codes: q must be [B, Hq, Q, {dim}], got "
+                         f"{tuple(q.shape)}")
+    batch, hq, nq, _ = q.shape
+    heads, n = store.k_codes.shape[0], store.k_codes.shape[1]
+    if batch == 0 or heads % batch or hq % max(1, heads // batch) or not heads:
+        raise ValueError(f"attention from codes: {heads} code rows do not hold the KV heads "
+                         f"of {hq} query heads × batch {batch}")
+    hkv = heads // batch
+    rows = hq // hkv * nq
+    if rows > max_rows(dim):
+        raise ValueError(f"attention from codes: {rows} query rows per KV head (query heads "
+                         f"per KV head × query tokens), at most {max_rows(dim)} at dim {dim}")
     x = 0 if ke is None else ke.shape[2]
     if (ke is None) != (ve is None) or (ke is not None and (
             tuple(ke.shape) != (batch, hkv, x, dim) or ve.shape != ke.shape
@@ -336,30 +391,33 @@ def _plan(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes
         raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
                          f"[1 or {batch}, {nq}, {x}]")
     device = q.device
+    ck, cv = len(store.k_seeds), len(store.v_seeds)
     groups = ck * cv
     if split_k is None:
         split_k = _splits(device, heads * groups, cdiv(n, groups))
     if not 1 <= split_k <= 65535 // max(1, groups):
         raise ValueError(f"split_k must be in 1..{65535 // groups}, got {split_k}")
-    exact_parts = cdiv(x, _EXACT_SPLIT)
+    exact_parts = cdiv(x, EXACT_SPLIT)
     parts = groups * split_k + exact_parts
     per_part = n // max(1, groups * split_k)
-    kcpg, kbpg = group_shape(k_bits)
-    vcpg, vbpg = group_shape(v_bits)
-    blocked = sorted_ or key_means is not None
+    kcpg, kbpg = group_shape(store.k_bits)
+    vcpg, vbpg = group_shape(store.v_bits)
+    sorted_ = groups > 1
+    blocked = sorted_ or store.key_means is not None
     constants = dict(
-        MP=max(16, next_power_of_2(rows)), D=dim, KBITS=k_bits, KCPG=kcpg, KBPG=kbpg,
-        VBITS=v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=k_codes.shape[-1] % 4 == 0,
-        VWORDS=v_codes.shape[-1] % 4 == 0, CK=ck, CV=cv,
-        SORTED=sorted_, CENTERED=key_means is not None, BLOCK=block if blocked else 1,
+        MP=max(16, next_power_of_2(rows)), D=dim, KBITS=store.k_bits, KCPG=kcpg, KBPG=kbpg,
+        VBITS=store.v_bits, VCPG=vcpg, VBPG=vbpg, KWORDS=store.k_codes.shape[-1] % 4 == 0,
+        VWORDS=store.v_codes.shape[-1] % 4 == 0, CK=ck, CV=cv, SORTED=sorted_,
+        CENTERED=store.key_means is not None, BLOCK=store.block if blocked else 1,
         CAUSAL=bool(causal) and nq > 1, HAS_BIAS=bias is not None, BLOCK_X=16,
         ROT_N=min(dim, 32), BK=min(32, dim, 4096 // dim),
         PCH=min(next_power_of_2(parts), 64, 8192 // dim),
         **({"BLOCK_N": 16, "WARPS": _INTERPRET_WARPS} if INTERPRET else {}))
-    return _Plan(hkv, rows, blocks, x, split_k, parts, exact_parts,
+    return _Plan(hkv, rows, split_k, parts, exact_parts,
                  int(per_part >= 1024) + int(per_part >= 8192),
-                 _rotations(dim, k_seeds, device)[0], _rotations(dim, v_seeds, device)[1],
-                 _table(dim, k_bits, device), _table(dim, v_bits, device), constants)
+                 _rotations(dim, store.k_seeds, device)[0],
+                 _rotations(dim, store.v_seeds, device)[1], _table(dim, store.k_bits, device),
+                 _table(dim, store.v_bits, device), constants, plan_token())
 
 
 #: the parts' scratch and the KV heads' tickets, shared by the launches of a stream on GPUs
@@ -389,48 +447,54 @@ def attend(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
     ``j > X − Q + i``; ``bias`` (float [1 or B, Q, X], additive, ``-inf`` hides) is added to
     exact scores. ``split_k``: parts per rotation group (default: enough to fill the GPU).
 
-    A decode step calls this once per layer with the same shapes, so what the shapes decide
-    (checks, split, constants) is worked out once per distinct signature (:func:`_plan`).
+    :func:`prepare` then :func:`attend_store`: a caller that attends over the same encoded
+    tokens again (every layer of a decode step, every step until its store changes) keeps
+    the :class:`Store` and calls :func:`attend_store`.
     """
-    k_seeds, v_seeds = tuple(k_seeds), tuple(v_seeds)
-    key = (q.shape, q.dtype, q.device, k_codes.shape, k_codes.dtype, k_norms.shape,
-           k_norms.dtype, v_codes.shape, v_codes.dtype, v_norms.shape, v_norms.dtype,
-           meta(ke), meta(ve), meta(bias), meta(k_rotations), meta(v_rotations),
-           meta(key_means), dim, k_bits, v_bits, k_seeds, v_seeds, bool(causal), block,
+    store = prepare(k_codes, k_norms, v_codes, v_norms, dim=dim, k_bits=k_bits, v_bits=v_bits,
+                    k_seeds=k_seeds, v_seeds=v_seeds, k_rotations=k_rotations,
+                    v_rotations=v_rotations, key_means=key_means, block=block)
+    return attend_store(q, store, ke, ve, scale=scale, bias=bias, causal=causal,
+                        split_k=split_k, out_dtype=out_dtype)
+
+
+def attend_store(q: torch.Tensor, store: Store, ke: torch.Tensor | None = None,
+                 ve: torch.Tensor | None = None, *, scale: float,
+                 bias: torch.Tensor | None = None, causal: bool = False,
+                 split_k: int | None = None, out_dtype: torch.dtype = torch.float32
+                 ) -> torch.Tensor:
+    """:func:`attend` over a :class:`Store` (:func:`prepare`). What the shapes decide (checks,
+    split, constants) is worked out once per distinct signature (:func:`_plan`; the exact
+    tokens' count is not part of it, see ``triton_launch.exact_key``), and the launch is keyed
+    by that plan (``triton_launch``'s ``fixed`` keys)."""
+    key = (q.shape, q.dtype, q.device, store.signature, exact_key(ke, ve, bias), bool(causal),
            split_k, out_dtype)
-    plan = _PLANS.get(key, lambda: _plan(
-        q, k_codes, k_norms, v_codes, v_norms, ke, ve, dim, k_bits, v_bits, k_seeds, v_seeds,
-        bias, causal, k_rotations, v_rotations, key_means, block, split_k, out_dtype))
-    batch, hq, nq, _ = q.shape
-    heads, n = k_codes.shape[0], k_codes.shape[1]
-    device = q.device
+    plan = _PLANS.get(key, lambda: _plan(q, store, ke, ve, bias, causal, split_k, out_dtype))
+    batch, hq, nq, dim = q.shape
+    heads, n = store.k_codes.shape[0], store.k_codes.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
     constants = plan.constants
-    if constants["SORTED"]:
-        order, offsets = _groups(k_rotations, v_rotations, constants["CK"], constants["CV"],
-                                 heads, plan.blocks, device)
-    else:
-        order = offsets = k_codes  # unused
-    k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
-    k_odd = constants["KWORDS"] and k_codes.data_ptr() % 4 != 0  # rows read byte by byte
-    v_odd = constants["VWORDS"] and v_codes.data_ptr() % 4 != 0
-    if k_odd or v_odd:
-        constants = {**constants, "KWORDS": constants["KWORDS"] and not k_odd,
-                     "VWORDS": constants["VWORDS"] and not v_odd}
+    words = store.words
+    if not (words[0] and words[1]):  # rows at an odd address are read byte by byte
+        constants = {**constants, "KWORDS": constants["KWORDS"] and words[0],
+                     "VWORDS": constants["VWORDS"] and words[1]}
     states = heads * plan.parts * plan.rows
-    work, tickets = _SCRATCH.get(device, states * (dim + 2), heads)  # tickets at zero
-    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=device)
+    work, tickets = _SCRATCH.get(q.device, states * (dim + 2), heads)  # tickets at zero
+    out = torch.empty((batch, nq, hq, dim), dtype=out_dtype, device=q.device)
+    strides = q.stride()
     _LAUNCH((heads, plan.parts), (
-        q, plan.k_rt, k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(),
-        plan.k_table, plan.v_table, order, offsets,
-        k_codes if key_means is None else key_means.to(torch.float16).contiguous(), plan.v_r,
+        q, plan.k_rt, store.k_codes, store.k_norms, store.v_codes, store.v_norms,
+        plan.k_table, plan.v_table, store.order, store.offsets,
+        store.k_codes if store.key_means is None else store.key_means, plan.v_r,
         *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
         q if bias is None else bias.to(torch.float32).contiguous(),
         work, work[states:], work[2 * states:], tickets, out,
-        n, plan.blocks, plan.x, plan.split_k, plan.exact_parts, plan.hkv, nq, hq, plan.rows,
-        1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
-        float(scale), plan.size_class), constants, tuned=plan.size_class)
+        n, store.blocks, 0 if ke is None else ke.shape[2], plan.split_k, plan.exact_parts,
+        plan.hkv, nq, hq, plan.rows,
+        1 if bias is None else bias.shape[0], strides[0], strides[1], strides[2],
+        float(scale), plan.size_class), constants, tuned=plan.size_class,
+        fixed=(plan.token, words, strides))
     return out
 
 
@@ -463,5 +527,5 @@ def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torc
     return out.reshape(b, hq, dim)
 
 
-__all__ = ["BUILD_ERRORS", "MAX_ROWS", "INTERPRET", "attend", "available", "max_rows", "name",
-           "supported", "turbo_decode_attention"]
+__all__ = ["BUILD_ERRORS", "MAX_ROWS", "INTERPRET", "Store", "attend", "attend_store", "available",
+           "max_rows", "name", "prepare", "supported", "turbo_decode_attention"]

@@ -45,7 +45,15 @@ from kvtool.kernels.triton_attention_steps import (
     _query_src,
 )
 from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
-from kvtool.kernels.triton_launch import Launcher, Plans, StreamScratch, meta
+from kvtool.kernels.triton_launch import (
+    EXACT_SPLIT,
+    Launcher,
+    Plans,
+    Signature,
+    StreamScratch,
+    exact_key,
+    plan_token,
+)
 from kvtool.kernels.triton_turbomix import QUANTIZERS, channel_sets_of, norm_values
 from kvtool.kernels.triton_turbomix_steps import _dot, _rot, _rot_cols, _split, _values
 from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _tables, _width
@@ -59,7 +67,6 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 name = "triton"
 MAX_ROWS = 64  # query rows (query heads per KV head × query tokens) one program holds
-_EXACT_SPLIT = 128  # exact tokens per part
 _TABLE = {"scalar": "cent", "pair": "pts", "trellis": "slv"}  # each quantiser's value table
 
 
@@ -112,14 +119,17 @@ class RoleTensors:
         return tuple(out)
 
     @cached_property
-    def signature(self) -> tuple[Any, ...]:
+    def signature(self) -> Signature:
         """What :func:`attend`'s checks and constants read of this role: its part of a plan
-        key (a store's views are rebuilt when it changes, so this is worked out once)."""
-        return (self.heads, self.tokens, self.block, self.choice is not None,
-                None if self.mean is None else self.mean.shape[-1],
-                sum(c.shape[-1] for c in self.channels),
-                getattr(self.codec, "quantizer", "scalar"),
-                tuple(tuple(meta.values()) for *_, meta in self.launch_parts))
+        key (a store's views are rebuilt when it changes, so this is worked out once). With
+        the tensors' dtypes it fixes every argument of a launch but their addresses."""
+        return Signature(self.heads, self.tokens, self.block, self.choice is not None,
+                         None if self.mean is None else self.mean.shape[-1],
+                         sum(c.shape[-1] for c in self.channels),
+                         getattr(self.codec, "quantizer", "scalar"),
+                         tuple(tuple(meta.values()) for *_, meta in self.launch_parts),
+                         tuple(t.dtype for t in (*self.codes, *self.norms, *self.channels,
+                                                 self.choice, self.mean) if t is not None))
 
 
 def role_tensors(codec: Any, arrays: dict[str, torch.Tensor], heads: int, tokens: int,
@@ -357,7 +367,7 @@ def _check(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve:
                              or tuple(bias.shape[1:]) != (nq, x)):
         raise ValueError(f"attention from codes: bias {tuple(bias.shape)} is not "
                          f"[1 or {batch}, {nq}, {x}]")
-    if n // keys.block + -(-x // _EXACT_SPLIT) > 65535:
+    if n // keys.block + -(-x // EXACT_SPLIT) > 65535:
         raise ValueError("attention from codes: more than 65535 blocks per row")
 
 
@@ -366,11 +376,11 @@ class _Plan(NamedTuple):
 
     rows: int
     blocks: int
-    x: int
     exact_parts: int
     parts: int
     states: int
     constants: dict[str, Any]
+    token: int  # this plan's part of its launches' keys
 
 
 def _plan(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve: Any,
@@ -385,7 +395,7 @@ def _plan(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve: 
     hkv = heads // batch
     rows, blocks = (hq // hkv) * nq, keys.tokens // block
     x = 0 if ke is None else ke.shape[2]
-    exact_parts = -(-x // _EXACT_SPLIT)
+    exact_parts = -(-x // EXACT_SPLIT)
     parts = blocks + exact_parts
     kmeta = [meta for *_, meta in keys.launch_parts]
     vmeta = [meta for *_, meta in values.launch_parts]
@@ -399,7 +409,8 @@ def _plan(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve: 
         VQ=QUANTIZERS[getattr(values.codec, "quantizer", "scalar")],
         **{f"V{k}{p}": vmeta[p][k] for p in (0, 1) for k in ("N", "NP", "NB", "B", "RP")},
         **({"BLOCK_N": min(64, max(16, next_power_of_2(block)))} if INTERPRET else {}))
-    return _Plan(rows, blocks, x, exact_parts, parts, heads * parts * rows, constants)
+    return _Plan(rows, blocks, exact_parts, parts, heads * parts * rows, constants,
+                 plan_token())
 
 
 _PLANS = Plans()
@@ -418,12 +429,13 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
     ``out_dtype`` (fp32 accumulation, one rounding): the semantics of
     :func:`kvtool.kernels.triton_attention.attend`. Checks and constants are worked out once
     per signature (a decode step's layers share one)."""
-    key = (q.shape, q.dtype, q.device, keys.signature, values.signature, meta(ke), meta(ve),
-           meta(bias), bool(causal), out_dtype)
+    key = (q.shape, q.dtype, q.device, keys.signature, values.signature,
+           exact_key(ke, ve, bias), bool(causal), out_dtype)
     plan = _PLANS.get(key, lambda: _plan(q, keys, values, ke, ve, bias, causal, out_dtype))
     batch, hq, nq, dim = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
+    strides = q.stride()
     (k0, k1), (v0, v1) = keys.launch_parts, values.launch_parts
     states = plan.states
     work, tickets = _SCRATCH.get(q.device, states * (dim + 2), keys.heads)  # tickets at zero
@@ -435,10 +447,11 @@ def attend(q: torch.Tensor, keys: RoleTensors, values: RoleTensors,
                                                  values.mean)),
         *((q, q) if ke is None else (ke.contiguous(), ve.contiguous())),
         q if bias is None else bias.to(torch.float32).contiguous(),
-        work, work[states:], work[2 * states:], tickets, out, plan.blocks, plan.x,
+        work, work[states:], work[2 * states:], tickets, out, plan.blocks,
+        0 if ke is None else ke.shape[2],
         plan.exact_parts, keys.heads // batch, nq, hq, plan.rows,
-        1 if bias is None else bias.shape[0], q.stride(0), q.stride(1), q.stride(2),
-        float(scale)), plan.constants)
+        1 if bias is None else bias.shape[0], strides[0], strides[1], strides[2],
+        float(scale)), plan.constants, fixed=(plan.token, strides))
     return out
 
 

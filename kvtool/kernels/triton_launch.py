@@ -13,7 +13,10 @@ autotuner's chosen config; later calls with the same key call that kernel's laun
 The key holds what Triton specialises on, so a reused kernel is always the one Triton itself
 would pick: each tensor's dtype and 16-byte alignment, each integer's divisibility by 16,
 equality to 1 and width, the constexpr values, the current device, and the caller's
-``tuned`` values (the autotuner's key arguments, which select its config).
+``tuned`` values (the autotuner's key arguments, which select its config). A caller that
+knows all of that but the tensors' alignment from a plan of its own passes it as ``fixed``
+(a plan per call signature, say): then the key is ``fixed`` while every tensor is 16-byte
+aligned (one OR over their addresses), and the full key otherwise.
 
 Triton's own path is used throughout under the interpreter, with launch hooks set (profilers
 such as proton see every launch) and, from then on, wherever this Triton's compiled kernels do
@@ -25,8 +28,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from functools import lru_cache
-from operator import itemgetter
+from functools import lru_cache, reduce
+from itertools import count
+from operator import itemgetter, or_
 from typing import Any
 
 import torch
@@ -83,27 +87,29 @@ def _hooks_set() -> bool:
 
 
 class Launcher:
-    """``Launcher(kernel)(grid, args, constants, tuned)`` runs ``kernel[grid](*args,
+    """``Launcher(kernel)(grid, args, constants, tuned, fixed)`` runs ``kernel[grid](*args,
     **constants)``; ``args`` are the kernel's leading runtime arguments in order, ``constants``
-    its constexprs by name (those an autotuner sets come from its chosen config)."""
+    its constexprs by name (those an autotuner sets come from its chosen config); ``fixed``
+    (optional, hashable): the caller's promise that it determines ``constants``, ``tuned``,
+    the arguments' types and dtypes and every non-tensor argument's specialisation."""
 
     def __init__(self, kernel: Any):
         self.kernel = kernel
         self.names: list[str] = list(getattr(getattr(kernel, "fn", kernel), "arg_names", ()))
         self.compiled: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
+        self._tensors: dict[Hashable, Callable[[Sequence[Any]], tuple[Any, ...]]] = {}
         self.direct = not INTERPRET and triton is not None
         self.fast = 0  # launches that skipped Triton's dispatch (tests read it)
 
     def __call__(self, grid: Sequence[int], args: Sequence[Any], constants: dict[str, Any],
-                 tuned: Hashable = ()) -> None:
+                 tuned: Hashable = (), fixed: Hashable = None) -> None:
         if not self.direct or _hooks_set():
             self._through_triton(grid, args, constants)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        try:
-            key = (device, tuned, tuple(constants.values()), launch_key(args))
-        except TypeError:  # an argument of another type: Triton's own dispatch decides
+        key = self.key(device, args, constants, tuned, fixed)
+        if key is None:  # an argument of another type: Triton's own dispatch decides
             self._through_triton(grid, args, constants)
             return
         hit = self.compiled.get(key)
@@ -120,6 +126,28 @@ class Launcher:
             self._through_triton(grid, args, constants)
             return
         self.fast += 1
+
+    def key(self, device: Any, args: Sequence[Any], constants: dict[str, Any],
+            tuned: Hashable = (), fixed: Hashable = None) -> Hashable | None:
+        """The specialisation key of a launch (None: an argument of a type it cannot key):
+        ``(device, fixed)`` when ``fixed`` is given and every tensor argument is 16-byte
+        aligned, else the full key."""
+        if fixed is not None:
+            tensors = self._tensors.get(fixed)
+            if tensors is None:
+                try:
+                    tensors = _kinds(tuple(map(type, args)))[0]
+                except TypeError:
+                    return None
+                if len(self._tensors) >= 512:
+                    self._tensors.clear()
+                self._tensors[fixed] = tensors
+            if reduce(or_, [t.data_ptr() for t in tensors(args)], 0) & 15 == 0:
+                return (device, _FIXED, fixed)
+        try:
+            return (device, tuned, tuple(constants.values()), launch_key(args))
+        except TypeError:
+            return None
 
     def _through_triton(self, grid: Sequence[int], args: Sequence[Any],
                         constants: dict[str, Any]) -> Any:
@@ -142,6 +170,16 @@ class Launcher:
         if len(self.compiled) >= 512:  # shapes come and go; keys stay few per shape
             self.compiled.clear()
         self.compiled[key] = (kernel, tail)
+
+
+_FIXED = object()  # keeps the keys of ``fixed`` launches apart from full keys
+_TOKENS = count()
+
+
+def plan_token() -> int:
+    """A number no other plan of this process gets: a plan's part of its launches' ``fixed``
+    keys (the id of a dropped plan comes back; a token never does)."""
+    return next(_TOKENS)
 
 
 class StreamScratch(threading.local):
@@ -218,3 +256,44 @@ class Plans:
 def meta(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     """A tensor argument's part of a plan key: its shape and dtype (None: absent)."""
     return None if t is None else (t.shape, t.dtype)
+
+
+class Signature:
+    """Plan-key parts worked out once, hash included: what a store's shapes and options decide,
+    which every call over the store repeats (hashing them per call costs microseconds)."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, *parts: Hashable):
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Signature) and self.parts == other.parts)
+
+    def __repr__(self) -> str:
+        return f"Signature{self.parts!r}"
+
+
+EXACT_SPLIT = 128  # exact tokens per part of the attention kernels
+
+
+def exact_key(ke: torch.Tensor | None, ve: torch.Tensor | None,
+              bias: torch.Tensor | None) -> tuple[Any, ...]:
+    """The exact tokens' part of an attention plan key, without their count ``X``: a decode
+    step grows it by one, and a plan per ``X`` would be a plan (and a first launch through
+    Triton) per step. What it holds instead: the parts of :data:`EXACT_SPLIT` tokens, ``X``'s
+    specialisation (1, a multiple of 16), the other axes and the dtypes, and whether the
+    values' and the bias's shapes fit the keys' (so a plan's checks hold for every ``X``)."""
+    if ke is None:
+        x, k = 0, (None, meta(ve))
+    else:
+        x = ke.shape[-2] if ke.ndim >= 2 else -1
+        k = (ke.ndim, ke.shape[:-2], ke.shape[-1], ke.dtype,
+             None if ve is None else (ve.shape == ke.shape, ve.dtype))
+    b = None if bias is None else (bias.ndim, bias.shape[:-1],
+                                   bias.ndim > 0 and bias.shape[-1] == x, bias.dtype)
+    return k, b, -(-x // EXACT_SPLIT), x == 1, x % 16 == 0
