@@ -43,3 +43,15 @@ def test_rows_and_ops_per_layer(tmp_path):
     flush = {name: rows[name]["flush_aten_ops"] - dynamic for name in rows}
     assert 10 < flush["turbo3"] <= 40 and 40 < flush["quality"] <= 100, flush
     assert 100 < flush["balanced"] <= 230, flush
+
+
+def test_attend_host_rows():
+    """``benchmarks/attend_host.py``: every row (the store path of turbo3 and ``quality``, the
+    parts path of ``balanced`` and ``small``) runs on CPU tensors with its kernels stubbed."""
+    script = SCRIPT.with_name("attend_host.py")
+    run = subprocess.run([sys.executable, str(script), "--calls", "20", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for shape in ("B=1 N=8K turbo3", "B=8 N=32K turbo3", "B=1 N=8K quality",
+                  "B=1 N=8K balanced", "B=1 N=8K small"):
+        assert f"{shape:>28} |" in run.stdout, run.stdout

@@ -187,8 +187,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                     u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
-                    q = _scalar(y, bnd_ptr, BITS)
-                    v = tl.load(cent_ptr + q)
+                    q, v = _scalar(y, bnd_ptr, cent_ptr, BITS)
                 else:
                     q, v = _pairs(y, pts_ptr, hsq_ptr, BM, NP, BITS)
                 d = tl.where((jp < N)[None, :], u - n16[:, None] * v, 0.0)

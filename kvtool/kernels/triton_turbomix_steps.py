@@ -8,7 +8,7 @@ lowest bucket, the lowest pair index, the lower predecessor state, the lowest fi
 
 from __future__ import annotations
 
-from kvtool.kernels.triton_cuda import _INTERP, _bf16, _jit, tl
+from kvtool.kernels.triton_cuda import _INTERP, _bf16, _jit, _quantize, tl
 
 
 @_jit
@@ -146,13 +146,42 @@ def _trellis_index(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr,
 
 
 @_jit
-def _scalar(y, bnd_ptr, BITS: tl.constexpr):
-    """Number of boundaries strictly below each value (binary search over 2**BITS − 1)."""
+def _scalar(y, bnd_ptr, cent_ptr, BITS: tl.constexpr):
+    """(codes, centroids) of ``y``: the number of boundaries strictly below each value (a
+    binary search over the 2**BITS − 1) and that bucket's centroid. At 2..4 bits both stay in
+    registers: the boundaries and centroids are loaded once, as scalars, and picked by
+    selects (``triton_cuda``'s quantiser, then a select tree on the code's bits), where a
+    gather per level and value made a chain of dependent loads per coordinate."""
+    if BITS <= 4:
+        k = _quantize(y, bnd_ptr, BITS)
+        return k, _centroid(k, cent_ptr, BITS)
     k = tl.zeros(y.shape, tl.int32)
     for s in tl.static_range(BITS):
         step = 1 << (BITS - 1 - s)
         k += tl.where(y > tl.load(bnd_ptr + k + (step - 1)), step, 0)
-    return k
+    return k, tl.load(cent_ptr + k)
+
+
+@_jit
+def _centroid(k, t_ptr, BITS: tl.constexpr):
+    """``t[k]`` for codes ``k`` < 2**BITS (2..4 bits): a select tree on ``k``'s bits over the
+    table's entries, loaded as scalars."""
+    b0, b1 = (k & 1) != 0, (k & 2) != 0
+    v = tl.where(b1, tl.where(b0, tl.load(t_ptr + 3), tl.load(t_ptr + 2)),
+                 tl.where(b0, tl.load(t_ptr + 1), tl.load(t_ptr + 0)))
+    if BITS >= 3:
+        hi = tl.where(b1, tl.where(b0, tl.load(t_ptr + 7), tl.load(t_ptr + 6)),
+                      tl.where(b0, tl.load(t_ptr + 5), tl.load(t_ptr + 4)))
+        v = tl.where((k & 4) != 0, hi, v)
+    if BITS == 4:
+        lo8 = v
+        b2 = (k & 4) != 0
+        hi8 = tl.where(b2, tl.where(b1, tl.where(b0, tl.load(t_ptr + 15), tl.load(t_ptr + 14)),
+                                    tl.where(b0, tl.load(t_ptr + 13), tl.load(t_ptr + 12))),
+                       tl.where(b1, tl.where(b0, tl.load(t_ptr + 11), tl.load(t_ptr + 10)),
+                                tl.where(b0, tl.load(t_ptr + 9), tl.load(t_ptr + 8))))
+        v = tl.where((k & 8) != 0, hi8, lo8)
+    return v
 
 
 @_jit
