@@ -144,9 +144,11 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                    QUANT: tl.constexpr, PER: tl.constexpr, RP: tl.constexpr,
                    HAS_MEAN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """codes[c, r], err[c, r] per candidate c and norms[r] of one part, for items (token
-    blocks of one group) pid, pid + programs, ...; the rotation is summed over BK-wide chunks
-    of the part (reloaded: few registers); trellis state goes through this program's scratch
-    (stored [NP, BM]: a coordinate's rows are contiguous)."""
+    blocks of one group) pid, pid + programs, ...; the scalar and pair quantisers rotate the
+    part gathered once for its norm, in one dot per piece (sm_90: half the loads of gathering
+    it again per candidate); the trellis sums the rotation over BK-wide chunks of the part
+    (reloaded: few registers beside its path costs), and its state goes through this
+    program's scratch (stored [NP, BM]: a coordinate's rows are contiguous)."""
     pid = tl.program_id(0)
     lanes = tl.arange(0, BM)
     jp = tl.arange(0, NP)
@@ -180,11 +182,8 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
             else:
-                u = tl.zeros([BM, NP], tl.float32)
-                for k0 in tl.static_range(0, NP, BK):
-                    tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N, D,
-                               HAS_MEAN)
-                    u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
+                u = _rot(tl.zeros([BM, NP], tl.float32), t, rt_ptr + c * (RP * NP * NP), 0, NP,
+                         NP, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
                     q, v = _scalar(y, bnd_ptr, cent_ptr, BITS)
