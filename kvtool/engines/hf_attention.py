@@ -12,8 +12,9 @@ caches and masks behave exactly as before.
 When the cache knows the attention it feeds is this function (:func:`routes_through_kvtool`),
 the update comes from a model forward (its mask preparation armed the cache) and the layer
 qualifies, ``update`` returns only the exact tokens (sinks, recent window, this forward's tokens)
-and tags the key tensor with a :class:`CodesView`: the layer's encoded chunks as they were before
-this forward (they sit between the sinks and the window). The attention then runs one softmax
+and tags the key tensor with a :class:`CodesTag` holding a :class:`CodesView`: the layer's encoded
+chunks as they were before this forward (they sit between the sinks and the window; the layer
+makes one view per change of its store). The attention then runs one softmax
 over encoded tokens (read from their codes) and exact tokens, with sdpa's semantics: no mask
 means causal over the new tokens (they come last), a mask's columns are matched to the tokens
 (the encoded columns must be fully visible). The codes are read
@@ -21,8 +22,9 @@ means causal over the new tokens (they come last), a mask's columns are matched 
 - on the CPU by :func:`kvtool.kernels.numba_attention.attend` (numpy views of the store), or
   :func:`kvtool.kernels.numba_attention_parts.attend` for outlier, pair, trellis and uint8-norm
   ``turbomix`` codes;
-- on CUDA by :func:`kvtool.kernels.triton_attention.attend` (the store's own tensors, no host
-  copy) for uncentered turbo2/3/4 and scalar ``turbomix`` codes (the ``quality`` preset), or
+- on CUDA by :func:`kvtool.kernels.triton_attention.attend_store` (the store's own tensors,
+  no host copy, prepared once per view) for uncentered turbo2/3/4 and scalar ``turbomix``
+  codes (the ``quality`` preset), or
   :func:`kvtool.kernels.triton_attention_parts.attend` for outlier, pair, trellis and
   uint8-norm ``turbomix`` codes (``balanced``, ``small``). :data:`DEVICE_ATTENTION_ON_CPU`
   (tests only) sends CPU tensors this way too, for Triton's interpreter.

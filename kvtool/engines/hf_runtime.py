@@ -38,11 +38,13 @@ The hook (:mod:`kvtool.engines.hf_attention`): creating a cache registers transf
 function ``"kvtool"`` and puts it in place of ``"sdpa"`` (it forwards every call that does not
 come from this cache to the original sdpa, so other models and caches are unaffected). Each
 model forward first prepares its masks, which calls :meth:`CompressedCache.get_mask_sizes`; that
-arms every layer's next ``update`` to return only the exact tokens, the key tensor tagged with a
-:class:`~kvtool.engines.hf_attention.CodesView` of the layer's encoded chunks, which the attention
-function reads. The decode-then-attend path (every token's states decoded and returned, any
-attention) is used instead when: ``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``;
-numba (CPU) or Triton (CUDA) is missing; the model's attention implementation is not routed
+arms every layer's next ``update`` to return only the exact tokens, the key tensor tagged (a
+:class:`~kvtool.engines.hf_attention.CodesTag`) with the
+:class:`~kvtool.engines.hf_attention.CodesView` of the layer's encoded chunks (one per change of
+the store), which the attention function reads. The decode-then-attend path (every token's
+states decoded and returned, any attention) is used instead when:
+``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``; numba (CPU) or Triton (CUDA) is
+missing; the model's attention implementation is not routed
 through the hook (eager, flash, a model's own override) or the cache has no ``config``; a layer's
 codecs are not read from codes (:func:`~kvtool.engines.hf_attention.codes_codec`; on CUDA
 :func:`~kvtool.engines.hf_attention.device_codes`); head_dim is not a power of two ≥ 8 (CUDA:
@@ -110,7 +112,7 @@ class CompressedLayer(DynamicLayer):
     each step decodes the layer in one call; otherwise each role has its own stream.
     ``update(..., from_codes=True)`` (what :class:`CompressedCache` asks for when attention can
     read codes) returns only the exact tokens, the key tagged with a
-    :class:`~kvtool.engines.hf_attention.CodesView` of the encoded ones.
+    :class:`~kvtool.engines.hf_attention.CodesTag` of the encoded ones.
     """
 
     is_croppable = False
