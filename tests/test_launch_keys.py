@@ -111,6 +111,9 @@ def test_parts_attention_plan_keys_stand_for_one_specialisation(monkeypatch):
             ke = ve = torch.randn(1, 2, x, dim) if x else None
             tap.attend(q, *roles, ke, ve, scale=0.1)
     assert recorder.planned == 6 and len(_planned(recorder)) == 3
+    flat = torch.randn(1, 2, 32)  # exact tokens without their [B, Hkv, X, D] axes
+    with pytest.raises(ValueError, match="exact keys/values"):
+        tap.attend(torch.randn(1, 4, 1, 32), *roles, flat, flat, scale=0.1)
 
 
 @pytest.mark.parametrize("module", ["turbo", "parts"])

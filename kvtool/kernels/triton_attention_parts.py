@@ -358,8 +358,8 @@ def _check(q: torch.Tensor, keys: RoleTensors, values: RoleTensors, ke: Any, ve:
         raise ValueError(f"attention from codes: {(hq // hkv) * nq} query rows per KV head, "
                          f"more than {MAX_ROWS}")
     if (ke is None) != (ve is None) or ke is not None and (
-            ke.shape != ve.shape or tuple(ke.shape[:2]) != (batch, hkv) or ke.shape[-1] != dim
-            or ke.dtype != ve.dtype):
+            ke.ndim != 4 or ke.shape != ve.shape or tuple(ke.shape[:2]) != (batch, hkv)
+            or ke.shape[-1] != dim or ke.dtype != ve.dtype):
         raise ValueError(f"attention from codes: exact keys/values must both be "
                          f"[{batch}, {hkv}, X, {dim}] of one dtype")
     x = 0 if ke is None else ke.shape[2]

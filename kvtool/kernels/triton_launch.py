@@ -291,7 +291,7 @@ def exact_key(ke: torch.Tensor | None, ve: torch.Tensor | None,
     if ke is None:
         x, k = 0, (None, meta(ve))
     else:
-        x = ke.shape[-2] if ke.ndim >= 2 else -1
+        x = ke.shape[2] if ke.ndim == 4 else -1  # [B, Hkv, X, D]; anything else is refused
         k = (ke.ndim, ke.shape[:-2], ke.shape[-1], ke.dtype,
              None if ve is None else (ve.shape == ke.shape, ve.dtype))
     b = None if bias is None else (bias.ndim, bias.shape[:-1],
