@@ -29,6 +29,7 @@ class Recorder:
         key = self.launcher.key("dev", args, constants, tuned, fixed)
         full = ("dev", tuned, tuple(constants.values()), launch_key(args))
         self.planned += key != full
+        self.last = key
         assert self.full_of.setdefault(key, full) == full, "one plan key, two specialisations"
 
 
@@ -54,7 +55,10 @@ def test_a_plan_key_holds_while_every_tensor_is_aligned():
     args, constants = (buf, 3, buf[16:], 0.5), {"D": 32}
     planned = launcher.key("dev", args, constants, (), fixed=("plan", 1))
     assert planned == launcher.key("dev", (buf[32:], 3, buf, 0.1), constants, (), ("plan", 1))
-    assert planned != launcher.key("dev", args, constants, (), ("plan", 2))
+    # another plan that specialises alike shares the kernel; one that does not, does not
+    assert planned == launcher.key("dev", (buf, 35, buf, 0.5), constants, (), ("plan", 2))
+    assert planned != launcher.key("dev", (buf, 32, buf, 0.5), constants, (), ("plan", 4))
+    assert planned != launcher.key("dev", args, {"D": 64}, (), ("plan", 5))
     odd = launcher.key("dev", (buf, 3, buf[1:], 0.5), constants, (), ("plan", 1))
     assert odd == ("dev", (), (32,), launch_key((buf, 3, buf[1:], 0.5)))  # the full key
     assert launcher.key("dev", (buf, "a"), constants, (), ("plan", 3)) is None
@@ -88,8 +92,9 @@ def test_turbo_attention_plan_keys_stand_for_one_specialisation(monkeypatch):
                       k_seeds=tuple(range(1, cands + 1)), v_seeds=tuple(range(5, cands + 5)),
                       scale=0.1, causal="causal" in extra, split_k=3 if "split" in extra else None,
                       bias=torch.zeros(1, nq, x) if "bias" in extra else None, **blocked)
-    # all but the calls with misaligned codes: one plan key per signature, fresh tensors alike
-    assert recorder.planned == 14 and len(_planned(recorder)) == 7
+    # all but the calls with misaligned codes take plan keys, fresh tensors the same ones; 7
+    # plans, 6 specialisations (batch 1 and 2 differ only in the grid)
+    assert recorder.planned == 14 and len(_planned(recorder)) == 6
 
 
 def test_parts_attention_plan_keys_stand_for_one_specialisation(monkeypatch):
@@ -114,6 +119,23 @@ def test_parts_attention_plan_keys_stand_for_one_specialisation(monkeypatch):
     flat = torch.randn(1, 2, 32)  # exact tokens without their [B, Hkv, X, D] axes
     with pytest.raises(ValueError, match="exact keys/values"):
         tap.attend(torch.randn(1, 4, 1, 32), *roles, flat, flat, scale=0.1)
+
+
+def test_a_store_grown_by_a_block_launches_the_same_kernel(monkeypatch):
+    """Each store change makes a new plan (the store's size is in its key); where the new
+    size specialises alike (a multiple of 16), the launch key is the same, so the first call
+    over the grown store is no first launch through Triton's dispatch."""
+    recorder = Recorder(ta._LAUNCH)
+    monkeypatch.setattr(ta, "_LAUNCH", recorder)
+    gen = torch.Generator().manual_seed(2)
+    q, keys = torch.randn(1, 4, 1, 32, generator=gen), []
+    for n in (64, 128, 192, 200):
+        (kc, kn), (vc, vn) = (_codes(2, n, 32, 3, gen) for _ in range(2))
+        store = ta.prepare(kc, kn, vc, vn, dim=32, k_bits=3, v_bits=3, k_seeds=(1,),
+                           v_seeds=(2,))
+        ta.attend_store(q, store, scale=0.1, split_k=1)
+        keys.append(recorder.last)
+    assert keys[0] == keys[1] == keys[2] != keys[3], keys  # 200 tokens: not by 16
 
 
 @pytest.mark.parametrize("module", ["turbo", "parts"])

@@ -15,8 +15,9 @@ would pick: each tensor's dtype and 16-byte alignment, each integer's divisibili
 equality to 1 and width, the constexpr values, the current device, and the caller's
 ``tuned`` values (the autotuner's key arguments, which select its config). A caller that
 knows all of that but the tensors' alignment from a plan of its own passes it as ``fixed``
-(a plan per call signature, say): then the key is ``fixed`` while every tensor is 16-byte
-aligned (one OR over their addresses), and the full key otherwise.
+(a plan per call signature, say): then, while every tensor is 16-byte aligned (one OR over
+their addresses), the key is the number of what the first launch of ``fixed`` specialised on,
+and the full key otherwise.
 
 Triton's own path is used throughout under the interpreter, with launch hooks set (profilers
 such as proton see every launch) and, from then on, wherever this Triton's compiled kernels do
@@ -76,6 +77,12 @@ def launch_key(args: Sequence[Any]) -> tuple[Hashable, ...]:
             tuple([(v == 1, v & 15 == 0, -_I32 <= v < _I32) for v in ints]), flags)
 
 
+def _spec(args: Sequence[Any], constants: dict[str, Any], tuned: Hashable) -> Hashable:
+    """A launch's full key but the device and its tensors' alignment."""
+    types, dtypes, _, ints, flags = launch_key(args)
+    return tuned, tuple(constants.values()), types, dtypes, ints, flags
+
+
 def _hooks_set() -> bool:
     """Whether a launch hook is installed (newer Tritons hold them in chains, empty by
     default; older ones in attributes that are None when unset)."""
@@ -97,7 +104,9 @@ class Launcher:
         self.kernel = kernel
         self.names: list[str] = list(getattr(getattr(kernel, "fn", kernel), "arg_names", ()))
         self.compiled: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
-        self._tensors: dict[Hashable, Callable[[Sequence[Any]], tuple[Any, ...]]] = {}
+        #: per ``fixed`` key: the getter of its tensor arguments and the number of its spec
+        self._fixed: dict[Hashable, tuple[Callable[[Sequence[Any]], tuple[Any, ...]], int]] = {}
+        self._specs: dict[Hashable, int] = {}  # spec -> its number (never reused)
         self.direct = not INTERPRET and triton is not None
         self.fast = 0  # launches that skipped Triton's dispatch (tests read it)
 
@@ -129,21 +138,29 @@ class Launcher:
 
     def key(self, device: Any, args: Sequence[Any], constants: dict[str, Any],
             tuned: Hashable = (), fixed: Hashable = None) -> Hashable | None:
-        """The specialisation key of a launch (None: an argument of a type it cannot key):
-        ``(device, fixed)`` when ``fixed`` is given and every tensor argument is 16-byte
-        aligned, else the full key."""
+        """The specialisation key of a launch (None: an argument of a type it cannot key).
+        With ``fixed``, while every tensor argument is 16-byte aligned: the device and the
+        number of the full key's other parts, worked out at the first launch of ``fixed``
+        (plans that differ only where Triton does not specialise — a store grown by a block,
+        say — share it, and so their compiled kernel); else the full key."""
         if fixed is not None:
-            tensors = self._tensors.get(fixed)
-            if tensors is None:
+            hit = self._fixed.get(fixed)
+            if hit is None:
                 try:
-                    tensors = _kinds(tuple(map(type, args)))[0]
+                    spec = _spec(args, constants, tuned)
                 except TypeError:
                     return None
-                if len(self._tensors) >= 512:
-                    self._tensors.clear()
-                self._tensors[fixed] = tensors
+                if len(self._fixed) >= 512:
+                    self._fixed.clear()
+                if len(self._specs) >= 512:
+                    self._specs.clear()  # numbers are never reused: only sharing is lost
+                number = self._specs.get(spec)
+                if number is None:
+                    number = self._specs[spec] = next(_TOKENS)
+                hit = self._fixed[fixed] = (_kinds(spec[2])[0], number)
+            tensors, number = hit
             if reduce(or_, [t.data_ptr() for t in tensors(args)], 0) & 15 == 0:
-                return (device, _FIXED, fixed)
+                return (device, _FIXED, number)
         try:
             return (device, tuned, tuple(constants.values()), launch_key(args))
         except TypeError:
