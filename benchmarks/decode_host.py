@@ -89,10 +89,9 @@ def _cuda_path_on_cpu() -> None:
     from kvtool.kernels import triton_turbomix as tt
 
     stub_kernels()
-    for module in (ta, tap):
-        attend = module.attend
-        module.attend = lambda *a, _attend=attend, **k: _attend(*a, **k).zero_()
-    ta.attend_store = lambda *a, _attend=ta.attend_store, **k: _attend(*a, **k).zero_()
+    for module, name in ((ta, "attend_store"), (tap, "attend")):  # what the hook calls
+        attend = getattr(module, name)
+        setattr(module, name, lambda *a, _attend=attend, **k: _attend(*a, **k).zero_())
     tc._rows_launch = lambda rows, device: {"grid": (1,), "meta": {}}
     TurboCodec._kernels = lambda self, like, dim: tc if tc.supported(dim, self.bits) else None
     TurboMixCodec._fused = lambda self, like: None

@@ -301,10 +301,11 @@ EXACT_SPLIT = 128  # exact tokens per part of the attention kernels
 def exact_key(ke: torch.Tensor | None, ve: torch.Tensor | None,
               bias: torch.Tensor | None) -> tuple[Any, ...]:
     """The exact tokens' part of an attention plan key, without their count ``X``: a decode
-    step grows it by one, and a plan per ``X`` would be a plan (and a first launch through
-    Triton) per step. What it holds instead: the parts of :data:`EXACT_SPLIT` tokens, ``X``'s
-    specialisation (1, a multiple of 16), the other axes and the dtypes, and whether the
-    values' and the bias's shapes fit the keys' (so a plan's checks hold for every ``X``)."""
+    step grows it by one, and a plan per ``X`` would be a plan (its checks, and a launch
+    spec to work out) per step. What it holds instead: the parts of :data:`EXACT_SPLIT`
+    tokens, ``X``'s specialisation (1, a multiple of 16), the other axes and the dtypes, and
+    whether the values' and the bias's shapes fit the keys' (so a plan's checks hold for
+    every ``X``)."""
     if ke is None:
         x, k = 0, (None, meta(ve))
     else:

@@ -167,21 +167,20 @@ def _centroid(k, t_ptr, BITS: tl.constexpr):
     """``t[k]`` for codes ``k`` < 2**BITS (2..4 bits): a select tree on ``k``'s bits over the
     table's entries, loaded as scalars."""
     b0, b1 = (k & 1) != 0, (k & 2) != 0
-    v = tl.where(b1, tl.where(b0, tl.load(t_ptr + 3), tl.load(t_ptr + 2)),
-                 tl.where(b0, tl.load(t_ptr + 1), tl.load(t_ptr + 0)))
+    v = _quad(b0, b1, t_ptr)
     if BITS >= 3:
-        hi = tl.where(b1, tl.where(b0, tl.load(t_ptr + 7), tl.load(t_ptr + 6)),
-                      tl.where(b0, tl.load(t_ptr + 5), tl.load(t_ptr + 4)))
-        v = tl.where((k & 4) != 0, hi, v)
+        v = tl.where((k & 4) != 0, _quad(b0, b1, t_ptr + 4), v)
     if BITS == 4:
-        lo8 = v
-        b2 = (k & 4) != 0
-        hi8 = tl.where(b2, tl.where(b1, tl.where(b0, tl.load(t_ptr + 15), tl.load(t_ptr + 14)),
-                                    tl.where(b0, tl.load(t_ptr + 13), tl.load(t_ptr + 12))),
-                       tl.where(b1, tl.where(b0, tl.load(t_ptr + 11), tl.load(t_ptr + 10)),
-                                tl.where(b0, tl.load(t_ptr + 9), tl.load(t_ptr + 8))))
-        v = tl.where((k & 8) != 0, hi8, lo8)
+        hi = tl.where((k & 4) != 0, _quad(b0, b1, t_ptr + 12), _quad(b0, b1, t_ptr + 8))
+        v = tl.where((k & 8) != 0, hi, v)
     return v
+
+
+@_jit
+def _quad(b0, b1, t_ptr):
+    """``t[2·b1 + b0]``: one of four scalar entries per element."""
+    return tl.where(b1, tl.where(b0, tl.load(t_ptr + 3), tl.load(t_ptr + 2)),
+                    tl.where(b0, tl.load(t_ptr + 1), tl.load(t_ptr)))
 
 
 @_jit
