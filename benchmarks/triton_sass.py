@@ -5,7 +5,8 @@ Each kernel variant is compiled ahead of time for a target (default sm_90, an H1
 argument specialisations Triton's launcher gives real tensors (16-byte-aligned pointers, row
 counts divisible by 16), then disassembled with the ``nvdisasm`` that ships with Triton. The
 row-block kernels are straight-line per block, so ``instructions × warps / BLOCK_M`` is the
-warp-instructions each row costs. The last column turns that into a ceiling: the rows per second
+warp-instructions each row costs (``STG/row``: the global stores among them; a byte stored at a
+time costs a store each, 16 bytes in one vector store cost one). The last column turns that into a ceiling: the rows per second
 at which the SMs could issue nothing else (``SMs × 4 schedulers × clock``), as a share of the
 device copy of the same fp16 rows. A kernel far under that ceiling in ``benchmarks/gpu.py`` is
 latency-bound (too few warps or no prefetch), not issue-bound; one near it needs fewer
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"sm_{args.arch}: fp16 in (encode) / fp16 out (decode); ceiling = issue-bound rows/s "
           f"as % of a {copy_gbs:.0f} GB/s copy ({sms} SMs at {ghz} GHz)")
     print(f"{'kernel':>7} | {'D':>4} | {'bits':>4} | {'BM':>4} | {'warps':>5} | {'stages':>6} | "
-          f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'ceiling':>7}")
+          f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'STG/row':>7} | "
+          f"{'ceiling':>7}")
     for name in args.kernels.split(","):
         fn, signature = signatures[name]
         for dim in (int(d) for d in args.dims.split(",")):
@@ -171,12 +173,14 @@ def main(argv: list[str] | None = None) -> None:
                     kernel = compile_kernel(fn, signature, constants, warps, stages, args.arch)
                     regs, spill, ops = sass_profile(kernel)
                     per_row = sum(ops.values()) * warps / block_m
+                    stores = ops["STG"] * warps / block_m  # warp-level global stores per row
                     ceiling = sms * 4 * ghz * 1e9 / per_row * dim * 2 / (copy_gbs * 1e9)
                     smem = kernel.metadata.shared / 1024
                     fits = "" if smem <= 227 else " (no fit)"
                     print(f"{name:>7} | {dim:>4} | {bits:>4} | {block_m:>4} | {warps:>5} | "
                           f"{stages:>6} | {regs:>4} | {spill:>5} | {smem:>7.0f} | "
-                          f"{per_row:>9.1f} | {ceiling:>6.0%}{fits}", flush=True)
+                          f"{per_row:>9.1f} | {stores:>7.2f} | {ceiling:>6.0%}{fits}",
+                          flush=True)
 
 
 if __name__ == "__main__":

@@ -208,14 +208,26 @@ def _quantize(u, bnd_ptr, BITS: tl.constexpr):
 def _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D: tl.constexpr, W: tl.constexpr,
                 BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr):
     """Quantise the rotated columns ``n0 .. n0 + W`` of the rows (``y · inv``) and store them
-    packed."""
+    packed. 3-bit codes go out as 32-bit words (four 24-bit groups in three words) where ``W``
+    fills whole words: stored a byte at a time, each row took ``3·W/8`` byte stores at a
+    3-byte stride (``codes_ptr`` is a fresh, aligned allocation)."""
     code = _quantize(y * inv[:, None], bnd_ptr, BITS)
     shift = tl.arange(0, CPG) * BITS
     g = tl.sum(tl.reshape(code, [y.shape[0], W // CPG, CPG]) << shift[None, None, :], axis=2)
-    ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
-           + tl.arange(0, W // CPG)[None, :] * BPG)
-    for k in tl.static_range(BPG):
-        tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
+    if BPG == 3 and W % 32 == 0:
+        even, odd = tl.split(tl.reshape(g, [y.shape[0], W // 32, 2, 2]))
+        g0, g2 = tl.split(even)
+        g1, g3 = tl.split(odd)
+        words = (codes_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (D * 3 // 32)
+                 + n0 * 3 // 32 + tl.arange(0, W // 32)[None, :] * 3)
+        tl.store(words, g0 | (g1 << 24), mask=rmask[:, None])
+        tl.store(words + 1, (g1 >> 8) | (g2 << 16), mask=rmask[:, None])
+        tl.store(words + 2, (g2 >> 16) | (g3 << 8), mask=rmask[:, None])
+    else:
+        ptr = (codes_ptr + rows[:, None] * (D * BITS // 8) + n0 * BITS // 8
+               + tl.arange(0, W // CPG)[None, :] * BPG)
+        for k in tl.static_range(BPG):
+            tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
 
 
 @_tuned
