@@ -6,11 +6,12 @@ argument specialisations Triton's launcher gives real tensors (16-byte-aligned p
 counts divisible by 16), then disassembled with the ``nvdisasm`` that ships with Triton. The
 row-block kernels are straight-line per block, so ``instructions × warps / BLOCK_M`` is the
 warp-instructions each row costs (``STG/row``: the global stores among them; a byte stored at a
-time costs a store each, 16 bytes in one vector store cost one). The last column turns that into a ceiling: the rows per second
-at which the SMs could issue nothing else (``SMs × 4 schedulers × clock``), as a share of the
-device copy of the same fp16 rows. A kernel far under that ceiling in ``benchmarks/gpu.py`` is
-latency-bound (too few warps or no prefetch), not issue-bound; one near it needs fewer
-instructions. It is a model, not a measurement: ``benchmarks/gpu.py`` on a GPU is the truth.
+time costs a store each, 16 bytes in one vector store cost one). The last column turns that
+into a ceiling: the rows per second at which the SMs could issue nothing else (``SMs × 4
+schedulers × clock``), as a share of the device copy of the same fp16 rows. A kernel far under
+that ceiling in ``benchmarks/gpu.py`` is latency-bound (too few warps or no prefetch), not
+issue-bound; one near it needs fewer instructions. It is a model, not a measurement:
+``benchmarks/gpu.py`` on a GPU is the truth.
 
     python benchmarks/triton_sass.py                  # turbo2/3/4 at D=128, every config
     python benchmarks/triton_sass.py --dims 64,128,256 --bits 3 --arch 80

@@ -168,9 +168,11 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
         for c in range(C):
             out = codes_ptr + (c * rows + r) * NB
             if QUANT == 2:  # u to the scratch a column chunk at a time: few live registers
-                for n0 in tl.static_range(0, NP, BK):
+                # (loops, not unrolled: (NP/BK)² chunk products took sm_90's compile 190-245 s
+                # per config at NP=256, 11-16 s at 128)
+                for n0 in range(0, NP, BK):
                     u = tl.zeros([BM, BK], tl.float32)
-                    for k0 in tl.static_range(0, NP, BK):
+                    for k0 in range(0, NP, BK):
                         tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N,
                                    D, HAS_MEAN)
                         u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP, True, n0)
