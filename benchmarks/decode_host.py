@@ -73,10 +73,10 @@ class _Timer:
         setattr(owner, attr, timed)
 
 
-def _cuda_path_on_cpu() -> None:
+def _cuda_path_on_cpu(record: list[Any] | None = None) -> None:
     """CPU tensors take the CUDA code path: attention and encodes through the Triton modules'
-    host code, their kernels stubbed (:func:`host_stubs.stub_kernels`), encode checks queued
-    as on CUDA."""
+    host code, their kernels stubbed (:func:`host_stubs.stub_kernels`, which gets ``record``),
+    encode checks queued as on CUDA."""
     import torch
 
     from kvtool.codecs.turbo import TurboCodec
@@ -88,7 +88,7 @@ def _cuda_path_on_cpu() -> None:
     from kvtool.kernels import triton_cuda as tc
     from kvtool.kernels import triton_turbomix as tt
 
-    stub_kernels()
+    stub_kernels(record)
     for module, name in ((ta, "attend_store"), (tap, "attend")):  # what the hook calls
         attend = getattr(module, name)
         setattr(module, name, lambda *a, _attend=attend, **k: _attend(*a, **k).zero_())

@@ -1,0 +1,75 @@
+"""Every Triton launch of the CUDA paths users run compiles for a GPU, on a machine without one
+(``benchmarks/triton_compile.py``): the interpreter, which the other Triton tests use here,
+accepts kernels the compiler rejects."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+if not PTXAS.exists():  # a Triton without its NVIDIA backend's assembler
+    pytest.skip("this Triton ships no ptxas", allow_module_level=True)
+
+#: the kernels the default preset (``quality``), ``balanced`` and the turbo codec launch
+KERNELS = {"triton_cuda._encode_kernel", "triton_cuda._decode_kernel",
+           "triton_cuda._rotate_kernel", "triton_cuda._scores_kernel",
+           "triton_turbomix._stats_kernel", "triton_turbomix._encode_kernel",
+           "triton_turbomix._decode_kernel", "triton_turbomix_norms._norm_codes_kernel",
+           "triton_turbomix_norms._norm_values_kernel", "triton_attention._attend_kernel",
+           "triton_attention_parts._parts_kernel"}
+
+
+def test_every_launch_of_the_default_and_balanced_paths_compiles_for_hopper(tmp_path):
+    out = tmp_path / "compiled.json"
+    run = subprocess.run([sys.executable, str(BENCH / "triton_compile.py"), "--quick",
+                          "--json", str(out)], capture_output=True, text=True, timeout=1200,
+                         env={k: v for k, v in __import__("os").environ.items()
+                              if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == KERNELS
+    assert all(r["error"] is None and r["configs"] >= 1 for r in rows), rows
+    # the trellis encode at D=128 (balanced), once ~13 s a config to compile, and the
+    # attention kernels are among them
+    assert any(r["kernel"] == "triton_turbomix._encode_kernel"
+               and r["constexprs"].get("QUANT") == "2" for r in rows)
+
+
+@triton.jit
+def _fits(x_ptr, N: triton.language.constexpr):
+    i = triton.language.arange(0, N)
+    triton.language.store(x_ptr + i, triton.language.load(x_ptr + i) * 2)
+
+
+@triton.jit
+def _does_not_compile(x_ptr, N: triton.language.constexpr):
+    i = triton.language.arange(0, N)  # N = 48 is no power of two: Triton refuses the range
+    triton.language.store(x_ptr + i, triton.language.load(x_ptr + i) * 2)
+
+
+def test_a_launch_that_does_not_compile_fails_the_run(monkeypatch, capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import triton_compile
+    finally:
+        sys.path.remove(str(BENCH))
+    x = torch.zeros(64)
+    monkeypatch.setattr(triton_compile, "record_launches",
+                        lambda *a: [(_fits, (x,), {"N": 64})])
+    assert triton_compile.main(["--quick"]) == 0
+    monkeypatch.setattr(triton_compile, "record_launches",
+                        lambda *a: [(_fits, (x,), {"N": 64}),
+                                    (_does_not_compile, (x,), {"N": 48})])
+    assert triton_compile.main(["--quick"]) == 1
+    printed = capsys.readouterr().out
+    assert "1 of 2 launches compiled" in printed and "_does_not_compile" in printed
