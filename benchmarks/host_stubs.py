@@ -61,8 +61,8 @@ class Stub:
 
 def stub_kernels(record: list[Launch] | None = None) -> None:
     """Attention launches become :class:`KeyedLaunch`es (an H100's 132 SMs for the split
-    heuristic); the turbo and ``turbomix`` encode/decode kernels and the uint8-norm kernels
-    become :class:`Stub`s; ``record`` gets every launch of them all."""
+    heuristic); the turbo (encode, decode, scores), ``turbomix`` and uint8-norm kernels become
+    :class:`Stub`s; ``record`` gets every launch of them all."""
     from kvtool.kernels import triton_attention as ta
     from kvtool.kernels import triton_attention_parts as tap
     from kvtool.kernels import triton_cuda as tc
@@ -75,6 +75,7 @@ def stub_kernels(record: list[Launch] | None = None) -> None:
     ta._sm_count = lambda device: 132
     for module, name, outputs in (
             (tc, "_encode_kernel", ("norms_ptr",)), (tc, "_decode_kernel", ("out_ptr",)),
+            (tc, "_rotate_kernel", ("out_ptr",)), (tc, "_scores_kernel", ("out_ptr",)),
             (tt, "_stats_kernel", ("mean_ptr", "energy_ptr")),
             (tt, "_encode_kernel", ("norms_ptr", "err_ptr")),
             (tt, "_decode_kernel", ("out_ptr",)), (tn, "_norm_codes_kernel", ("range_ptr",)),

@@ -5,6 +5,7 @@ accepts kernels the compiler rejects."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,7 @@ def test_every_launch_of_the_default_and_balanced_paths_compiles_for_hopper(tmp_
     out = tmp_path / "compiled.json"
     run = subprocess.run([sys.executable, str(BENCH / "triton_compile.py"), "--quick",
                           "--json", str(out)], capture_output=True, text=True, timeout=1200,
-                         env={k: v for k, v in __import__("os").environ.items()
-                              if k != "TRITON_INTERPRET"})
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["kernel"] for r in rows} == KERNELS
