@@ -32,7 +32,9 @@ Tables, each printed row by row as it is measured, then the section's wall time 
 Times are medians of CUDA-event-timed repeats after warm-up (``time.perf_counter`` on the CPU).
 Triton compiles and autotunes every kernel variant on first use; ``--warm-workers N`` (default
 on CUDA) first runs each section at small sizes in N parallel processes, which fills Triton's
-on-disk cache in parallel so the measured run only loads kernels (and autotunes at full size).
+on-disk cache in parallel so the measured run only loads kernels (and autotunes at full size:
+the warm processes keep no autotune choice, ``KVTOOL_AUTOTUNE_CACHE=0``, since their timings
+come from GPU-sharing processes at the small sizes).
 ``--all`` fixes the sizes (below) and a 460 s budget: sections share it cumulatively, a row
 that would not fit in its section's share (judged by the previous row) is skipped and named.
 
@@ -212,7 +214,11 @@ def warm(args: argparse.Namespace, until: float | None) -> dict:
     print(f"\nwarming Triton's cache: {len(tasks)} tasks in {args.warm_workers} processes",
           flush=True)
     pending, running, failed, killed = list(tasks), [], [], []
+    # compile every config, but keep no autotune choice: several processes share the GPU here
+    # and the throughput and preset tasks run small sizes under the measured run's keys, so a
+    # choice they left on disk would be what the measured run loads instead of tuning alone
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KVTOOL_AUTOTUNE_CACHE"] = "0"
     if args.device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,10 @@
 #   3. benchmarks/gpu_attention_split.py: where a call of attention from codes spends its time
 #      (SPLIT_SECONDS),
 #   4. benchmarks/cold_start.py: the first save/load of a CUDA cache in a fresh process against
-#      warm ones (COLD_SECONDS).
+#      warm ones (COLD_SECONDS),
+#   5. benchmarks/autotune_table.py: every config the autotuner timed, per kernel and key.
+# The tests run with KVTOOL_AUTOTUNE_CACHE=0: their small calls leave no autotune choice behind
+# for a later benchmark on this machine to load.
 # A limit of 0 skips its stage. Logs and the benchmark's JSON go to $OUT (default ./gpu-out).
 # Wheels missing there (zstandard) travel in .whl/ (see the README's GPU section) and are
 # installed into /tmp/site first.
@@ -58,14 +61,14 @@ workers=$(( $(nproc) / 2 < 8 ? $(nproc) / 2 : 8 ))
 # with every case's output and time; then the in-process gpu tests
 tests=$(budget "$TEST_SECONDS")
 if ((tests > 10)); then
-    timeout "$tests" python3 -m pytest -p no:cacheprovider -q -m gpu -n "$workers" \
-        --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
+    KVTOOL_AUTOTUNE_CACHE=0 timeout "$tests" python3 -m pytest -p no:cacheprovider -q -m gpu \
+        -n "$workers" --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
 fi
 left=$(budget $((TEST_SECONDS - (SECONDS - start))))
 if ((left > 10)); then
-    timeout "$left" python3 -m pytest -p no:cacheprovider -q -m gpu --durations=5 \
-        tests/test_load_device.py tests/test_vllm_device_io.py 2>&1 | tee -a "$OUT/tests.log" \
-        || status=1
+    KVTOOL_AUTOTUNE_CACHE=0 timeout "$left" python3 -m pytest -p no:cacheprovider -q -m gpu \
+        --durations=5 tests/test_load_device.py tests/test_vllm_device_io.py 2>&1 \
+        | tee -a "$OUT/tests.log" || status=1
 fi
 echo "gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/tests.log"
 
@@ -81,4 +84,7 @@ if ((cold > 10)); then
         --policy turbo3,quality,balanced --repeats 2 --json "$OUT/cold_start.json" 2>&1 \
         | tee "$OUT/cold_start.log" || status=1
 fi
+timeout 60 python3 benchmarks/autotune_table.py --json "$OUT/autotune.json" \
+    > "$OUT/autotune.txt" 2>&1 || status=1
+tail -n 3 "$OUT/autotune.txt"
 exit $status
