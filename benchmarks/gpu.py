@@ -40,9 +40,11 @@ that would not fit in its section's share (judged by the previous row) is skippe
 
 ``--all``: 16M and 64M vectors (64M where memory allows), D 64/128/256, turbo2/3/4; dtypes at
 D=128, 16M; attention Hq 32, Hkv 8, D 128, B 1/8, 8K/32K tokens; presets at 1M vectors;
-cache at 8K/32K tokens, 32 decode steps, DynamicCache + turbo3 (recent 128) + the presets.
+cache at 8K/32K tokens, 32 decode steps, 3 rounds paired with DynamicCache, DynamicCache +
+turbo3 (recent 128) + the presets.
 ``--smoke``: 128 vectors, 256 tokens (Hq 4, Hkv 2, D 64), 4K preset vectors, a 2-layer
-hidden-64 Llama (head_dim 16) at 256 tokens with turbo3 (recent 64) and ``quality``, 4 steps.
+hidden-64 Llama (head_dim 16) at 256 tokens with turbo3 (recent 64) and ``quality``, 4 steps,
+2 rounds.
 
 ``--json FILE`` (rewritten after every section): ``meta`` (device, versions, timer, total_s),
 ``warm`` (tasks, failed, killed, wall_s) and per section ``rows`` (flat dicts of labels and
@@ -73,13 +75,13 @@ ALL = {"vectors": counts("16M,64M"), "dims": [64, 128, 256], "bits": [2, 3, 4],
        "batches": [1, 8], "heads": 32, "kv_heads": 8, "head_dim": 128, "k_bits": 3,
        "v_bits": 3, "repeats": 10, "preset_vectors": count("1M"),
        "presets": ["quality", "balanced", "small"], "roles": ["key", "value"],
-       "contexts": counts("8K,32K"), "steps": 32,
+       "contexts": counts("8K,32K"), "steps": 32, "rounds": 3,
        "policy": ["turbo3", "quality", "balanced", "small"], "recent": 128, "layers": 16,
        "hidden": 2048, "model_heads": 16, "model_kv_heads": 4, "model_head_dim": 128,
        "intermediate": 8192, "vocab": 32000, "budget": 460.0}
 SMOKE = {**ALL, "vectors": [128], "tokens": [256], "batches": [1, 2], "heads": 4,
          "kv_heads": 2, "head_dim": 64, "repeats": 1, "preset_vectors": count("4K"),
-         "contexts": [256], "steps": 4, "policy": ["turbo3", "quality"], "recent": 64,
+         "contexts": [256], "steps": 4, "rounds": 2, "policy": ["turbo3", "quality"], "recent": 64,
          "layers": 2, "hidden": 64, "model_heads": 4, "model_kv_heads": 2, "model_head_dim": 16,
          "intermediate": 128, "vocab": 1000, "budget": None}
 
@@ -130,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # cache
     a("--contexts", type=counts, default=counts("8K,32K"), help="cache table context lengths")
     a("--steps", type=int, default=32, help="greedy decode steps")
+    a("--rounds", type=int, default=3, help="timed runs per cache, each paired with a "
+      "DynamicCache run (ratios: the pairs' median)")
     a("--policy", action="append", default=None,
       help="CompressedCache policy label or preset (repeatable; default turbo3 + the presets)")
     a("--recent", type=int, default=128, help="recent window of non-preset policies")
@@ -174,7 +178,8 @@ def warm_tasks(args: argparse.Namespace) -> list[list[str]]:
     small = ",".join(str(n) for n in sorted({min(n, 1 << 16) for n in args.vectors}))
     tasks: list[list[str]] = []
     if "cache" in args.sections:
-        model = ["--layers", "1", "--steps", str(args.steps), "--recent", str(args.recent),
+        model = ["--layers", "1", "--steps", str(args.steps), "--rounds", "1",
+                 "--recent", str(args.recent),
                  "--contexts", ",".join(map(str, args.contexts))]
         for flag in ("hidden", "model_heads", "model_kv_heads", "model_head_dim",
                      "intermediate", "vocab"):

@@ -3,13 +3,16 @@
 A random-init ``LlamaForCausalLM`` (no weights needed: speed and memory do not depend on them)
 prefills a context of random tokens into each cache in one forward, then decodes ``--steps``
 tokens greedily in a manual loop (``model(tok, past_key_values=cache, logits_to_keep=1)``, the
-argmax fed back on the device; the loop itself never syncs). Each (context, cache) runs
-twice; the first run is untimed (it compiles and autotunes every kernel variant the run
-meets, block flushes included). The second gives prefill seconds, decode tokens/s over the
-whole loop, peak allocated memory (``torch.cuda.max_memory_allocated``, reset before the run,
-minus what was allocated before it; CUDA only) and resident K/V bytes after the run
-(:func:`kvtool.engines.hf_runtime.cache_nbytes`). Ratios are this cache / ``DynamicCache`` at
-the same context; "codes" counts attention calls served from codes (``hf_attention.STATS``).
+argmax fed back on the device; the loop itself never syncs). Each (context, cache) first runs
+once untimed (it compiles and autotunes every kernel variant the run meets, block flushes
+included), then ``--rounds`` timed runs, each right after a timed ``DynamicCache`` run: a
+ratio is the median over those pairs of this cache / ``DynamicCache``, so drift in the host's
+or the GPU's speed between rows (single runs swung ±30% on an H200) cancels within a pair;
+"x range" gives the pairs' lowest and highest decode ratio. Prefill seconds and decode
+tokens/s are medians over the rounds; peak allocated memory (``torch.cuda.max_memory_allocated``,
+reset before a run, minus what was allocated before it; CUDA only) and resident K/V bytes
+(:func:`kvtool.engines.hf_runtime.cache_nbytes`) are the last run's. "codes" counts the
+attention calls a run served from codes (``hf_attention.STATS``).
 
 A third run, under ``torch.profiler``, says what bounds each phase: "busy" is the share of the
 timed prefill, and of the timed decode step, that the device spent running kernels and copies
@@ -137,6 +140,40 @@ def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
             "decode_top": [[name, ms / steps] for name, ms in decode_top]}
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _rounds(b: Bench, model: Any, make: Any, base_make: Any | None, ids: Any) -> dict:
+    """One untimed run of ``make``, then ``--rounds`` timed ones, each after a timed run of
+    ``base_make`` (``DynamicCache``; None: the row is the baseline). Medians of the runs, the
+    last run's bytes, and the median and range of the paired ratios."""
+    steps = b.args.steps
+    _run(b, model, make, ids, steps)  # untimed: compiles and autotunes all
+    gc.collect()
+    runs, pairs = [], []
+    for _ in range(max(1, b.args.rounds)):
+        base = None
+        if base_make is not None:
+            base = _run(b, model, base_make, ids, steps)
+            gc.collect()
+        run = _run(b, model, make, ids, steps)
+        gc.collect()
+        runs.append(run)
+        pairs.append((run, base or run))
+    out = {**runs[-1], "rounds": len(runs),
+           "prefill_s": _median([r["prefill_s"] for r in runs]),
+           "decode_tok_s": _median([r["decode_tok_s"] for r in runs])}
+    decode = [ratio(r["decode_tok_s"], base["decode_tok_s"]) for r, base in pairs]
+    out.update(prefill_ratio=_median([ratio(r["prefill_s"], base["prefill_s"])
+                                      for r, base in pairs]),
+               decode_ratio=_median(decode), decode_ratio_min=min(decode),
+               decode_ratio_max=max(decode))
+    return out
+
+
 def cache(b: Bench) -> dict:
     """Prefill seconds, decode tok/s, peak memory and K/V bytes of each cache per context."""
     torch, args = b.torch, b.args
@@ -147,19 +184,21 @@ def cache(b: Bench) -> dict:
                   f"hidden {args.hidden}, {args.model_heads}/{args.model_kv_heads} heads, "
                   f"head_dim {args.model_head_dim}, bf16 ({weights / 2**30:.2f} GiB of weights), "
                   f"batch 1; prefill in one forward, {args.steps} greedy decode steps in a manual "
-                  "loop\n  ratios (x) are this cache / DynamicCache; peak: "
+                  f"loop\n  ratios (x) are this cache / DynamicCache, medians of {args.rounds} "
+                  "paired runs (x range: the pairs' decode ratios); peak: "
                   "max_memory_allocated over the run minus what was allocated before it "
                   "(weights); K/V: cache_nbytes after the run; busy: the share of the "
                   "prefill and of a decode step the device spent in kernels and copies "
                   "(torch.profiler; far under 100%: host-bound)",
-                  ["context", "cache", "prefill s", "x", "tok/s", "x", "peak GiB", "x", "K/V MiB",
-                   "x", "codes", "busy: prefill", "step"], [7, 34, 9, 5, 7, 5, 8, 5, 8, 5, 6,
-                                                             13, 5])
+                  ["context", "cache", "prefill s", "x", "tok/s", "x", "x range", "peak GiB",
+                   "x", "K/V MiB", "x", "codes", "busy: prefill", "step"],
+                  [7, 34, 9, 5, 7, 5, 9, 8, 5, 8, 5, 6, 13, 5])
     rows = []
     generator = torch.Generator().manual_seed(0)
     for n in args.contexts:
         ids = torch.randint(100, args.vocab - 100, (1, n), generator=generator).to(b.device)
         base: dict = {}
+        base_make = None
         for name, make in makers.items():
             label = f"{human(n)} {name}"
             if not base and name != "DynamicCache":  # no baseline at this context
@@ -169,20 +208,16 @@ def cache(b: Bench) -> dict:
             if not b.deadline.allows(label):
                 continue
             with b.deadline.attempt(label) as attempt:
-                _run(b, model, make, ids, args.steps)  # untimed: compiles and autotunes all
-                gc.collect()
-                run = _run(b, model, make, ids, args.steps)
-                gc.collect()
+                run = _rounds(b, model, make, base_make, ids)
                 run.update(_profile(b, model, make, ids, min(args.steps, 8)))
                 run["prefill_busy"] = ratio(run["prefill_busy_ms"], run["prefill_s"] * 1e3)
                 run["step_busy"] = ratio(run["step_busy_ms"] * run["decode_tok_s"], 1e3)
             gc.collect()
             if attempt.failed:
                 continue
-            base = base or run  # DynamicCache's, the first
+            if not base:  # DynamicCache's, the first: the others pair their runs with it
+                base, base_make = run, make
             row = {"context": n, "cache": name, **run,
-                   "prefill_ratio": ratio(run["prefill_s"], base["prefill_s"]),
-                   "decode_ratio": ratio(run["decode_tok_s"], base["decode_tok_s"]),
                    "kv_ratio": ratio(run["kv_bytes"], base["kv_bytes"]),
                    "peak_ratio": None if run["peak_bytes"] is None else
                    ratio(run["peak_over_base_bytes"], base["peak_over_base_bytes"])}
@@ -191,7 +226,9 @@ def cache(b: Bench) -> dict:
                 (f"{run['peak_over_base_bytes'] / 2**30:.2f}", f"{row['peak_ratio']:.2f}")
             table.row([human(n), name[:34], f"{run['prefill_s']:.3f}",
                        f"{row['prefill_ratio']:.2f}", f"{run['decode_tok_s']:.1f}",
-                       f"{row['decode_ratio']:.2f}", peak, peak_x,
+                       f"{row['decode_ratio']:.2f}",
+                       f"{row['decode_ratio_min']:.2f}-{row['decode_ratio_max']:.2f}", peak,
+                       peak_x,
                        f"{run['kv_bytes'] / 2**20:.1f}", f"{row['kv_ratio']:.2f}",
                        str(run["codes_calls"]), f"{run['prefill_busy']:.0%}",
                        f"{run['step_busy']:.0%}"])

@@ -115,6 +115,10 @@ def test_smoke_json_has_every_result(smoke):
         # slows one run and not the other)
         assert row["prefill_busy"] > 0 and row["step_busy"] > 0, row
         assert row["prefill_top"] and row["decode_top"][0][0].startswith("aten::"), row
+        assert row["rounds"] == 2
+        assert row["decode_ratio_min"] <= row["decode_ratio"] <= row["decode_ratio_max"], row
+    dyn = data["cache"]["rows"][0]
+    assert dyn["decode_ratio"] == dyn["decode_ratio_min"] == dyn["prefill_ratio"] == 1.0
 
 
 def test_smoke_results_are_sane(smoke):
@@ -154,7 +158,7 @@ def test_warm_tasks_are_valid_commands():
         if sub.sections == ["throughput"]:  # small, but the same kernel variants (>= 64K rows)
             assert sub.vectors == [1 << 16]
         if sub.sections == ["cache"]:
-            assert sub.layers == 1 and sub.contexts == args.contexts
+            assert sub.layers == 1 and sub.contexts == args.contexts and sub.rounds == 1
             assert sub.hidden == args.hidden and sub.model_head_dim == args.model_head_dim
 
 
@@ -164,6 +168,32 @@ def test_warm_runs_tasks_in_processes():
     assert "warming Triton's cache: 1 tasks in 1 processes" in stdout
     assert "warm task" not in stdout  # none failed or was cut
     assert "[warm: " in stdout and "[dtypes: " in stdout
+
+
+def test_cache_ratios_pair_each_run_with_a_dynamic_cache_run(monkeypatch):
+    """The host's speed drifts 4x over the rounds; each pair shares it, so the ratios hold."""
+    import gpu_cache
+
+    calls = []
+
+    def run(b, model, make, ids, steps):
+        calls.append(make)
+        speed = 2 ** (len(calls) // 2)  # the same within each (DynamicCache, cache) pair
+        tok_s = (100 if make == "dynamic" else 70) * speed
+        return {"prefill_s": (1.0 if make == "dynamic" else 1.5) / speed,
+                "decode_tok_s": tok_s, "kv_bytes": 5, "codes_calls": 0, "peak_bytes": None,
+                "peak_over_base_bytes": None}
+
+    monkeypatch.setattr(gpu_cache, "_run", run)
+    bench = type("B", (), {"args": gpu.parse_args(["--rounds", "3"])})()
+    out = gpu_cache._rounds(bench, None, "cache", "dynamic", None)
+    assert calls == ["cache"] + ["dynamic", "cache"] * 3  # one untimed run first
+    assert out["rounds"] == 3 and out["decode_tok_s"] == 70 * 4  # the median round's
+    assert out["decode_ratio"] == out["decode_ratio_min"] == out["decode_ratio_max"] == 0.7
+    assert out["prefill_ratio"] == 1.5
+    calls.clear()
+    base = gpu_cache._rounds(bench, None, "dynamic", None, None)
+    assert calls == ["dynamic"] * 4 and base["decode_ratio"] == base["prefill_ratio"] == 1.0
 
 
 def test_a_failing_row_is_recorded_and_the_run_goes_on(capsys):
