@@ -29,7 +29,9 @@ Tables, each printed row by row as it is measured, then the section's wall time 
    random-init Llama (16 layers, hidden 2048, 16/4 heads, head_dim 128, bf16): prefill seconds,
    decode tok/s (manual greedy loop), peak memory, K/V bytes, ratios to DynamicCache.
 
-Times are medians of CUDA-event-timed repeats after warm-up (``time.perf_counter`` on the CPU).
+Times are medians of CUDA-event-timed repeats after warm-up (``time.perf_counter`` on the CPU),
+each starting with a flushed L2 on CUDA (``--warm-l2``: back to back, as the H200 sessions
+timed them; see :class:`gpu_common.Clock`).
 Triton compiles and autotunes every kernel variant on first use; ``--warm-workers N`` (default
 on CUDA) first runs each section at small sizes in N parallel processes, which fills Triton's
 on-disk cache in parallel so the measured run only loads kernels (and autotunes at full size:
@@ -107,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--warm-workers", type=int, default=None,
       help="parallel processes filling Triton's cache first (default: on CUDA, up to 12; 0: off)")
     a("--repeats", type=int, default=20, help="timed repeats per measurement")
+    a("--warm-l2", action="store_true", help="time calls back to back with whatever the L2 "
+      "holds (default on CUDA: each timed call starts with a flushed L2)")
     # throughput / dtypes
     a("--vectors", type=counts, default=counts("1M,4M,16M,64M"), help="vector counts")
     a("--max-vectors", type=count, default=None, help="drop vector counts above this")
@@ -318,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         results["warm"] = warm(args, budget.deadline("warm").at)
         results["warm"]["wall_s"] = time.monotonic() - t0
         print(f"[warm: {results['warm']['wall_s']:.1f} s]", flush=True)
-    clock = Clock(torch, args.device, args.repeats, warmup=0 if args.smoke else 2)
+    clock = Clock(torch, args.device, args.repeats, warmup=0 if args.smoke else 2,
+                  cold_l2=not args.warm_l2)
     run = {"throughput": gpu_sections.throughput, "dtypes": gpu_sections.dtypes,
            "attention": gpu_sections.attention, "presets": gpu_sections.presets,
            "cache": gpu_cache.cache}

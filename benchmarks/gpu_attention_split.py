@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--splits", default="8,16,64", help="split_k values to time (device)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile-calls", type=int, default=300, help="0: no profile")
+    p.add_argument("--warm-l2", action="store_true",
+                   help="time back to back (default: each timed call starts with a flushed L2)")
     return p.parse_args(argv)
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention_split.py needs a CUDA device")
-    clock = Clock(torch, "cuda", args.repeats)
+    clock = Clock(torch, "cuda", args.repeats, cold_l2=not args.warm_l2)
     hq, hkv, dim, scale = 32, 8, 128, 128 ** -0.5
     sdpa_fn = torch.nn.functional.scaled_dot_product_attention
     first = None

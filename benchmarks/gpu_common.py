@@ -42,23 +42,41 @@ def ratio(num: float, den: float) -> float:
 
 
 class Clock:
-    """Times callables: CUDA events on CUDA, ``time.perf_counter`` on the CPU."""
+    """Times callables: CUDA events on CUDA, ``time.perf_counter`` on the CPU.
 
-    def __init__(self, torch: Any, device: str, repeats: int, warmup: int = 2):
+    With ``cold_l2`` (CUDA) each timed call starts with an L2 cache that holds none of its
+    inputs, as ``triton.testing.do_bench`` times kernels: a buffer several times the L2 is
+    zeroed and waited for before the start event. In a model's decode step a layer's K/V were
+    last read a whole forward pass earlier; calls repeated back to back on the same tensors
+    read them from L2 instead (an H100's or H200's 50 MB hold the turbo3 codes of 8 KV heads
+    up to ~32K tokens, and their fp16 K/V up to ~8K), which flatters the smaller input."""
+
+    #: bytes zeroed to evict the L2: several times an H100's or H200's 50 MB (a B200's 126 MB)
+    FLUSH_BYTES = 256 << 20
+
+    def __init__(self, torch: Any, device: str, repeats: int, warmup: int = 2,
+                 cold_l2: bool = False):
         self.torch, self.cuda = torch, device == "cuda"
         self.repeats, self.warmup = max(1, repeats), warmup
+        self._flush = torch.empty(self.FLUSH_BYTES, dtype=torch.int8, device="cuda") \
+            if self.cuda and cold_l2 else None
 
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
 
     def once(self, fn: Callable[[], Any]) -> tuple[Any, float]:
-        """(``fn()``, its seconds), the device's queue drained on both sides."""
+        """(``fn()``, its seconds), the device's queue drained on both sides (and the L2
+        flushed first, with ``cold_l2``: outside the timing, and before the host starts
+        issuing ``fn``'s work, so its launch cost still counts)."""
         self.sync()
         if not self.cuda:
             start = time.perf_counter()
             out = fn()
             return out, time.perf_counter() - start
+        if self._flush is not None:
+            self._flush.zero_()
+            self.sync()
         start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
         start.record()
         out = fn()

@@ -21,7 +21,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu  # noqa: E402  (benchmarks/gpu.py; imports neither torch nor triton)
-from gpu_common import Budget, Deadline  # noqa: E402
+from gpu_common import Budget, Clock, Deadline  # noqa: E402
 
 TITLES = {
     "throughput": "turbo encode (fp16 in) / decode (fp16 out): GB/s",
@@ -194,6 +194,47 @@ def test_cache_ratios_pair_each_run_with_a_dynamic_cache_run(monkeypatch):
     calls.clear()
     base = gpu_cache._rounds(bench, None, "dynamic", None, None)
     assert calls == ["dynamic"] * 4 and base["decode_ratio"] == base["prefill_ratio"] == 1.0
+
+
+def test_cuda_timings_start_from_a_flushed_l2():
+    """Each timed call: the flush, waited for, then the start event and the call; the host's
+    back-to-back cost and the --warm-l2 clock never flush."""
+    from types import SimpleNamespace
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            pass
+
+        def record(self) -> None:
+            log.append("record")
+
+        def synchronize(self) -> None:
+            log.append("wait")
+
+        def elapsed_time(self, other: Event) -> float:
+            return 1.0
+
+    buffers = []
+
+    def empty(size, dtype, device):
+        buffers.append((size, device))
+        return SimpleNamespace(zero_=lambda: log.append("flush"))
+
+    fake = SimpleNamespace(empty=empty, int8="int8", cuda=SimpleNamespace(
+        Event=Event, synchronize=lambda: log.append("sync")))
+    clock = Clock(fake, "cuda", repeats=2, warmup=0, cold_l2=True)
+    assert buffers == [(Clock.FLUSH_BYTES, "cuda")] and Clock.FLUSH_BYTES >= 4 * 50 * 10**6
+    assert clock.median_ms(lambda: log.append("call")) == 1.0
+    assert log == ["sync", "flush", "sync", "record", "call", "record", "wait"] * 2
+    log.clear()
+    clock.host_us(lambda: log.append("call"))
+    assert "flush" not in log and log.count("call") == 3
+    log.clear()
+    Clock(fake, "cuda", repeats=1, warmup=0).median_ms(lambda: log.append("call"))
+    assert log == ["sync", "record", "call", "record", "wait"] and len(buffers) == 1
+    assert gpu.parse_args([]).warm_l2 is False and gpu.parse_args(["--warm-l2"]).warm_l2
 
 
 def test_a_failing_row_is_recorded_and_the_run_goes_on(capsys):
