@@ -16,16 +16,16 @@
 # A limit of 0 skips its stage. Logs and the benchmark's JSON go to $OUT (default ./gpu-out).
 # Wheels missing there (zstandard) travel in .whl/ (see the README's GPU section) and are
 # installed into /tmp/site first.
-#   bash scripts/gpu_session.sh          # BENCH_BUDGET=220 TEST_SECONDS=170 SPLIT_SECONDS=60 COLD_SECONDS=60
+#   bash scripts/gpu_session.sh          # BENCH_BUDGET=270 TEST_SECONDS=160 SPLIT_SECONDS=50 COLD_SECONDS=50
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 SESSION_SECONDS=${SESSION_SECONDS:-560}
-BENCH_BUDGET=${BENCH_BUDGET:-220}
+BENCH_BUDGET=${BENCH_BUDGET:-270}
 BENCH_SECTIONS=${BENCH_SECTIONS:-}
-TEST_SECONDS=${TEST_SECONDS:-170}
-SPLIT_SECONDS=${SPLIT_SECONDS:-60}
-COLD_SECONDS=${COLD_SECONDS:-60}
+TEST_SECONDS=${TEST_SECONDS:-160}
+SPLIT_SECONDS=${SPLIT_SECONDS:-50}
+COLD_SECONDS=${COLD_SECONDS:-50}
 deadline=$((SECONDS + SESSION_SECONDS))
 # the seconds a stage may take: its own limit, or what is left of the session if less
 budget() { local left=$((deadline - SECONDS)); echo $(($1 < left ? $1 : left)); }
