@@ -5,14 +5,16 @@ prefills a context of random tokens into each cache in one forward, then decodes
 tokens greedily in a manual loop (``model(tok, past_key_values=cache, logits_to_keep=1)``, the
 argmax fed back on the device; the loop itself never syncs). Each (context, cache) first runs
 once untimed (it compiles and autotunes every kernel variant the run meets, block flushes
-included), then ``--rounds`` timed runs, each right after a timed ``DynamicCache`` run: a
-ratio is the median over those pairs of this cache / ``DynamicCache``, so drift in the host's
-or the GPU's speed between rows (single runs swung ±30% on an H200) cancels within a pair;
-"x range" gives the pairs' lowest and highest decode ratio. Prefill seconds and decode
-tokens/s are medians over the rounds; peak allocated memory (``torch.cuda.max_memory_allocated``,
-reset before a run, minus what was allocated before it; CUDA only) and resident K/V bytes
-(:func:`kvtool.engines.hf_runtime.cache_nbytes`) are the last run's. "codes" counts the
-attention calls a run served from codes (``hf_attention.STATS``).
+included), then ``--rounds`` timed runs, each paired with a timed ``DynamicCache`` run (the
+baseline first in even rounds, second in odd ones): a ratio is the median over those pairs
+of this cache / ``DynamicCache``, so drift in the host's or the GPU's speed between rows
+(single runs swung ±30% on an H200) cancels within a pair; "x range" gives the pairs' lowest
+and highest decode ratio. Prefill seconds and decode tokens/s are medians over the rounds
+(the JSON also keeps the paired ``DynamicCache`` runs' medians, ``base_*``); peak allocated
+memory (``torch.cuda.max_memory_allocated``, reset before a run, minus what was allocated
+before it; CUDA only) and resident K/V bytes (:func:`kvtool.engines.hf_runtime.cache_nbytes`)
+are the last run's. "codes" counts the attention calls a run served from codes
+(``hf_attention.STATS``).
 
 A third run, under ``torch.profiler``, says what bounds each phase: "busy" is the share of the
 timed prefill, and of the timed decode step, that the device spent running kernels and copies
@@ -147,25 +149,36 @@ def _median(values: list[float]) -> float:
 
 
 def _rounds(b: Bench, model: Any, make: Any, base_make: Any | None, ids: Any) -> dict:
-    """One untimed run of ``make``, then ``--rounds`` timed ones, each after a timed run of
-    ``base_make`` (``DynamicCache``; None: the row is the baseline). Medians of the runs, the
-    last run's bytes, and the median and range of the paired ratios."""
+    """One untimed run of ``make``, then ``--rounds`` timed ones, each paired with a timed run
+    of ``base_make`` (``DynamicCache``; None: the row is the baseline), the baseline first in
+    even rounds and second in odd ones (a drift within a pair cancels over the rounds).
+    Medians of the runs and of their baselines, the last run's bytes, and the median and
+    range of the paired ratios."""
     steps = b.args.steps
-    _run(b, model, make, ids, steps)  # untimed: compiles and autotunes all
-    gc.collect()
-    runs, pairs = [], []
-    for _ in range(max(1, b.args.rounds)):
-        base = None
-        if base_make is not None:
-            base = _run(b, model, base_make, ids, steps)
-            gc.collect()
-        run = _run(b, model, make, ids, steps)
+
+    def one(fn: Any) -> dict:
+        out = _run(b, model, fn, ids, steps)
         gc.collect()
+        return out
+
+    one(make)  # untimed: compiles and autotunes all
+    runs, pairs = [], []
+    for i in range(max(1, b.args.rounds)):
+        if base_make is None:
+            run = base = one(make)
+        elif i % 2 == 0:
+            base = one(base_make)
+            run = one(make)
+        else:
+            run = one(make)
+            base = one(base_make)
         runs.append(run)
-        pairs.append((run, base or run))
+        pairs.append((run, base))
     out = {**runs[-1], "rounds": len(runs),
            "prefill_s": _median([r["prefill_s"] for r in runs]),
-           "decode_tok_s": _median([r["decode_tok_s"] for r in runs])}
+           "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
+           "base_prefill_s": _median([base["prefill_s"] for _, base in pairs]),
+           "base_decode_tok_s": _median([base["decode_tok_s"] for _, base in pairs])}
     decode = [ratio(r["decode_tok_s"], base["decode_tok_s"]) for r, base in pairs]
     out.update(prefill_ratio=_median([ratio(r["prefill_s"], base["prefill_s"])
                                       for r, base in pairs]),
@@ -217,6 +230,8 @@ def cache(b: Bench) -> dict:
                 continue
             if not base:  # DynamicCache's, the first: the others pair their runs with it
                 base, base_make = run, make
+                rounds = max(1, args.rounds)  # a paired row runs 2R + 1 times, this one R + 1
+                b.deadline.last *= (2 * rounds + 1) / (rounds + 1)
             row = {"context": n, "cache": name, **run,
                    "kv_ratio": ratio(run["kv_bytes"], base["kv_bytes"]),
                    "peak_ratio": None if run["peak_bytes"] is None else

@@ -187,13 +187,16 @@ def test_cache_ratios_pair_each_run_with_a_dynamic_cache_run(monkeypatch):
     monkeypatch.setattr(gpu_cache, "_run", run)
     bench = type("B", (), {"args": gpu.parse_args(["--rounds", "3"])})()
     out = gpu_cache._rounds(bench, None, "cache", "dynamic", None)
-    assert calls == ["cache"] + ["dynamic", "cache"] * 3  # one untimed run first
+    # one untimed run first; the baseline first in even rounds, second in odd ones
+    assert calls == ["cache", "dynamic", "cache", "cache", "dynamic", "dynamic", "cache"]
     assert out["rounds"] == 3 and out["decode_tok_s"] == 70 * 4  # the median round's
+    assert out["base_decode_tok_s"] == 100 * 4 and out["base_prefill_s"] == 1.0 / 4
     assert out["decode_ratio"] == out["decode_ratio_min"] == out["decode_ratio_max"] == 0.7
     assert out["prefill_ratio"] == 1.5
     calls.clear()
     base = gpu_cache._rounds(bench, None, "dynamic", None, None)
     assert calls == ["dynamic"] * 4 and base["decode_ratio"] == base["prefill_ratio"] == 1.0
+    assert base["base_decode_tok_s"] == base["decode_tok_s"]
 
 
 def test_cuda_timings_start_from_a_flushed_l2():

@@ -89,9 +89,11 @@ def _persisted() -> dict[str, Any]:
     """``cache_results=True`` where this Triton's autotuner can keep its results on disk, unless
     ``KVTOOL_AUTOTUNE_CACHE=0``: a process whose timings should not decide for later ones (one
     of several sharing a GPU, or calls far smaller than the real ones) still compiles every
-    config into Triton's cache, but leaves no choice behind. Read when the kernels are
-    decorated (at import)."""
+    config into Triton's cache, but leaves no choice behind (Triton's own
+    ``TRITON_CACHE_AUTOTUNING=1`` would turn it back on: it is dropped). Read when the kernels
+    are decorated (at import)."""
     if os.environ.get("KVTOOL_AUTOTUNE_CACHE", "") == "0":
+        os.environ.pop("TRITON_CACHE_AUTOTUNING", None)
         return {}
     params = inspect.signature(triton.autotune).parameters
     return {"cache_results": True} if "cache_results" in params else {}
