@@ -17,7 +17,12 @@ Columns: µs per layer and step spent in the cache's ``update`` and in attention
 checks and kernel call; ``DynamicCache``: the sdpa function), the best of ``--rounds`` rounds
 of ``--steps`` steps with the caches interleaved, their sum against ``DynamicCache``'s, and
 aten ops per layer (a ``TorchDispatchMode`` count: an ordinary step, and the most of 64 steps:
-the one that flushes a block, whose every layer encodes it).
+the one that flushes a block, whose every layer encodes it). "host reads" counts, in the
+prefill and in those 64 steps, the device values the host read (``.item()``, ``bool()``,
+``nonzero``, ``.tolist()``, ``.cpu()``, ...): on CUDA each waits for the device to catch up,
+so the host stops running ahead of it. The tables built on the host from numpy and the
+queued checks' flags (pinned host memory on CUDA, :mod:`kvtool.kernels.device_checks`) are
+host data there too, and not counted.
 
     python benchmarks/decode_host.py                    # turbo3 and the presets, 16 layers
     python benchmarks/decode_host.py --policy balanced --rounds 9
@@ -37,6 +42,17 @@ os.environ.pop("TRITON_INTERPRET", None)
 from host_stubs import stub_kernels  # noqa: E402  (benchmarks/ is the script's directory)
 
 POLICIES = ("turbo3", "quality", "balanced", "small")
+#: aten ops that read a tensor's values on the host (on CUDA: wait for the device)
+READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select",
+                      "unique", "_unique2", "unique_dim", "unique_consecutive"})
+#: Tensor methods that read values on the host without an aten op on a CPU tensor
+READ_METHODS = ("tolist", "numpy", "cpu")
+#: (file, function) whose tensors are host memory on CUDA too: tables built from numpy, and
+#: the queued checks' pinned flags
+HOST_FRAMES = frozenset({("triton_cuda.py", "_rotation"), ("triton_turbomix_tables.py",
+                                                           "_rotations"),
+                         ("triton_turbomix_tables.py", "_tables"),
+                         ("device_checks.py", "poll")})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +117,58 @@ def _cuda_path_on_cpu(record: list[Any] | None = None) -> None:
     hf_attention._DEVICE_KERNELS[:] = [ta]
 
 
+class HostReads:
+    """Counts the host's reads of tensor values (:data:`READ_OPS`, :data:`READ_METHODS`)
+    made by kvtool outside :data:`HOST_FRAMES`, while entered; ``where`` keeps their call
+    sites (``file:line``)."""
+
+    def __init__(self) -> None:
+        self.where: Counter[str] = Counter()
+
+    def _seen(self) -> None:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-2] if "/kvtool/" in f.filename]
+        if not frames or any((os.path.basename(f.filename), f.name) in HOST_FRAMES
+                             for f in frames):
+            return
+        self.where[f"{frames[-1].filename.split('/kvtool/')[-1]}:{frames[-1].lineno}"] += 1
+
+    def __enter__(self) -> HostReads:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                if func.overloadpacket.__name__ in READ_OPS:
+                    reads._seen()
+                return func(*a, **(kw or {}))
+
+        self._saved = {m: getattr(torch.Tensor, m) for m in READ_METHODS}
+        for method, fn in self._saved.items():
+            def read(t: Any, *a: Any, _fn: Any = fn, **k: Any) -> Any:
+                reads._seen()
+                return _fn(t, *a, **k)
+
+            setattr(torch.Tensor, method, read)
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        self._mode.__exit__(*exc)
+        for method, fn in self._saved.items():
+            setattr(torch.Tensor, method, fn)
+
+    @property
+    def count(self) -> int:
+        return sum(self.where.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
@@ -129,12 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     for label in args.policy.split(","):
         policy = CodecPolicy.from_label(label, recent_tokens=128)
         makers[label] = (lambda p=policy: CompressedCache(p, config=config), args.context)
-    caches, tokens = {}, {}
+    caches, tokens, reads = {}, {}, {}
     with torch.inference_mode():
         for name, (make, n) in makers.items():
             caches[name] = make()
-            logits = model(ids[:, :n], past_key_values=caches[name], logits_to_keep=1).logits
+            with HostReads() as prefill_reads:
+                logits = model(ids[:, :n], past_key_values=caches[name],
+                               logits_to_keep=1).logits
             tokens[name] = logits[:, -1:].argmax(-1)
+            reads[name] = {"prefill": prefill_reads}
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds):
             for name, cache in caches.items():
@@ -156,32 +227,44 @@ def main(argv: list[str] | None = None) -> None:
         ops: dict[str, tuple[float, float]] = {}  # (an ordinary step, the flushing one)
         for name, cache in caches.items():
             counts = []
-            for _ in range(64):  # a block of 64 tokens: one step flushes it
-                Count.n = 0
-                with Count():
-                    model(tokens[name], past_key_values=cache, logits_to_keep=1)
-                counts.append(Count.n / args.layers)
+            with HostReads() as step_reads:
+                for _ in range(64):  # a block of 64 tokens: one step flushes it
+                    Count.n = 0
+                    with Count():
+                        model(tokens[name], past_key_values=cache, logits_to_keep=1)
+                    counts.append(Count.n / args.layers)
             ops[name] = (min(counts), max(counts))
+            reads[name]["steps"] = step_reads
     base = best["DynamicCache"]
     print(f"host µs per layer and decode step, best of {args.rounds} rounds of {args.steps} "
           f"steps ({args.layers} layers; compressed caches hold {args.context} tokens, "
           f"DynamicCache {args.dynamic_tokens}; kernel launches replaced by their launch keys)")
     print(f"{'cache':>13} | {'update':>7} | {'attention':>9} | {'sum':>6} | {'vs Dynamic':>10} | "
-          f"{'aten ops':>8} | {'flush step':>10}")
+          f"{'aten ops':>8} | {'flush step':>10} | {'host reads':>10}")
     dyn = ops["DynamicCache"][0]
     for name, per in best.items():
         plain, flush = ops[name]
         print(f"{name:>13} | {per.get('update', 0):>7.1f} | {per.get('attention', 0):>9.1f} | "
               f"{per['total']:>6.1f} | {per['total'] - base['total']:>+10.1f} | "
               f"{plain - dyn if name != 'DynamicCache' else plain:>8.1f} | "
-              f"{flush - dyn if name != 'DynamicCache' else flush:>10.1f}", flush=True)
+              f"{flush - dyn if name != 'DynamicCache' else flush:>10.1f} | "
+              f"{reads[name]['prefill'].count:>4} / {reads[name]['steps'].count:>3}",
+              flush=True)
     print("(aten ops per layer: DynamicCache's own, then what each cache adds in an ordinary "
-          "step and in the step that flushes a block)")
+          "step and in the step that flushes a block; host reads: in the prefill / in the 64 "
+          "steps, all layers)")
+    for name, both in reads.items():
+        for phase, seen in both.items():
+            if seen.count:
+                print(f"  {name} {phase} reads at: " + ", ".join(
+                    f"{where} ×{n}" for where, n in seen.where.most_common()))
     if args.json:
         rows = [{"cache": name, "update_us": per.get("update", 0.0),
                  "attention_us": per.get("attention", 0.0), "total_us": per["total"],
                  "over_dynamic_us": per["total"] - base["total"], "aten_ops": ops[name][0],
-                 "flush_aten_ops": ops[name][1]} for name, per in best.items()]
+                 "flush_aten_ops": ops[name][1],
+                 "prefill_host_reads": reads[name]["prefill"].count,
+                 "step_host_reads": reads[name]["steps"].count} for name, per in best.items()]
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
