@@ -27,6 +27,7 @@ check of the code path more than a measure: the two runs meet different loads.
 from __future__ import annotations
 
 import gc
+from statistics import median
 from typing import Any
 
 from gpu_common import Bench, Table, human, ratio  # benchmarks/ is the script's directory
@@ -142,12 +143,6 @@ def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
             "decode_top": [[name, ms / steps] for name, ms in decode_top]}
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _rounds(b: Bench, model: Any, make: Any, base_make: Any | None, ids: Any) -> dict:
     """One untimed run of ``make``, then ``--rounds`` timed ones, each paired with a timed run
     of ``base_make`` (``DynamicCache``; None: the row is the baseline), the baseline first in
@@ -175,14 +170,14 @@ def _rounds(b: Bench, model: Any, make: Any, base_make: Any | None, ids: Any) ->
         runs.append(run)
         pairs.append((run, base))
     out = {**runs[-1], "rounds": len(runs),
-           "prefill_s": _median([r["prefill_s"] for r in runs]),
-           "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
-           "base_prefill_s": _median([base["prefill_s"] for _, base in pairs]),
-           "base_decode_tok_s": _median([base["decode_tok_s"] for _, base in pairs])}
+           "prefill_s": median([r["prefill_s"] for r in runs]),
+           "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
+           "base_prefill_s": median([base["prefill_s"] for _, base in pairs]),
+           "base_decode_tok_s": median([base["decode_tok_s"] for _, base in pairs])}
     decode = [ratio(r["decode_tok_s"], base["decode_tok_s"]) for r, base in pairs]
-    out.update(prefill_ratio=_median([ratio(r["prefill_s"], base["prefill_s"])
+    out.update(prefill_ratio=median([ratio(r["prefill_s"], base["prefill_s"])
                                       for r, base in pairs]),
-               decode_ratio=_median(decode), decode_ratio_min=min(decode),
+               decode_ratio=median(decode), decode_ratio_min=min(decode),
                decode_ratio_max=max(decode))
     return out
 
