@@ -46,7 +46,7 @@ cache at 8K/32K tokens, 32 decode steps, 3 rounds paired with DynamicCache, Dyna
 turbo3 (recent 128) + the presets.
 ``--smoke``: 128 vectors, 256 tokens (Hq 4, Hkv 2, D 64), 4K preset vectors, a 2-layer
 hidden-64 Llama (head_dim 16) at 256 tokens with turbo3 (recent 64) and ``quality``, 4 steps,
-2 rounds.
+1 round.
 
 ``--json FILE`` (rewritten after every section): ``meta`` (device, versions, timer, total_s),
 ``warm`` (tasks, failed, killed, wall_s) and per section ``rows`` (flat dicts of labels and
@@ -85,7 +85,7 @@ ALL = {"vectors": counts("16M,64M"), "dims": [64, 128, 256], "bits": [2, 3, 4],
        "intermediate": 8192, "vocab": 32000, "budget": 460.0}
 SMOKE = {**ALL, "vectors": [128], "tokens": [256], "batches": [1, 2], "heads": 4,
          "kv_heads": 2, "head_dim": 64, "repeats": 1, "preset_vectors": count("4K"),
-         "contexts": [256], "steps": 4, "rounds": 2, "policy": ["turbo3", "quality"], "recent": 64,
+         "contexts": [256], "steps": 4, "rounds": 1, "policy": ["turbo3", "quality"], "recent": 64,
          "layers": 2, "hidden": 64, "model_heads": 4, "model_kv_heads": 2, "model_head_dim": 16,
          "intermediate": 128, "vocab": 1000, "budget": None}
 
