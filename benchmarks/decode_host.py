@@ -128,11 +128,14 @@ class HostReads:
     def _seen(self) -> None:
         import traceback
 
-        frames = [f for f in traceback.extract_stack()[:-2] if "/kvtool/" in f.filename]
+        import kvtool
+
+        package = os.path.dirname(os.path.abspath(kvtool.__file__)) + os.sep
+        frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(package)]
         if not frames or any((os.path.basename(f.filename), f.name) in HOST_FRAMES
                              for f in frames):
             return
-        self.where[f"{frames[-1].filename.split('/kvtool/')[-1]}:{frames[-1].lineno}"] += 1
+        self.where[f"{frames[-1].filename[len(package):]}:{frames[-1].lineno}"] += 1
 
     def __enter__(self) -> HostReads:
         import torch
