@@ -123,14 +123,15 @@ class HostReads:
     sites (``file:line``)."""
 
     def __init__(self) -> None:
+        import kvtool
+
         self.where: Counter[str] = Counter()
+        self._package = os.path.dirname(os.path.abspath(kvtool.__file__)) + os.sep
 
     def _seen(self) -> None:
         import traceback
 
-        import kvtool
-
-        package = os.path.dirname(os.path.abspath(kvtool.__file__)) + os.sep
+        package = self._package
         frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(package)]
         if not frames or any((os.path.basename(f.filename), f.name) in HOST_FRAMES
                              for f in frames):

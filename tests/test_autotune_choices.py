@@ -6,13 +6,14 @@ Triton timed, named by kvtool's autotune keys."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 pytest.importorskip("torch")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -31,7 +32,7 @@ PROBE = ("import importlib; print(sorted(int(getattr(importlib.import_module("
 
 @pytest.mark.parametrize("knob, kept", [("", 1), ("0", 0)])
 def test_autotuners_keep_their_choices_unless_the_knob_says_not(knob, kept):
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "KVTOOL_AUTOTUNE_CACHE")}
     if knob:
         env["KVTOOL_AUTOTUNE_CACHE"] = knob
