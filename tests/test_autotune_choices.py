@@ -96,3 +96,17 @@ def test_autotune_table_lists_every_config_by_its_named_key(tmp_path, capsys):
     assert mix["key"] == "N=128 NP=128 BITS=4 QUANT=0 RP=1 tok_class=64 dtypes=bfloat16"
     assert mix["configs"] == [{"config": autotune_table.describe(m.__dict__), "ms": 1.5,
                                "ratio": 1.0}]
+
+
+def test_attention_key_tells_grids_apart():
+    """The attention autotuner's ``size_class`` holds the grid's fill as well as the parts'
+    length: a split-K sweep that forces another grid over the same tokens per part must not
+    reuse the choice made for the first (on CPU tensors ``_sm_count`` is 4)."""
+    from kvtool.kernels import triton_attention
+
+    cpu = __import__("torch").device("cpu")
+    classes = {(programs, per_part): triton_attention._size_class(cpu, programs, per_part)
+               for programs in (2, 4, 11, 12, 400) for per_part in (256, 1024, 8192)}
+    assert len(set(classes.values())) == 9
+    assert classes[(2, 256)] == 0 and classes[(400, 8192)] == 8
+    assert classes[(4, 256)] == classes[(11, 256)] != classes[(12, 256)] == classes[(400, 256)]

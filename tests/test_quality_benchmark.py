@@ -75,7 +75,7 @@ def test_both_bundled_models_in_one_run(tmp_path):
     run = subprocess.run(
         [sys.executable, str(BENCH / "quality.py"), "--models", "default,gemma",
          "--max-tokens", "256", "--chunk", "64", "--block-size", "16", "--seeds", "1",
-         "--policy", "balanced",
+         "--policy", "balanced", "--threads", "1",
          "--no-peers", "--json", str(out)], capture_output=True, text=True, cwd=BENCH.parent,
         timeout=900, env={**os.environ, "TQDM_DISABLE": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -108,7 +108,8 @@ _INTERPRET_WARPS = 1
 
 def _tuned(fn: Any) -> Any:
     """Autotune the token tile, warps and pipelining of the kernel on GPUs, keyed on its shape
-    (fixed tile under the interpreter); ``size_class`` keeps short parts apart from long ones.
+    (fixed tile under the interpreter); ``size_class`` (:func:`_size_class`) keeps short parts
+    apart from long ones and a grid that leaves SMs idle apart from one that fills them.
     Two-stage configs let the next tile's code words load while this one is scored."""
     if triton is None or INTERPRET:
         return _jit(fn)
@@ -252,6 +253,17 @@ def _splits(device: torch.device, programs: int, tokens: int) -> int:
     partial last wave), and none shorter than :data:`_MIN_SPLIT` tokens."""
     want = max(1, 4 * _sm_count(device) // max(1, programs))
     return max(1, min(want, cdiv(tokens, _MIN_SPLIT)))
+
+
+def _size_class(device: torch.device, programs: int, per_part: int) -> int:
+    """The autotune key's shape class: how many tokens a part holds (< 1024, < 8192, more)
+    and how the grid fills the GPU (fewer programs than SMs, fewer than three per SM, more).
+    The best tile depends on both: a program alone on its SM wants more warps than one of four
+    sharing it, and a forced ``split_k`` (a split-K sweep) changes the grid, not the parts'
+    class alone, so without the second a sweep reused the choice of another grid."""
+    sms = _sm_count(device)
+    fill = int(programs >= sms) + int(programs >= 3 * sms)
+    return 3 * fill + int(per_part >= 1024) + int(per_part >= 8192)
 
 
 def max_rows(dim: int) -> int:
@@ -414,7 +426,7 @@ def _plan(q: torch.Tensor, store: Store, ke: torch.Tensor | None, ve: torch.Tens
         PCH=min(next_power_of_2(parts), 64, 8192 // dim),
         **({"BLOCK_N": 16, "WARPS": _INTERPRET_WARPS} if INTERPRET else {}))
     return _Plan(hkv, rows, split_k, parts, exact_parts,
-                 int(per_part >= 1024) + int(per_part >= 8192),
+                 _size_class(device, heads * parts, per_part),
                  _rotations(dim, store.k_seeds, device)[0],
                  _rotations(dim, store.v_seeds, device)[1], _table(dim, store.k_bits, device),
                  _table(dim, store.v_bits, device), constants, plan_token())
