@@ -15,6 +15,7 @@ from kvtool.engines.vllm import store_admin  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
 from kvtool.engines.vllm.store_budget import StoreBudget  # noqa: E402
+from kvtool.errors import KvtoolError  # noqa: E402
 
 CHUNK = 16
 MODELS = [{"fingerprint": "a" * 64, "name": "m1"}, {"fingerprint": "b" * 64, "name": "m2"}]
@@ -205,3 +206,25 @@ def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner)
                                                       str(kvz)]).output
     runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", "0"])
     assert store_admin.scan(root).chunks == []
+
+
+@pytest.mark.parametrize("damage", [b'{"trunc', b'["a list"]', b'{"k": {"model": "x"}}', b"\xff"])
+def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, runner, damage):
+    """Read as "no pins", a damaged pins.json made prune delete the pinned chunks and a new
+    pin overwrite the others: it is refused in one line, and nothing is removed or written."""
+    (root / "pins.json").write_bytes(damage)
+    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    for args in (["prune", str(root), "--max-bytes", "0"], ["stats", str(root)],
+                 ["unpin", str(root), str(root / "x.kvz")]):
+        out = runner.invoke(cli, ["store", *args])
+        assert out.exit_code != 0 and "pins.json is damaged" in out.output, out.output
+        assert len(out.output.strip().splitlines()) == 1, out.output
+    with pytest.raises(KvtoolError, match="pins.json is damaged"):
+        store_admin.pin_file(root, str(root / "x.kvz"))
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
+
+
+def test_unpin_needs_a_store(tmp_path, runner):
+    out = runner.invoke(cli, ["store", "unpin", str(tmp_path / "nostore"), str(tmp_path / "x")])
+    assert out.exit_code != 0 and "no store at" in out.output, out.output
+    assert not (tmp_path / "nostore").exists()

@@ -319,15 +319,28 @@ def eviction_order(found: StoreScan) -> list[StoredChunk]:
 
 
 def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
-    """The store's pins (chunk key → {"file", "model"}); empty if none or unreadable."""
+    """The store's pins (chunk key → {"file", "model"}); empty if there is no pins file. A
+    pins file that does not parse as one is a :class:`KvtoolError`: read as "no pins", a
+    prune would delete every pinned chunk, and a new pin would overwrite the others."""
     import json
 
-    raw = backend_of(root).read_small(PINS_FILE)
-    try:
-        data = json.loads(raw.decode("utf-8")) if raw is not None else {}
-    except (UnicodeDecodeError, ValueError):
+    backend = backend_of(root)
+    raw = backend.read_small(PINS_FILE)
+    if raw is None:
         return {}
-    return data if isinstance(data, dict) else {}
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        data, why = None, f"not JSON: {e}"
+    else:
+        why = "not an object of chunk key → {\"file\": ..., \"model\": ...}"
+    if isinstance(data, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
+            for k, v in data.items()):
+        return data
+    raise KvtoolError(f"{backend.location}/{PINS_FILE} is damaged ({why}): which chunks are "
+                      "pinned is unknown, so nothing is pruned, pinned or unpinned until it is "
+                      "restored or removed")
 
 
 def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None:
@@ -345,6 +358,7 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
 
+    read_pins(root)  # a damaged pins file is refused before anything is written
     cache = load(path)
     if cache.token_ids is None:
         raise KvtoolError(f"{path}: holds no token ids, so its chunks cannot be keyed")
@@ -376,9 +390,11 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
 
 def unpin_file(root: str | os.PathLike, path: str) -> int:
     """Unpin the chunks pinned from ``path`` (they stay, prunable); how many."""
-    pins = read_pins(root)
+    backend = backend_of(root)
+    backend.check()  # no store there: an error, as for ls, stats and prune
+    pins = read_pins(backend)
     source = os.path.realpath(path)
     keep = {k: v for k, v in pins.items() if v.get("file") != source}
     if len(keep) != len(pins):
-        _write_pins(root, keep)
+        _write_pins(backend, keep)
     return len(pins) - len(keep)
