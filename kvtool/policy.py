@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtool.codecs import Codec, get_codec
-from kvtool.errors import CodecError
+from kvtool.errors import CodecError, FormatError
 
 ROLES = ("key", "value")
 
@@ -457,13 +457,17 @@ def load_policy(path: str | os.PathLike) -> CodecPolicy:
     try:
         if os.path.getsize(path) > MAX_POLICY_BYTES:
             raise CodecError(f"{os.fspath(path)}: too large for a policy file")
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise CodecError(f"cannot read policy file {os.fspath(path)}: "
                          f"{e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CodecError(f"{os.fspath(path)}: not a JSON policy file ({str(e)[:80]})") from None
+    from kvtool.formats.container import parse_json
+
+    try:  # strict: a key given twice would be read as its last value, silently
+        data = parse_json(raw, "policy file")
+    except FormatError as e:
+        raise CodecError(f"{os.fspath(path)}: not a JSON policy file ({str(e)[:120]})") from None
     try:
         return CodecPolicy.from_json(data)
     except CodecError as e:

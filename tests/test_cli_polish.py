@@ -122,6 +122,28 @@ def test_every_dtype_option_uses_the_one_vocabulary():
     assert {("capture",), ("generate",), ("eval",), ("decompress",)} <= set(seen)
 
 
+def test_every_float_option_refuses_nan_and_infinity(runner):
+    """A NaN passes every range comparison: ``--store-timeout nan`` reached the connector's
+    config (and the dry run's JSON as NaN), ``--temperature inf`` sampled uniformly."""
+    import click
+
+    from kvtool.cli._common import FiniteFloatRange
+
+    seen = []
+    for path, cmd in _commands(cli):
+        for p in cmd.params:
+            if isinstance(p.type, click.FloatRange | click.types.FloatParamType):
+                assert isinstance(p.type, FiniteFloatRange), (path, p.name)
+                seen.append((path, p.name))
+    assert {(("generate",), "temperature"), (("serve",), "store_timeout")} <= set(seen)
+    for args in (["generate", "--temperature", "inf"], ["generate", "--top-p", "nan"],
+                 ["serve", "--dry-run", "--store-timeout", "nan"],
+                 ["capture", "--prompt", "hi", "--threads", "100000"],
+                 ["generate", "--seed", str(2**64)], ["generate", "--seed", "-1"]):
+        out = runner.invoke(cli, args)
+        assert out.exit_code == 2 and "Invalid value" in out.output, out.output
+
+
 def test_decompress_takes_long_dtype_names(runner, kvz, tmp_path):
     from kvtool.formats import open_kvz
 

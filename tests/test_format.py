@@ -24,6 +24,7 @@ from kvtool.codecs import list_codecs
 from kvtool.errors import FormatError
 from kvtool.formats import KvzFile, load, open_kvz, save, transcode
 from kvtool.formats import constants as C
+from kvtool.formats.container import crc32_hex
 from kvtool.policy import CodecPolicy
 
 torch = pytest.importorskip("torch")
@@ -320,6 +321,117 @@ def test_unknown_optional_keys_are_ignored(small_file, tmp_path):
     metadata["kvz.something_new"] = "1"
     write_parts(tmp_path / "x.kvz", metadata, blobs)
     assert load(tmp_path / "x.kvz").num_layers == 3
+
+
+def test_bytes_of_no_tensor_are_refused(small_file, tmp_path):
+    """safetensors covers its data section exactly: bytes appended after the last tensor (or
+    a hole between two) would be carried along unread and unchecked."""
+    (tmp_path / "t.kvz").write_bytes(small_file.read_bytes() + b"\0" * 64)
+    with pytest.raises(FormatError, match="64 bytes after the last tensor"):
+        load(tmp_path / "t.kvz")
+    metadata, blobs = read_parts(small_file)
+    write_parts(tmp_path / "h.kvz", metadata, blobs)
+    data = bytearray((tmp_path / "h.kvz").read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    first = min((k for k in header if k != "__metadata__"),
+                key=lambda k: header[k]["data_offsets"][0])
+    header[first]["data_offsets"] = [x + 8 for x in header[first]["data_offsets"]]
+    for k in header:  # every tensor moves up 8 bytes but the first: a hole before it
+        if k not in ("__metadata__", first):
+            header[k]["data_offsets"] = [x + 8 for x in header[k]["data_offsets"]]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    body = data[8 + n:]
+    (tmp_path / "h.kvz").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8 + body)
+    with pytest.raises(FormatError, match="8 bytes before tensor"):
+        load(tmp_path / "h.kvz")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h.update(num_tokens=1000), "num_tokens is 1000, but the longest layer holds 12"),
+    (lambda h: h.update(layer_info=[{"sliding_window": -1}, None, None]),
+     "sliding_window -1 is not a positive integer"),
+    (lambda h: h.update(layer_info=[{"sliding_window": "8"}, None, None]),
+     "sliding_window 8 is not a positive integer"),
+])
+def test_token_counts_that_disagree_are_refused(small_file, tmp_path, edit, message):
+    rewrite_header(small_file, tmp_path / "n.kvz", edit)
+    with pytest.raises(FormatError, match=message):
+        load(tmp_path / "n.kvz")
+
+
+def test_token_ids_must_be_one_per_token(small_file, tmp_path):
+    """40 ids over 12 tokens of K/V: a store would key chunks by ids that have no K/V."""
+    metadata, blobs = read_parts(small_file)
+    tokens = next(b for b in blobs if b.name == C.TOKENS_TENSOR)
+    ids = np.arange(40, dtype=np.int32)
+    blobs[blobs.index(tokens)] = type(tokens)(tokens.name, "I32", (40,), ids.tobytes())
+    write_parts(tmp_path / "i.kvz", metadata, blobs)
+
+    def grow(h):
+        h["token_ids"]["count"] = 40
+        h["tensors"][C.TOKENS_TENSOR]["shape"] = [40]
+        h["tensors"][C.TOKENS_TENSOR]["crc32"] = crc32_hex(ids.tobytes())
+
+    rewrite_header(tmp_path / "i.kvz", tmp_path / "i.kvz", grow)
+    with pytest.raises(FormatError, match="40 token ids for 12 tokens"):
+        load(tmp_path / "i.kvz")
+
+
+
+def test_negative_token_ids_are_refused(small_file, tmp_path):
+    cache = synthetic_cache()
+    cache.token_ids[3] = -5
+    with pytest.raises(ValueError, match="token id -5 is negative"):
+        save(cache, tmp_path / "neg.kvz")
+    metadata, blobs = read_parts(small_file)
+    tokens = next(b for b in blobs if b.name == C.TOKENS_TENSOR)
+    ids = np.frombuffer(bytes(tokens.data), np.int32).copy()
+    ids[0] = -5
+    blobs[blobs.index(tokens)] = type(tokens)(tokens.name, tokens.st_dtype, tokens.shape,
+                                              ids.tobytes())
+    write_parts(tmp_path / "neg.kvz", metadata, blobs)
+    rewrite_header(tmp_path / "neg.kvz", tmp_path / "neg.kvz", lambda h: h["tensors"][
+        C.TOKENS_TENSOR].update(crc32=crc32_hex(ids.tobytes())))
+    with pytest.raises(FormatError, match="token id -5 is negative"):
+        load(tmp_path / "neg.kvz")
+    with open_kvz(tmp_path / "neg.kvz") as f:
+        assert any("token id -5 is negative" in p for p in f.verify())
+
+
+def test_a_short_layer_saves_only_as_a_sliding_window_layer(tmp_path):
+    cache = synthetic_cache()
+    cache.keys[1], cache.values[1] = cache.keys[1][:, 4:], cache.values[1][:, 4:]
+    with pytest.raises(ValueError, match="layer 1 holds 8 of 12 tokens"):
+        save(cache, tmp_path / "s.kvz")
+    assert not (tmp_path / "s.kvz").exists()
+    cache.layer_info = [{}, {"sliding_window": 8}, {}]
+    save(cache, tmp_path / "s.kvz")
+    assert load(tmp_path / "s.kvz").keys[1].shape == (2, 8, 32)
+
+
+def test_a_cast_past_float16s_range_is_refused_not_inf(tmp_path):
+    import ml_dtypes
+
+    from kvtool.errors import KvtoolError
+
+    cache = synthetic_cache(dtype="bfloat16")
+    cache.keys[1][0, 3, 5] = ml_dtypes.bfloat16(70000)
+    save(cache, tmp_path / "b.kvz")
+    assert load(tmp_path / "b.kvz", dtype="float32").keys[1][0, 3, 5] == 70144  # bf16 of 7e4
+    for backend in ("numpy", "torch"):
+        with pytest.raises(KvtoolError, match="layer 1 key holds values past float16's 65504"):
+            load(tmp_path / "b.kvz", dtype="float16", backend=backend)
+
+
+def test_a_bad_kernels_setting_is_not_blamed_on_the_file(small_file, monkeypatch):
+    from kvtool.errors import CodecError
+
+    monkeypatch.setenv("KVTOOL_KERNELS", "bogus")
+    with pytest.raises(CodecError, match="KVTOOL_KERNELS='bogus' is not one of") as e:
+        load(small_file)
+    assert not isinstance(e.value, FormatError)
 
 
 def test_checksums_catch_corruption(small_file, tmp_path):

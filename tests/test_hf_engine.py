@@ -24,6 +24,7 @@ from kvtool.cache import KVCache  # noqa: E402
 from kvtool.cli.main import cli  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.errors import ModelMismatchError, ModelNotFoundError, PrefixMismatchError  # noqa: E402
+from kvtool.kernels import to_torch  # noqa: E402
 from kvtool.models import load_model, resolve_model  # noqa: E402
 
 DOC = ("The lighthouse keeper of Skerry Point kept a logbook for forty years. Every evening he "
@@ -133,6 +134,18 @@ def test_capture_rejects_mismatched_model_shape(loaded, doc_cache):
     narrow = doc_cache.map_arrays(lambda a: a[:2])
     with pytest.raises(ModelMismatchError, match="KV heads"):
         hf.to_dynamic_cache(narrow, model=loaded.model)
+
+
+def test_restore_as_float16_refuses_values_past_its_range(loaded, doc_cache):
+    """A bf16 value of 70000 cast to fp16 is inf: attended silently, it would wreck the
+    continuation."""
+    from kvtool.errors import KvtoolError
+
+    big = doc_cache.map_arrays(lambda a: to_torch(a).to(torch.bfloat16).clone())
+    big.keys[2][0, 1, 3] = 70000
+    with pytest.raises(KvtoolError, match="layer 2 holds values up to 7.0"):
+        hf.to_dynamic_cache(big, model=loaded.model, dtype=torch.float16)
+    assert hf.to_dynamic_cache(big, model=loaded.model, dtype=torch.float32) is not None
 
 
 def test_resolve_model_errors(tmp_path, monkeypatch):

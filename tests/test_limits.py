@@ -13,7 +13,7 @@ from kvz_util import synthetic_cache
 
 from kvtool.cache import KVCache
 from kvtool.cli.main import cli
-from kvtool.errors import FormatError
+from kvtool.errors import FormatError, KvtoolError
 from kvtool.formats import constants as C
 from kvtool.formats import load, open_kvz, save
 
@@ -60,9 +60,12 @@ def test_legitimate_giant_cache_loads_with_the_override(tmp_path, monkeypatch):
     monkeypatch.setenv(C.ENV_MAX_DECODED, "1e9")
     with open_kvz(path) as f:
         assert f.num_tokens == 5000
-    monkeypatch.setenv(C.ENV_MAX_DECODED, "lots")
-    with pytest.raises(FormatError, match="KVTOOL_MAX_DECODED_BYTES='lots'"):
-        open_kvz(path)
+    for bad in ("lots", "inf", "-1", "0"):  # the environment's error, not the file's
+        monkeypatch.setenv(C.ENV_MAX_DECODED, bad)
+        with pytest.raises(KvtoolError, match=f"KVTOOL_MAX_DECODED_BYTES='{bad}' is not a "
+                           "positive") as e:
+            open_kvz(path)
+        assert not isinstance(e.value, FormatError)
 
 
 def test_oversized_header_is_refused_without_reading_it(tmp_path):

@@ -113,8 +113,10 @@ def test_bad_policy_files(tmp_path):
     from kvtool.policy import load_policy
 
     for text, message in [("{", "not a JSON policy file"), ("[1]", "JSON object"),
-                          ('{"value": "raw"}', "'key'")]:
-        (tmp_path / "bad.json").write_text(text)
+                          ('{"value": "raw"}', "'key'"),
+                          ('{"key": "turbo3", "value": "raw", "key": "raw"}', "duplicate key"),
+                          (b'{"key": "\xff"}', "not a JSON policy file")]:
+        (tmp_path / "bad.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(CodecError, match=message):
             load_policy(tmp_path / "bad.json")
     with pytest.raises(CodecError, match="cannot read"):

@@ -41,6 +41,17 @@ def test_spec_strings():
     assert get_codec("turbo3:center=true").center is True
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("turbo3:seed=1,seed=2", "'seed' is given twice"),
+    ("turbo3:id=int4", "'id' is given twice"),
+    ('{"id": "int4", "group_size": 32, "group_size": 64}', "duplicate key 'group_size'"),
+    ('{"id": "int4", "group_size": NaN}', "not valid JSON"),
+])
+def test_an_option_given_twice_is_refused_not_overridden(spec, message):
+    with pytest.raises(CodecError, match=message):
+        parse_codec_spec(spec)
+
+
 def test_unknown_codec_names_it_and_mentions_plugins():
     with pytest.raises(CodecError, match=r"'nope'.*plugin.*kvtool\.codecs"):
         get_codec("nope")

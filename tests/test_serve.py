@@ -55,6 +55,13 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
     assert "--shutdown-timeout" not in own and own[-1] == "--shutdown-timeout=0"
 
 
+def test_a_store_that_is_a_file_is_refused(runner, tmp_path):
+    (tmp_path / "file.kvz").write_bytes(b"x")
+    out = runner.invoke(cli, ["serve", "--dry-run", "--store", str(tmp_path / "file.kvz")])
+    assert out.exit_code != 0 and "not a directory" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1
+
+
 def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loaded,
                                                                       tmp_path):
     import dataclasses

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -148,6 +149,22 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw",
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "f32": "float32",
                "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16", "f16": "float16", "half": "float16"}
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's ``FloatRange`` that also refuses NaN and ±inf: a NaN passes every comparison,
+    so ``FloatRange`` alone let ``--store-timeout nan`` or ``--top-p nan`` through."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+#: most torch threads ``--threads`` takes (100000 made torch fail to start threads, then crash)
+MAX_THREADS = 1024
 
 
 class DtypeParam(click.ParamType):

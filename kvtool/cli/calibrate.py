@@ -6,7 +6,7 @@ import json
 
 import click
 
-from kvtool.cli._common import DTYPE, echo_json, handle_errors
+from kvtool.cli._common import DTYPE, FiniteFloatRange, echo_json, handle_errors
 
 
 def _menu(value: str | None) -> dict[str, str] | None:
@@ -47,7 +47,7 @@ def _menu(value: str | None) -> dict[str, str] | None:
 @click.command("calibrate")
 @click.option("--model", "model_name", default="default", show_default=True,
               help="'default' (SmolLM2-135M), a local HF model directory or a .gguf file.")
-@click.option("--bits", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--bits", default=None, type=FiniteFloatRange(min=0, min_open=True),
               help="Budget: mean bits/element over every layer's keys and values.")
 @click.option("--preset", "presets", default=None,
               help="Instead of --bits: fit these presets (comma-separated, or 'all') to the "

@@ -9,6 +9,7 @@ import click
 
 from kvtool.cli._common import (
     DTYPE,
+    MAX_THREADS,
     check_context_length,
     codec_policy_options,
     context_limit,
@@ -27,7 +28,7 @@ ENGINE_HELP = ("Engine that runs the model: Hugging Face transformers, vLLM or m
 
 def model_options(fn: Any) -> Any:
     """--model, --dtype and --threads, shared by capture and generate."""
-    fn = click.option("--threads", type=click.IntRange(1), default=None,
+    fn = click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
                       help="torch CPU threads (default: torch's choice).")(fn)
     fn = click.option("--dtype", type=DTYPE, default=None,
                       help="Model (and cache) dtype [default: the model's own, from its config "

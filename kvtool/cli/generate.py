@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from kvtool.cli._common import (
+    FiniteFloatRange,
     check_context_length,
     context_limit,
     echo_json,
@@ -52,14 +53,15 @@ def sampling_options(fn: Any) -> Any:
                      show_default=True, type=click.IntRange(1),
                      help="Most tokens to generate (--max-new-tokens: the old name)."),
         click.option("--temperature", "--temp", default=0.0, show_default=True,
-                     type=click.FloatRange(0.0),
+                     type=FiniteFloatRange(0.0),
                      help="Sampling temperature; 0 picks the most likely token (greedy)."),
         click.option("--top-p", default=1.0, show_default=True,
-                     type=click.FloatRange(0.0, 1.0, min_open=True),
+                     type=FiniteFloatRange(0.0, 1.0, min_open=True),
                      help="Nucleus sampling: sample from the smallest set of tokens whose "
                      "probabilities add up to P (with --temperature > 0)."),
-        click.option("--seed", default=None, type=int,
-                     help="Random seed: the same seed gives the same sampled text."),
+        click.option("--seed", default=None, type=click.IntRange(0, 2**64 - 1),
+                     help="Random seed (0 to 2^64 - 1): the same seed gives the same sampled "
+                     "text."),
     ]
     for option in reversed(options):
         fn = option(fn)

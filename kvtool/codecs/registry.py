@@ -97,10 +97,13 @@ def parse_codec_spec(spec: str) -> dict[str, Any]:
     """``"turbo3"``, ``"turbo3:center=true,seed=7"`` or a JSON object → a config dict."""
     spec = spec.strip()
     if spec.startswith("{"):
+        from kvtool.errors import FormatError
+        from kvtool.formats.container import parse_json  # strict: no duplicate keys, no NaN
+
         try:
-            config = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise CodecError(f"codec config is not valid JSON: {e}") from e
+            config = parse_json(spec, "codec config")
+        except FormatError as e:
+            raise CodecError(str(e)) from None
         if not isinstance(config, dict) or "id" not in config:
             raise CodecError("codec config JSON must be an object with an 'id'")
         return config
@@ -110,6 +113,8 @@ def parse_codec_spec(spec: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise CodecError(f"codec option {item!r} must be key=value")
+        if key.strip() in config:  # the codec's id, or an option given twice
+            raise CodecError(f"codec option {key.strip()!r} is given twice in {spec!r}")
         try:
             config[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -138,11 +138,23 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
         elif k.shape[1] != total:
             raise ModelMismatchError(f"layer {i} holds {k.shape[1]} of {total} tokens (a "
                                      "sliding-window cache?) but is full attention here")
+        if dtype == torch.float16 and k.dtype != torch.float16:
+            _check_fits_fp16(i, k, v)
         layer.update(k[None].to(device=device, dtype=dtype or k.dtype),
                      v[None].to(device=device, dtype=dtype or v.dtype))
         if sliding:
             layer.cumulative_length = total
     return out
+
+
+def _check_fits_fp16(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A bf16/fp32 cache cast to fp16 must not overflow: an inf in the cache would be attended
+    silently (bf16 reaches 3.4e38, fp16 65504)."""
+    top = max(float(k.abs().max()) if k.numel() else 0.0,
+              float(v.abs().max()) if v.numel() else 0.0)
+    if top > torch.finfo(torch.float16).max:
+        raise KvtoolError(f"layer {i} holds values up to {top:.4g}, past float16's 65504: "
+                          "restore it as bfloat16 or float32 (--dtype)")
 
 
 # -- generation ---------------------------------------------------------------------------------

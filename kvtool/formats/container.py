@@ -201,6 +201,12 @@ def parse_container(read_at: Callable[[int, int], bytes], file_size: int
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.nbytes and e.begin < last_end:
             raise FormatError(f"tensors {last_name[:60]!r} and {e.name[:60]!r} overlap")
+        if e.nbytes and e.begin > last_end:
+            raise FormatError(f"{e.begin - last_end} bytes before tensor {e.name[:60]!r} "
+                              "belong to no tensor")
         if e.nbytes:
             last_end, last_name = e.end, e.name
+    if last_end != file_size:
+        raise FormatError(f"{file_size - last_end} bytes after the last tensor belong to no "
+                          "tensor (the data section must be covered exactly)")
     return metadata, entries

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.codecs.abc import ArraySpec, Codec
-from kvtool.errors import FormatError
+from kvtool.errors import FormatError, KvtoolError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, is_int
 
@@ -39,9 +39,11 @@ def decoded_limit(file_bytes: int, max_decoded_bytes: int | None = None) -> int:
         if env:
             try:
                 max_decoded_bytes = int(float(env))
-            except ValueError:
-                raise FormatError(f"{C.ENV_MAX_DECODED}={env[:40]!r} is not a number of "
-                                  "bytes") from None
+            except (ValueError, OverflowError):
+                max_decoded_bytes = 0
+            if max_decoded_bytes <= 0:  # the environment's fault, not the file's
+                raise KvtoolError(f"{C.ENV_MAX_DECODED}={env[:40]!r} is not a positive number "
+                                  "of bytes")
     if max_decoded_bytes is not None:
         return int(max_decoded_bytes)
     return max(C.MIN_DECODED_LIMIT, C.MAX_DECODED_RATIO * file_bytes)

@@ -153,6 +153,28 @@ def _check_role(role: Any, where: str, num_tokens: int, table: dict[str, Any]) -
         raise FormatError(f"{where}: segments cover {pos} of {tokens} tokens")
 
 
+def token_layout_problem(lengths: list[int], num_tokens: int, ids_count: int | None,
+                         layer_info: list[Any] | None) -> str | None:
+    """Why a cache's token counts disagree, or None: ``num_tokens`` is the longest layer's,
+    a shorter layer is a sliding-window one (``layer_info``: a ``sliding_window`` ≥ 1), and
+    the token ids, if any, are one per token. A file that breaks this loads but is wrong:
+    its chunks would be keyed by ids that have no K/V, its restore would lack tokens."""
+    longest = max(lengths, default=0)
+    if num_tokens != longest:
+        return f"num_tokens is {num_tokens}, but the longest layer holds {longest} tokens"
+    infos = list(layer_info) if layer_info is not None else [None] * len(lengths)
+    for i, (n, info) in enumerate(zip(lengths, infos, strict=False)):
+        window = (info or {}).get("sliding_window")
+        if window is not None and (not is_int(window) or window < 1):
+            return f"layer {i}: sliding_window {str(window)[:20]} is not a positive integer"
+        if n < num_tokens and window is None:
+            return (f"layer {i} holds {n} of {num_tokens} tokens, but layer_info names no "
+                    "sliding window for it")
+    if ids_count is not None and ids_count != num_tokens:
+        return f"{ids_count} token ids for {num_tokens} tokens"
+    return None
+
+
 def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
     """Validate the kvz header's schema and cross-check it with the container entries."""
     where = "kvz header"
@@ -192,3 +214,7 @@ def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
             _check_role(layer.get(role), f"layer {i} {role}", num_tokens, table)
         if layer["key"]["shape"][:2] != layer["value"]["shape"][:2]:
             raise FormatError(f"layer {i}: keys and values disagree on heads or tokens")
+    problem = token_layout_problem([layer["key"]["shape"][1] for layer in layers], num_tokens,
+                                   None if ids is None else ids["count"], info)
+    if problem:
+        raise FormatError(f"{where}: {problem}")

@@ -35,6 +35,10 @@ def verify_file(f: KvzFile) -> list[str]:
             f.read_tensor(name, verify=True)
         except FormatError as e:
             problems.append(_strip(f.path, str(e)))
+    try:
+        f.token_ids  # noqa: B018  (read for its checks: a negative id)
+    except FormatError as e:
+        problems.append(_strip(f.path, str(e)))
     for i in range(f.num_layers):
         try:
             f.layer(i)

@@ -25,6 +25,7 @@ from kvtool.errors import (
     CodecError,
     CodecVersionError,
     FormatError,
+    KvtoolError,
     NewerVersionError,
     UnknownCodecError,
 )
@@ -33,7 +34,7 @@ from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, crc32_hex, np_dtype, parse_container
 from kvtool.formats.contract import check_contract, check_values
 from kvtool.formats.header import parse_version, read_metadata, validate_header
-from kvtool.kernels import to_torch
+from kvtool.kernels import kernel_mode, ops_for, to_torch
 
 BACKENDS = ("numpy", "torch")
 #: device types whose segments are decoded on the device (the arrays moved there first); tests
@@ -113,7 +114,12 @@ class KvzFile:
     @property
     def token_ids(self) -> np.ndarray | None:
         ids = self.header.get(C.H_TOKEN_IDS)
-        return None if ids is None else self.read_tensor(ids["tensor"]).astype(np.int64)
+        if ids is None:
+            return None
+        out = self.read_tensor(ids["tensor"]).astype(np.int64)
+        if out.size and out.min() < 0:  # no tokenizer makes one; a store would key by it
+            raise FormatError(f"{self.path}: token id {int(out.min())} is negative")
+        return out
 
     def _role(self, i: int, role: str) -> dict[str, Any]:
         if not 0 <= i < self.num_layers:
@@ -213,6 +219,7 @@ class KvzFile:
         n = total if tokens is None else min(tokens, total)
         out_dtype = dtype or info["dtype"]
         on_device = _decodes_on(device)
+        kernel_mode()  # a bad KVTOOL_KERNELS is the environment's error, not the file's
         parts = []
         for seg, enc in self.encoded(i, role, tokens=n):  # checked on the host, then moved
             codec = self.codec(seg["codec"])
@@ -230,6 +237,10 @@ class KvzFile:
                                   f"expected {tuple(seg['shape'])}")
             parts.append(x[:, : n - seg["start"]] if seg["stop"] > n else x)
         out = _concat(parts, (heads, n, dim), out_dtype, backend, device if on_device else None)
+        if out_dtype == "float16" and info["dtype"] != "float16" and not ops_for(out).all_finite(
+                out):  # a cast past fp16's range: inf where the file holds a number
+            raise KvtoolError(f"{self.path}: layer {i} {role} holds values past float16's 65504: "
+                             "read it as bfloat16 or float32")
         return out if on_device or device is None else out.to(device)
 
     def layer(self, i: int, dtype: str | None = None, backend: str | None = None, *,

@@ -16,7 +16,7 @@ from kvtool.errors import CodecError, FormatError
 from kvtool.fileio import atomic_write, check_output_path
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
-from kvtool.formats.header import check_part_name
+from kvtool.formats.header import check_part_name, token_layout_problem
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
 
@@ -153,6 +153,8 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     ids_entry = None
     if token_ids is not None:
         ids = np.asarray(token_ids).reshape(-1).astype(np.int64)
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"cannot save this cache: token id {int(ids.min())} is negative")
         small = ids.size == 0 or (ids.min() >= -(2**31) and ids.max() < 2**31)
         enc.add(C.TOKENS_TENSOR, ids.astype(np.int32) if small else ids)
         ids_entry = {"tensor": C.TOKENS_TENSOR, "count": int(ids.size)}
@@ -176,6 +178,10 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
             bar.update(1)
     if len(layer_entries) != num_layers:
         raise ValueError(f"expected {num_layers} layers, got {len(layer_entries)}")
+    problem = token_layout_problem([e["key"]["shape"][1] for e in layer_entries], num_tokens,
+                                   None if ids_entry is None else ids_entry["count"], layer_info)
+    if problem:
+        raise ValueError(f"cannot save this cache: {problem}")
     header: dict[str, Any] = {
         C.H_CREATOR: {"name": "kvtool", "version": __version__},
         C.H_MODEL: dict(model or {}),

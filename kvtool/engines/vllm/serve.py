@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,9 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
     connector: dict[str, Any] = {"model_name": name, **options}
     if store:
+        if "://" not in store and os.path.lexists(store) and not os.path.isdir(store):
+            raise KvtoolError(f"--store {store}: not a directory (a store is a directory, or "
+                              "an s3:// URL)")
         connector["store_path"] = store
     if max_store_bytes:
         from kvtool.engines.vllm.store_admin import parse_size
