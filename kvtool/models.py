@@ -471,8 +471,10 @@ def identity_dtype(model: dict[str, Any] | None) -> str | None:
     """The dtype an identity says its K/V were computed in (None when it does not say)."""
     model = model or {}
     layout = model.get("layout") if isinstance(model.get("layout"), dict) else {}
+    from kvtool.formats.constants import FLOAT_DTYPES
+
     dtype = model.get("dtype") or layout.get("dtype")
-    return str(dtype) if dtype else None
+    return dtype if dtype in FLOAT_DTYPES else None  # a crafted {"x": 1} or "int8" says nothing
 
 
 def portable_identity(model: dict[str, Any]) -> dict[str, Any]:

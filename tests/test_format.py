@@ -354,6 +354,7 @@ def test_bytes_of_no_tensor_are_refused(small_file, tmp_path):
      "sliding_window -1 is not a positive integer"),
     (lambda h: h.update(layer_info=[{"sliding_window": "8"}, None, None]),
      "sliding_window 8 is not a positive integer"),
+    (lambda h: h.update(dtype="float32"), "'dtype' float32 is not the first layer's float16"),
 ])
 def test_token_counts_that_disagree_are_refused(small_file, tmp_path, edit, message):
     rewrite_header(small_file, tmp_path / "n.kvz", edit)

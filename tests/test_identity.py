@@ -92,6 +92,8 @@ def test_cast_note():
     up = cast_note(bf16, "float32")
     assert "bfloat16" in up and "float32" in up and "widened exactly" in up
     assert "rounded to bfloat16" in cast_note(pre_split(bf16, "float32"), "bfloat16")
+    for crafted in ({"x": 1}, "int8", ["bfloat16"]):  # says nothing: no note, not a crash
+        assert cast_note({**bf16, "dtype": crafted}, "float32") is None
 
 
 def test_golden_files_still_load():

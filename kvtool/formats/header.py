@@ -214,6 +214,9 @@ def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
             _check_role(layer.get(role), f"layer {i} {role}", num_tokens, table)
         if layer["key"]["shape"][:2] != layer["value"]["shape"][:2]:
             raise FormatError(f"layer {i}: keys and values disagree on heads or tokens")
+    if layers and header[C.H_DTYPE] != layers[0]["key"]["dtype"]:
+        raise FormatError(f"{where}: 'dtype' {header[C.H_DTYPE]} is not the first layer's "
+                          f"{layers[0]['key']['dtype']} (what the writer records)")
     problem = token_layout_problem([layer["key"]["shape"][1] for layer in layers], num_tokens,
                                    None if ids is None else ids["count"], info)
     if problem:
