@@ -419,3 +419,10 @@ def test_compressing_a_lossy_file_again_is_refused(runner, kvz, tmp_path):
                                str(again)]).exit_code == 0  # lossless: nothing is added
     assert runner.invoke(cli, ["compress", str(lossy), "--codec", "turbo2", "--force", "-o",
                                str(again)]).exit_code == 0
+
+
+def test_a_file_larger_than_its_kv_is_not_called_smaller():
+    from kvtool.cli.inspect import size_ratio
+
+    assert size_ratio(3.2) == "3.20x smaller" and size_ratio(1.0) == "1.00x smaller"
+    assert size_ratio(0.94) == "1.06x larger"

@@ -125,11 +125,11 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
     if as_json:
         echo_json(report)
         return
-    from kvtool.cli.inspect import human_bytes
+    from kvtool.cli.inspect import human_bytes, size_ratio
 
     click.echo(f"captured {report['num_tokens']} tokens × {cache.num_layers} layers from "
                f"{loaded.name} ({dtype}, {engine}) in {capture_s:.2f} s")
     click.echo(f"wrote {output}: {human_bytes(report['file_bytes'])} "
-               f"({report['ratio_vs_source']:.2f}x smaller than its {report['source_dtype']} "
+               f"({size_ratio(report['ratio_vs_source'])} than its {report['source_dtype']} "
                f"K/V; {report['policy']}) "
                f"in {save_s:.2f} s")

@@ -17,6 +17,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+def size_ratio(ratio: float) -> str:
+    """``"3.20x smaller"``, or ``"1.06x larger"`` for a file bigger than its K/V (a lossless
+    file of few tokens: the header, ids and checksums weigh more than the K/V saved)."""
+    if ratio >= 1 or ratio <= 0:
+        return f"{ratio:.2f}x smaller"
+    return f"{1 / ratio:.2f}x larger"
+
+
 def _codecs(role: dict[str, Any]) -> str:
     return "+".join(role["codecs"]) or "-"
 

@@ -46,10 +46,10 @@ def _report(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         echo_json(report)
         return
-    from kvtool.cli.inspect import human_bytes
+    from kvtool.cli.inspect import human_bytes, size_ratio
 
     click.echo(f"wrote {report['path']}: {human_bytes(report['file_bytes'])}, "
-               f"{report['ratio_vs_source']:.2f}x smaller than its {report['source_dtype']} K/V "
+               f"{size_ratio(report['ratio_vs_source'])} than its {report['source_dtype']} K/V "
                f"({report['num_layers']} layers, {report['num_tokens']} tokens, "
                f"{report['policy']})")
 
