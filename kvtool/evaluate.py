@@ -389,6 +389,10 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     """
     base = baseline or run_baseline(loaded, text, chunk=chunk, max_tokens=max_tokens,
                                     n_queries=n_queries)
+    if base.ids.shape[1] <= base.chunk:  # "+0.000%" would read as "lossless"
+        raise KvtoolError(f"the text's {base.ids.shape[1]} tokens fit in one chunk of "
+                          f"{base.chunk}: no chunk attends to a compressed past, so the "
+                          "perplexity cannot change; give a smaller --chunk or more tokens")
     model = loaded.model
     policy = policy.resolve(base.cache)
     past = CompressedCache(policy, config=model.config, block_size=block_size)

@@ -172,6 +172,9 @@ def test_eval_cli_json(loaded, tmp_path):
     assert data["generation"]["baseline"] and data["generation"]["compressed"]
     bad = CliRunner().invoke(cli, ["eval", "--codec", "nope", "--text", str(text)])
     assert bad.exit_code == 3 and "unknown codec" in bad.output
+    one = CliRunner().invoke(cli, ["eval", "--codec", "turbo3", "--text", str(text),
+                                   "--max-tokens", "64", "--chunk", "64"])
+    assert one.exit_code == 1 and "fit in one chunk of 64" in one.output, one.output
 
 
 def test_bundled_texts_are_long_enough():
