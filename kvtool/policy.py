@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtool.codecs import Codec, get_codec
-from kvtool.errors import CodecError, FormatError
+from kvtool.errors import CodecError, FormatError, did_you_mean
 
 ROLES = ("key", "value")
 
@@ -468,6 +468,13 @@ def load_policy(path: str | os.PathLike) -> CodecPolicy:
         data = parse_json(raw, "policy file")
     except FormatError as e:
         raise CodecError(f"{os.fspath(path)}: not a JSON policy file ({str(e)[:120]})") from None
+    if isinstance(data, dict):  # a misspelt key would be ignored: no sinks, silently
+        known = ("key", "value", "lossless", "protect_layers", "sink_tokens", "recent_tokens",
+                 "auto_sinks", "layers", "num_layers")
+        for name in data:
+            hint = did_you_mean(name, known) if name not in known else ""
+            if hint:
+                raise CodecError(f"{os.fspath(path)}: unknown policy key {name!r}{hint}")
     try:
         return CodecPolicy.from_json(data)
     except CodecError as e:

@@ -115,7 +115,9 @@ def test_bad_policy_files(tmp_path):
     for text, message in [("{", "not a JSON policy file"), ("[1]", "JSON object"),
                           ('{"value": "raw"}', "'key'"),
                           ('{"key": "turbo3", "value": "raw", "key": "raw"}', "duplicate key"),
-                          (b'{"key": "\xff"}', "not a JSON policy file")]:
+                          (b'{"key": "\xff"}', "not a JSON policy file"),
+                          ('{"key": "raw", "value": "raw", "sink_token": 4}',
+                           "unknown policy key 'sink_token'; did you mean 'sink_tokens'")]:
         (tmp_path / "bad.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(CodecError, match=message):
             load_policy(tmp_path / "bad.json")
