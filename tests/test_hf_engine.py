@@ -136,6 +136,14 @@ def test_capture_rejects_mismatched_model_shape(loaded, doc_cache):
         hf.to_dynamic_cache(narrow, model=loaded.model)
 
 
+def test_a_cached_id_past_the_vocabulary_is_refused(loaded, doc_cache):
+    ids = doc_cache.token_ids.copy()
+    ids[3] = 10**6
+    crafted = dataclasses.replace(doc_cache, token_ids=ids)
+    with pytest.raises(ModelMismatchError, match="token id 1000000, past this tokenizer"):
+        hf.continue_generation(loaded, crafted, " and then", max_new_tokens=2)
+
+
 def test_restore_as_float16_refuses_values_past_its_range(loaded, doc_cache):
     """A bf16 value of 70000 cast to fp16 is inf: attended silently, it would wreck the
     continuation."""
