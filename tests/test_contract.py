@@ -154,3 +154,35 @@ def test_negative_norm_is_refused_on_decode(turbo_file, tmp_path):
         f.layer(0)  # other layers still decode
         with pytest.raises(FormatError, match=f"{name}.*below"):
             f.layer(1)
+
+
+@pytest.mark.parametrize("writer, reader", [("turbo2", "turbo3"), ("fp8", "int8"),
+                                            ("turbomix", "turbo4"), ("int4", "kivi4")])
+def test_decode_refuses_another_codecs_output(writer, reader):
+    x = synthetic_cache(layers=1, dtype="float32").keys[0]
+    with pytest.raises(CodecError, match="not what it writes"):
+        get_codec(reader).decode(get_codec(writer).encode(x))
+
+
+@pytest.mark.parametrize("codec_id", ["raw", "fp8", "int8", "turbo3", "prism"])
+def test_decode_refuses_a_relabelled_encoding_and_non_float_dtypes(codec_id):
+    from kvtool.codecs import Encoded
+
+    codec = get_codec(codec_id)
+    enc = codec.encode(synthetic_cache(layers=1, heads=2, tokens=16, dim=64).keys[0])
+    for bad in (Encoded(enc.arrays, (4, 16, 32), enc.dtype), Encoded(enc.arrays, enc.shape,
+                                                                     "int32")):
+        with pytest.raises(CodecError, match="not what it writes|cannot decode to"):
+            codec.decode(bad)
+    for dtype in ("int8", "float64", "bogus"):
+        with pytest.raises(CodecError, match="cannot decode to"):
+            codec.decode(enc, dtype)
+    assert codec.decode(enc, "float32").shape == (2, 16, 64)
+
+
+def test_scores_refuse_a_query_without_its_row_axis():
+    x = synthetic_cache(layers=1, dtype="float32").keys[0]
+    for codec_id in ("turbo3", "int8"):
+        codec = get_codec(codec_id)
+        with pytest.raises(CodecError, match=r"queries \[\.\.\., M, D\]"):
+            codec.scores(np.ones(x.shape[-1], np.float32), codec.encode(x))

@@ -192,5 +192,5 @@ def test_arrays_no_encode_writes_are_refused_before_any_kernel_reads_them(fused)
                       ("norms", lambda a: a.astype(np.float32))):
         arrays = dict(enc.arrays)
         arrays[name] = bad(np.asarray(arrays[name]))
-        with pytest.raises(CodecError, match="no writer stores"):
+        with pytest.raises(CodecError, match="no writer stores|not what it writes"):
             codec.decode(type(enc)(arrays, enc.shape, enc.dtype))

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 from kvtool.errors import CodecError
 from kvtool.kernels import Array, check_finite, ops_for
 
+_FLOATS = ("float32", "float16", "bfloat16")  # what a codec encodes from and decodes to
+
 
 @dataclass(frozen=True)
 class ArraySpec:
@@ -123,7 +125,7 @@ class Codec(ABC):
         """Encode ``x[..., head_dim]`` (fp32/fp16/bf16, numpy or torch)."""
         xp = ops_for(x)
         dtype = xp.dtype_name(x)
-        if dtype not in ("float32", "float16", "bfloat16"):
+        if dtype not in _FLOATS:
             raise CodecError(f"{self.codec_id}: cannot encode dtype {dtype}; "
                              "expected float32, float16 or bfloat16")
         if x.ndim < 1 or x.shape[-1] == 0:
@@ -135,15 +137,38 @@ class Codec(ABC):
 
     def decode(self, enc: Encoded, dtype: str | None = None) -> Array:
         """Rebuild x̂ with the encoded shape, in ``dtype`` (default: the original dtype)."""
+        dtype = dtype or enc.dtype
+        if dtype not in _FLOATS:
+            raise CodecError(f"{self.codec_id}: cannot decode to {str(dtype)[:20]!r}; expected "
+                             "float32, float16 or bfloat16")
+        self.check_encoded(enc)
         first = next(iter(enc.arrays.values()))
         xp = ops_for(first)
-        return self._decode_as(xp, enc, dtype or enc.dtype)
+        return self._decode_as(xp, enc, dtype)
+
+    def check_encoded(self, enc: Encoded) -> None:
+        """:class:`CodecError` unless ``enc`` holds exactly the arrays this codec writes for its
+        shape and dtype (:meth:`expected_arrays`): another codec's output, a relabelled shape
+        or a non-float dtype would otherwise decode into garbage through reshapes."""
+        if enc.dtype not in _FLOATS:
+            raise CodecError(f"{self.codec_id}: encoded dtype {str(enc.dtype)[:20]!r} is not "
+                             "float32, float16 or bfloat16")
+        want = {k: (spec.dtype, tuple(spec.shape))
+                for k, spec in self.expected_arrays(tuple(enc.shape), enc.dtype).items()}
+        got = {k: (ops_for(a).dtype_name(a), tuple(int(n) for n in a.shape))
+               for k, a in enc.arrays.items()}
+        if got != want:
+            raise CodecError(f"codec {self.codec_id!r}: arrays {got} are not what it writes for "
+                             f"{list(enc.shape)} {enc.dtype} ({want})")
 
     def scores(self, q: Array, enc: Encoded) -> Array:
         """``q @ k̂ᵀ`` for q[..., M, D] against the encoded keys [..., N, D] → [..., M, N].
 
         The default decodes; codecs that can do better (turbo) override it.
         """
+        if q.ndim < 2:
+            raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
+                             f"{tuple(q.shape)}")
         xp = ops_for(q)
         k = self.decode(enc, "float32")
         return xp.matmul(xp.astype(q, "float32"), xp.swap_last(k))

@@ -176,6 +176,9 @@ class TurboCodec(Codec):
         """q·k̂ for every stored key without materialising k̂: rotate q once, gather centroids."""
         from kvtool.kernels import ops_for
 
+        if q.ndim < 2:
+            raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
+                             f"{tuple(q.shape)}")
         xp = ops_for(q)
         dim = enc.shape[-1]
         q = xp.astype(q, "float32")

@@ -102,12 +102,11 @@ def _rans(arr: np.ndarray, code_bits: int | None) -> bytes:
 
 def _check_declared(codec: Codec, encoded: Encoded) -> None:
     """A codec's output must be what it declares: readers refuse anything else."""
-    expected = codec.expected_arrays(tuple(encoded.shape), encoded.dtype)
-    got = {k: (dtype_name(np.asarray(a)), tuple(a.shape)) for k, a in encoded.arrays.items()}
-    want = {k: (spec.dtype, tuple(spec.shape)) for k, spec in expected.items()}
-    if got != want:
-        raise CodecError(f"codec {codec.codec_id!r} wrote arrays {got} but declares {want} "
-                         "(expected_arrays); files it writes would be refused")
+    try:
+        codec.check_encoded(encoded)
+    except CodecError as e:
+        raise CodecError(f"{e}: its output breaks what it declares (expected_arrays), and "
+                         "readers would refuse the file") from None
 
 
 def _encode_role(enc: _Encoder, x: Array, layer: int, role: str, num_layers: int,

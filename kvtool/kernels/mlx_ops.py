@@ -111,7 +111,7 @@ def from_numpy(a: np.ndarray) -> mx.array | Float8:
     """An mlx array holding a copy of ``a``; a CodecError for a dtype mlx cannot hold."""
     import ml_dtypes
 
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes a 0-d array 1-d
     if a.dtype == ml_dtypes.bfloat16:
         return mx.array(a.view(np.uint16)).view(mx.bfloat16)
     if a.dtype == ml_dtypes.float8_e4m3fn:
