@@ -17,6 +17,15 @@ import numpy as np
 from kvtool.kernels import Array, ops_for, to_numpy, to_torch
 
 
+def check_prefix(layer: int, stored: int, num_tokens: int, tokens: int | None) -> None:
+    """ValueError if a prefix of ``tokens`` cannot be cut from a layer holding ``stored`` of
+    ``num_tokens`` tokens: a sliding-window layer keeps the last ones, so its first stored
+    tokens are not the prefix's (taking them would label later positions as earlier ones)."""
+    if tokens is not None and tokens < num_tokens and stored < num_tokens:
+        raise ValueError(f"layer {layer} keeps only the last {stored} of {num_tokens} tokens "
+                         f"(a sliding window): a prefix of {tokens} tokens cannot be cut from it")
+
+
 @dataclass
 class KVCache:
     keys: list[Array]
@@ -74,12 +83,25 @@ class KVCache:
         return self.map_arrays(lambda a: to_torch(a, device))
 
     def astype(self, dtype: str) -> KVCache:
-        return self.map_arrays(lambda a: ops_for(a).astype(a, dtype))
+        """A copy in ``dtype``; ValueError where a value does not fit (fp16: ±65504)."""
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        out = self.map_arrays(lambda a: ops_for(a).astype(a, dtype))
+        if dtype == "float16":  # bf16 and fp32 reach 3.4e38: the cast would make inf
+            for i, (src, dst) in enumerate(zip((*self.keys, *self.values),
+                                               (*out.keys, *out.values), strict=True)):
+                xp = ops_for(dst)
+                if xp.dtype_name(src) != "float16" and not xp.all_finite(dst):
+                    raise ValueError(f"layer {i % self.num_layers} holds values past float16's "
+                                     "65504 (or not finite): keep it as bfloat16 or float32")
+        return out
 
     def prefix(self, tokens: int) -> KVCache:
         """The cache of the first ``tokens`` tokens (full-attention layers)."""
         if not 0 <= tokens <= self.num_tokens:
             raise ValueError(f"prefix of {tokens} tokens from a cache of {self.num_tokens}")
+        for i, k in enumerate(self.keys):
+            check_prefix(i, int(k.shape[1]), self.num_tokens, tokens)
         ids = None if self.token_ids is None else self.token_ids[:tokens]
         return replace(self, keys=[k[:, :tokens] for k in self.keys],
                        values=[v[:, :tokens] for v in self.values], token_ids=ids)

@@ -97,6 +97,10 @@ class CodecPolicy:
         ``kvtool calibrate --preset`` fitted it: :mod:`kvtool.preset_fit`); codec options given
         alongside override its codecs (not a file's per-layer codecs).
         """
+        for name, n in (("protect_layers", protect_layers), ("sink_tokens", sink_tokens),
+                        ("recent_tokens", recent_tokens), ("auto_sinks", auto_sinks)):
+            if not _is_count(n):  # 0.5 or True would be written, then refused by the reader
+                raise CodecError(f"{name} must be an integer >= 0, got {str(n)[:40]!r}")
         if preset is not None:
             base_policy = preset_policy(preset, model_fingerprint)
             return replace(
@@ -108,10 +112,6 @@ class CodecPolicy:
                 recent_tokens=recent_tokens or base_policy.recent_tokens,
                 auto_sinks=auto_sinks or base_policy.auto_sinks)
         base = codec if codec is not None else "raw"
-        for name, n in (("protect_layers", protect_layers), ("sink_tokens", sink_tokens),
-                        ("recent_tokens", recent_tokens), ("auto_sinks", auto_sinks)):
-            if n < 0:
-                raise CodecError(f"{name} must be >= 0, got {n}")
         return cls(
             key=get_codec(key_codec if key_codec is not None else base).for_role("key"),
             value=get_codec(value_codec if value_codec is not None else base).for_role("value"),

@@ -45,3 +45,14 @@ def test_torch_round_trip():
     np.testing.assert_array_equal(back.keys[2].astype(np.float32),
                                   cache.keys[2].astype(np.float32))
     assert back.model == {"fingerprint": "abc"}
+
+
+def test_a_cast_to_float16_that_overflows_is_refused():
+    x = np.ones((1, 4, 8), np.float32)
+    big = KVCache([x * 1e6], [x])
+    with pytest.raises(ValueError, match="layer 0 holds values past float16's 65504"):
+        big.astype("float16")
+    with pytest.raises(ValueError, match="dtype must be"):
+        big.astype("bogus")
+    assert big.astype("bfloat16").keys[0].dtype.name == "bfloat16"
+    assert KVCache([x], [x]).astype("float16").keys[0].dtype == np.float16

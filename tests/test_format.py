@@ -435,6 +435,33 @@ def test_a_bad_kernels_setting_is_not_blamed_on_the_file(small_file, monkeypatch
     assert not isinstance(e.value, FormatError)
 
 
+def test_a_prefix_is_not_cut_from_a_layer_that_kept_only_the_last_tokens(tmp_path):
+    """A sliding-window layer holds the latest positions: its first stored tokens are not the
+    prefix's, so a prefix of the file (or of the cache) is refused, not mislabelled."""
+    pos = np.arange(10, dtype=np.float32)
+    full = np.broadcast_to(pos[None, :, None], (1, 10, 8)).copy()
+    last = full[:, 6:].copy()
+    cache = KVCache([full, last], [full, last], token_ids=np.arange(10),
+                    layer_info=[{}, {"sliding_window": 4}])
+    save(cache, tmp_path / "s.kvz")
+    for cut in (lambda: load(tmp_path / "s.kvz", tokens=5), lambda: cache.prefix(5)):
+        with pytest.raises(ValueError, match="layer 1 keeps only the last 4 of 10 tokens"):
+            cut()
+    assert load(tmp_path / "s.kvz", tokens=10).keys[1][0, :, 0].tolist() == [6, 7, 8, 9]
+    assert load(tmp_path / "s.kvz", layers=[0], tokens=5).keys[0].shape == (1, 5, 8)
+
+
+def test_a_missing_cuda_device_is_not_blamed_on_the_file(small_file, monkeypatch):
+    import torch
+
+    from kvtool.errors import KvtoolError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KvtoolError, match="no CUDA device") as e:
+        load(small_file, device="cuda")
+    assert not isinstance(e.value, FormatError)
+
+
 def test_checksums_catch_corruption(small_file, tmp_path):
     data = bytearray(small_file.read_bytes())
     data[-5] ^= 0x10  # inside the last tensor

@@ -197,3 +197,35 @@ def test_needs_config_or_num_layers():
         CompressedCache(CodecPolicy.from_options("turbo3"))
     kv = KVCache([torch.zeros(1, 3, 4)], [torch.zeros(1, 3, 4)])
     assert CompressedCache.from_kvcache(kv, CodecPolicy.from_options("raw")).get_seq_length() == 3
+
+
+def test_one_codec_for_keys_and_values_of_two_head_dims():
+    """Keys and values of one lossy codec share a stream (stacked): of two head_dims they
+    failed with torch's "stack expects each tensor to be equal size"."""
+    gen = torch.Generator().manual_seed(0)
+    cache = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=2)
+    k, v = torch.randn(1, 2, 6, 64, generator=gen), torch.randn(1, 2, 6, 96, generator=gen)
+    cache.update(k, v, 0)
+    keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)  # the 6 earlier ones: decoded
+    assert keys.shape == (1, 2, 7, 64) and values.shape == (1, 2, 7, 96)
+    for got, want in ((keys, k), (values, v)):
+        assert not torch.equal(got[:, :, :6], want)  # they went through the codec
+        cos = torch.nn.functional.cosine_similarity(got[:, :, :6].flatten(), want.flatten(),
+                                                    dim=0)
+        assert cos > 0.95, cos
+
+
+def test_a_refused_update_ends_the_layer():
+    """A refused update (NaN) had already counted its tokens but dropped them: later updates
+    ran with a sequence length the K/V did not have."""
+    gen = torch.Generator().manual_seed(1)
+    cache = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=2)
+    cache.update(torch.randn(1, 2, 6, 64, generator=gen), torch.randn(1, 2, 6, 64, generator=gen),
+                 0)
+    bad = torch.randn(1, 2, 4, 64, generator=gen)
+    bad[0, 0, 1, 0] = float("inf")
+    with pytest.raises(CodecError):
+        cache.update(bad, torch.randn(1, 2, 4, 64, generator=gen), 0)
+    with pytest.raises(KvtoolError, match="refused an earlier update"):
+        cache.update(torch.randn(1, 2, 1, 64, generator=gen),
+                     torch.randn(1, 2, 1, 64, generator=gen), 0)

@@ -178,3 +178,13 @@ def test_preset_outliers_scale_with_head_dim():
     assert (mask.reshape(2, -1)[:, :256].sum(1) == 64).all()
     err = np.mean((np.asarray(codec.decode(enc)) - x) ** 2) / np.mean(x ** 2)
     assert err < 0.05
+
+@pytest.mark.parametrize("options", [{"protect_layers": 0.5}, {"sink_tokens": True},
+                                     {"recent_tokens": -5}, {"recent_tokens": "3"},
+                                     {"preset": "quality", "protect_layers": -1},
+                                     {"preset": "quality", "recent_tokens": -5}])
+def test_counts_are_integers_at_least_zero_with_or_without_a_preset(options):
+    """``protect_layers=0.5`` was saved, then refused by the reader; with a preset, negative
+    counts reached the encoder."""
+    with pytest.raises(CodecError, match="must be an integer >= 0"):
+        CodecPolicy.from_options("turbo3", **options)

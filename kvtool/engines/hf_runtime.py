@@ -73,6 +73,7 @@ is read back asynchronously (:mod:`kvtool.kernels.device_checks`) and a failure 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -147,6 +148,7 @@ class CompressedLayer(DynamicLayer):
         self._pending: CodesTag | None = None
         #: the view of the store as the streams last returned it (until the store changes)
         self._view: tuple[Any, Any, CodesView] | None = None
+        self._refused: str | None = None  # why an update failed: the layer takes no more
 
     @property
     def k(self) -> _Stream:
@@ -159,11 +161,27 @@ class CompressedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        if self.joint and key_states.shape[-1] != value_states.shape[-1]:
+            # one stream stacks keys on values: of two head_dims they need a stream each
+            self.joint = False
+            self.streams = [self.streams[0], copy.deepcopy(self.streams[0])]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                from_codes: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this forward's K/V; return what attention should see (see the class doc)."""
+        if self._refused is not None:
+            raise KvtoolError(f"this CompressedCache layer refused an earlier update "
+                              f"({self._refused}); what it holds no longer matches the "
+                              "sequence: start a new cache")
+        try:
+            return self._update(key_states, value_states, from_codes)
+        except Exception as e:
+            self._refused = f"{type(e).__name__}: {str(e)[:120]}"
+            raise
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                from_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending is not None and not self._pending.consumed:

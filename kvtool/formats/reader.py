@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, check_prefix
 from kvtool.codecs import Codec, Encoded, get_codec
 from kvtool.errors import (
     CodecError,
@@ -216,6 +216,7 @@ class KvzFile:
                      tokens: int | None, device: Any = None) -> Any:
         info = self._role(i, role)
         heads, total, dim = info["shape"]
+        check_prefix(i, total, self.num_tokens, tokens)
         n = total if tokens is None else min(tokens, total)
         out_dtype = dtype or info["dtype"]
         on_device = _decodes_on(device)
@@ -300,6 +301,12 @@ def _check_backend(backend: str | None, device: Any = None) -> str:
     if device is not None and backend != "torch":
         raise ValueError(f"device={device!r} needs backend='torch' (numpy arrays live on the "
                          "host)")
+    if device is not None:
+        import torch
+
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise KvtoolError(f"device={device!r}: this torch has no CUDA device (the file is "
+                              "not at fault)")
     return backend
 
 

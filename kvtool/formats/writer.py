@@ -147,6 +147,9 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     from kvtool import __version__
 
     check_output_path(os.fspath(path))  # before the encoding work, not after it
+    if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
+        raise ValueError("tokenizer_fingerprint must be a string or None, got "
+                         f"{type(tokenizer_fingerprint).__name__}")
     policy.check_layers(num_layers)
     enc = _Encoder(zstd_level(zstd), bool(entropy))
     ids_entry = None
