@@ -462,6 +462,15 @@ def test_a_missing_cuda_device_is_not_blamed_on_the_file(small_file, monkeypatch
     assert not isinstance(e.value, FormatError)
 
 
+def test_layer_indices_and_the_policy_argument_are_type_checked(small_file, tmp_path):
+    for layers in ([1.7], [True], ["1"]):  # 1.7 was read as layer 1
+        with pytest.raises(TypeError, match="layer indices must be integers"):
+            load(small_file, layers=layers)
+    assert load(small_file, layers=[np.int64(1)]).num_layers == 1
+    with pytest.raises(TypeError, match="policy must be a CodecPolicy"):
+        save(synthetic_cache(), tmp_path / "p.kvz", "turbo3")
+
+
 def test_checksums_catch_corruption(small_file, tmp_path):
     data = bytearray(small_file.read_bytes())
     data[-5] ^= 0x10  # inside the last tensor

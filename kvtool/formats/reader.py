@@ -258,7 +258,7 @@ class KvzFile:
         from tqdm.auto import tqdm
 
         dtype, backend = C.normalize_dtype(dtype), _check_backend(backend, device)
-        index = list(range(self.num_layers)) if layers is None else [int(i) for i in layers]
+        index = list(range(self.num_layers)) if layers is None else [_index(i) for i in layers]
         for i in index:
             self._role(i, "key")
         if tokens is not None and not 0 <= tokens <= self.num_tokens:
@@ -291,6 +291,13 @@ class KvzFile:
         from kvtool.formats.info import file_info
 
         return file_info(self)
+
+
+def _index(i: Any) -> int:
+    """A layer index: an integer, not a float (1.7 was read as layer 1), bool or string."""
+    if isinstance(i, bool) or not hasattr(i, "__index__"):
+        raise TypeError(f"layer indices must be integers, got {i!r}")
+    return i.__index__()
 
 
 def _check_backend(backend: str | None, device: Any = None) -> str:

@@ -28,6 +28,9 @@ def resolve_policy(policy: CodecPolicy | None, codec: str | dict | Codec | None 
     """``policy`` itself, or one built from CLI-style options (default codec: raw)."""
     options = (codec, key_codec, value_codec)
     if policy is not None:
+        if not isinstance(policy, CodecPolicy):  # save(cache, path, "turbo3")
+            raise TypeError(f"policy must be a CodecPolicy, got {type(policy).__name__} "
+                            f"{str(policy)[:40]!r} (a codec goes in codec=...)")
         if any(o is not None for o in options) or protect_layers or sink_tokens or recent_tokens:
             raise ValueError("pass either a policy or codec options, not both")
         return policy
