@@ -46,9 +46,13 @@ class KVCache:
                 raise ValueError(f"layer {i}: keys {tuple(k.shape)} and values "
                                  f"{tuple(v.shape)} disagree on heads or tokens")
         if self.token_ids is not None:
-            self.token_ids = np.asarray(self.token_ids, dtype=np.int64).reshape(-1)
-        if self.layer_info is not None and len(self.layer_info) != len(self.keys):
-            raise ValueError("layer_info must have one entry per layer")
+            ids = np.asarray(self.token_ids)
+            if ids.size and (ids.dtype.kind not in "iu" or ids.max() > np.iinfo(np.int64).max):
+                raise ValueError(f"token_ids must be integers within int64, got {ids.dtype}")
+            self.token_ids = ids.astype(np.int64).reshape(-1)
+        if self.layer_info is not None and (len(self.layer_info) != len(self.keys) or not all(
+                info is None or isinstance(info, dict) for info in self.layer_info)):
+            raise ValueError("layer_info must hold one dict (or None) per layer")
 
     # -- shape ---------------------------------------------------------------------------------
     @property

@@ -56,3 +56,14 @@ def test_a_cast_to_float16_that_overflows_is_refused():
         big.astype("bogus")
     assert big.astype("bfloat16").keys[0].dtype.name == "bfloat16"
     assert KVCache([x], [x]).astype("float16").keys[0].dtype == np.float16
+
+
+def test_token_ids_and_layer_info_are_checked():
+    x = np.ones((1, 3, 4), np.float32)
+    for ids in ([1.7, 2, 3], np.array([2**63, 1, 2], np.uint64), [True, False, True]):
+        with pytest.raises(ValueError, match="token_ids must be integers"):
+            KVCache([x], [x], token_ids=ids)
+    assert KVCache([x], [x], token_ids=np.array([1, 2, 3], np.uint64)).token_ids.tolist() == [
+        1, 2, 3]
+    with pytest.raises(ValueError, match="one dict"):
+        KVCache([x], [x], layer_info=["abc"])

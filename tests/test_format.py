@@ -469,6 +469,8 @@ def test_layer_indices_and_the_policy_argument_are_type_checked(small_file, tmp_
     assert load(small_file, layers=[np.int64(1)]).num_layers == 1
     with pytest.raises(TypeError, match="policy must be a CodecPolicy"):
         save(synthetic_cache(), tmp_path / "p.kvz", "turbo3")
+    with pytest.raises(ValueError, match="model info keys must be strings"):
+        save(synthetic_cache(model={1: 2}), tmp_path / "p.kvz")
 
 
 def test_checksums_catch_corruption(small_file, tmp_path):
