@@ -79,9 +79,10 @@ def full_ids_for(cache: KVCache, tokenizer: Any, prompt: str | None = None,
                                   "the prompt extends the cached prefix")
     cached = [int(t) for t in cache.token_ids]
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
-    if cached and vocab and not 0 <= max(cached) < vocab:  # its own tokenizer made every id
-        raise ModelMismatchError(f"the cache holds token id {max(cached)}, past this "
-                                 f"tokenizer's {vocab} tokens: it was not computed with it")
+    top = max(cached, default=0)
+    if vocab and not 0 <= top < vocab:  # its own tokenizer made every id
+        raise ModelMismatchError(f"the cache holds token id {top}, past this tokenizer's "
+                                 f"{vocab} tokens: it was not computed with it")
     if input_ids is not None:
         full = [int(t) for t in input_ids]
     else:

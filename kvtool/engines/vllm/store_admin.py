@@ -331,13 +331,13 @@ def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        data, why = None, f"not JSON: {e}"
+        why = f"not JSON: {e}"
     else:
+        if isinstance(data, dict) and all(
+                isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
+                for k, v in data.items()):
+            return data
         why = "not an object of chunk key → {\"file\": ..., \"model\": ...}"
-    if isinstance(data, dict) and all(
-            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
-            for k, v in data.items()):
-        return data
     raise KvtoolError(f"{backend.location}/{PINS_FILE} is damaged ({why}): which chunks are "
                       "pinned is unknown, so nothing is pruned, pinned or unpinned until it is "
                       "restored or removed")
