@@ -95,7 +95,7 @@ def load(cache: Path, names: dict[tuple[str, frozenset[str]], list[str]]) -> lis
 
 
 def describe(config: dict) -> str:
-    """A config as ``BLOCK_M=64 STAGES=1 w4 s1``."""
+    """A config as ``BLOCK_M=64 w4 s1``."""
     kwargs = " ".join(f"{k}={v}" for k, v in config.get("kwargs", {}).items())
     return f"{kwargs} w{config.get('num_warps')} s{config.get('num_stages')}".strip()
 

@@ -84,11 +84,11 @@ def sass_profile(kernel) -> tuple[int, int, Counter]:
 
 
 def configs() -> list[tuple[int, int, int]]:
-    """(BLOCK_M, warps, STAGES) of the row kernels' autotune search."""
+    """(BLOCK_M, warps, pipeline stages) of the row kernels' autotune search."""
     from kvtool.kernels import triton_cuda as tc
 
     found = tc._encode_kernel.configs if hasattr(tc._encode_kernel, "configs") else []
-    return [(c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["STAGES"]) for c in found]
+    return [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in found]
 
 
 def preset_main(args: argparse.Namespace) -> None:
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                     if block_m * dim > 128 * 32 * warps:  # pruned by the autotuner too
                         continue
                     constants = dict(D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m,
-                                     STAGES=stages, PIECES=1 if name == "encode" else 2)
+                                     PIECES=1 if name == "encode" else 2)
                     constants["BN" if name == "encode" else "BK"] = min(dim, 64)
                     kernel = compile_kernel(fn, signature, constants, warps, stages, args.arch)
                     regs, spill, ops = sass_profile(kernel)

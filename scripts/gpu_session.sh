@@ -3,9 +3,10 @@
 # triton, transformers, numba, safetensors, pytest, pytest-xdist; no vLLM, no install step),
 # within SESSION_SECONDS in all (default 560: a device command may run 600 s), each stage
 # capped by its own limit and by what is left:
-#   1. benchmarks/gpu.py --all (its own time budget, BENCH_BUDGET seconds; BENCH_SECTIONS picks
+#   1. the gpu test cases, compiled, with xdist workers (TEST_SECONDS at most; first, since their
+#      compiles, spread over the workers, fill Triton's cache for the benchmark's kernels),
+#   2. benchmarks/gpu.py --all (its own time budget, BENCH_BUDGET seconds; BENCH_SECTIONS picks
 #      tables, e.g. attention,presets,cache),
-#   2. the gpu test cases, compiled, with xdist workers (TEST_SECONDS at most),
 #   3. benchmarks/gpu_attention_split.py: where a call of attention from codes spends its time
 #      (SPLIT_SECONDS),
 #   4. benchmarks/cold_start.py: the first save/load of a CUDA cache in a fresh process against
@@ -13,19 +14,21 @@
 #   5. benchmarks/autotune_table.py: every config the autotuner timed, per kernel and key.
 # The tests run with KVTOOL_AUTOTUNE_CACHE=0: their small calls leave no autotune choice behind
 # for a later benchmark on this machine to load.
-# A limit of 0 skips its stage. Logs and the benchmark's JSON go to $OUT (default ./gpu-out).
+# A limit of 0 skips its stage (the split-K sweep is off by default: SPLIT_SECONDS=50 runs it).
+# Tests print each case as it ends (-v): a stage cut at its limit still shows what passed.
+# Logs and the benchmark's JSON go to $OUT (default ./gpu-out).
 # Wheels missing there (zstandard) travel in .whl/ (see the README's GPU section) and are
 # installed into /tmp/site first.
-#   bash scripts/gpu_session.sh          # BENCH_BUDGET=270 TEST_SECONDS=160 SPLIT_SECONDS=50 COLD_SECONDS=50
+#   bash scripts/gpu_session.sh          # TEST_SECONDS=150 BENCH_BUDGET=290 COLD_SECONDS=45
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 SESSION_SECONDS=${SESSION_SECONDS:-560}
-BENCH_BUDGET=${BENCH_BUDGET:-270}
+BENCH_BUDGET=${BENCH_BUDGET:-290}
 BENCH_SECTIONS=${BENCH_SECTIONS:-}
-TEST_SECONDS=${TEST_SECONDS:-160}
-SPLIT_SECONDS=${SPLIT_SECONDS:-50}
-COLD_SECONDS=${COLD_SECONDS:-50}
+TEST_SECONDS=${TEST_SECONDS:-150}
+SPLIT_SECONDS=${SPLIT_SECONDS:-0}
+COLD_SECONDS=${COLD_SECONDS:-45}
 deadline=$((SECONDS + SESSION_SECONDS))
 # the seconds a stage may take: its own limit, or what is left of the session if less
 budget() { local left=$((deadline - SECONDS)); echo $(($1 < left ? $1 : left)); }
@@ -44,6 +47,25 @@ transformers.__version__, 'numba', numba.__version__)" 2>&1 | tee -a "$OUT/devic
 
 status=0
 start=$SECONDS
+cases=(tests/triton_cases.py tests/triton_turbomix_cases.py tests/triton_attention_cases.py
+       tests/triton_attention_parts_cases.py)
+workers=$(( $(nproc) / 2 < 8 ? $(nproc) / 2 : 8 ))
+# what `pytest -m gpu` runs (tests/test_triton_*.py run these files in fresh processes), here
+# with every case's output and time; then the in-process gpu tests
+tests=$(budget "$TEST_SECONDS")
+if ((tests > 10)); then
+    KVTOOL_AUTOTUNE_CACHE=0 timeout "$tests" python3 -m pytest -p no:cacheprovider -m gpu \
+        -n "$workers" -v --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
+fi
+left=$(budget $((TEST_SECONDS - (SECONDS - start))))
+if ((left > 10)); then
+    KVTOOL_AUTOTUNE_CACHE=0 timeout "$left" python3 -m pytest -p no:cacheprovider -m gpu \
+        -v --durations=5 tests/test_load_device.py tests/test_vllm_device_io.py 2>&1 \
+        | tee -a "$OUT/tests.log" || status=1
+fi
+echo "gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/tests.log"
+
+start=$SECONDS
 bench=$(budget "$BENCH_BUDGET")
 if ((bench > 30)); then
     # gpu.py keeps to its budget row by row; the timeout leaves it 15% to finish a row
@@ -52,25 +74,6 @@ if ((bench > 30)); then
         | tee "$OUT/bench.log" || status=1
 fi
 echo "benchmark: $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
-
-start=$SECONDS
-cases=(tests/triton_cases.py tests/triton_turbomix_cases.py tests/triton_attention_cases.py
-       tests/triton_attention_parts_cases.py)
-workers=$(( $(nproc) / 2 < 8 ? $(nproc) / 2 : 8 ))
-# what `pytest -m gpu` runs (tests/test_triton_*.py run these files in fresh processes), here
-# with every case's output and time; then the in-process gpu tests
-tests=$(budget "$TEST_SECONDS")
-if ((tests > 10)); then
-    KVTOOL_AUTOTUNE_CACHE=0 timeout "$tests" python3 -m pytest -p no:cacheprovider -q -m gpu \
-        -n "$workers" --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
-fi
-left=$(budget $((TEST_SECONDS - (SECONDS - start))))
-if ((left > 10)); then
-    KVTOOL_AUTOTUNE_CACHE=0 timeout "$left" python3 -m pytest -p no:cacheprovider -q -m gpu \
-        --durations=5 tests/test_load_device.py tests/test_vllm_device_io.py 2>&1 \
-        | tee -a "$OUT/tests.log" || status=1
-fi
-echo "gpu tests: $((SECONDS - start)) s" | tee -a "$OUT/tests.log"
 
 # where attention from codes spends a call: host µs, device time per split-K, autotune picks
 split=$(budget "$SPLIT_SECONDS")

@@ -91,7 +91,7 @@ def test_autotune_table_lists_every_config_by_its_named_key(tmp_path, capsys):
     assert [r["ms"] for r in turbo["configs"]] == [0.25, 0.5, None]  # fastest first
     assert [r["ratio"] for r in turbo["configs"]] == [1.0, 2.0, None]
     assert turbo["configs"][0]["config"] == autotune_table.describe(b.__dict__)
-    assert f"BLOCK_M={b.kwargs['BLOCK_M']} STAGES={b.kwargs['STAGES']} w{b.num_warps}" \
+    assert f"BLOCK_M={b.kwargs['BLOCK_M']} w{b.num_warps} s{b.num_stages}" \
         in printed and "failed" in printed
     assert mix["key"] == "N=128 NP=128 BITS=4 QUANT=0 RP=1 tok_class=64 dtypes=bfloat16"
     assert mix["configs"] == [{"config": autotune_table.describe(m.__dict__), "ms": 1.5,

@@ -277,33 +277,6 @@ def test_other_dims_and_leading_axes(dim, bits, rng):
     _assert_decoded(ours, codec.decode(ref, "float16"), "float16", nrm)
 
 
-@pytest.mark.parametrize("dtype", ("float16", "float32"))
-@pytest.mark.parametrize("bits", (2, 3, 4))
-def test_prefetching_configs_code_like_the_one_block_ones(bits, dtype, rng):
-    """``STAGES=2`` (a persistent grid: two programs loop over three row blocks, ``R`` loaded
-    once per program, each row rotated in one dot) writes the reference's codes and norms and
-    decodes like the one-block-per-program path. Launched directly, which only the interpreter
-    allows (on a GPU the pinned-config cases run every config)."""
-    dim, rows = 128, 45
-    x = _dev(_inputs(rng, rows, dim)).to(DTYPES[dtype])
-    cpg, bpg = tc.group_shape(bits)
-    rot, (bounds, cents) = tc._rotation(dim, SEED, x.device), tc._codebook(dim, bits, x.device)
-    codes = torch.empty((rows, dim * bits // 8), dtype=torch.uint8)
-    norms = torch.empty((rows,), dtype=torch.float32)
-    tc._encode_kernel[(2,)](x, rot.rt16 if x.dtype == torch.float16 else rot.rtb, bounds, codes,
-                            norms, rows, 0, D=dim, BITS=bits, CPG=cpg, BPG=bpg, BN=64,
-                            PIECES=1 if x.dtype == torch.float16 else 3, BLOCK_M=16, STAGES=2)
-    cells, near, exact_norms = _exact_cells(x, bits, SEED)
-    _assert_codes(codes, cells, near, bits)
-    torch.testing.assert_close(norms.double(), exact_norms, rtol=1e-6, atol=0)
-    out = torch.empty((rows, dim), dtype=DTYPES[dtype])
-    tc._decode_kernel[(2,)](codes, norms, cents, rot.rb, out, rows, 0, D=dim, BITS=bits,
-                            CPG=cpg, BPG=bpg, BK=64, PIECES=2 if dtype == "float16" else 3,
-                            BLOCK_M=16, STAGES=2)
-    one_block = tc.turbo_decode(codes, norms, dim, bits, SEED, DTYPES[dtype])
-    _assert_decoded(out, one_block, dtype, norms)  # one dot of D, not two of D/2: sums reorder
-
-
 @pytest.mark.parametrize("out", list(DTYPES))
 @pytest.mark.parametrize("dim", (64, 128))
 @pytest.mark.parametrize("bits", (2, 3, 4))

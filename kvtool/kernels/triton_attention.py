@@ -109,7 +109,8 @@ _INTERPRET_WARPS = 1
 def _tuned(fn: Any) -> Any:
     """Autotune the token tile, warps and pipelining of the kernel on GPUs, keyed on its shape
     (fixed tile under the interpreter); ``size_class`` (:func:`_size_class`) keeps short parts
-    apart from long ones and a grid that leaves SMs idle apart from one that fills them.
+    apart from long ones and a grid that leaves SMs idle apart from one that fills them
+    (tuned apart, compiled once: it is not specialised on).
     Two-stage configs let the next tile's code words load while this one is scored."""
     if triton is None or INTERPRET:
         return _jit(fn)
@@ -120,7 +121,7 @@ def _tuned(fn: Any) -> Any:
     return triton.autotune(configs, key=["MP", "D", "KBITS", "VBITS", "CK", "CV", "CENTERED",
                                          "BLOCK", "size_class"],
                            prune_configs_by={"early_config_prune": _prune}, **_persisted())(
-        triton.jit(fn))
+        triton.jit(fn, do_not_specialize=["size_class"]))
 
 
 def _footprint(config: Any, dim: int, rows: int) -> float:

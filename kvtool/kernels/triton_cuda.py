@@ -68,21 +68,21 @@ def _jit(fn: Any) -> Any:
 
 def _tuned(fn: Any) -> Any:
     """Autotune the row-block kernels on GPUs (fixed block under the interpreter); the
-    ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones.
+    ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones without
+    compiling them apart (it is not specialised on: both classes share each config's binary).
 
-    ``STAGES=1`` configs are one row block per program; ``STAGES=2`` ones run a persistent grid
-    whose loop prefetches the next block (``cp.async``) while this one is coded. Both stay in
-    the search so the tuner keeps whichever the GPU runs faster; its choices persist across
-    processes (``cache_results``) where Triton offers it."""
+    The search holds the configs that won or came within 1.25× of the winner in the H100's
+    autotune table (ninth session, ``docs/gpu.md``: D 64/128, 2-4 bits, both classes); 64-row
+    blocks with 8 warps and the persistent prefetching grid lost every key by 1.2-2.6×, and
+    each config is a compile on a process's first call. Choices persist across processes
+    (``cache_results``) where Triton offers it."""
     if triton is None or INTERPRET:
         return _jit(fn)
-    configs = [triton.Config({"BLOCK_M": m, "STAGES": 1}, num_warps=w, num_stages=1)
-               for m in (64, 128, 256) for w in (4, 8)]
-    configs += [triton.Config({"BLOCK_M": m, "STAGES": 2}, num_warps=w, num_stages=2)
-                for m in (64, 128) for w in (4, 8)]
+    configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1)
+               for m, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
     return triton.autotune(configs, key=["D", "BITS", "PIECES", "size_class"],
                            prune_configs_by={"early_config_prune": _prune},
-                           **_persisted())(triton.jit(fn))
+                           **_persisted())(triton.jit(fn, do_not_specialize=["size_class"]))
 
 
 def _persisted() -> dict[str, Any]:
@@ -112,12 +112,10 @@ def next_power_of_2(n: int) -> int:
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
-    elements per thread spills: ``benchmarks/triton_sass.py``), and the persistent configs
-    past D=128, whose whole R (D² bf16) and prefetched tiles need more shared memory than a
-    Hopper SM has (384 KB at D=256 on an H200)."""
+    elements per thread spills: ``benchmarks/triton_sass.py``)."""
     dim = kwargs.get("D", named_args.get("D", 128))
-    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 128 * 32 * c.num_warps
-            and (c.kwargs["STAGES"] == 1 or dim <= 128)] or configs[:1]
+    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 128 * 32 * c.num_warps] \
+        or configs[:1]
 
 
 # -- device helpers ------------------------------------------------------------------------------
@@ -150,12 +148,6 @@ def _mm(acc, hi, mid, lo, m_ptr, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: 
         PIECES: tl.constexpr):
     """``acc + (hi + mid + lo) @ M[k0:k0+BK, n0:n0+BN]`` for a row-major ``M[D, D]``."""
     m = tl.load(m_ptr + (k0 + tl.arange(0, BK))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
-    return _mm_by(acc, hi, mid, lo, m, PIECES)
-
-
-@_jit
-def _mm_by(acc, hi, mid, lo, m, PIECES: tl.constexpr):
-    """``acc + (hi + mid + lo) @ m`` for a matrix ``m`` already loaded."""
     if _INTERP:
         hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
     if PIECES == 3:
@@ -241,68 +233,46 @@ def _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D: tl.constexpr, W:
 @_tuned
 def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   STAGES: tl.constexpr):
-    """Row blocks ``pid, pid + programs, ...``. With ``STAGES > 1`` (a persistent grid) the
-    next block's rows load while this one is coded, and ``Rᵀ`` is loaded once per program
-    (each row rotated in one dot); else ``BN`` columns of ``Rᵀ`` at a time."""
+                   BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One block of ``BLOCK_M`` rows per program, rotated ``BN`` columns of ``Rᵀ`` at a time."""
     cols = tl.arange(0, D)
-    if STAGES > 1:
-        rt = tl.load(rt_ptr + cols[:, None] * D + cols[None, :])
-    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
-                         num_stages=STAGES):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
-        rmask = rows < n_rows
-        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0)
-        xf = x.to(tl.float32)
-        norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
-        tl.store(norms_ptr + rows, norm, mask=rmask)
-        inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32),
-                             tl.where(norm > 0, norm, norm + 1))
-        if PIECES == 1:  # fp16/bf16 input: one exact-product dot against R in the same dtype
-            hi, mid, lo = x, x, x
-        else:
-            hi, mid, lo = _split(xf, PIECES)
-        if STAGES > 1:
-            y = _mm_by(tl.zeros([BLOCK_M, D], tl.float32), hi, mid, lo, rt, PIECES)
-            _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, 0, D, D, BITS, CPG, BPG)
-        else:
-            for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, BN columns at a time
-                y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D,
-                        BN, PIECES)
-                _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D, BN, BITS, CPG, BPG)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=rmask[:, None], other=0.0)
+    xf = x.to(tl.float32)
+    norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
+    tl.store(norms_ptr + rows, norm, mask=rmask)
+    inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32),
+                         tl.where(norm > 0, norm, norm + 1))
+    if PIECES == 1:  # fp16/bf16 input: one exact-product dot against R in the same dtype
+        hi, mid, lo = x, x, x
+    else:
+        hi, mid, lo = _split(xf, PIECES)
+    for n0 in tl.static_range(0, D, BN):  # y = x @ Rᵀ, BN columns at a time
+        y = _mm(tl.zeros([BLOCK_M, BN], tl.float32), hi, mid, lo, rt_ptr, 0, n0, D, D, BN,
+                PIECES)
+        _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D, BN, BITS, CPG, BPG)
 
 
 @_tuned
 def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
-                   STAGES: tl.constexpr):
-    """Row blocks as in :func:`_encode_kernel`."""
+                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One block of rows per program, as :func:`_encode_kernel`; ``R`` ``BK`` rows at a time."""
     cols = tl.arange(0, D)
-    if STAGES > 1:
-        r = tl.load(r_ptr + cols[:, None] * D + cols[None, :])
-    for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0),
-                         num_stages=STAGES):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # tile: an int when interpreted
-        rmask = rows < n_rows
-        if STAGES > 1:
-            y = _centroids(codes_ptr, rows * (D * BITS // 8), rmask, cent_ptr, BLOCK_M, D, BITS,
-                           CPG, BPG)
-            hi, mid, lo = _split(y, PIECES)
-            acc = _mm_by(tl.zeros([BLOCK_M, D], tl.float32), hi, mid, lo, r, PIECES)
-        else:
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
-            for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
-                y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask,
-                               cent_ptr, BLOCK_M, BK, BITS, CPG, BPG)
-                hi, mid, lo = _split(y, PIECES)
-                acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
-        x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            x = _bf16(x)
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :],
-                 x.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
+        y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
+                       BLOCK_M, BK, BITS, CPG, BPG)
+        hi, mid, lo = _split(y, PIECES)
+        acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
+    x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        x = _bf16(x)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], x.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
 
 
 @_jit
@@ -378,17 +348,11 @@ def _check(dim: int, bits: int) -> None:
                          f"got dim={dim} bits={bits}")
 
 
-def _rows_launch(rows: int, device: torch.device) -> dict[str, Any]:
-    """Grid and fixed meta-parameters of the row-block kernels (a persistent grid of two
-    programs per SM for the prefetching configs)."""
+def _rows_launch(rows: int) -> dict[str, Any]:
+    """Grid and fixed meta-parameters of the row-block kernels."""
     if INTERPRET:
-        return {"grid": (cdiv(rows, 32),), "meta": {"BLOCK_M": 32, "STAGES": 1}}
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        tiles = cdiv(rows, meta["BLOCK_M"])
-        return (tiles if meta["STAGES"] == 1 else min(tiles, 2 * _sm_count(device)),)
-
-    return {"grid": grid, "meta": {}}
+        return {"grid": (cdiv(rows, 32),), "meta": {"BLOCK_M": 32}}
+    return {"grid": lambda meta: (cdiv(rows, meta["BLOCK_M"]),), "meta": {}}
 
 
 def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +369,7 @@ def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, t
     if rows:
         rot = _rotation(dim, seed, x.device)
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows, x.device)
+        launch = _rows_launch(rows)
         _encode_kernel[launch["grid"]](
             x2, rot.rt16 if x2.dtype == torch.float16 else rot.rtb,
             _codebook(dim, bits, x.device)[0], codes, norms, rows, int(rows >= 1 << 16),
@@ -432,7 +396,7 @@ def turbo_decode(codes: torch.Tensor, norms: torch.Tensor, dim: int, bits: int, 
     if c2.shape[0]:
         rows = c2.shape[0]
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows, codes.device)
+        launch = _rows_launch(rows)
         _decode_kernel[launch["grid"]](
             c2, n2, _codebook(dim, bits, codes.device)[1], _rotation(dim, seed, codes.device).rb,
             out, rows, int(rows >= 1 << 16), D=dim, BITS=bits, CPG=cpg, BPG=bpg,

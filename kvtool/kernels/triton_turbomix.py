@@ -71,22 +71,25 @@ QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
 _INPUT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-#: (rows per program, warps) of the autotune search; the encode adds tiles of a row per thread
-_CONFIGS = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 4), (64, 8))
+#: (rows per program, warps) of the autotune search; the encode adds tiles of a row per thread.
+#: 32 or 64 rows with 8 warps lost every key of the H100's autotune table (ninth session,
+#: ``docs/gpu.md``) by 1.07-2.2×: not searched (each config is a compile on first use)
+_CONFIGS = ((16, 4), (16, 8), (32, 4), (64, 4))
 _ROW_CONFIGS = ((16, 1), (32, 1), (64, 2))
 
 
 def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS) -> Any:
     """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter; the
     results persist across processes where Triton can); the ``tok_class`` argument (tokens per
-    group, capped at 64) keeps short groups apart."""
+    group, capped at 64) keeps short groups apart (tuned apart, compiled once: it is not
+    specialised on)."""
     if triton is None or INTERPRET:
         return _jit(fn)
     return triton.autotune([triton.Config({"BM": m}, num_warps=w, num_stages=1)
                             for m, w in configs],
                            key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
                            prune_configs_by={"early_config_prune": _prune},
-                           **_persisted())(triton.jit(fn))
+                           **_persisted())(triton.jit(fn, do_not_specialize=["tok_class"]))
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
