@@ -71,11 +71,11 @@ def _tuned(fn: Any) -> Any:
     ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones without
     compiling them apart (it is not specialised on: both classes share each config's binary).
 
-    The search holds the configs that won or came within 1.25× of the winner in the H100's
-    autotune table (ninth session, ``docs/gpu.md``: D 64/128, 2-4 bits, both classes); 64-row
-    blocks with 8 warps and the persistent prefetching grid lost every key by 1.2-2.6×, and
-    each config is a compile on a process's first call. Choices persist across processes
-    (``cache_results``) where Triton offers it."""
+    The search holds the winner of every key in the H100's autotune table (ninth session,
+    ``docs/gpu.md``: D 64/128, 2-4 bits, both classes) and the runners-up of large blocks;
+    64-row blocks with 8 warps, 256 with 4, and a persistent prefetching grid lost every key
+    (by 1.02-2.8×), and each config is a compile on a process's first call. Choices persist
+    across processes (``cache_results``) where Triton offers it."""
     if triton is None or INTERPRET:
         return _jit(fn)
     configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1)

@@ -73,7 +73,7 @@ _INPUT = (torch.float32, torch.float16, torch.bfloat16)
 
 #: (rows per program, warps) of the autotune search; the encode adds tiles of a row per thread.
 #: 32 or 64 rows with 8 warps lost every key of the H100's autotune table (ninth session,
-#: ``docs/gpu.md``) by 1.07-2.2×: not searched (each config is a compile on first use)
+#: ``docs/gpu.md``) by 1.07-2.23×: not searched (each config is a compile on first use)
 _CONFIGS = ((16, 4), (16, 8), (32, 4), (64, 4))
 _ROW_CONFIGS = ((16, 1), (32, 1), (64, 2))
 
