@@ -11,15 +11,18 @@
 #      (SPLIT_SECONDS),
 #   4. benchmarks/cold_start.py: the first save/load of a CUDA cache in a fresh process against
 #      warm ones (COLD_SECONDS),
-#   5. benchmarks/autotune_table.py: every config the autotuner timed, per kernel and key.
+#   5. Nsight Compute on one turbo3 encode and decode launch at D=128 (benchmarks/ncu_turbo.py):
+#      what limits them (NCU_SECONDS),
+#   6. benchmarks/autotune_table.py: every config the autotuner timed, per kernel and key.
 # The tests run with KVTOOL_AUTOTUNE_CACHE=0: their small calls leave no autotune choice behind
 # for a later benchmark on this machine to load.
 # A limit of 0 skips its stage (the split-K sweep is off by default: SPLIT_SECONDS=50 runs it).
 # Tests print each case as it ends (-v): a stage cut at its limit still shows what passed.
-# Logs and the benchmark's JSON go to $OUT (default ./gpu-out).
+# Logs and the benchmark's JSON go to $OUT (default ./gpu-out): eight files at most, what a lent
+# machine sends back (the split-K sweep appends to bench.log).
 # Wheels missing there (zstandard) travel in .whl/ (see the README's GPU section) and are
 # installed into /tmp/site first.
-#   bash scripts/gpu_session.sh          # TEST_SECONDS=150 BENCH_BUDGET=290 COLD_SECONDS=45
+#   bash scripts/gpu_session.sh          # TEST_SECONDS=150 BENCH_BUDGET=290 COLD_SECONDS=45 NCU_SECONDS=45
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -29,6 +32,7 @@ BENCH_SECTIONS=${BENCH_SECTIONS:-}
 TEST_SECONDS=${TEST_SECONDS:-150}
 SPLIT_SECONDS=${SPLIT_SECONDS:-0}
 COLD_SECONDS=${COLD_SECONDS:-45}
+NCU_SECONDS=${NCU_SECONDS:-45}
 deadline=$((SECONDS + SESSION_SECONDS))
 # the seconds a stage may take: its own limit, or what is left of the session if less
 budget() { local left=$((deadline - SECONDS)); echo $(($1 < left ? $1 : left)); }
@@ -79,13 +83,22 @@ echo "benchmark: $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
 split=$(budget "$SPLIT_SECONDS")
 if ((split > 10)); then
     timeout "$split" python3 benchmarks/gpu_attention_split.py 2>&1 \
-        | tee "$OUT/attention_split.log" || status=1
+        | tee -a "$OUT/bench.log" || status=1
 fi
 cold=$(budget "$COLD_SECONDS")
 if ((cold > 10)); then
     timeout "$cold" python3 benchmarks/cold_start.py --device cuda \
-        --policy turbo3,quality,balanced --repeats 2 --json "$OUT/cold_start.json" 2>&1 \
+        --policy turbo3,quality,balanced --repeats 2 2>&1 \
         | tee "$OUT/cold_start.log" || status=1
+fi
+# counters, clocks left alone (--clock-control none); the compile launches are skipped
+ncu_s=$(budget "$NCU_SECONDS")
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+if ((ncu_s > 10)) && [[ -n "$NCU" ]]; then
+    timeout "$ncu_s" "$NCU" --clock-control none --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+        --section WarpStateStats -k 'regex:_(en|de)code_kernel' --launch-skip 2 \
+        --launch-count 2 python3 benchmarks/ncu_turbo.py 2>&1 | tee "$OUT/ncu.log" || status=1
 fi
 table=$(budget 60)
 if ((table > 5)); then
