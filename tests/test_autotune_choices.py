@@ -110,3 +110,38 @@ def test_attention_key_tells_grids_apart():
     assert len(set(classes.values())) == 9
     assert classes[(2, 256)] == 0 and classes[(400, 8192)] == 8
     assert classes[(4, 256)] == classes[(11, 256)] != classes[(12, 256)] == classes[(400, 256)]
+
+
+SEARCH = """
+import json
+from kvtool.kernels import triton_attention as ta, triton_cuda as tc, triton_turbomix as tt
+def unspecialised(kernel):
+    return sorted(p.name for p in kernel.fn.params if p.do_not_specialize)
+def kept(kernel, **named):
+    return [(c.kwargs["BLOCK_M"], c.num_warps)
+            for c in kernel.early_config_prune(kernel.configs, named)]
+print(json.dumps({
+    "unspecialised": [unspecialised(k) for k in (tc._encode_kernel, tc._decode_kernel,
+                      ta._attend_kernel, tt._encode_kernel, tt._decode_kernel)],
+    "turbo": [[c.kwargs["BLOCK_M"], c.num_warps, c.num_stages] for c in tc._decode_kernel.configs],
+    "bulk_128": kept(tc._decode_kernel, D=128, size_class=1),
+    "bulk_256": kept(tc._encode_kernel, D=256, size_class=1),
+    "small": kept(tc._decode_kernel, D=128, size_class=0),
+}))
+"""
+
+
+def test_class_arguments_share_compiles_and_small_calls_skip_the_search():
+    """The autotuners' class arguments are tuned on but not specialised on (a config compiles
+    once for every class: the H100's first load recompiled each decode config for the other
+    class); the turbo search holds the H100's winners; small calls take one config, untuned.
+    Compiled-path autotuners exist without a GPU when the interpreter is off."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "KVTOOL_AUTOTUNE_CACHE")}
+    out = json.loads(subprocess.run([sys.executable, "-c", SEARCH], env=env,
+                                    capture_output=True, text=True, check=True).stdout)
+    assert out["unspecialised"] == [["size_class"]] * 3 + [["tok_class"]] * 2
+    assert out["turbo"] == [[64, 4, 1], [128, 4, 1], [128, 8, 1], [256, 8, 1]]
+    assert out["bulk_128"] == [[64, 4], [128, 4], [128, 8], [256, 8]]
+    assert out["bulk_256"] == [[64, 4], [128, 8]]  # [BLOCK_M, 256] tiles within registers
+    assert out["small"] == [[64, 4]]

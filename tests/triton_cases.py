@@ -24,9 +24,9 @@ each (``triton.compile`` for sm_90, timed on a 2-core EPYC); the float64 referen
 rows take well under a second on the GPU, the numpy codec on 2K sampled rows ~0.1 s.
 ``test_encode_decode``: 9 cases, 1 encode + 3 decode variants each, 2-10 s a case, ~50 s;
 ``test_scores``: 2 variants, ~3 s; ``test_decode_attention``: 12 cases, the first of each
-(hq, dim) compiling its split kernel (2-4 s), ~20 s in all; ``test_every_config``: the 9
-configurations kept at head_dim 128 for both kernels (16 new compiles) and the autotuner's
-timing, ~30 s. With the process start (~10 s), about 115 s.
+(hq, dim) compiling its split kernel (2-4 s), ~20 s in all; ``test_every_config``: the 4
+configurations kept at head_dim 128 for both kernels (6 new compiles) and the autotuner's
+timing, ~15 s. With the process start (~10 s), about 100 s.
 """
 
 from __future__ import annotations
