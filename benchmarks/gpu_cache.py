@@ -20,8 +20,10 @@ A third run, under ``torch.profiler``, says what bounds each phase: "busy" is th
 timed prefill, and of the timed decode step, that the device spent running kernels and copies
 (their summed durations) against the timed run's wall time. Far under 100%, the host (Python,
 launches, a sync) is the limit; near it, the kernels are. The JSON rows keep the five costliest
-kernels of each phase. On the CPU (``--device cpu``) it sums aten ops' self time instead, a
-check of the code path more than a measure: the two runs meet different loads.
+kernels of each phase and, on CUDA, the runtime calls the host spent longest in (``host_waits``:
+synchronisations, blocking copies, allocations), printed under the row. On the CPU
+(``--device cpu``) it sums aten ops' self time instead, a check of the code path more than a
+measure: the two runs meet different loads.
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def _run(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
     return out  # the cache goes with this frame (callers collect garbage before the next run)
 
 
-def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]]]:
+def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]], list[list[Any]]]:
     """(``fn()``, milliseconds of work the device ran meanwhile — CUDA kernels and copies; aten
-    ops' self time on the CPU —, the five costliest [name, ms])."""
+    ops' self time on the CPU —, the five costliest [name, ms], the host's waits on CUDA
+    (:func:`host_waits`))."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,14 +123,37 @@ def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]]]:
             continue
         spent[event.name] = spent.get(event.name, 0.0) + us / 1e3
     top = sorted(spent.items(), key=lambda item: -item[1])[:5]
-    return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top]
+    waits = host_waits(prof.events(), DeviceType.CPU) if cuda else []
+    return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top], waits
+
+
+def host_waits(events: Any, cpu: Any, most: int = 4) -> list[list[Any]]:
+    """The CUDA runtime and driver calls (``cuda*``/``cu*`` host events, launches left out)
+    that took the host longest: [name, ms, calls], costliest first. A host-bound phase that
+    leaves the device idle shows here what it waited on — synchronisations, blocking copies,
+    pinned or device allocations (the profiled function's own closing
+    ``cudaDeviceSynchronize`` is one call among them)."""
+    spent: dict[str, list[float]] = {}
+    for event in events:
+        name = event.name
+        if event.device_type != cpu or not name.startswith("cu") or "Launch" in name:
+            continue
+        ms_calls = spent.setdefault(name, [0.0, 0])
+        ms_calls[0] += event.time_range.elapsed_us() / 1e3
+        ms_calls[1] += 1
+    ranked = sorted(spent.items(), key=lambda item: -item[1][0])[:most]
+    return [[name, round(ms, 3), int(calls)] for name, (ms, calls) in ranked]
+
+
+def _waits_text(waits: list[list[Any]]) -> str:
+    return ", ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in waits) or "none"
 
 
 def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
     """Device-busy milliseconds of a prefill and per decode step (:func:`_busy_ms`)."""
     cache = make()
     with b.torch.inference_mode():
-        logits, prefill_ms, prefill_top = _busy_ms(b, lambda: model(
+        logits, prefill_ms, prefill_top, prefill_waits = _busy_ms(b, lambda: model(
             ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits)
         tok = logits[:, -1:].argmax(-1)
 
@@ -137,10 +163,13 @@ def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
                 t = model(t, past_key_values=cache, use_cache=True,
                           logits_to_keep=1).logits[:, -1:].argmax(-1)
 
-        _, decode_ms, decode_top = _busy_ms(b, decode)
+        _, decode_ms, decode_top, decode_waits = _busy_ms(b, decode)
     return {"prefill_busy_ms": prefill_ms, "step_busy_ms": decode_ms / steps,
             "prefill_top": prefill_top,
-            "decode_top": [[name, ms / steps] for name, ms in decode_top]}
+            "decode_top": [[name, ms / steps] for name, ms in decode_top],
+            "prefill_waits": prefill_waits,
+            "decode_waits": [[name, ms / steps, calls / steps]
+                             for name, ms, calls in decode_waits]}
 
 
 def _rounds(b: Bench, model: Any, make: Any, base_make: Any | None, ids: Any) -> dict:
@@ -242,6 +271,10 @@ def cache(b: Bench) -> dict:
                        f"{run['kv_bytes'] / 2**20:.1f}", f"{row['kv_ratio']:.2f}",
                        str(run["codes_calls"]), f"{run['prefill_busy']:.0%}",
                        f"{run['step_busy']:.0%}"])
+            if run["prefill_waits"]:
+                table.note(f"{label} host waits on CUDA, prefill: "
+                           f"{_waits_text(run['prefill_waits'])}; per decode step: "
+                           f"{_waits_text(run['decode_waits'])}")
     del model
     gc.collect()
     if b.device == "cuda":

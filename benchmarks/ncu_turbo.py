@@ -19,6 +19,7 @@ the script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 
@@ -53,9 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from gpu_common import count  # benchmarks/ is the script's directory
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # read when the kernels are decorated, at their import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from kvtool.kernels import triton_cuda as tc
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     n = count(args.vectors)
     _pin(tc._encode_kernel, *args.encode)
     _pin(tc._decode_kernel, *args.decode)

@@ -131,10 +131,10 @@ print(json.dumps({
 """
 
 
-def test_class_arguments_share_compiles_and_small_calls_skip_the_search():
+def test_class_arguments_share_compiles_and_small_calls_get_one_config():
     """The autotuners' class arguments are tuned on but not specialised on (a config compiles
     once for every class: the H100's first load recompiled each decode config for the other
-    class); the turbo search holds the H100's winners; small calls take one config, untuned.
+    class); the turbo search holds the H100's winners; small calls get one config (no search).
     Compiled-path autotuners exist without a GPU when the interpreter is off."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "KVTOOL_AUTOTUNE_CACHE")}

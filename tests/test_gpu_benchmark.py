@@ -40,7 +40,8 @@ ROW_KEYS = {
                 "encode_pct_copy", "decode_pct_copy", "rel_mse"},
     "cache": {"context", "cache", "prefill_s", "decode_tok_s", "peak_bytes", "kv_bytes",
               "prefill_ratio", "decode_ratio", "kv_ratio", "peak_ratio", "codes_calls",
-              "prefill_busy", "step_busy", "prefill_top", "decode_top"},
+              "prefill_busy", "step_busy", "prefill_top", "decode_top", "prefill_waits",
+              "decode_waits"},
 }
 
 
@@ -115,7 +116,7 @@ def test_smoke_json_has_every_result(smoke):
         # slows one run and not the other)
         assert row["prefill_busy"] > 0 and row["step_busy"] > 0, row
         assert row["prefill_top"] and row["decode_top"][0][0].startswith("aten::"), row
-        assert row["rounds"] == 1
+        assert row["rounds"] == 1 and row["prefill_waits"] == row["decode_waits"] == []
         assert row["decode_ratio_min"] <= row["decode_ratio"] <= row["decode_ratio_max"], row
     dyn = data["cache"]["rows"][0]
     assert dyn["decode_ratio"] == dyn["decode_ratio_min"] == dyn["prefill_ratio"] == 1.0
@@ -262,13 +263,13 @@ def test_budget_deadlines_are_cumulative_and_skip_rows_that_do_not_fit():
 
 def test_ncu_script_launches_each_kernel_twice_at_one_config():
     """``benchmarks/ncu_turbo.py`` (what ``gpu_session.sh`` profiles with Nsight Compute):
-    under the interpreter it runs the compile and the profiled encode + decode and decodes
-    what it encoded; on GPUs each autotuner's search becomes the one config asked for, so no
-    tuning launch precedes the profiled ones."""
+    without CUDA it turns the interpreter on itself, runs the compile and the profiled
+    encode + decode and decodes what it encoded; on GPUs each autotuner's search becomes the
+    one config asked for, so no tuning launch precedes the profiled ones."""
     import ncu_turbo
     import triton
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it sets it
     run = subprocess.run([sys.executable, str(BENCH / "ncu_turbo.py"), "--vectors", "128",
                           "--bits", "3"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -283,3 +284,23 @@ def test_ncu_script_launches_each_kernel_twice_at_one_config():
     ncu_turbo._pin(tuner, 256, 8)
     (config,) = tuner.configs
     assert config.kwargs == {"BLOCK_M": 256} and config.num_warps == 8
+
+
+def test_host_waits_rank_cuda_calls_that_are_not_launches():
+    """What a host-bound phase waited on: CUDA runtime/driver calls on the host summed by name,
+    costliest first, kernel launches and device events and aten ops left out."""
+    from types import SimpleNamespace
+
+    import gpu_cache
+
+    def event(name, us, device="cpu"):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("cudaStreamSynchronize", 3000), event("cudaLaunchKernel", 9000),
+              event("cuLaunchKernelEx", 9000), event("aten::mm", 9000),
+              event("cudaStreamSynchronize", 1500), event("cudaHostAlloc", 2000),
+              event("_attend_kernel", 9000, "cuda"), event("cudaMemcpyAsync", 10)]
+    assert gpu_cache.host_waits(events, "cpu", most=2) == [
+        ["cudaStreamSynchronize", 4.5, 2], ["cudaHostAlloc", 2.0, 1]]
+    assert gpu_cache._waits_text([["cudaHostAlloc", 2.0, 1]]) == "cudaHostAlloc 2.00 ms x1"

@@ -113,9 +113,10 @@ def next_power_of_2(n: int) -> int:
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
     elements per thread spills: ``benchmarks/triton_sass.py``). Small calls (``size_class``
-    0: a cache's block flushes, a load's layers) take the first config untuned: on the H100
-    it ran within 13% of the best of them (~2 µs a call), where tuning costs a process that
-    meets a new key mid-generation the compile of every config."""
+    0: a cache's block flushes, a load's layers) get the first config alone: on the H100 it
+    ran within 13% of the best of them (~2 µs a call), where a search costs a process that
+    meets a new key mid-generation the compile of every config (Triton 3.9+ launches a lone
+    config untimed; older ones time it once, ~0.1 s)."""
     if named_args.get("size_class", kwargs.get("size_class", 1)) == 0:
         return configs[:1]
     dim = kwargs.get("D", named_args.get("D", 128))
