@@ -113,8 +113,9 @@ def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]], list[list[
                  + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         out = fn()
         b.clock.sync()
+    events = prof.events()  # built from the trace on each call
     spent: dict[str, float] = {}
-    for event in prof.events():
+    for event in events:
         if cuda and event.device_type == DeviceType.CUDA:
             us = event.time_range.elapsed_us()
         elif not cuda and event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
@@ -123,7 +124,7 @@ def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]], list[list[
             continue
         spent[event.name] = spent.get(event.name, 0.0) + us / 1e3
     top = sorted(spent.items(), key=lambda item: -item[1])[:5]
-    waits = host_waits(prof.events(), DeviceType.CPU) if cuda else []
+    waits = host_waits(events, DeviceType.CPU) if cuda else []
     return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top], waits
 
 
