@@ -51,12 +51,14 @@ def test_rows_and_ops_per_layer(tmp_path):
 
 
 def test_attend_host_rows():
-    """``benchmarks/attend_host.py``: every row (the store path of turbo3 and ``quality``, the
-    parts path of ``balanced`` and ``small``) runs on CPU tensors with its kernels stubbed."""
+    """``benchmarks/attend_host.py``: every row (``turbo_decode_attention``, the store path of
+    turbo3 and ``quality``, the parts path of ``balanced`` and ``small``) runs on CPU tensors
+    with its kernels stubbed."""
     script = SCRIPT.with_name("attend_host.py")
     run = subprocess.run([sys.executable, str(script), "--calls", "20", "--repeats", "1"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for shape in ("B=1 N=8K turbo3", "B=8 N=32K turbo3", "B=1 N=8K quality",
+    for shape in ("B=1 N=8K turbo_decode_attention", "B=8 N=32K turbo_decode_attention",
+                  "B=1 N=8K turbo3", "B=8 N=32K turbo3", "B=1 N=8K quality",
                   "B=1 N=8K balanced", "B=1 N=8K small"):
-        assert f"{shape:>28} |" in run.stdout, run.stdout
+        assert f"{shape:>36} |" in run.stdout, run.stdout

@@ -26,7 +26,7 @@ time (three launches cost ~200 µs of host time on an H200, the kernels ~30 µs 
   run on tensor cores with fp16 operands (rotated query, centroids, ``p·‖v‖``; ~6e-4 relative
   error) and fp32 accumulation.
 - An encoded part is a token range of one *group*: with candidates the blocks are sorted by
-  their (value, key) rotation pair (once per store change, :func:`_groups`), so a program
+  their (value, key) rotation pair (once per store change, ``triton_attention_store._groups``), so a program
   reads one key rotation and one value rotation; centered keys add ``q·mean`` per token (the
   block's fp16 mean against the scaled query in two fp16 pieces). The part ends by rotating
   its value sum back with its ``R`` (exact in bf16, the sum in two bf16 pieces).
@@ -47,8 +47,6 @@ then attended.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -57,6 +55,7 @@ import torch
 
 from kvtool.kernels.bitpack import group_shape
 from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part, _finish_part
+from kvtool.kernels.triton_attention_store import Store, prepare
 from kvtool.kernels.triton_cuda import (
     BITS,
     DIMS,
@@ -80,7 +79,6 @@ from kvtool.kernels.triton_launch import (
     Signature,
     StreamScratch,
     exact_key,
-    meta,
     plan_token,
 )
 
@@ -209,45 +207,6 @@ def _table(dim: int, bits: int, device: torch.device) -> torch.Tensor:
     return _codebook(dim, bits, device)[1].to(torch.float16)
 
 
-_GROUPS: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
-_GROUPS_LOCK = threading.Lock()
-
-
-def _groups(k_rot: torch.Tensor | None, v_rot: torch.Tensor | None, ck: int, cv: int,
-            heads: int, blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order int32 [BH, blocks], offsets int32 [BH, CK·CV + 1]): each row's blocks sorted
-    (stably) by group ``v_rot · CK + k_rot``; group g's blocks are ``order[offsets[g]:
-    offsets[g + 1]]``. Memoised on the rotation tensors' memory (a store changes once per new
-    block); the entry keeps them alive, so their addresses cannot be reused while it stands.
-    Tensors written in place must not come again (inference tensors count no versions)."""
-    def ident(t: torch.Tensor | None) -> tuple[Any, ...]:
-        if t is None:
-            return (None,)
-        version = -1 if t.is_inference() else t._version
-        return t.data_ptr(), version, tuple(t.shape), t.stride()
-
-    key = (*ident(k_rot), *ident(v_rot), ck, cv, heads, blocks, str(device))
-    with _GROUPS_LOCK:
-        hit = _GROUPS.get(key)
-        if hit is not None:
-            _GROUPS.move_to_end(key)
-            return hit[2], hit[3]
-    group = torch.zeros((heads, blocks), dtype=torch.int64, device=device)
-    if k_rot is not None:
-        group += k_rot.reshape(heads, blocks).long()
-    if v_rot is not None:
-        group += v_rot.reshape(heads, blocks).long() * ck
-    values, order = torch.sort(group, dim=1, stable=True)
-    bounds = torch.arange(ck * cv + 1, device=device).expand(heads, -1).contiguous()
-    entry = (k_rot, v_rot, order.to(torch.int32).contiguous(),
-             torch.searchsorted(values, bounds).to(torch.int32))
-    with _GROUPS_LOCK:
-        _GROUPS[key] = entry
-        while len(_GROUPS) > 256:
-            _GROUPS.popitem(last=False)
-    return entry[2], entry[3]
-
-
 def _splits(device: torch.device, programs: int, tokens: int) -> int:
     """Parts per group: as many programs as fit four to an SM, never more (on an H200, 9 splits
     of 64 KV heads — 576 programs for 528 — took 630 µs at 32K tokens where 8 took 555, a
@@ -273,30 +232,6 @@ def max_rows(dim: int) -> int:
     return MAX_ROWS if dim <= 128 else MAX_ROWS // 2
 
 
-class Store(NamedTuple):
-    """One layer's encoded keys and values as :func:`attend_store` reads them, made by
-    :func:`prepare`: checked, made contiguous, grouped by rotation and keyed once, since a
-    store serves every attention call of a layer until it changes (a decode step's layers
-    share the shapes, so they share a plan too)."""
-
-    k_codes: torch.Tensor
-    k_norms: torch.Tensor
-    v_codes: torch.Tensor
-    v_norms: torch.Tensor
-    dim: int
-    k_bits: int
-    v_bits: int
-    k_seeds: tuple[int, ...]
-    v_seeds: tuple[int, ...]
-    key_means: torch.Tensor | None  # fp16
-    block: int
-    blocks: int
-    order: torch.Tensor  # with several candidates, else ``k_codes`` (unread)
-    offsets: torch.Tensor
-    words: tuple[bool, bool]  # each role's codes start on a 32-bit word
-    signature: Signature  # what a plan depends on
-
-
 class _Plan(NamedTuple):
     """What a call's shapes and options decide (checked once per distinct signature)."""
 
@@ -317,60 +252,6 @@ class _Plan(NamedTuple):
 _PLANS = Plans()
 
 
-def _check_codes(name: str, codes: torch.Tensor, norms: torch.Tensor, heads: int, n: int,
-                 nbytes: int) -> None:
-    if tuple(codes.shape) != (heads, n, nbytes) or tuple(norms.shape) != (heads, n) \
-            or codes.dtype != torch.uint8 or not norms.is_floating_point():
-        raise ValueError(f"attention from codes: {name} codes {tuple(codes.shape)} "
-                         f"{codes.dtype} / norms {tuple(norms.shape)} {norms.dtype} are not "
-                         f"uint8 [{heads}, {n}, {nbytes}] / float [{heads}, {n}]")
-
-
-def prepare(k_codes: torch.Tensor, k_norms: torch.Tensor, v_codes: torch.Tensor,
-            v_norms: torch.Tensor, *, dim: int, k_bits: int, v_bits: int,
-            k_seeds: Sequence[int], v_seeds: Sequence[int],
-            k_rotations: torch.Tensor | None = None, v_rotations: torch.Tensor | None = None,
-            key_means: torch.Tensor | None = None, block: int = 0) -> Store:
-    """The :class:`Store` of encoded tokens (arguments as :func:`attend`'s); ValueError for
-    arrays no encode writes."""
-    k_seeds, v_seeds = tuple(k_seeds), tuple(v_seeds)
-    for bits in (k_bits, v_bits):
-        if not supported(dim, bits):
-            raise ValueError(f"attention from codes supports dims {DIMS} and bits {BITS}, "
-                             f"got dim={dim} bits={bits}")
-    if k_codes.ndim != 3:
-        raise ValueError(f"attention from codes: key codes must be [B·Hkv, N, bytes], got "
-                         f"{tuple(k_codes.shape)}")
-    heads, n = k_codes.shape[0], k_codes.shape[1]
-    _check_codes("key", k_codes, k_norms, heads, n, dim * k_bits // 8)
-    _check_codes("value", v_codes, v_norms, heads, n, dim * v_bits // 8)
-    ck, cv = len(k_seeds), len(v_seeds)
-    sorted_ = ck > 1 or cv > 1
-    if (sorted_ or key_means is not None) and (block < 1 or n % block):
-        raise ValueError(f"attention from codes: {n} encoded tokens are not whole blocks of "
-                         f"{block}")
-    blocks = n // block if block >= 1 else 1
-    for name_, t, want in (("k_rotations", k_rotations, (heads, blocks)),
-                           ("v_rotations", v_rotations, (heads, blocks)),
-                           ("key_means", key_means, (heads, blocks, dim))):
-        if t is not None and tuple(t.shape) != want:
-            raise ValueError(f"attention from codes: {name_} {tuple(t.shape)}, expected {want}")
-    k_codes, v_codes = k_codes.contiguous(), v_codes.contiguous()
-    if sorted_:
-        order, offsets = _groups(k_rotations, v_rotations, ck, cv, heads, blocks,
-                                 k_codes.device)
-    else:
-        order = offsets = k_codes
-    signature = Signature(meta(k_codes), meta(k_norms), meta(v_codes), meta(v_norms),
-                          key_means is not None, dim, k_bits, v_bits, k_seeds, v_seeds, block,
-                          k_codes.device)
-    return Store(k_codes, k_norms.contiguous(), v_codes, v_norms.contiguous(), dim, k_bits,
-                 v_bits, k_seeds, v_seeds,
-                 None if key_means is None else key_means.to(torch.float16).contiguous(),
-                 block, blocks, order, offsets,
-                 (k_codes.data_ptr() % 4 == 0, v_codes.data_ptr() % 4 == 0), signature)
-
-
 def _plan(q: torch.Tensor, store: Store, ke: torch.Tensor | None, ve: torch.Tensor | None,
           bias: torch.Tensor | None, causal: bool, split_k: int | None,
           out_dtype: torch.dtype) -> _Plan:
@@ -381,7 +262,7 @@ def _plan(q: torch.Tensor, store: Store, ke: torch.Tensor | None, ve: torch.Tens
         raise ValueError(f"attention from codes: q must be [B, Hq, Q, {dim}], got "
                          f"{tuple(q.shape)}")
     batch, hq, nq, _ = q.shape
-    heads, n = store.k_codes.shape[0], store.k_codes.shape[1]
+    heads, n = store.heads, store.tokens
     if batch == 0 or heads % batch or hq % max(1, heads // batch) or not heads:
         raise ValueError(f"attention from codes: {heads} code rows do not hold the KV heads "
                          f"of {hq} query heads × batch {batch}")
@@ -484,7 +365,7 @@ def attend_store(q: torch.Tensor, store: Store, ke: torch.Tensor | None = None,
            split_k, out_dtype)
     plan = _PLANS.get(key, lambda: _plan(q, store, ke, ve, bias, causal, split_k, out_dtype))
     batch, hq, nq, dim = q.shape
-    heads, n = store.k_codes.shape[0], store.k_codes.shape[1]
+    heads, n = store.heads, store.tokens
     if q.stride(-1) != 1:
         q = q.contiguous()
     constants = plan.constants
@@ -518,7 +399,43 @@ def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torc
     """Split-K decode attention straight from turbo codes: ``softmax(q·k̂ᵀ·scale)·v̂`` → fp32
     ``[B, Hq, D]`` for q ``[B, Hq, D]``, codes ``[B, Hkv, N, nbytes]``, norms ``[B, Hkv, N]``
     (the signature and semantics of :func:`kvtool.kernels.triton_cuda.turbo_decode_attention`;
-    ``split_k``: token splits)."""
+    ``split_k``: token splits). A call whose layout (shapes, strides, dtypes, options) was
+    seen before skips the checks and reuses its store's signature: a decode loop makes the
+    same call every step, and at batch 1 its host work, not the kernel, sets the time."""
+    layout = (q.shape, q.dtype, q.device, *(
+        (t.shape, t.stride(), t.dtype) for t in (k_codes, k_norms, v_codes, v_norms)),
+        dim, k_bits, k_seed, v_bits, v_seed, split_k)
+    hit = _TURBO_LAYOUTS.get(layout)
+    if hit is None:
+        store = _turbo_store(q, k_codes, k_norms, v_codes, v_norms, dim, k_bits, k_seed,
+                             v_bits, v_seed, split_k)
+        if len(_TURBO_LAYOUTS) >= 64:
+            _TURBO_LAYOUTS.clear()
+        _TURBO_LAYOUTS[layout] = (store.signature, all(
+            t.is_contiguous() for t in (k_codes, k_norms, v_codes, v_norms)))
+    else:
+        signature, dense = hit
+        b, hkv, n = k_codes.shape[:3]
+        if dense:  # the kernel reads pointers: the [B, Hkv, ...] tensors serve as they are
+            kc, kn, vc, vn = k_codes, k_norms, v_codes, v_norms
+        else:
+            kc, vc = (t.reshape(b * hkv, n, -1).contiguous() for t in (k_codes, v_codes))
+            kn, vn = (t.reshape(b * hkv, n).contiguous() for t in (k_norms, v_norms))
+        store = Store(kc, kn, vc, vn, dim, k_bits, v_bits, (k_seed,), (v_seed,), None, 0, 1,
+                      kc, kc, (kc.data_ptr() % 4 == 0, vc.data_ptr() % 4 == 0), signature,
+                      b * hkv, n)
+    return attend_store(q.unsqueeze(2), store, scale=scale, split_k=split_k).squeeze(1)
+
+
+#: turbo_decode_attention's checked call layouts: their stores' signatures, and whether the
+#: four code and norm tensors are contiguous
+_TURBO_LAYOUTS: dict[tuple[Any, ...], tuple[Signature, bool]] = {}
+
+
+def _turbo_store(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
+                 v_codes: torch.Tensor, v_norms: torch.Tensor, dim: int, k_bits: int,
+                 k_seed: int, v_bits: int, v_seed: int, split_k: int | None) -> Store:
+    """:func:`turbo_decode_attention`'s checks (ValueError on a bad call) and its store."""
     for bits in (k_bits, v_bits):
         if not supported(dim, bits):
             raise ValueError(f"triton turbo kernels support dims {DIMS} and bits {BITS}, "
@@ -533,11 +450,9 @@ def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torc
         raise ValueError("decode attention: inconsistent q/k/v shapes")
     if split_k is not None and not 1 <= split_k <= 65535:
         raise ValueError(f"split_k must be in 1..65535, got {split_k}")
-    out = attend(q[:, :, None, :], k_codes.reshape(b * hkv, n, -1), k_norms.reshape(b * hkv, n),
-                 v_codes.reshape(b * hkv, n, -1), v_norms.reshape(b * hkv, n), dim=dim,
-                 k_bits=k_bits, v_bits=v_bits, k_seeds=(k_seed,), v_seeds=(v_seed,),
-                 scale=scale, split_k=split_k)
-    return out.reshape(b, hq, dim)
+    return prepare(k_codes.reshape(b * hkv, n, -1), k_norms.reshape(b * hkv, n),
+                   v_codes.reshape(b * hkv, n, -1), v_norms.reshape(b * hkv, n), dim=dim,
+                   k_bits=k_bits, v_bits=v_bits, k_seeds=(k_seed,), v_seeds=(v_seed,))
 
 
 __all__ = ["BUILD_ERRORS", "MAX_ROWS", "INTERPRET", "Store", "attend", "attend_store", "available",
