@@ -84,8 +84,53 @@ def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loa
     out = runner.invoke(cli, ["serve", "--dry-run", "--pin", other])
     assert out.exit_code == 5 and "belongs to another model" in out.output, out.output
     assert "Traceback" not in out.output
-    bad = runner.invoke(cli, ["serve", "--dry-run", "--max-store-bytes", "lots"])
+    bad = runner.invoke(cli, ["serve", "--dry-run", "--store", str(tmp_path / "s"),
+                              "--max-store-bytes", "lots"])
     assert bad.exit_code != 0 and "not a size" in bad.output
+
+
+def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded, tmp_path,
+                                                                   monkeypatch):
+    """Each refused with one line before vLLM starts: a store bound of 0 or without a store, a
+    context past the model's positions (unless vLLM's override is set), a store path that
+    holds files but no store, a pin the connector would not serve; a pin longer than a prompt
+    can be gets a note."""
+    import dataclasses
+
+    from kvtool.engines.hf import capture
+    from kvtool.formats import save
+
+    def refused(*args: str) -> str:
+        out = runner.invoke(cli, ["serve", "--dry-run", *args])
+        assert out.exit_code != 0, out.output
+        assert len(out.output.strip().splitlines()) == 1 and "Traceback" not in out.output
+        return out.output
+
+    store = str(tmp_path / "store")
+    assert "positive size" in refused("--store", store, "--max-store-bytes", "0")
+    assert "give --store" in refused("--max-store-bytes", "2GB")
+    assert "give --store" in refused("--store-timeout", "2")
+    assert "8192 positions" in refused("--max-model-len", "8193")
+    argv = dry_run(runner, "--max-model-len", "8192")["argv"]
+    assert argv[argv.index("--max-model-len") + 1] == "8192"  # the model's own length
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    argv = dry_run(runner, "--max-model-len", "10000")["argv"]
+    assert argv[argv.index("--max-model-len") + 1] == "10000"
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    junk = tmp_path / "home"
+    (junk / "notes").mkdir(parents=True)
+    (junk / "todo.txt").write_text("x")
+    assert "holds no kvtool store" in refused("--store", str(junk))
+    assert dry_run(runner, "--store", str(tmp_path / "new"))["store"] == str(tmp_path / "new")
+    text = " ".join(["A pinned system prompt that runs past a short context."] * 3)
+    cache = capture(loaded.model, loaded.tokenizer, text, model_info=loaded.info)
+    assert cache.num_tokens > 16
+    pin, bare = str(tmp_path / "system.kvz"), str(tmp_path / "bare.kvz")
+    save(cache, pin)
+    save(dataclasses.replace(cache, token_ids=None), bare)
+    assert "stores no token ids" in refused("--pin", bare)
+    notes = dry_run(runner, "--dtype", "float32", "--max-model-len", "16", "--pin", pin)["notes"]
+    assert len(notes) == 1 and "reach --max-model-len 16" in notes[0], notes
 
 
 # -- metrics without a server ---------------------------------------------------------------------

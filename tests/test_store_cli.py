@@ -147,6 +147,29 @@ def test_bad_options_and_paths_are_one_line_errors(root, runner, args, message):
     assert "Traceback" not in out.output
 
 
+def test_a_directory_of_other_files_is_not_an_empty_store(tmp_path, runner):
+    """A mistyped path (files, none a store's) is refused by every command, one line; an empty
+    directory is an empty store, and one with only a server's stats/ is a store."""
+    junk = tmp_path / "home"
+    (junk / "photos").mkdir(parents=True)
+    (junk / "notes.txt").write_text("x")
+    pin = tmp_path / "p.kvz"
+    pin.write_bytes(b"x")
+    for command, *extra in (["ls"], ["ls", "--json"], ["stats"], ["stats", "--json"],
+                            ["verify"], ["prune", "--max-bytes", "1"], ["pin", str(pin)]):
+        out = runner.invoke(cli, ["store", command, str(junk), *extra])
+        assert out.exit_code != 0, (command, out.output)
+        assert "holds no kvtool store" in out.output and "notes.txt, photos" in out.output
+        assert len(out.output.strip().splitlines()) == 1, out.output
+    assert sorted(os.listdir(junk)) == ["notes.txt", "photos"]  # nothing written there
+    assert store_admin.scan(junk, missing_ok=True).chunks == []  # a server's own budget scan
+    (tmp_path / "empty" / "lost+found").mkdir(parents=True)  # a volume's mount point
+    (tmp_path / "empty" / ".snapshot").write_text("x")
+    assert store_admin.scan(tmp_path / "empty").chunks == []
+    (junk / "stats").mkdir()
+    assert store_admin.scan(junk).chunks == []
+
+
 def test_prune_with_no_option_removes_no_chunk(root, runner):
     out = runner.invoke(cli, ["store", "prune", str(root)])
     assert out.exit_code == 0, out.output

@@ -120,6 +120,9 @@ def test_store_timeout_option_is_checked():
         "max_bytes": 1_000_000, "quarantine_age": 3600.0}
     with pytest.raises(KvtoolError, match="quarantine_max_bytes"):
         budget_options({"quarantine_max_bytes": "lots"})
+    for zero in ("0", "0GB", 0):  # a bound that evicts every chunk as it is written
+        with pytest.raises(KvtoolError, match="max_bytes: .* positive size"):
+            budget_options({"max_bytes": zero})
 
 
 # -- compiled kernels and the caller's threads ----------------------------------------------------

@@ -364,6 +364,11 @@ def test_store_cli_on_a_url(s3, url, runner, tmp_path):
     missing = runner.invoke(cli, ["store", "stats", "s3://no-such-kvtool-bucket/x"])
     assert missing.exit_code != 0 and "does not exist" in missing.output
     assert "Traceback" not in missing.output
+    other = f"{url}-backups"  # a prefix of other objects is no store, nor an empty one
+    put(s3, other, "2026/db.tar", b"x")
+    foreign = runner.invoke(cli, ["store", "ls", other])
+    assert foreign.exit_code != 0 and "holds no kvtool store: none of its entries (2026)" \
+        in foreign.output, foreign.output
 
 
 # -- downloads ------------------------------------------------------------------------------------

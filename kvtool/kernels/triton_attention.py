@@ -26,10 +26,10 @@ time (three launches cost ~200 µs of host time on an H200, the kernels ~30 µs 
   run on tensor cores with fp16 operands (rotated query, centroids, ``p·‖v‖``; ~6e-4 relative
   error) and fp32 accumulation.
 - An encoded part is a token range of one *group*: with candidates the blocks are sorted by
-  their (value, key) rotation pair (once per store change, ``triton_attention_store._groups``), so a program
-  reads one key rotation and one value rotation; centered keys add ``q·mean`` per token (the
-  block's fp16 mean against the scaled query in two fp16 pieces). The part ends by rotating
-  its value sum back with its ``R`` (exact in bf16, the sum in two bf16 pieces).
+  their (value, key) rotation pair (once per store change, in ``triton_attention_store``), so
+  a program reads one key rotation and one value rotation; centered keys add ``q·mean`` per
+  token (the block's fp16 mean against the scaled query in two fp16 pieces). The part ends by
+  rotating its value sum back with its ``R`` (exact in bf16, the sum in two bf16 pieces).
 - The last parts attend the exact tokens (sinks, window, this forward's tokens) in the
   unrotated domain — an accumulator of their own, in fp32 accuracy (16-bit K/V times the fp32
   operand in 16-bit pieces) — with an optional additive bias and the causal rule among the new

@@ -223,16 +223,35 @@ def store_timeout(extra: dict[str, Any]) -> float:
     return seconds
 
 
+def parse_max_bytes(text: str, label: str) -> int:
+    """A store's bound in bytes (``2GB``; see ``store_admin.parse_size``): a
+    :class:`KvtoolError` naming ``label`` unless it is a positive size."""
+    from kvtool.engines.vllm.store_admin import parse_size
+    from kvtool.errors import KvtoolError
+
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise KvtoolError(f"{label}: {e}") from None
+    if size <= 0:
+        raise KvtoolError(f"{label}: {text!r} would evict every chunk as it is written; give "
+                          "a positive size (like 2GB)")
+    return size
+
+
 def budget_options(extra: dict[str, Any]) -> dict[str, Any]:
     """The :class:`~kvtool.engines.vllm.store_budget.StoreBudget` keyword arguments of the
     connector options ``max_bytes``, ``quarantine_max_bytes`` (sizes) and
-    ``quarantine_max_age`` (a duration); each refused, by name, when malformed."""
+    ``quarantine_max_age`` (a duration); each refused, by name, when malformed (and
+    ``max_bytes`` unless positive)."""
     from kvtool.engines.vllm.store_admin import parse_duration, parse_size
     from kvtool.errors import KvtoolError
 
     out: dict[str, Any] = {}
-    for option, arg, parse in (("max_bytes", "max_bytes", parse_size),
-                               ("quarantine_max_bytes", "quarantine_bytes", parse_size),
+    if extra.get("max_bytes") is not None:
+        out["max_bytes"] = parse_max_bytes(str(extra["max_bytes"]),
+                                           "kv_connector_extra_config: max_bytes")
+    for option, arg, parse in (("quarantine_max_bytes", "quarantine_bytes", parse_size),
                                ("quarantine_max_age", "quarantine_age", parse_duration)):
         if extra.get(option) is None:
             continue
@@ -250,6 +269,17 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def unservable(f: Any) -> str | None:
+    """Why an open .kvz (:class:`~kvtool.formats.reader.KvzFile`) cannot be served as a prefix
+    (None: it can): a prompt is matched against its token ids, and paged blocks hold no
+    sliding-window layer's partial window."""
+    if f.token_ids is None:
+        return "it stores no token ids"
+    if f.layer_info and any(f.layer_info):
+        return "it has sliding-window layers"
+    return None
+
+
 def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
     """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
     file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`).
@@ -263,12 +293,10 @@ def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
             if identity_key(f.model) != fingerprint:
                 raise ValueError("it belongs to another model")
-            ids = f.token_ids
-            if ids is None:
-                raise ValueError("it stores no token ids")
-            if f.layer_info and any(f.layer_info):
-                raise ValueError("it has sliding-window layers")
-            return path, ids
+            why = unservable(f)
+            if why:
+                raise ValueError(why)
+            return path, f.token_ids
     except (KvtoolError, OSError, ValueError) as e:
         log.warning("kvtool: not serving %s: %s", path, e)
         count("invalid_files")

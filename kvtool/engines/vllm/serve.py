@@ -47,9 +47,12 @@ def _cuda() -> bool:
         return False
 
 
-def check_pin(path: str, fingerprint: str, dtype: str) -> tuple[str, str | None]:
-    """The pin's real path, after checking that it is a .kvz of this model (any dtype), and
-    a note when its K/V will be cast to the server's ``dtype``."""
+def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int
+              ) -> tuple[str, str | None]:
+    """The pin's real path, after checking that it is a .kvz of this model (any dtype) that
+    the connector serves (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its
+    K/V will be cast to the server's ``dtype`` or it is longer than a prompt can be."""
+    from kvtool.engines.vllm.common import unservable
     from kvtool.formats import open_kvz
     from kvtool.models import cast_note, identity_key
 
@@ -59,7 +62,28 @@ def check_pin(path: str, fingerprint: str, dtype: str) -> tuple[str, str | None]
     with open_kvz(real) as f:
         if identity_key(f.model) != fingerprint:
             raise ModelMismatchError(f"--pin {path}: it belongs to another model")
-        return str(real), cast_note(f.model, dtype)
+        why = unservable(f)
+        if why:
+            raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
+        notes = [cast_note(f.model, dtype)]
+        if f.num_tokens >= max_model_len:
+            notes.append(f"its {f.num_tokens} tokens reach --max-model-len {max_model_len}: a "
+                         f"prompt reuses at most its first {max_model_len - 1}")
+        return str(real), "; ".join(n for n in notes if n) or None
+
+
+def _positions(config: Any) -> int | None:
+    """The context length vLLM derives from a config and refuses to exceed (without
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``): its positions, or ``model_max_length`` where larger;
+    None where vLLM reads it from elsewhere (rope scaling stretches it, other keys)."""
+    text = config.get_text_config()
+    positions = getattr(text, "max_position_embeddings", None)
+    scaling = getattr(text, "rope_scaling", None) or {}
+    if not isinstance(positions, int) or positions <= 0 or (
+            isinstance(scaling, dict) and scaling.get("rope_type", "default") != "default"):
+        return None
+    longest = getattr(config, "model_max_length", None)
+    return max(positions, longest) if isinstance(longest, int) else positions
 
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -85,27 +109,36 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
     info = model_identity(config, name=name, dtype=ident_dtype)
+    longest = _positions(config)
     if max_model_len is None:
-        max_model_len = min(4096, int(getattr(config.get_text_config(),
-                                              "max_position_embeddings", 0) or 4096))
+        max_model_len = min(4096, longest or 4096)
+    elif longest is not None and max_model_len > longest and os.environ.get(
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() not in ("1", "true"):
+        raise KvtoolError(f"--max-model-len {max_model_len}: the model has {longest} positions "
+                          "(vLLM refuses a longer context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
+                          "is set, and past them RoPE models produce NaNs)")
     options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
     connector: dict[str, Any] = {"model_name": name, **options}
     if store:
         if "://" not in store and os.path.lexists(store) and not os.path.isdir(store):
             raise KvtoolError(f"--store {store}: not a directory (a store is a directory, or "
                               "an s3:// URL)")
-        connector["store_path"] = store
-    if max_store_bytes:
-        from kvtool.engines.vllm.store_admin import parse_size
+        if "://" not in store:  # a bucket is checked when the banner scans it
+            from kvtool.engines.vllm.store_admin import refuse_foreign
 
-        try:
-            parse_size(max_store_bytes)
-        except ValueError as e:
-            raise KvtoolError(f"--max-store-bytes: {e}") from None
+            refuse_foreign(store)
+        connector["store_path"] = store
+    if not store and (max_store_bytes is not None or store_timeout is not None):
+        raise KvtoolError("--max-store-bytes and --store-timeout bound a store: give --store "
+                          "DIR (or an s3:// URL) too")
+    if max_store_bytes is not None:
+        from kvtool.engines.vllm.common import parse_max_bytes
+
+        parse_max_bytes(max_store_bytes, "--max-store-bytes")  # what the connector refuses
         connector["max_bytes"] = max_store_bytes
     if store_timeout is not None:
         connector["store_timeout"] = store_timeout
-    checked = [check_pin(p, info["fingerprint"], ident_dtype) for p in pins]
+    checked = [check_pin(p, info["fingerprint"], ident_dtype, max_model_len) for p in pins]
     real_pins = [real for real, _ in checked]
     if real_pins:
         connector["kvz_files"] = real_pins

@@ -118,7 +118,9 @@ def backend_of(root: str | os.PathLike | Backend,
 def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None, *,
          missing_ok: bool = False) -> StoreScan:
     """Walk the store at ``root`` (a :class:`KvtoolError` if it is not a directory, or its
-    bucket cannot be reached; ``missing_ok``: a directory not made yet is an empty store)."""
+    bucket cannot be reached, or it holds no store but other entries: :func:`refuse_foreign`;
+    ``missing_ok``, the server's own scans: a directory not made yet, or of other entries, is
+    an empty store)."""
     backend = backend_of(root, storage_options)
     if missing_ok and not is_url(backend.location) and not os.path.lexists(backend.location):
         return StoreScan(backend.location, [], backend=backend)
@@ -149,7 +151,28 @@ def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None,
         else:
             out.ignored += 1
     out.models = sorted(models)
+    if not (missing_ok or out.chunks or out.temps or out.quarantine or out.models or out.pins):
+        refuse_foreign(backend)  # a server's own scans (missing_ok) take the root it was given
     return out
+
+
+def refuse_foreign(root: str | os.PathLike | Backend) -> None:
+    """A :class:`KvtoolError` for a store root that holds entries but none a store writes (a
+    mistyped path: the user's home, a model directory), which would read as an empty store
+    and fill up with a store's directories. An empty or missing root is a new store, as is
+    one of hidden entries and ``lost+found`` alone (a volume's mount point)."""
+    from kvtool.engines.vllm.activity import STATS_DIR
+    from kvtool.engines.vllm.store_s3 import HITS_DIR
+
+    backend = backend_of(root)
+    names = [n for n in backend.root_names() if not n.startswith(".") and n != "lost+found"]
+    own = (QUARANTINE_DIR, PINS_FILE, STATS_DIR, HITS_DIR)
+    if not names or any(MODEL_DIR.match(n) or n.startswith(own) for n in names):
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise KvtoolError(f"{backend.location} holds no kvtool store: none of its entries ({shown}) "
+                      f"is a store's (model directories of 16 hex digits, {QUARANTINE_DIR}/, "
+                      f"{STATS_DIR}/, {PINS_FILE}); check the path")
 
 
 def stats(found: StoreScan) -> dict[str, Any]:
@@ -359,6 +382,7 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     from kvtool.formats import load
 
     read_pins(root)  # a damaged pins file is refused before anything is written
+    refuse_foreign(root)  # as is a directory that is not a store
     cache = load(path)
     if cache.token_ids is None:
         raise KvtoolError(f"{path}: holds no token ids, so its chunks cannot be keyed")

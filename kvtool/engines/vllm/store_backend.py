@@ -86,6 +86,7 @@ class Backend(Protocol):
     def write_small(self, name: str, data: bytes) -> None: ...
     def collect_garbage(self, model: str) -> tuple[int, int]: ...
     def check(self) -> None: ...
+    def root_names(self) -> list[str]: ...
 
 
 def is_url(location: str | os.PathLike) -> bool:
@@ -278,6 +279,12 @@ class LocalBackend:
             n, b = remove_stale_temps(shard.path)
             files, freed = files + n, freed + b
         return files, freed
+
+    def root_names(self) -> list[str]:
+        """The names of the root's entries, sorted (none if it cannot be read)."""
+        with contextlib.suppress(OSError):
+            return sorted(os.listdir(self.location))
+        return []
 
     def check(self) -> None:
         """A :class:`KvtoolError` unless the root is a directory (or a symlink to one: the

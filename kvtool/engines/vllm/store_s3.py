@@ -429,6 +429,12 @@ class S3Backend:
         (:func:`collect_local_temps`). (files, bytes) removed."""
         return collect_local_temps()
 
+    def root_names(self) -> list[str]:
+        """The first components of the names under the prefix, sorted (of the first 1,000
+        objects listed)."""
+        return sorted({obj["Key"][len(self.prefix):].split("/", 1)[0]
+                       for _, obj in zip(range(1000), self._list(""), strict=False)})
+
     def check(self) -> None:
         """A one-line :class:`KvtoolError` unless the store can be listed (a missing bucket,
         refused credentials or access, an unreachable endpoint)."""
