@@ -32,7 +32,14 @@ import gc
 from statistics import median
 from typing import Any
 
-from gpu_common import Bench, Table, human, ratio  # benchmarks/ is the script's directory
+from gpu_common import (  # benchmarks/ is the script's directory
+    Bench,
+    Table,
+    device_work,
+    human,
+    ratio,
+    waits_text,
+)
 
 
 def build_model(b: Bench) -> Any:
@@ -100,61 +107,12 @@ def _run(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
     return out  # the cache goes with this frame (callers collect garbage before the next run)
 
 
-def _busy_ms(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]], list[list[Any]]]:
-    """(``fn()``, milliseconds of work the device ran meanwhile — CUDA kernels and copies; aten
-    ops' self time on the CPU —, the five costliest [name, ms], the host's waits on CUDA
-    (:func:`host_waits`))."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = b.device == "cuda"
-    b.clock.sync()
-    with profile(activities=[ProfilerActivity.CPU]
-                 + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        out = fn()
-        b.clock.sync()
-    events = prof.events()  # built from the trace on each call
-    spent: dict[str, float] = {}
-    for event in events:
-        if cuda and event.device_type == DeviceType.CUDA:
-            us = event.time_range.elapsed_us()
-        elif not cuda and event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
-            us = event.self_cpu_time_total
-        else:
-            continue
-        spent[event.name] = spent.get(event.name, 0.0) + us / 1e3
-    top = sorted(spent.items(), key=lambda item: -item[1])[:5]
-    waits = host_waits(events, DeviceType.CPU) if cuda else []
-    return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top], waits
-
-
-def host_waits(events: Any, cpu: Any, most: int = 4) -> list[list[Any]]:
-    """The CUDA runtime and driver calls (``cuda*``/``cu*`` host events, launches left out)
-    that took the host longest: [name, ms, calls], costliest first. A host-bound phase that
-    leaves the device idle shows here what it waited on — synchronisations, blocking copies,
-    pinned or device allocations (the profiled function's own closing
-    ``cudaDeviceSynchronize`` is one call among them)."""
-    spent: dict[str, list[float]] = {}
-    for event in events:
-        name = event.name
-        if event.device_type != cpu or not name.startswith("cu") or "Launch" in name:
-            continue
-        ms_calls = spent.setdefault(name, [0.0, 0])
-        ms_calls[0] += event.time_range.elapsed_us() / 1e3
-        ms_calls[1] += 1
-    ranked = sorted(spent.items(), key=lambda item: -item[1][0])[:most]
-    return [[name, round(ms, 3), int(calls)] for name, (ms, calls) in ranked]
-
-
-def _waits_text(waits: list[list[Any]]) -> str:
-    return ", ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in waits) or "none"
-
-
 def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
-    """Device-busy milliseconds of a prefill and per decode step (:func:`_busy_ms`)."""
+    """Device-busy milliseconds of a prefill and per decode step
+    (:func:`gpu_common.device_work`)."""
     cache = make()
     with b.torch.inference_mode():
-        logits, prefill_ms, prefill_top, prefill_waits = _busy_ms(b, lambda: model(
+        logits, prefill_ms, prefill_top, prefill_waits = device_work(b, lambda: model(
             ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits)
         tok = logits[:, -1:].argmax(-1)
 
@@ -164,7 +122,7 @@ def _profile(b: Bench, model: Any, make: Any, ids: Any, steps: int) -> dict:
                 t = model(t, past_key_values=cache, use_cache=True,
                           logits_to_keep=1).logits[:, -1:].argmax(-1)
 
-        _, decode_ms, decode_top, decode_waits = _busy_ms(b, decode)
+        _, decode_ms, decode_top, decode_waits = device_work(b, decode)
     return {"prefill_busy_ms": prefill_ms, "step_busy_ms": decode_ms / steps,
             "prefill_top": prefill_top,
             "decode_top": [[name, ms / steps] for name, ms in decode_top],
@@ -274,8 +232,8 @@ def cache(b: Bench) -> dict:
                        f"{run['step_busy']:.0%}"])
             if run["prefill_waits"]:
                 table.note(f"{label} host waits on CUDA, prefill: "
-                           f"{_waits_text(run['prefill_waits'])}; per decode step: "
-                           f"{_waits_text(run['decode_waits'])}")
+                           f"{waits_text(run['prefill_waits'])}; per decode step: "
+                           f"{waits_text(run['decode_waits'])}")
     del model
     gc.collect()
     if b.device == "cuda":

@@ -215,6 +215,57 @@ def rate(gbs: float, pct: float) -> str:
     return f"{gbs:.0f} ({pct:.0f}%)" if gbs >= 10 else f"{gbs:.2f} ({pct:.0f}%)"
 
 
+def device_work(b: Bench, fn: Any) -> tuple[Any, float, list[list[Any]], list[list[Any]]]:
+    """``fn()`` run once under ``torch.profiler``: (its result, milliseconds of work the device
+    ran meanwhile — CUDA kernels and copies; aten ops' self time on the CPU —, the five
+    costliest [name, ms], the host's waits on CUDA (:func:`host_waits`)). Far under the call's
+    wall time, the host (Python, launches, a sync) is the limit; near it, the kernels are."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.device == "cuda"
+    b.clock.sync()
+    with profile(activities=[ProfilerActivity.CPU]
+                 + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = fn()
+        b.clock.sync()
+    events = prof.events()  # built from the trace on each call
+    spent: dict[str, float] = {}
+    for event in events:
+        if cuda and event.device_type == DeviceType.CUDA:
+            us = event.time_range.elapsed_us()
+        elif not cuda and event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
+            us = event.self_cpu_time_total
+        else:
+            continue
+        spent[event.name] = spent.get(event.name, 0.0) + us / 1e3
+    top = sorted(spent.items(), key=lambda item: -item[1])[:5]
+    waits = host_waits(events, DeviceType.CPU) if cuda else []
+    return out, sum(spent.values()), [[name[:100], round(ms, 4)] for name, ms in top], waits
+
+
+def host_waits(events: Any, cpu: Any, most: int = 4) -> list[list[Any]]:
+    """The CUDA runtime and driver calls (``cuda*``/``cu*`` host events, launches left out)
+    that took the host longest: [name, ms, calls], costliest first. A host-bound phase that
+    leaves the device idle shows here what it waited on — synchronisations, blocking copies,
+    pinned or device allocations (the profiled function's own closing
+    ``cudaDeviceSynchronize`` is one call among them)."""
+    spent: dict[str, list[float]] = {}
+    for event in events:
+        name = event.name
+        if event.device_type != cpu or not name.startswith("cu") or "Launch" in name:
+            continue
+        ms_calls = spent.setdefault(name, [0.0, 0])
+        ms_calls[0] += event.time_range.elapsed_us() / 1e3
+        ms_calls[1] += 1
+    ranked = sorted(spent.items(), key=lambda item: -item[1][0])[:most]
+    return [[name, round(ms, 3), int(calls)] for name, (ms, calls) in ranked]
+
+
+def waits_text(waits: list[list[Any]]) -> str:
+    return ", ".join(f"{name} {ms:.2f} ms x{calls:g}" for name, ms, calls in waits) or "none"
+
+
 @dataclass
 class Bench:
     """What every section needs: torch, the Triton turbo kernels, the device, a clock, the

@@ -37,7 +37,8 @@ ROW_KEYS = {
     "attention": {"batch", "tokens", "codes_us", "sdpa_fp16_us", "decode_sdpa_us",
                   "speedup_vs_sdpa_fp16", "speedup_vs_decode_sdpa", "max_abs_diff"},
     "presets": {"preset", "role", "bits_per_element", "encode_gbs", "decode_gbs",
-                "encode_pct_copy", "decode_pct_copy", "rel_mse"},
+                "encode_pct_copy", "decode_pct_copy", "rel_mse", "encode_busy_ms",
+                "decode_busy_ms", "encode_top", "decode_top", "encode_waits", "decode_waits"},
     "cache": {"context", "cache", "prefill_s", "decode_tok_s", "peak_bytes", "kv_bytes",
               "prefill_ratio", "decode_ratio", "kv_ratio", "peak_ratio", "codes_calls",
               "prefill_busy", "step_busy", "prefill_top", "decode_top", "prefill_waits",
@@ -140,6 +141,9 @@ def test_smoke_results_are_sane(smoke):
         assert row["max_abs_diff"] < 1e-2 and row["kv_bytes_codes"] < row["kv_bytes_fp16"] / 3
     for row in data["presets"]["rows"]:
         assert 0 < row["rel_mse"] < 0.1 and 2 <= row["bits_per_element"] <= 4.5, row
+        for step in ("encode", "decode"):  # a profiled call's ops (the host's waits: CUDA)
+            assert row[f"{step}_busy_ms"] > 0 and row[f"{step}_top"], row
+            assert row[f"{step}_waits"] == [], row
     dyn, *compressed = data["cache"]["rows"]
     assert dyn["cache"] == "DynamicCache" and dyn["kv_ratio"] == 1.0
     assert all(0 < r["kv_ratio"] < 0.6 for r in compressed), compressed
@@ -291,7 +295,7 @@ def test_host_waits_rank_cuda_calls_that_are_not_launches():
     costliest first, kernel launches and device events and aten ops left out."""
     from types import SimpleNamespace
 
-    import gpu_cache
+    import gpu_common
 
     def event(name, us, device="cpu"):
         return SimpleNamespace(name=name, device_type=device,
@@ -301,6 +305,6 @@ def test_host_waits_rank_cuda_calls_that_are_not_launches():
               event("cuLaunchKernelEx", 9000), event("aten::mm", 9000),
               event("cudaStreamSynchronize", 1500), event("cudaHostAlloc", 2000),
               event("_attend_kernel", 9000, "cuda"), event("cudaMemcpyAsync", 10)]
-    assert gpu_cache.host_waits(events, "cpu", most=2) == [
+    assert gpu_common.host_waits(events, "cpu", most=2) == [
         ["cudaStreamSynchronize", 4.5, 2], ["cudaHostAlloc", 2.0, 1]]
-    assert gpu_cache._waits_text([["cudaHostAlloc", 2.0, 1]]) == "cudaHostAlloc 2.00 ms x1"
+    assert gpu_common.waits_text([["cudaHostAlloc", 2.0, 1]]) == "cudaHostAlloc 2.00 ms x1"
