@@ -15,7 +15,8 @@ issue-bound; one near it needs fewer instructions. It is a model, not a measurem
 
     python benchmarks/triton_sass.py                  # turbo2/3/4 at D=128, every config
     python benchmarks/triton_sass.py --dims 64,128,256 --bits 3 --arch 80
-    python benchmarks/triton_sass.py --preset quality # the preset's turbomix encode kernel
+    python benchmarks/triton_sass.py --preset quality # the preset's turbomix kernels
+    python benchmarks/triton_sass.py --preset quality --kernels decode
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", default="2,3,4", help="turbo bit widths")
     p.add_argument("--kernels", default="encode,decode", help="encode and/or decode")
     p.add_argument("--preset", choices=("quality", "balanced", "small"),
-                   help="instead: the turbomix encode kernel of this preset's parts (D=128)")
+                   help="instead: the turbomix kernels of this preset's parts (D=128)")
     return p.parse_args(argv)
 
 
@@ -92,11 +93,11 @@ def configs() -> list[tuple[int, int, int]]:
 
 
 def preset_main(args: argparse.Namespace) -> None:
-    """The ``turbomix`` encode kernel (:mod:`kvtool.kernels.triton_turbomix`) of each part of a
-    preset's key and value codecs at D=128, bf16 in, per autotune config its pruning keeps:
-    warp-instructions per row (the static count of a program over its rows: the loop over
-    candidates counted once, so about one candidate's work with the part's gather and norm)
-    and global loads per program (likewise)."""
+    """The ``turbomix`` encode and decode kernels (:mod:`kvtool.kernels.triton_turbomix`) of
+    each part of a preset's key and value codecs at D=128 (bf16 in, fp16 out), per autotune
+    config its pruning keeps: warp-instructions per row (the static count of a program over its
+    rows: the encode's loop over candidates counted once, so about one candidate's work with
+    the part's gather and norm), and global loads and stores per program (likewise)."""
     import torch
 
     from kvtool.kernels import triton_turbomix as tt
@@ -104,38 +105,53 @@ def preset_main(args: argparse.Namespace) -> None:
     from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _width
     from kvtool.policy import preset_policy
 
-    signature = dict(x_ptr="*bf16", mean_ptr="*fp32", ch_ptr="*i32", ch_stride="i32",
-                     rt_ptr="*bf16", bnd_ptr="*fp32", cent_ptr="*fp32", pts_ptr="*fp32",
-                     hsq_ptr="*fp32", lvl_ptr="*fp32", edge_ptr="*fp32", sub_ptr="*i32",
-                     codes_ptr="*u8", norms_ptr="*fp32", err_ptr="*fp32", u_scr="*fp32",
-                     dec_scr="*i32", q_scr="*i8", rows="i32", tokens="i32", groups="i32",
-                     C="i32", tok_class="i32")
+    signatures = {
+        "encode": dict(x_ptr="*bf16", mean_ptr="*fp32", ch_ptr="*i32", ch_stride="i32",
+                       rt_ptr="*bf16", bnd_ptr="*fp32", cent_ptr="*fp32", pts_ptr="*fp32",
+                       hsq_ptr="*fp32", lvl_ptr="*fp32", edge_ptr="*fp32", sub_ptr="*i32",
+                       codes_ptr="*u8", norms_ptr="*fp32", err_ptr="*fp32", u_scr="*fp32",
+                       dec_scr="*i32", q_scr="*i8", rows="i32", tokens="i32", groups="i32",
+                       C="i32", tok_class="i32"),
+        "decode": dict(codes_ptr="*u8", norms_ptr="*fp16", choice_ptr="*i32", ch_ptr="*i32",
+                       ch_stride="i32", mean_ptr="*fp32", r_ptr="*bf16", cent_ptr="*fp32",
+                       pts_ptr="*fp32", slv_ptr="*fp32", out_ptr="*fp16", tokens="i32",
+                       tok_class="i32")}
     policy, dim = preset_policy(args.preset), 128
-    print(f"sm_{args.arch}: {args.preset}'s turbomix encode at D={dim}, bf16 in, tokens per "
-          "group 64")
-    print(f"{'role':>5} | {'part':>9} | {'BM':>3} | {'warps':>5} | {'regs':>4} | {'spill':>5} | "
-          f"{'smem KB':>7} | {'instr/row':>9} | {'LDG':>4}")
-    for role, codec in (("key", policy.key), ("value", policy.value)):
-        n_hi, n_lo = codec._split(dim)
-        parts = [(n_lo, codec.bits)] + ([(n_hi, codec.outlier_bits)] if n_hi else [])
-        for n, bits in parts:
-            width, quant = _width(n), tt.QUANTIZERS[codec.quantizer]
-            cpg, bpg = group_shape(bits)
-            pieces = _rotations(n, _seeds(codec), torch.device("cpu"))[2]
-            kept = tt._prune(tt._encode_kernel.configs, {"tok_class": 64}, NP=width,
-                             QUANT=quant)
-            for config in kept:
-                bm, warps = config.kwargs["BM"], config.num_warps
-                constants = dict(D=dim, N=n, NP=width, NB=(n * bits + 7) // 8, BITS=bits,
-                                 CPG=cpg, BPG=bpg, QUANT=quant, PER=1 << (bits - 1), RP=pieces,
-                                 HAS_MEAN=int(codec.center), BM=bm, BK=min(width, 32))
-                kernel = compile_kernel(tt._encode_kernel, signature, constants, warps, 1,
-                                        args.arch)
-                regs, spill, ops = sass_profile(kernel)
-                per = sum(ops.values()) * warps / bm
-                print(f"{role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | {warps:>5} | {regs:>4} | "
-                      f"{spill:>5} | {kernel.metadata.shared / 1024:>7.0f} | {per:>9.0f} | "
-                      f"{ops['LDG']:>4}", flush=True)
+    print(f"sm_{args.arch}: {args.preset}'s turbomix kernels at D={dim}, bf16 in, fp16 out, "
+          "tokens per group 64")
+    print(f"{'kernel':>6} | {'role':>5} | {'part':>9} | {'BM':>3} | {'warps':>5} | "
+          f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'LDG':>4} | "
+          f"{'STG':>4}")
+    for name in args.kernels.split(","):
+        fn = getattr(tt, f"_{name}_kernel")
+        for role, codec in (("key", policy.key), ("value", policy.value)):
+            n_hi, n_lo = codec._split(dim)
+            parts = [(n_lo, codec.bits)] + ([(n_hi, codec.outlier_bits)] if n_hi else [])
+            signature = dict(signatures[name])
+            if name == "decode" and codec.norm_bits == 8:
+                signature["norms_ptr"] = "*fp32"  # the uint8 norms' values
+            for n, bits in parts:
+                width, quant = _width(n), tt.QUANTIZERS[codec.quantizer]
+                cpg, bpg = group_shape(bits)
+                pieces = _rotations(n, _seeds(codec), torch.device("cpu"))[2]
+                kept = tt._prune(fn.configs, {"tok_class": 64}, NP=width, QUANT=quant)
+                for config in kept:
+                    bm, warps = config.kwargs["BM"], config.num_warps
+                    constants = dict(D=dim, N=n, NP=width, NB=(n * bits + 7) // 8, BITS=bits,
+                                     QUANT=quant, RP=pieces, HAS_MEAN=int(codec.center),
+                                     BM=bm, BK=min(width, 32))
+                    constants["ALL_CH"] = int(n == dim)
+                    if name == "encode":
+                        constants.update(CPG=cpg, BPG=bpg, PER=1 << (bits - 1))
+                    else:
+                        constants["HAS_CHOICE"] = int(codec.candidates > 1)
+                    kernel = compile_kernel(fn, signature, constants, warps, 1, args.arch)
+                    regs, spill, ops = sass_profile(kernel)
+                    per = sum(ops.values()) * warps / bm
+                    print(f"{name:>6} | {role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | "
+                          f"{warps:>5} | {regs:>4} | {spill:>5} | "
+                          f"{kernel.metadata.shared / 1024:>7.0f} | {per:>9.0f} | "
+                          f"{ops['LDG']:>4} | {ops['STG']:>4}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -145,7 +145,8 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
                    QUANT: tl.constexpr, PER: tl.constexpr, RP: tl.constexpr,
-                   HAS_MEAN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                   HAS_MEAN: tl.constexpr, ALL_CH: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr):
     """codes[c, r], err[c, r] per candidate c and norms[r] of one part, for items (token
     blocks of one group) pid, pid + programs, ...; the scalar and pair quantisers rotate the
     part gathered once for its norm, in one dot per piece (sm_90: half the loads of gathering
@@ -163,7 +164,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
         rmask = tok < tokens
         r = g.to(tl.int64) * tokens + tok
         chg = ch_ptr + g * ch_stride
-        t = _part(x_ptr, mean_ptr, chg, g, r, rmask, jp, N, D, HAS_MEAN)
+        t = _part(x_ptr, mean_ptr, chg, g, r, rmask, jp, N, D, HAS_MEAN, ALL_CH)
         nrm = tl.sqrt_rn(tl.sum(t * t, axis=1))
         tl.store(norms_ptr + r, nrm, mask=rmask)
         n16 = nrm.to(tl.float16).to(tl.float32)
@@ -177,7 +178,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                     u = tl.zeros([BM, BK], tl.float32)
                     for k0 in range(0, NP, BK):
                         tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N,
-                                   D, HAS_MEAN)
+                                   D, HAS_MEAN, ALL_CH)
                         u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP, True, n0)
                     tl.store(u_scr + scr + (n0 + tl.arange(0, BK))[None, :] * BM
                              + lanes[:, None], u)
@@ -206,9 +207,12 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
                    cent_ptr, pts_ptr, slv_ptr, out_ptr, tokens, tok_class,
                    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr, QUANT: tl.constexpr, RP: tl.constexpr,
-                   HAS_MEAN: tl.constexpr, HAS_CHOICE: tl.constexpr, BM: tl.constexpr,
-                   BK: tl.constexpr):
-    """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g]."""
+                   HAS_MEAN: tl.constexpr, HAS_CHOICE: tl.constexpr, ALL_CH: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr):
+    """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g].
+    ``ALL_CH``: the part is every channel (a part's channels ascend, so in order): rows are
+    stored whole, in vector stores. 16-bit outputs take the rotation's leading terms alone
+    (``_rot``'s ``FP32`` off: two dots where fp32 takes three), as turbo's decode does."""
     pid = tl.program_id(0)
     per_group = tl.cdiv(tokens, BM)
     g = pid // per_group
@@ -219,16 +223,20 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
     c = 0
     if HAS_CHOICE:
         c = tl.load(choice_ptr + g).to(tl.int32)
+    exact: tl.constexpr = out_ptr.dtype.element_ty == tl.float32
     acc = tl.zeros([BM, NP], tl.float32)
     for k0 in tl.static_range(0, NP, BK):
         y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, slv_ptr,
                     N, NB, BITS, QUANT, BM, BK)
-        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
+        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP, exact)
     v = acc * tl.load(norms_ptr + r, mask=rmask, other=0.0).to(tl.float32)[:, None]
     cols = tl.arange(0, NP)
-    ch = tl.load(ch_ptr + g * ch_stride + cols, mask=cols < N, other=0)
+    if ALL_CH:
+        ch = cols
+    else:
+        ch = tl.load(ch_ptr + g * ch_stride + cols, mask=cols < N, other=0)
     if HAS_MEAN:
-        v += tl.load(mean_ptr + g * D + ch).to(tl.float32)[None, :]
+        v += tl.load(mean_ptr + g * D + ch, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if out_ptr.dtype.element_ty == tl.bfloat16:
         v = _bf16(v)
     tl.store(out_ptr + r[:, None] * D + ch[None, :], v.to(out_ptr.dtype.element_ty),
@@ -297,8 +305,8 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
         tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], tab["sub"], codes, norms, err,
         *scratch, nrows, tokens, groups, len(seeds), tok_class, D=dim, N=n, NP=width, NB=nb,
         BITS=bits, CPG=cpg, BPG=bpg, QUANT=QUANTIZERS[codec.quantizer], PER=1 << (bits - 1),
-        RP=pieces, HAS_MEAN=mean is not None, BK=min(width, 32), enable_fp_fusion=False,
-        **meta)
+        RP=pieces, HAS_MEAN=mean is not None, ALL_CH=channels.shape[1] == dim,
+        BK=min(width, 32), enable_fp_fusion=False, **meta)
     return codes, norms, err
 
 
@@ -440,7 +448,8 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
             tab["pts"], tab["slv"], out, tokens, tok_class, D=dim, N=n,
             NP=_width(n), NB=(n * bits + 7) // 8, BITS=bits, QUANT=QUANTIZERS[codec.quantizer],
             RP=pieces, HAS_MEAN=mean is not None, HAS_CHOICE=choice is not None,
-            BK=min(_width(n), 32), enable_fp_fusion=False, **meta)
+            ALL_CH=n == dim, BK=min(_width(n), 32), enable_fp_fusion=False,
+            **meta)
     return out.reshape(shape)
 
 

@@ -97,14 +97,19 @@ def _unpack(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr, BITS: tl.con
 
 @_jit
 def _part(x_ptr, mean_ptr, ch_ptr, g, r, rmask, j, N: tl.constexpr, D: tl.constexpr,
-          HAS_MEAN: tl.constexpr):
+          HAS_MEAN: tl.constexpr, ALL_CH: tl.constexpr):
     """fp32 ``x[r, ch[g, j]] − mean[g, ch[g, j]]`` [BM, len(j)] (0 where j ≥ N); ``ch_ptr``
-    points at the group's channels."""
-    ch = tl.load(ch_ptr + j, mask=j < N, other=0)
+    points at the group's channels (``ALL_CH``: every channel in order, not read: the loads
+    are contiguous)."""
+    if ALL_CH:
+        ch = j
+    else:
+        ch = tl.load(ch_ptr + j, mask=j < N, other=0)
     t = tl.load(x_ptr + r[:, None] * D + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
                 other=0.0).to(tl.float32)
     if HAS_MEAN:
-        t = tl.where((j < N)[None, :], t - tl.load(mean_ptr + g * D + ch)[None, :], 0.0)
+        t = tl.where((j < N)[None, :],
+                     t - tl.load(mean_ptr + g * D + ch, mask=j < N, other=0.0)[None, :], 0.0)
     return t
 
 
