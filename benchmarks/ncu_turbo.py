@@ -9,6 +9,13 @@ neither issue rate nor occupancy explains it, and counters can.
         -k 'regex:_(en|de)code_kernel' --launch-skip 2 --launch-count 2 \
         python3 benchmarks/ncu_turbo.py          # what scripts/gpu_session.sh runs
     python3 benchmarks/ncu_turbo.py --vectors 1M --bits 4 --decode 64,4
+    python3 benchmarks/ncu_turbo.py --preset quality   # its value codec's turbomix kernels
+
+With ``--preset`` the kernels are the preset's ``turbomix`` encode and decode (``--role``'s
+codec, vectors laid out as ``CompressedCache`` encodes them: blocks of 64 tokens), pinned to the
+H100's winners (encode 32 rows × 4 warps, decode 16 × 4): on the H100 ``quality``'s decode ran
+at 12% of the copy, and its 64-row config, with a quarter of the programs and no spills, took
+1.7× as long as the 16-row one.
 
 Each kernel's autotune search is replaced by the one config given (rows per program, warps;
 default: the H100's winners at D=128), so no tuning launches come before the profiled ones.
@@ -35,18 +42,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vectors", default="4M", help="rows (K/M suffixes; default 4M)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--encode", type=_config, default=(64, 4), help="rows,warps (default 64,4)")
-    p.add_argument("--decode", type=_config, default=(128, 4),
-                   help="rows,warps (default 128,4)")
-    return p.parse_args(argv)
+    p.add_argument("--encode", type=_config,
+                   help="rows,warps (default 64,4; --preset: 32,4)")
+    p.add_argument("--decode", type=_config,
+                   help="rows,warps (default 128,4; --preset: 16,4)")
+    p.add_argument("--preset", choices=("quality", "balanced", "small"),
+                   help="profile this preset's turbomix kernels instead of turbo's")
+    p.add_argument("--role", choices=("key", "value"), default="value",
+                   help="the preset's codec (default value)")
+    args = p.parse_args(argv)
+    args.encode = args.encode or ((32, 4) if args.preset else (64, 4))
+    args.decode = args.decode or ((16, 4) if args.preset else (128, 4))
+    return args
 
 
-def _pin(kernel: object, rows: int, warps: int) -> None:
-    """The autotuner's search becomes one config (it launches a lone config untimed)."""
+def _pin(kernel: object, rows: int, warps: int, name: str = "BLOCK_M") -> None:
+    """The autotuner's search becomes one config (it launches a lone config untimed); ``name``:
+    its rows-per-program parameter (turbomix's: ``BM``)."""
     if hasattr(kernel, "configs"):  # compiled; the interpreter's kernels are plain JIT
         import triton
 
-        kernel.configs = [triton.Config({"BLOCK_M": rows}, num_warps=warps, num_stages=1)]
+        kernel.configs = [triton.Config({name: rows}, num_warps=warps, num_stages=1)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,9 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # read when the kernels are decorated, at their import
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    n = count(args.vectors)
+    if args.preset:
+        _preset(args, n, device)
+        return
     from kvtool.kernels import triton_cuda as tc
 
-    n = count(args.vectors)
     _pin(tc._encode_kernel, *args.encode)
     _pin(tc._decode_kernel, *args.decode)
     x = torch.randn((n, args.dim), device=device, dtype=torch.float16)
@@ -72,6 +91,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{launch}: encode + decode of {n} x {args.dim} fp16 at {args.bits} bits "
               f"(encode {args.encode}, decode {args.decode} rows,warps) on {device}: "
               f"{time.perf_counter() - start:.3f} s", flush=True)
+    error = (out.float() - x.float()).pow(2).sum() / x.float().pow(2).sum()
+    print(f"relative MSE {error.item():.4f}")
+
+
+def _preset(args: argparse.Namespace, n: int, device: str) -> None:
+    """The preset's turbomix encode and decode (:mod:`kvtool.kernels.triton_turbomix`, what its
+    codec runs on CUDA), each kernel pinned."""
+    import torch
+
+    from kvtool.kernels import triton_turbomix as tt
+    from kvtool.policy import preset_policy
+
+    _pin(tt._encode_kernel, *args.encode, name="BM")
+    _pin(tt._decode_kernel, *args.decode, name="BM")
+    codec = getattr(preset_policy(args.preset), args.role)
+    block = 64
+    x = torch.randn((max(1, n // block), block, args.dim), device=device, dtype=torch.float16)
+    for launch in ("compile", "profiled"):
+        start = time.perf_counter()
+        out = tt.decode(codec, tt.encode(codec, x), tuple(x.shape), "float16")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        print(f"{launch}: {args.preset} {args.role} encode + decode of {x.shape[0] * block} x "
+              f"{args.dim} fp16 (encode {args.encode}, decode {args.decode} rows,warps) on "
+              f"{device}: {time.perf_counter() - start:.3f} s", flush=True)
     error = (out.float() - x.float()).pow(2).sum() / x.float().pow(2).sum()
     print(f"relative MSE {error.item():.4f}")
 

@@ -11,8 +11,8 @@
 #      (SPLIT_SECONDS),
 #   4. benchmarks/cold_start.py: the first save/load of a CUDA cache in a fresh process against
 #      warm ones (COLD_SECONDS),
-#   5. Nsight Compute on one turbo3 encode and decode launch at D=128 (benchmarks/ncu_turbo.py):
-#      what limits them (NCU_SECONDS),
+#   5. Nsight Compute on one turbo3 encode and decode launch at D=128, then on the quality
+#      preset's turbomix ones (benchmarks/ncu_turbo.py): what limits them (NCU_SECONDS),
 #   6. benchmarks/autotune_table.py: every config the autotuner timed, per kernel and key.
 # The tests run with KVTOOL_AUTOTUNE_CACHE=0: their small calls leave no autotune choice behind
 # for a later benchmark on this machine to load.
@@ -97,11 +97,18 @@ ncu_s=$(budget "$NCU_SECONDS")
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
       2>/dev/null | tail -n 1)
 if ((ncu_s > 10)) && [[ -n "$NCU" ]]; then
-    timeout "$ncu_s" "$NCU" --clock-control none --section SpeedOfLight \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
-        --section WarpStateStats -k 'regex:_(en|de)code_kernel' --launch-skip 2 \
-        --launch-count 2 python3 benchmarks/ncu_turbo.py 2>&1 | tee "$OUT/ncu.log" \
-        || echo "ncu: exit $? (counters refused, or cut at ${ncu_s} s)" | tee -a "$OUT/ncu.log"
+    : > "$OUT/ncu.log"
+    # turbo3, then the quality preset's value codec (turbomix: 12% of the copy on the H100)
+    for what in "" "--preset quality --vectors 1M"; do
+        left=$(budget $((ncu_s / 2)))
+        ((left > 10)) || break
+        timeout "$left" "$NCU" --clock-control none --section SpeedOfLight \
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --section Occupancy --section WarpStateStats -k 'regex:_(en|de)code_kernel' \
+            --launch-skip 2 --launch-count 2 python3 benchmarks/ncu_turbo.py $what 2>&1 \
+            | tee -a "$OUT/ncu.log" \
+            || echo "ncu: exit $? (counters refused, or cut at ${left} s)" | tee -a "$OUT/ncu.log"
+    done
 fi
 table=$(budget 60)
 if ((table > 5)); then

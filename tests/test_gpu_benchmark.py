@@ -280,6 +280,14 @@ def test_ncu_script_launches_each_kernel_twice_at_one_config():
     lines = run.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["compile", "profiled"]
     assert 0.02 < float(lines[-1].split()[-1]) < 0.05  # turbo3's relative MSE is ~0.034
+    run = subprocess.run([sys.executable, str(BENCH / "ncu_turbo.py"), "--vectors", "128",
+                          "--preset", "quality"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["compile", "profiled"]
+    assert "quality value" in lines[0] and "(16, 4)" in lines[0]
+    assert 0.005 < float(lines[-1].split()[-1]) < 0.05  # 3 bits, best of 4 rotations
 
     class Tuner:
         configs = [triton.Config({"BLOCK_M": m}, num_warps=4) for m in (64, 128)]
@@ -288,6 +296,8 @@ def test_ncu_script_launches_each_kernel_twice_at_one_config():
     ncu_turbo._pin(tuner, 256, 8)
     (config,) = tuner.configs
     assert config.kwargs == {"BLOCK_M": 256} and config.num_warps == 8
+    ncu_turbo._pin(tuner, 16, 4, name="BM")
+    assert tuner.configs[0].kwargs == {"BM": 16} and tuner.configs[0].num_warps == 4
 
 
 def test_host_waits_rank_cuda_calls_that_are_not_launches():

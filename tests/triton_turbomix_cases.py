@@ -220,12 +220,12 @@ def test_input_and_output_dtypes(dtype):
     given = torch.from_numpy(x32).to(DTYPES[dtype]).to(DEVICE)
     check_roundtrip(spec, _np(given), given)
     quality = "turbomix:bits=4,center=true,candidates=4"  # one part of every channel
-    for spec in (spec, quality):  # 16-bit outputs: the rotation's leading terms only
-        codec, enc = get_codec(spec), reference(spec).encode(_np(given))
+    for each in (spec, quality):  # 16-bit outputs: the rotation's leading terms only
+        codec, enc = get_codec(each), reference(each).encode(_np(given))
         for out in ("float16", "bfloat16"):
             ours = _decode(codec, enc.arrays, enc.shape, out)
             assert ours.dtype == DTYPES[out]
-            close(ours.float(), reference(spec).decode(enc, "float32"), out)
+            close(ours.float(), reference(each).decode(enc, "float32"), out)
 
 
 def test_ties_go_to_the_lowest_candidate_and_the_reference_path():
