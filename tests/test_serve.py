@@ -113,6 +113,10 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "8192 positions" in refused("--max-model-len", "8193")
     argv = dry_run(runner, "--max-model-len", "8192")["argv"]
     assert argv[argv.index("--max-model-len") + 1] == "8192"  # the model's own length
+    yarn = json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 8192}})
+    argv = dry_run(runner, "--max-model-len", "32768", "--", "--hf-overrides", yarn)["argv"]
+    assert argv[argv.index("--max-model-len") + 1] == "32768"  # vLLM stretches it: not ours
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     argv = dry_run(runner, "--max-model-len", "10000")["argv"]
     assert argv[argv.index("--max-model-len") + 1] == "10000"

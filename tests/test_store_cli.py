@@ -162,6 +162,11 @@ def test_a_directory_of_other_files_is_not_an_empty_store(tmp_path, runner):
         assert "holds no kvtool store" in out.output and "notes.txt, photos" in out.output
         assert len(out.output.strip().splitlines()) == 1, out.output
     assert sorted(os.listdir(junk)) == ["notes.txt", "photos"]  # nothing written there
+    mlx = tmp_path / "mlx"  # kvtool serve --engine mlx's prompt caches
+    mlx.mkdir()
+    (mlx / f"{'ab' * 16}.safetensors").write_bytes(b"x")
+    out = runner.invoke(cli, ["store", "stats", str(mlx)])
+    assert out.exit_code != 0 and "mlx-lm prompt-cache store" in out.output, out.output
     assert store_admin.scan(junk, missing_ok=True).chunks == []  # a server's own budget scan
     (tmp_path / "empty" / "lost+found").mkdir(parents=True)  # a volume's mount point
     (tmp_path / "empty" / ".snapshot").write_text("x")

@@ -369,6 +369,10 @@ def test_store_cli_on_a_url(s3, url, runner, tmp_path):
     foreign = runner.invoke(cli, ["store", "ls", other])
     assert foreign.exit_code != 0 and "holds no kvtool store: none of its entries (2026)" \
         in foreign.output, foreign.output
+    made = f"{url}-new"  # a prefix made in the S3 console: an empty "folder" object
+    s3.put_object(Bucket=BUCKET, Key=f"{made.split('/', 3)[3]}/", Body=b"")
+    assert json.loads(runner.invoke(cli, ["store", "stats", made, "--json"]).output)[
+        "chunks"] == 0
 
 
 # -- downloads ------------------------------------------------------------------------------------

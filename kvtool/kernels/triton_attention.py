@@ -399,11 +399,12 @@ def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torc
     """Split-K decode attention straight from turbo codes: ``softmax(q·k̂ᵀ·scale)·v̂`` → fp32
     ``[B, Hq, D]`` for q ``[B, Hq, D]``, codes ``[B, Hkv, N, nbytes]``, norms ``[B, Hkv, N]``
     (the signature and semantics of :func:`kvtool.kernels.triton_cuda.turbo_decode_attention`;
-    ``split_k``: token splits). A call whose layout (shapes, strides, dtypes, options) was
-    seen before skips the checks and reuses its store's signature: a decode loop makes the
-    same call every step, and at batch 1 its host work, not the kernel, sets the time."""
+    ``split_k``: token splits). A call whose layout (shapes, strides, dtypes, devices,
+    options) was seen before skips the checks and reuses its store's signature (and so its
+    launch plan): the layers of a decode step attend over as many tokens each, so all but the
+    first make such a call, and at batch 1 the host's work, not the kernel, sets the time."""
     layout = (q.shape, q.dtype, q.device, *(
-        (t.shape, t.stride(), t.dtype) for t in (k_codes, k_norms, v_codes, v_norms)),
+        (t.shape, t.stride(), t.dtype, t.device) for t in (k_codes, k_norms, v_codes, v_norms)),
         dim, k_bits, k_seed, v_bits, v_seed, split_k)
     hit = _TURBO_LAYOUTS.get(layout)
     if hit is None:
@@ -450,6 +451,8 @@ def _turbo_store(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,
         raise ValueError("decode attention: inconsistent q/k/v shapes")
     if split_k is not None and not 1 <= split_k <= 65535:
         raise ValueError(f"split_k must be in 1..65535, got {split_k}")
+    if any(t.device != q.device for t in (k_codes, k_norms, v_codes, v_norms)):
+        raise ValueError("decode attention: q, codes and norms must be on one device")
     return prepare(k_codes.reshape(b * hkv, n, -1), k_norms.reshape(b * hkv, n),
                    v_codes.reshape(b * hkv, n, -1), v_norms.reshape(b * hkv, n), dim=dim,
                    k_bits=k_bits, v_bits=v_bits, k_seeds=(k_seed,), v_seeds=(v_seed,))

@@ -211,8 +211,10 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
                    BM: tl.constexpr, BK: tl.constexpr):
     """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g].
     ``ALL_CH``: the part is every channel (a part's channels ascend, so in order): rows are
-    stored whole, in vector stores. 16-bit outputs take the rotation's leading terms alone
-    (``_rot``'s ``FP32`` off: two dots where fp32 takes three), as turbo's decode does."""
+    stored whole, in vector stores. 16-bit outputs of a power-of-two part (``R`` exact in
+    bf16) take the value's leading two pieces alone (``_rot``'s ``FP32`` off: two dots where
+    fp32 takes three), as turbo's decode does; other widths keep every term (dropping the
+    three pieces' small products there moved some values past one step of the output)."""
     pid = tl.program_id(0)
     per_group = tl.cdiv(tokens, BM)
     g = pid // per_group
@@ -223,7 +225,7 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
     c = 0
     if HAS_CHOICE:
         c = tl.load(choice_ptr + g).to(tl.int32)
-    exact: tl.constexpr = out_ptr.dtype.element_ty == tl.float32
+    exact: tl.constexpr = out_ptr.dtype.element_ty == tl.float32 or RP > 1
     acc = tl.zeros([BM, NP], tl.float32)
     for k0 in tl.static_range(0, NP, BK):
         y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, slv_ptr,

@@ -75,15 +75,22 @@ def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int
 def _positions(config: Any) -> int | None:
     """The context length vLLM derives from a config and refuses to exceed (without
     ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``): its positions, or ``model_max_length`` where larger;
-    None where vLLM reads it from elsewhere (rope scaling stretches it, other keys)."""
+    None where vLLM may read it otherwise (rope scaling, per-layer rope parameters)."""
     text = config.get_text_config()
     positions = getattr(text, "max_position_embeddings", None)
-    scaling = getattr(text, "rope_scaling", None) or {}
-    if not isinstance(positions, int) or positions <= 0 or (
-            isinstance(scaling, dict) and scaling.get("rope_type", "default") != "default"):
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(positions, int) or positions <= 0 or not isinstance(rope, dict) or any(
+            isinstance(v, dict) for v in rope.values()) or rope.get(
+            "rope_type", rope.get("type", "default")) != "default":
         return None
-    longest = getattr(config, "model_max_length", None)
+    longest = getattr(text, "model_max_length", None) or getattr(config, "model_max_length",
+                                                                  None)
     return max(positions, longest) if isinstance(longest, int) else positions
+
+
+#: engine arguments after which vLLM's context limit is not the config's
+_CONTEXT_ARGS = ("--hf-overrides", "--rope-scaling", "--rope-theta", "--max-model-len",
+                 "--hf-config-path")
 
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -109,11 +116,14 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
     info = model_identity(config, name=name, dtype=ident_dtype)
-    longest = _positions(config)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", 0)
+    longest = None if any(a.startswith(_CONTEXT_ARGS) for a in engine_args) or os.environ.get(
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true") \
+        else _positions(config)
     if max_model_len is None:
-        max_model_len = min(4096, longest or 4096)
-    elif longest is not None and max_model_len > longest and os.environ.get(
-            "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() not in ("1", "true"):
+        max_model_len = min(4096, positions if isinstance(positions, int) and positions > 0
+                            else 4096)
+    elif longest is not None and max_model_len > longest:
         raise KvtoolError(f"--max-model-len {max_model_len}: the model has {longest} positions "
                           "(vLLM refuses a longer context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
                           "is set, and past them RoPE models produce NaNs)")

@@ -48,6 +48,7 @@ from kvtool.errors import KvtoolError
 from kvtool.fileio import TEMP_SUFFIX, is_stale_temp
 
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
+_MLX_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")  # kvtool.engines.mlx_serve's files
 _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.kvz
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -165,11 +166,16 @@ def refuse_foreign(root: str | os.PathLike | Backend) -> None:
     from kvtool.engines.vllm.store_s3 import HITS_DIR
 
     backend = backend_of(root)
-    names = [n for n in backend.root_names() if not n.startswith(".") and n != "lost+found"]
+    names = [n for n in backend.root_names()  # "": an S3 console's folder marker
+             if n and not n.startswith(".") and n != "lost+found"]
     own = (QUARANTINE_DIR, PINS_FILE, STATS_DIR, HITS_DIR)
     if not names or any(MODEL_DIR.match(n) or n.startswith(own) for n in names):
         return
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if all(_MLX_ENTRY.match(n) for n in names):
+        raise KvtoolError(f"{backend.location} is an mlx-lm prompt-cache store (kvtool serve "
+                          "--engine mlx): the kvtool store commands manage the vLLM "
+                          "connector's stores")
     raise KvtoolError(f"{backend.location} holds no kvtool store: none of its entries ({shown}) "
                       f"is a store's (model directories of 16 hex digits, {QUARANTINE_DIR}/, "
                       f"{STATS_DIR}/, {PINS_FILE}); check the path")
