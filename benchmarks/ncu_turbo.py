@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 
 def _config(text: str) -> tuple[int, int]:
@@ -74,30 +75,40 @@ def main(argv: list[str] | None = None) -> None:
     if device == "cpu":  # read when the kernels are decorated, at their import
         os.environ.setdefault("TRITON_INTERPRET", "1")
     n = count(args.vectors)
-    if args.preset:
-        _preset(args, n, device)
-        return
-    from kvtool.kernels import triton_cuda as tc
-
-    _pin(tc._encode_kernel, *args.encode)
-    _pin(tc._decode_kernel, *args.decode)
-    x = torch.randn((n, args.dim), device=device, dtype=torch.float16)
+    x, roundtrip, what = (_preset if args.preset else _turbo)(args, n, device)
     for launch in ("compile", "profiled"):
         start = time.perf_counter()
-        codes, norms = tc.turbo_encode(x, args.bits, 7)
-        out = tc.turbo_decode(codes, norms, args.dim, args.bits, 7, torch.float16)
+        out = roundtrip(x)
         if device == "cuda":
             torch.cuda.synchronize()
-        print(f"{launch}: encode + decode of {n} x {args.dim} fp16 at {args.bits} bits "
-              f"(encode {args.encode}, decode {args.decode} rows,warps) on {device}: "
+        print(f"{launch}: {what} of {x.numel() // args.dim} x {args.dim} fp16 (encode "
+              f"{args.encode}, decode {args.decode} rows,warps) on {device}: "
               f"{time.perf_counter() - start:.3f} s", flush=True)
     error = (out.float() - x.float()).pow(2).sum() / x.float().pow(2).sum()
     print(f"relative MSE {error.item():.4f}")
 
 
-def _preset(args: argparse.Namespace, n: int, device: str) -> None:
-    """The preset's turbomix encode and decode (:mod:`kvtool.kernels.triton_turbomix`, what its
-    codec runs on CUDA), each kernel pinned."""
+def _turbo(args: argparse.Namespace, n: int, device: str) -> tuple[Any, Any, str]:
+    """(input, its encode + decode, label): turbo's kernels, each pinned."""
+    import torch
+
+    from kvtool.kernels import triton_cuda as tc
+
+    _pin(tc._encode_kernel, *args.encode)
+    _pin(tc._decode_kernel, *args.decode)
+
+    def roundtrip(x: Any) -> Any:
+        codes, norms = tc.turbo_encode(x, args.bits, 7)
+        return tc.turbo_decode(codes, norms, args.dim, args.bits, 7, torch.float16)
+
+    x = torch.randn((n, args.dim), device=device, dtype=torch.float16)
+    return x, roundtrip, f"encode + decode at {args.bits} bits"
+
+
+def _preset(args: argparse.Namespace, n: int, device: str) -> tuple[Any, Any, str]:
+    """(input, its encode + decode, label): the preset's turbomix encode and decode
+    (:mod:`kvtool.kernels.triton_turbomix`, what its codec runs on CUDA), each pinned; the
+    input in blocks of 64 tokens, as ``CompressedCache`` encodes them."""
     import torch
 
     from kvtool.kernels import triton_turbomix as tt
@@ -106,18 +117,12 @@ def _preset(args: argparse.Namespace, n: int, device: str) -> None:
     _pin(tt._encode_kernel, *args.encode, name="BM")
     _pin(tt._decode_kernel, *args.decode, name="BM")
     codec = getattr(preset_policy(args.preset), args.role)
-    block = 64
-    x = torch.randn((max(1, n // block), block, args.dim), device=device, dtype=torch.float16)
-    for launch in ("compile", "profiled"):
-        start = time.perf_counter()
-        out = tt.decode(codec, tt.encode(codec, x), tuple(x.shape), "float16")
-        if device == "cuda":
-            torch.cuda.synchronize()
-        print(f"{launch}: {args.preset} {args.role} encode + decode of {x.shape[0] * block} x "
-              f"{args.dim} fp16 (encode {args.encode}, decode {args.decode} rows,warps) on "
-              f"{device}: {time.perf_counter() - start:.3f} s", flush=True)
-    error = (out.float() - x.float()).pow(2).sum() / x.float().pow(2).sum()
-    print(f"relative MSE {error.item():.4f}")
+
+    def roundtrip(x: Any) -> Any:
+        return tt.decode(codec, tt.encode(codec, x), tuple(x.shape), "float16")
+
+    x = torch.randn((max(1, n // 64), 64, args.dim), device=device, dtype=torch.float16)
+    return x, roundtrip, f"{args.preset} {args.role} encode + decode"
 
 
 if __name__ == "__main__":
