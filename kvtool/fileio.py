@@ -60,8 +60,9 @@ def check_input_file(path: str) -> None:
         raise KvtoolError(f"{path}: is a {_kind(st.st_mode)}, not a regular file")
 
 
-def check_output_path(path: str) -> str:
-    """The file that writing ``path`` replaces; raise :class:`KvtoolError` if it cannot be written.
+def check_output_path(path: str, inputs: tuple[str | None, ...] = ()) -> str:
+    """The file that writing ``path`` replaces; raise :class:`KvtoolError` if it cannot be written
+    or is one of the command's ``inputs`` (files it reads first; None and ``-`` are skipped).
 
     A symlink is followed: its (final) target is the file replaced, in the target's directory,
     and the link itself stays. Refused: an empty path, a path ending in a separator, an existing
@@ -94,6 +95,9 @@ def check_output_path(path: str) -> str:
     if not stat.S_ISREG(st.st_mode):
         raise KvtoolError(f"{shown}: is a {_kind(st.st_mode)}, not a regular file; "
                           "not replacing it")
+    for given in inputs:
+        if given not in (None, "-") and os.path.exists(given) and os.path.samefile(real, given):
+            raise KvtoolError(f"{shown}: is the input file {given}; not replacing it")
     return real
 
 

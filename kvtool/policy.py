@@ -473,6 +473,8 @@ def load_policy(path: str | os.PathLike) -> CodecPolicy:
                  "auto_sinks", "layers", "num_layers")
         for name in data:
             hint = did_you_mean(name, known) if name not in known else ""
+            if name in _LABEL_KEYS:  # a label's spelling: sink=4 is sink_tokens here
+                hint = f"; in a policy file it is {_LABEL_KEYS[name].removesuffix('_codec')!r}"
             if hint:
                 raise CodecError(f"{os.fspath(path)}: unknown policy key {name!r}{hint}")
     try:

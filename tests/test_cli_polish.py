@@ -270,6 +270,14 @@ def test_output_dirs_checked_before_the_model(runner, tmp_path, monkeypatch):
         result = runner.invoke(cli, args)
         assert result.exit_code == 1, result.output
         assert f"directory {tmp_path / 'nodir'} does not exist" in result.output
+    doc = tmp_path / "doc.txt"  # an output that is the input: refused, the text kept
+    doc.write_text("hello")
+    for args in (["capture", "--prompt-file", str(doc), "-o", str(doc)],):
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 1 and "is the input file" in result.output, result.output
+    assert doc.read_text() == "hello"
+    result = runner.invoke(cli, ["generate", "--prompt", "", "--no-chat-template"])
+    assert result.exit_code == 2 and "the prompt is empty" in result.output, result.output
 
 
 # -- 7. input and generation -------------------------------------------------------------------

@@ -117,7 +117,9 @@ def test_bad_policy_files(tmp_path):
                           ('{"key": "turbo3", "value": "raw", "key": "raw"}', "duplicate key"),
                           (b'{"key": "\xff"}', "not a JSON policy file"),
                           ('{"key": "raw", "value": "raw", "sink_token": 4}',
-                           "unknown policy key 'sink_token'; did you mean 'sink_tokens'")]:
+                           "unknown policy key 'sink_token'; did you mean 'sink_tokens'"),
+                          ('{"key": "raw", "value": "raw", "sink": 4}',  # a label's spelling
+                           "unknown policy key 'sink'; in a policy file it is 'sink_tokens'")]:
         (tmp_path / "bad.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(CodecError, match=message):
             load_policy(tmp_path / "bad.json")

@@ -107,8 +107,17 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
         return out.output
 
     store = str(tmp_path / "store")
-    assert "positive size" in refused("--store", store, "--max-store-bytes", "0")
+    assert "1MB or more" in refused("--store", store, "--max-store-bytes", "0")
+    assert "1MB or more" in refused("--store", store, "--max-store-bytes", "1B")
+    tiny = runner.invoke(cli, ["serve", "--dry-run", "--store", store, "--store-timeout",
+                               "1e-300"])  # every lookup would time out: a usage error
+    assert tiny.exit_code == 2 and "0.001<=x<=3600" in tiny.output, tiny.output
     assert "give --store" in refused("--max-store-bytes", "2GB")
+    assert "--store is empty" in refused("--store", "")
+    assert "--host is empty" in refused("--host", "")
+    assert "kvtool serve sets it itself" in refused("--", "--kv-transfer-config", "{}")
+    assert "give kvtool serve --port" in refused("--", "--port=9")
+    assert "--max-model-len instead" in refused("--", "--max_model_len", "999999")
     assert "give --store" in refused("--store-timeout", "2")
     assert "8192 positions" in refused("--max-model-len", "8193")
     argv = dry_run(runner, "--max-model-len", "8192")["argv"]
@@ -133,6 +142,17 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     save(cache, pin)
     save(dataclasses.replace(cache, token_ids=None), bare)
     assert "stores no token ids" in refused("--pin", bare)
+    other_tok, big_id, damaged = (str(tmp_path / f"{n}.kvz") for n in ("tok", "id", "bad"))
+    save(dataclasses.replace(cache, tokenizer_fingerprint="0" * 64), other_tok)
+    ids = cache.token_ids.copy()
+    ids[-1] = 10**9
+    save(dataclasses.replace(cache, token_ids=ids), big_id)
+    data = bytearray(open(pin, "rb").read())
+    data[-100] ^= 0xFF  # in the last tensor's bytes: the header still opens
+    open(damaged, "wb").write(bytes(data))
+    assert "another tokenizer" in refused("--pin", other_tok)
+    assert "token id 1000000000" in refused("--pin", big_id)
+    assert "damaged" in refused("--pin", damaged)
     notes = dry_run(runner, "--dtype", "float32", "--max-model-len", "16", "--pin", pin)["notes"]
     assert len(notes) == 1 and "reach --max-model-len 16" in notes[0], notes
 

@@ -120,9 +120,11 @@ def test_store_timeout_option_is_checked():
         "max_bytes": 1_000_000, "quarantine_age": 3600.0}
     with pytest.raises(KvtoolError, match="quarantine_max_bytes"):
         budget_options({"quarantine_max_bytes": "lots"})
-    for zero in ("0", "0GB", 0):  # a bound that evicts every chunk as it is written
-        with pytest.raises(KvtoolError, match="max_bytes: .* positive size"):
-            budget_options({"max_bytes": zero})
+    for tiny in ("0", "0GB", 0, "999KB"):  # a bound that evicts every chunk as written
+        with pytest.raises(KvtoolError, match="max_bytes: .* 1MB or more"):
+            budget_options({"max_bytes": tiny})
+    with pytest.raises(KvtoolError, match="store_timeout"):
+        store_timeout({"store_timeout": 1e-300})
 
 
 # -- compiled kernels and the caller's threads ----------------------------------------------------

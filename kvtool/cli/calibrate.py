@@ -98,7 +98,7 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
     if output is None:
         raise click.UsageError("--bits needs -o/--output, the policy file to write")
     options = _menu(menu)
-    check_output_path(output)
+    check_output_path(output, inputs=(text_file, menu))
     text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)
     cal = calibrate(loaded, bits, text, tokens=tokens or 512, scored=scored, sinks=sink_tokens,
@@ -140,7 +140,7 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
     if output is not None:
         if len(names) != 1:
             raise click.UsageError("-o/--output takes the policy of one fitted preset")
-        check_output_path(output)
+        check_output_path(output, inputs=(text_file,))
     texts = None if text_file is None else {text_file: read_text_file(text_file)}
     loaded = load_model(model_name, dtype=dtype)
     fits = []

@@ -78,7 +78,8 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
     """Prefill a prompt and save the model's KV cache to a .kvz file."""
     from kvtool.fileio import check_output_path
 
-    check_output_path(output)  # before the slow part: a bad -o fails in milliseconds
+    # before the slow part: a bad -o fails in milliseconds
+    check_output_path(output, inputs=(prompt_file,))
     text = read_prompt(prompt, prompt_file)
     policy = policy_from_options(codec_opts)  # fail on a bad codec before loading the model
     dtype = model_dtype(model_name, dtype)

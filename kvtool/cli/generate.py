@@ -107,6 +107,9 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
     from kvtool.engines.hf import Sampling
 
     text = read_prompt(prompt, prompt_file, required=cache_path is None)
+    if cache_path is None and not text and no_chat_template:
+        raise click.UsageError("the prompt is empty: nothing to continue (give text, or "
+                               "--cache FILE)")
     if cache_path is not None and prompt_cache is not None:
         raise click.UsageError("give either --cache or --prompt-cache, not both")
     sampling = Sampling(temperature, top_p, seed)

@@ -39,7 +39,7 @@ def _store_line(store: str | None) -> str:
               "persist here, compressed.")
 @click.option("--max-store-bytes", help="Bound the store (e.g. 2GB): least recently hit chunks "
               "are evicted.")
-@click.option("--store-timeout", type=FiniteFloatRange(0, 3600, min_open=True),
+@click.option("--store-timeout", type=FiniteFloatRange(0.001, 3600),
               help="Seconds a store lookup, or one chunk's read, may take before the prefix is "
               "computed instead (default 1).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),

@@ -206,6 +206,10 @@ def policy_from_extra(extra: dict[str, Any], model_fingerprint: str | None = Non
     return dataclasses.replace(policy, **counts)  # an explicit 0 overrides the preset's count
 
 
+MIN_STORE_TIMEOUT = 0.001  # seconds
+MIN_MAX_BYTES = 1_000_000  # a store bound under this holds hardly a chunk of a model
+
+
 def store_timeout(extra: dict[str, Any]) -> float:
     """``store_timeout``: seconds a lookup, or one chunk's read, may take before it counts as
     a miss (default :data:`~kvtool.engines.vllm.guard.DEFAULT_TIMEOUT`)."""
@@ -217,9 +221,9 @@ def store_timeout(extra: dict[str, Any]) -> float:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
-    if not 0 < seconds <= 3600:
+    if not MIN_STORE_TIMEOUT <= seconds <= 3600:  # under a millisecond: every lookup a miss
         raise KvtoolError(f"kv_connector_extra_config: store_timeout must be a number of "
-                          f"seconds in (0, 3600], got {value!r}")
+                          f"seconds in [{MIN_STORE_TIMEOUT}, 3600], got {value!r}")
     return seconds
 
 
@@ -233,9 +237,9 @@ def parse_max_bytes(text: str, label: str) -> int:
         size = parse_size(text)
     except ValueError as e:
         raise KvtoolError(f"{label}: {e}") from None
-    if size <= 0:
+    if size < MIN_MAX_BYTES:
         raise KvtoolError(f"{label}: {text!r} would evict every chunk as it is written; give "
-                          "a positive size (like 2GB)")
+                          "1MB or more (like 2GB)")
     return size
 
 
@@ -270,9 +274,10 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
 
 
 def unservable(f: Any) -> str | None:
-    """Why an open .kvz (:class:`~kvtool.formats.reader.KvzFile`) cannot be served as a prefix
-    (None: it can): a prompt is matched against its token ids, and paged blocks hold no
-    sliding-window layer's partial window."""
+    """Why an open .kvz (:class:`~kvtool.formats.reader.KvzFile`) or a loaded
+    :class:`~kvtool.cache.KVCache` cannot be served as a prefix (None: it can): a prompt is
+    matched against its token ids, and paged blocks hold no sliding-window layer's partial
+    window."""
     if f.token_ids is None:
         return "it stores no token ids"
     if f.layer_info and any(f.layer_info):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtool.errors import KvtoolError, ModelMismatchError
+from kvtool.errors import FormatError, KvtoolError, ModelMismatchError
 
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -47,24 +47,38 @@ def _cuda() -> bool:
         return False
 
 
-def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int
-              ) -> tuple[str, str | None]:
-    """The pin's real path, after checking that it is a .kvz of this model (any dtype) that
-    the connector serves (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its
-    K/V will be cast to the server's ``dtype`` or it is longer than a prompt can be."""
+def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
+              tokenizer: Any = None) -> tuple[str, str | None]:
+    """The pin's real path, after checking that it is an intact .kvz of this model (any dtype)
+    and ``tokenizer`` (its fingerprint and vocabulary) that the connector serves
+    (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its K/V will be cast to
+    the server's ``dtype`` or it is longer than a prompt can be."""
     from kvtool.engines.vllm.common import unservable
     from kvtool.formats import open_kvz
-    from kvtool.models import cast_note, identity_key
+    from kvtool.formats.info import verify_file
+    from kvtool.models import cast_note, identity_key, tokenizer_fingerprint
 
     real = Path(path).resolve()
-    if not real.is_file():
+    if not real.exists():
         raise KvtoolError(f"--pin {path}: no such file")
+    if not real.is_file():
+        raise KvtoolError(f"--pin {path}: not a regular file")
     with open_kvz(real) as f:
         if identity_key(f.model) != fingerprint:
             raise ModelMismatchError(f"--pin {path}: it belongs to another model")
         why = unservable(f)
         if why:
             raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
+        if tokenizer is not None:
+            if f.tokenizer_fingerprint not in (None, tokenizer_fingerprint(tokenizer)):
+                raise ModelMismatchError(f"--pin {path}: it was tokenized by another tokenizer")
+            top = int(f.token_ids.max(initial=0))
+            if top >= len(tokenizer):
+                raise ModelMismatchError(f"--pin {path}: it holds token id {top}, past the "
+                                         f"model's {len(tokenizer)} tokens")
+        problems = verify_file(f)  # every checksum and layer: a pin is served for its life
+        if problems:
+            raise FormatError(f"--pin {path}: damaged: {problems[0]}")
         notes = [cast_note(f.model, dtype)]
         if f.num_tokens >= max_model_len:
             notes.append(f"its {f.num_tokens} tokens reach --max-model-len {max_model_len}: a "
@@ -89,8 +103,25 @@ def _positions(config: Any) -> int | None:
 
 
 #: engine arguments after which vLLM's context limit is not the config's
-_CONTEXT_ARGS = ("--hf-overrides", "--rope-scaling", "--rope-theta", "--max-model-len",
-                 "--hf-config-path")
+_CONTEXT_ARGS = ("--hf-overrides", "--rope-scaling", "--rope-theta", "--hf-config-path")
+#: engine arguments kvtool serve sets itself (vLLM takes the last value given), and what sets
+#: each instead
+_OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--host": "--host",
+             "--port": "--port", "--dtype": "--dtype", "--max-model-len": "--max-model-len",
+             "--kv-transfer-config": None}
+
+
+def _refuse_own(engine_args: tuple[str, ...]) -> None:
+    """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets: vLLM
+    takes the last value, so the server would run other than the summary says (another
+    model or port; without kvtool's connector and store)."""
+    for arg in engine_args:
+        name = arg.split("=", 1)[0].replace("_", "-")  # vLLM reads --max_model_len alike
+        if name in _OWN_ARGS:
+            own = _OWN_ARGS[name]
+            raise KvtoolError(f"-- {arg.split('=', 1)[0]}: kvtool serve sets it itself"
+                              + (f"; give kvtool serve {own} instead" if own else
+                                 "; run vLLM directly for another connector or name"))
 
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -106,6 +137,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
 
     from kvtool.models import model_identity, resolve_model
 
+    _refuse_own(engine_args)
+    if store is not None and not store.strip():
+        raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
+    if not host.strip():
+        raise KvtoolError("--host is empty: give an address to listen on (127.0.0.1, 0.0.0.0)")
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"vLLM serves Hugging Face model directories, not GGUF files "
@@ -148,7 +184,13 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         connector["max_bytes"] = max_store_bytes
     if store_timeout is not None:
         connector["store_timeout"] = store_timeout
-    checked = [check_pin(p, info["fingerprint"], ident_dtype, max_model_len) for p in pins]
+    tokenizer = None
+    if pins:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
+    checked = [check_pin(p, info["fingerprint"], ident_dtype, max_model_len, tokenizer)
+               for p in pins]
     real_pins = [real for real, _ in checked]
     if real_pins:
         connector["kvz_files"] = real_pins

@@ -383,15 +383,16 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
     them; (chunks pinned, chunks written). ``policy``: how new chunks are encoded (default:
     the connector's)."""
-    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
 
     read_pins(root)  # a damaged pins file is refused before anything is written
     refuse_foreign(root)  # as is a directory that is not a store
     cache = load(path)
-    if cache.token_ids is None:
-        raise KvtoolError(f"{path}: holds no token ids, so its chunks cannot be keyed")
+    why = unservable(cache)
+    if why:
+        raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
     if not is_url(str(root)):
