@@ -362,9 +362,11 @@ def compare_generation(loaded: Any, policy: CodecPolicy, prompt: str, max_new_to
             "first_difference": None if a == b else same}
 
 
-def run_with_past(model: Any, base: Baseline, past: Any) -> tuple[float, float]:
+def run_with_past(model: Any, base: Baseline, past: Any,
+                  before_last: Any = None) -> tuple[float, float]:
     """(perplexity, mean next-token KL against ``base``) of ``base``'s text run with ``past``
-    (any transformers ``Cache``: kvtool's, or a peer's such as ``QuantizedCache``)."""
+    (any transformers ``Cache``: kvtool's, or a peer's such as ``QuantizedCache``);
+    ``before_last()`` runs before the last chunk (the past then holds all it will attend)."""
     kls: list[torch.Tensor] = []
 
     def on_logp(start: int, logp: torch.Tensor) -> None:
@@ -372,7 +374,8 @@ def run_with_past(model: Any, base: Baseline, past: Any) -> tuple[float, float]:
             sl = slice(start, start + logp.shape[0])
             kls.append(next_token_kl(base.top[0][sl], base.top[1][sl], logp))
 
-    nll, count = chunked_nll(model, base.ids, past, base.chunk, on_logp=on_logp)
+    nll, count = chunked_nll(model, base.ids, past, base.chunk, on_last_chunk=before_last,
+                             on_logp=on_logp)
     return math.exp(nll / count), float(torch.cat(kls).mean()) if kls else math.nan
 
 
@@ -396,7 +399,16 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     model = loaded.model
     policy = policy.resolve(base.cache)
     past = CompressedCache(policy, config=model.config, block_size=block_size)
-    ppl, kl = run_with_past(model, base, past)
+
+    def some_encoded() -> None:  # else "+0.000%" and KL 0 would read as "lossless"
+        if not past.encoded_tokens() and policy.is_lossy():
+            raise KvtoolError(
+                f"no chunk of {base.chunk} tokens attends to an encoded token: the "
+                f"{policy.sink_tokens} sink and {policy.recent_tokens} recent tokens stay "
+                f"exact, and blocks of {block_size} are encoded behind them, so the result "
+                "would read as lossless; give more tokens, a smaller --chunk or --block-size")
+
+    ppl, kl = run_with_past(model, base, past, before_last=some_encoded)
     metrics = cache_metrics(base.cache, policy, storage_dtype=storage_dtype,
                             queries=base.queries)
     metrics["runtime_resident_bytes"] = past.nbytes()

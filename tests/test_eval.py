@@ -175,6 +175,10 @@ def test_eval_cli_json(loaded, tmp_path):
     one = CliRunner().invoke(cli, ["eval", "--codec", "turbo3", "--text", str(text),
                                    "--max-tokens", "64", "--chunk", "64"])
     assert one.exit_code == 1 and "fit in one chunk of 64" in one.output, one.output
+    none = CliRunner().invoke(cli, ["eval", "--codec", "turbo3", "--text", str(text),
+                                    "--max-tokens", "64", "--chunk", "16"])  # no 64-token block
+    assert none.exit_code == 1 and "no chunk of 16 tokens attends to an encoded token" \
+        in none.output, none.output
 
 
 def test_bundled_texts_are_long_enough():

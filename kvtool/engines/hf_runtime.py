@@ -450,6 +450,11 @@ class CompressedCache(Cache):
         """Resident bytes actually held: encoded arrays plus full-precision sinks/windows."""
         return sum(sum(layer.nbytes()) for layer in self.layers)
 
+    def encoded_tokens(self) -> int:
+        """Tokens held encoded, summed over layers and streams (0: every token held exact)."""
+        return sum(stream.stored for layer in self.layers for stream in layer.streams
+                   if stream.codec is not None)
+
     def nbytes_breakdown(self) -> dict[str, int]:
         enc = sum(layer.nbytes()[0] for layer in self.layers)
         full = sum(layer.nbytes()[1] for layer in self.layers)
