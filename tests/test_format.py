@@ -539,3 +539,33 @@ def test_header_is_deterministic_json(small_file):
 def test_available_codecs_helper_lists_turbo():
     assert {"turbo2", "turbo3", "turbo4"} <= set(available_codecs())
     assert NP_DTYPES
+
+
+def test_windows_and_identities_no_model_has_are_neither_written_nor_read(tmp_path):
+    """A layer's sliding window must be the model's (its layout names it, and each layer's
+    type where they differ), and a fingerprint must be its layout's: the writer refuses what
+    the reader would, and a header edited to declare a window the model lacks is refused."""
+    from kvtool.models import canonical_sha256
+
+    def model(window, types=None):
+        layout = {"architecture": "llama", "num_layers": 3, "num_kv_heads": 2, "head_dim": 32,
+                  "sliding_window": window, "layer_types": types}
+        return {"name": "m", "layout": layout, "fingerprint": canonical_sha256(layout)}
+
+    info = [{"sliding_window": 8}, None, None]
+    save(synthetic_cache(model=model(8), layer_info=info), tmp_path / "ok.kvz")
+    types = ["sliding_attention", "full_attention", "full_attention"]
+    save(synthetic_cache(model=model(8, types), layer_info=info), tmp_path / "ok2.kvz")
+    for bad, message in ((model(None), "sliding window of 8"), (model(4), "sliding window of 8"),
+                         (model(8, types[::-1]), "sliding window of 8"),
+                         ({**model(8), "fingerprint": "0" * 64}, "does not match its layout")):
+        with pytest.raises(ValueError, match=message):
+            save(synthetic_cache(model=bad, layer_info=info), tmp_path / "bad.kvz")
+        assert not (tmp_path / "bad.kvz").exists()
+
+    def add_window(header):
+        header["layer_info"] = [None, {"sliding_window": 8}, None]
+
+    rewrite_header(tmp_path / "ok2.kvz", tmp_path / "edited.kvz", add_window)
+    with pytest.raises(FormatError, match="layer 1: a sliding window of 8"):
+        load(tmp_path / "edited.kvz")

@@ -228,6 +228,38 @@ def test_export_import_round_trip(doc_cache, tmp_path):
     assert np.abs(lossy.keys[3] - doc_cache.keys[3]).max() < 0.5 * np.abs(doc_cache.keys[3]).max()
 
 
+def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_path,
+                                                              monkeypatch):
+    """A fingerprint that is not its layout's (the .kvz written from it would not load), and a
+    layer whose offset is not its arrays' length (tokens dropped or made up), are refused."""
+    import dataclasses
+
+    from kvtool.errors import FormatError
+
+    bad = dataclasses.replace(doc_cache, model={**doc_cache.model, "fingerprint": "0" * 64})
+    path = tmp_path / "fp.safetensors"
+    E.export_prompt_cache(bad, path)
+    with pytest.raises(FormatError, match="fingerprint does not match its layout"):
+        E.import_prompt_cache(path)
+    layers = []
+    for k, v in zip(doc_cache.keys, doc_cache.values, strict=True):
+        c = mlx_cache.KVCache()
+        c.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
+        layers.append(c)
+    path = str(tmp_path / "off.safetensors")
+    mlx_cache.save_prompt_cache(path, layers, {"model": "some/model"})
+    real_load = mlx_cache.load_prompt_cache
+
+    def shifted(*a, **k):  # as a crafted file's state would set it: past its arrays
+        loaded, meta = real_load(*a, **k)
+        loaded[2].offset = loaded[2].keys.shape[2] + 5
+        return loaded, meta
+
+    monkeypatch.setattr(mlx_cache, "load_prompt_cache", shifted)
+    with pytest.raises(FormatError, match="layer 2 holds .* tokens, its offset says"):
+        E.import_prompt_cache(path)
+
+
 def test_import_stock_mlx_file(doc_cache, tmp_path):
     layers = []
     for k, v in zip(doc_cache.keys, doc_cache.values, strict=True):

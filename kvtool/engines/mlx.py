@@ -334,9 +334,14 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     for i, layer in enumerate(layers):
         k, v = (layer.materialize() if isinstance(layer, KvtoolMLXCache)
                 else (None, None) if layer.empty() else layer.keys_and_values())
-        if k is None or k.shape[0] != 1:
-            raise FormatError(f"{path}: layer {i} is empty or holds a batch of "
-                              f"{0 if k is None else k.shape[0]} (kvtool reads batch 1)")
+        if k is None or k.shape[2] == 0:
+            raise FormatError(f"{path}: layer {i} holds no tokens")
+        if k.shape[0] != 1:
+            raise FormatError(f"{path}: layer {i} holds a batch of {k.shape[0]} (kvtool reads "
+                              "batch 1)")
+        if k.shape[2] != layer.offset:
+            raise FormatError(f"{path}: layer {i} holds {k.shape[2]} tokens, its offset says "
+                              f"{layer.offset}")
         keys.append(to_numpy(k[0]))
         values.append(to_numpy(v[0]))
     extra = _kvtool_metadata(path, user or {}, meta)
@@ -344,6 +349,12 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
         cache = KVCache(keys, values, **extra)
     except ValueError as e:
         raise FormatError(f"{path}: {e}") from None
+    model = cache.model or {}
+    if isinstance(model.get("layout"), dict) and "fingerprint" in model:
+        from kvtool.models import canonical_sha256
+
+        if canonical_sha256(model["layout"]) != model["fingerprint"]:
+            raise FormatError(f"{path}: its model fingerprint does not match its layout")
     if cache.token_ids is not None and len(cache.token_ids) != cache.num_tokens:
         raise FormatError(f"{path}: {len(cache.token_ids)} token ids for {cache.num_tokens} "
                           "cached tokens")

@@ -409,6 +409,10 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
         if self._plain is not None:
             if offset:
                 keys, values = v["plain"]
+                if keys.ndim != 4 or keys.shape[2] != offset or values.shape[:3] != keys.shape[:3]:
+                    raise FormatError(f"KvtoolMLXCache state: plain keys {tuple(keys.shape)} and "
+                                      f"values {tuple(values.shape)} do not hold its offset of "
+                                      f"{offset} tokens")
                 self._plain.state = (keys, values, offset)
         else:
             metas = config.get("streams") or []

@@ -118,7 +118,7 @@ def _check_one_policy(header: dict[str, Any], key: str,
                                   f"policy ({policy.describe()[:120]}) produces")
 
 
-def _check_identity(header: dict[str, Any]) -> None:
+def check_identity(header: dict[str, Any]) -> None:
     """The layers' shapes agree with the KV layout the model identity declares (when it does):
     a writer stores the arrays of the model it names."""
     from kvtool.models import canonical_sha256
@@ -139,6 +139,24 @@ def _check_identity(header: dict[str, Any]) -> None:
                 if is_int(declared[name]) and declared[name] != have:
                     raise FormatError(f"layer {i} {role}: {name} {have}, the model has "
                                       f"{declared[name]}")
+    if isinstance(layout, dict):
+        _check_windows(layout, header.get(C.H_LAYER_INFO) or [])
+
+
+def _check_windows(layout: dict[str, Any], info: list[Any]) -> None:
+    """Sliding windows the layers declare are the model's (a layout written by
+    :func:`kvtool.models.kv_layout` names its window and, where they differ, each layer's
+    type): a window it does not have would trim what every engine restores in full."""
+    window, types = layout.get("sliding_window", ...), layout.get("layer_types", ...)
+    for i, entry in enumerate(info):
+        declared = entry.get("sliding_window") if isinstance(entry, dict) else None
+        if declared is None:
+            continue
+        full = isinstance(types, list) and i < len(types) and types[i] == "full_attention"
+        if full or (window is None and types in (None, ...)) or (
+                is_int(window) and declared != window):
+            raise FormatError(f"layer {i}: a sliding window of {declared} tokens, which the "
+                              f"model (sliding_window {window}) does not have there")
 
 
 def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes: int,
@@ -152,7 +170,7 @@ def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes
     checked here (``None`` in the result), and decoding them fails.
     """
     deadline = Deadline()
-    _check_identity(header)
+    check_identity(header)
     _check_budget(header, file_bytes, decoded_limit(file_bytes, max_decoded_bytes))
     table = header[C.H_TENSORS]
     owner: dict[str, str] = {}

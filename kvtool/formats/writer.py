@@ -16,6 +16,7 @@ from kvtool.errors import CodecError, FormatError
 from kvtool.fileio import atomic_write, check_output_path
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
+from kvtool.formats.contract import check_identity
 from kvtool.formats.header import check_part_name, token_layout_problem
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
@@ -204,6 +205,10 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     }
     if policy.layers:  # only then: files of uniform policies stay byte-identical
         header[C.H_LAYER_POLICY] = policy.to_json()
+    try:  # never write what the reader refuses
+        check_identity(header)
+    except FormatError as e:
+        raise ValueError(f"cannot save this cache: {e}") from None
     try:
         header_json = json.dumps(header, sort_keys=True, separators=(",", ":"),
                                  ensure_ascii=True, allow_nan=False)
