@@ -156,6 +156,17 @@ def test_restore_as_float16_refuses_values_past_its_range(loaded, doc_cache):
     assert hf.to_dynamic_cache(big, model=loaded.model, dtype=torch.float32) is not None
 
 
+def test_values_no_model_computes_stop_the_generation(loaded, doc_cache):
+    """Finite but absurd K/V (3e38: a crafted raw file passes every format check) make the
+    scores NaN; the text would be noise (it printed as empty), so generation refuses."""
+    from kvtool.errors import KvtoolError
+
+    big = doc_cache.map_arrays(lambda a: to_torch(a).float().clone())
+    big.values[3][:] = 3e38
+    with pytest.raises(KvtoolError, match="scores were not finite"):
+        hf.continue_generation(loaded, big, " and then", max_new_tokens=2)
+
+
 def test_resolve_model_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="not found"):
         resolve_model(str(tmp_path / "nope"))

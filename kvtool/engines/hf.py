@@ -228,6 +228,10 @@ def _greedy(loaded: Any, ids: list[int], past: Any, max_new_tokens: int,
                          pad_token_id=pad if pad is not None else tok.pad_token_id,
                          streamer=timer, output_logits=True, return_dict_in_generate=True)
     end = time.perf_counter()
+    if out.logits and not bool(torch.isfinite(torch.stack(out.logits)).all()):
+        raise KvtoolError("the model's next-token scores were not finite (NaN or Inf): the "
+                          "restored K/V are past anything the model computes (a crafted or "
+                          "damaged file?), so its text would be noise")
     new = out.sequences[0, len(ids):].tolist()
     first = out.logits[0][0].float() if out.logits else None
     return new, (timer.first or end) - start, end - start, first
