@@ -124,6 +124,15 @@ def test_compress_errors(runner, tmp_path, raw_file):
                                  "-o", str(tmp_path / "x.kvz")])
     assert "nope" in one_line_error(result, 3)
     assert not (tmp_path / "x.kvz").exists()
+    for extra, message in ((["--zstd-level", "9"], "--zstd-level needs --zstd"),
+                           (["--sink-tokens", str(10**24)], "0<=x<=2147483647")):
+        result = runner.invoke(cli, ["compress", str(raw_file), "--codec", "turbo3", *extra,
+                                     "-o", str(tmp_path / "x.kvz")])
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "x.kvz").exists()
+    result = runner.invoke(cli, ["compress", str(raw_file), "--codec", "turbo3", "--zstd",
+                                 "--zstd-level", "9", "-o", str(tmp_path / "x.kvz")])
+    assert result.exit_code == 0, result.output
 
 
 def test_help_lists_commands_and_exit_codes(runner):

@@ -232,6 +232,8 @@ def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner)
                       .output)["pinned_chunks"] == 2
     assert "unpinned 2 chunks" in runner.invoke(cli, ["store", "unpin", str(root),
                                                       str(kvz)]).output
+    again = runner.invoke(cli, ["store", "unpin", str(root), str(kvz)])  # nothing pinned now
+    assert again.exit_code != 0 and "no chunks pinned from" in again.output, again.output
     runner.invoke(cli, ["store", "prune", str(root), "--max-bytes", "0"])
     assert store_admin.scan(root).chunks == []
 

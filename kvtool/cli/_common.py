@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+MAX_COUNT = 2**31 - 1  # tokens or layers: a count past int32 is a typo, not a request
 EXIT_CODES_HELP = """\b
 Exit codes:
   0  success
@@ -106,11 +107,14 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Codec for keys and values: an id (turbo3), id:opt=val,... or JSON."),
         click.option("--key-codec", default=None, help="Codec for keys (overrides --codec)."),
         click.option("--value-codec", default=None, help="Codec for values (overrides --codec)."),
-        click.option("--protect-layers", default=0, show_default=True, type=click.IntRange(0),
+        click.option("--protect-layers", default=0, show_default=True,
+                     type=click.IntRange(0, MAX_COUNT),
                      help="Keep the first and last N layers lossless."),
-        click.option("--sink-tokens", default=0, show_default=True, type=click.IntRange(0),
+        click.option("--sink-tokens", default=0, show_default=True,
+                     type=click.IntRange(0, MAX_COUNT),
                      help="Keep the first N tokens of every layer lossless."),
-        click.option("--recent-tokens", default=0, show_default=True, type=click.IntRange(0),
+        click.option("--recent-tokens", default=0, show_default=True,
+                     type=click.IntRange(0, MAX_COUNT),
                      help="Keep the last N tokens of every layer lossless."),
     ]
     for option in reversed(options):

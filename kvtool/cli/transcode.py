@@ -23,8 +23,8 @@ from kvtool.progress import progress_enabled
 
 zstd_options = [
     click.option("--zstd", is_flag=True, help="Also compress each tensor with zstd."),
-    click.option("--zstd-level", default=3, show_default=True, type=click.IntRange(1, 22),
-                 help="zstd level (with --zstd)."),
+    click.option("--zstd-level", default=None, type=click.IntRange(1, 22),
+                 help="zstd level (with --zstd; default 3)."),
 ]
 
 
@@ -32,6 +32,14 @@ def _with_zstd_options(fn: Any) -> Any:
     for option in reversed(zstd_options):
         fn = option(fn)
     return fn
+
+
+def _zstd(zstd: bool, level: int | None) -> int | bool:
+    """The writer's ``zstd`` argument; a level without ``--zstd`` is refused (it would do
+    nothing)."""
+    if level is not None and not zstd:
+        raise click.UsageError("--zstd-level needs --zstd")
+    return (level or 3) if zstd else False
 
 
 def _check_paths(src: str, output: str) -> None:
@@ -94,7 +102,7 @@ def _mlx_engine():
               help="Re-encode an already lossy IN with a lossy policy (errors add up).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int,
+def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_level: int | None,
                      entropy: bool, force: bool, as_json: bool, **opts: Any) -> None:
     """Re-encode the .kvz file IN (or import the mlx-lm prompt cache IN) with a codec policy."""
     if not any(opts.get(k) for k in ("codec", "key_codec", "value_codec", "policy_file",
@@ -110,7 +118,7 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
             model = f.model
         policy = fitted_for_model(opts, policy, model.get("fingerprint"),
                                   str(model.get("name") or src))
-    level = zstd_level if zstd else False
+    level = _zstd(zstd, zstd_level)
     if src_format == "mlx":
         from kvtool.formats import save
 
@@ -141,7 +149,7 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def decompress_command(src: str, output: str, dst_format: str, dtype: str | None, zstd: bool,
-                       zstd_level: int, as_json: bool) -> None:
+                       zstd_level: int | None, as_json: bool) -> None:
     """Decode the .kvz file IN and store it lossless (raw codec, or an mlx-lm prompt cache)."""
     _check_paths(src, output)
     if dst_format == "mlx":
@@ -164,5 +172,5 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
     from kvtool.formats import transcode
 
     report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,
-                       zstd=zstd_level if zstd else False, progress=progress_enabled())
+                       zstd=_zstd(zstd, zstd_level), progress=progress_enabled())
     _report(report, as_json)

@@ -420,12 +420,17 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
 
 
 def unpin_file(root: str | os.PathLike, path: str) -> int:
-    """Unpin the chunks pinned from ``path`` (they stay, prunable); how many."""
+    """Unpin the chunks pinned from ``path`` (they stay, prunable); how many (a
+    :class:`KvtoolError` if none were)."""
     backend = backend_of(root)
     backend.check()  # no store there: an error, as for ls, stats and prune
     pins = read_pins(backend)
     source = os.path.realpath(path)
     keep = {k: v for k, v in pins.items() if v.get("file") != source}
-    if len(keep) != len(pins):
-        _write_pins(backend, keep)
+    if len(keep) == len(pins):  # a mistyped path would read as done
+        files = sorted({str(v.get("file")) for v in pins.values()})
+        shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        raise KvtoolError(f"no chunks pinned from {path} in {backend.location} (pinned from: "
+                          f"{shown or 'none'})")
+    _write_pins(backend, keep)
     return len(pins) - len(keep)
