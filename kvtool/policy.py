@@ -444,6 +444,8 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
         return CodecPolicy.from_label(PRESETS[name][0])
     if str(name).endswith(".json") or os.path.isfile(name):
         return load_policy(name)
+    if os.path.exists(name):  # a FIFO, a device: never read (/dev/zero has no end)
+        raise CodecError(f"policy file {name}: not a regular file")
     raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "
                      "a policy JSON file (kvtool calibrate writes one)")
 

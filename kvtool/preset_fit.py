@@ -72,6 +72,7 @@ MENUS: dict[str, tuple[str, ...]] = {
         "candidates=4,vq=2 v=turbomix:bits=2,candidates=4,vq=2 sink=4",
     ),
 }
+MIN_TOKENS = 96  # the fewest a fit measures anything with (presets: 4 sinks)
 DEFAULT_TOKENS = 1024  # tokens of each calibration text
 DEFAULT_SEEDS = (DEFAULT_SEED, 1)  # rotation seeds per text (evaluate_grid's first two)
 
@@ -122,6 +123,9 @@ def fit_preset(loaded: Any, name: str, *, texts: dict[str, str | None] | None = 
 
     budget, start = BUDGETS.get(name), time.perf_counter()
     policies = menu_policies(name)
+    if tokens < MIN_TOKENS:  # its later chunks must attend to encoded 64-token blocks
+        raise KvtoolError(f"--tokens {tokens}: a fit measures chunks that attend to encoded "
+                          f"blocks of 64 tokens; give --tokens {MIN_TOKENS} or more")
     head_dim = int(kv_layout(loaded.model.config)["head_dim"])
     # chunks of at most a quarter of the text: all but the first run on the compressed past
     baselines = load_baselines(loaded, texts, max_tokens=tokens,

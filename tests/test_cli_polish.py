@@ -142,6 +142,11 @@ def test_every_float_option_refuses_nan_and_infinity(runner):
                  ["generate", "--seed", str(2**64)], ["generate", "--seed", "-1"]):
         out = runner.invoke(cli, args)
         assert out.exit_code == 2 and "Invalid value" in out.output, out.output
+    for args, message in ((["generate", "--prompt", "hi", "--seed", "7"], "--temperature > 0"),
+                          (["generate", "--prompt", "hi", "--top-p", "0.9"], "--temperature > 0"),
+                          (["codecs", "--measure"], "--measure needs --presets")):
+        out = runner.invoke(cli, args)  # an option that would do nothing
+        assert out.exit_code == 2 and message in out.output, out.output
 
 
 def test_decompress_takes_long_dtype_names(runner, kvz, tmp_path):

@@ -138,6 +138,9 @@ def test_calibrate_preset_then_capture_and_compress_use_the_fit(loaded, fits, tm
     compress with --preset then write its policy into the file, and say so."""
     from kvtool.cli.main import cli
 
+    few = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "64",
+                              "--seeds", "1", "--text", str(_text(tmp_path))])
+    assert few.exit_code == 1 and "give --tokens 96 or more" in few.output, few.output
     cal = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "96",
                               "--seeds", "1", "--text", str(_text(tmp_path)), "--json"])
     assert cal.exit_code == 0, cal.output

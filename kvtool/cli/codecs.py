@@ -21,6 +21,8 @@ from kvtool.cli._common import echo_json, handle_errors
 def codecs_command(head_dim: int, show_options: bool, show_presets: bool, measure: bool,
                    as_json: bool) -> None:
     """List every registered codec (built-ins and plugins)."""
+    if measure and not show_presets:
+        raise click.UsageError("--measure needs --presets (it times each preset)")
     if show_presets:
         _print_presets(head_dim, measure, as_json)
         return

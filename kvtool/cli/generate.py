@@ -112,6 +112,9 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
                                "--cache FILE)")
     if cache_path is not None and prompt_cache is not None:
         raise click.UsageError("give either --cache or --prompt-cache, not both")
+    if temperature == 0 and (top_p != 1.0 or seed is not None):
+        raise click.UsageError("--top-p and --seed take effect with --temperature > 0 (the "
+                               "default, 0, picks the most likely token)")
     sampling = Sampling(temperature, top_p, seed)
     if cache_path is not None:
         from kvtool.fileio import check_input_file

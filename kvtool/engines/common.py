@@ -36,8 +36,8 @@ def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[s
     if not same_model(want, loaded.info):
         a, b = want.get("layout") or {}, loaded.info.get("layout") or {}
         keys = sorted(k for k in set(a) | set(b) if k != "dtype" and a.get(k) != b.get(k))
-        detail = (" (" + ", ".join(f"{k}: {a.get(k)} vs {b.get(k)}" for k in keys) + ")"
-                  if keys else "")
+        detail = (" (" + ", ".join(f"{k}: {_short(a.get(k))} vs {_short(b.get(k))}"
+                                   for k in keys) + ")" if keys else "")
         name = want.get("name", "an unknown model")
         problems.append(f"model fingerprint differs{detail}: cache is from {name}, "
                         f"loaded is {loaded.name}")
@@ -49,6 +49,12 @@ def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[s
     if not problems:
         log_cast(want, identity_dtype(loaded.info) or "")
     return problems
+
+
+def _short(value: Any, width: int = 48) -> str:
+    """A layout value for a one-line message (a 30-layer ``layer_types`` list is ~900 chars)."""
+    text = str(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 @dataclass
