@@ -209,12 +209,10 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
                    BITS: tl.constexpr, QUANT: tl.constexpr, RP: tl.constexpr,
                    HAS_MEAN: tl.constexpr, HAS_CHOICE: tl.constexpr, ALL_CH: tl.constexpr,
                    BM: tl.constexpr, BK: tl.constexpr):
-    """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g].
-    ``ALL_CH``: the part is every channel (a part's channels ascend, so in order): rows are
-    stored whole, in vector stores. 16-bit outputs of a power-of-two part (``R`` exact in
-    bf16) take the value's leading two pieces alone (``_rot``'s ``FP32`` off: two dots where
-    fp32 takes three), as turbo's decode does; other widths keep every term (dropping the
-    three pieces' small products there moved some values past one step of the output)."""
+    """out[r, ch[g]] = norm[r] · values(codes[r]) @ R_c + mean[g, ch[g]], c = choice[g], in
+    fp32 accuracy, then rounded once (every output dtype: each value within a step of the
+    reference's). ``ALL_CH``: the part is every channel (a part's channels ascend, so in
+    order): rows are stored whole, in vector stores."""
     pid = tl.program_id(0)
     per_group = tl.cdiv(tokens, BM)
     g = pid // per_group
@@ -225,12 +223,11 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
     c = 0
     if HAS_CHOICE:
         c = tl.load(choice_ptr + g).to(tl.int32)
-    exact: tl.constexpr = out_ptr.dtype.element_ty == tl.float32 or RP > 1
     acc = tl.zeros([BM, NP], tl.float32)
     for k0 in tl.static_range(0, NP, BK):
         y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, slv_ptr,
                     N, NB, BITS, QUANT, BM, BK)
-        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP, exact)
+        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
     v = acc * tl.load(norms_ptr + r, mask=rmask, other=0.0).to(tl.float32)[:, None]
     cols = tl.arange(0, NP)
     if ALL_CH:
