@@ -241,13 +241,7 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
     E.export_prompt_cache(bad, path)
     with pytest.raises(FormatError, match="fingerprint does not match its layout"):
         E.import_prompt_cache(path)
-    layers = []
-    for k, v in zip(doc_cache.keys, doc_cache.values, strict=True):
-        c = mlx_cache.KVCache()
-        c.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
-        layers.append(c)
-    path = str(tmp_path / "off.safetensors")
-    mlx_cache.save_prompt_cache(path, layers, {"model": "some/model"})
+    path = _stock_file(doc_cache, tmp_path / "off.safetensors")
     real_load = mlx_cache.load_prompt_cache
 
     def shifted(*a, **k):  # as a crafted file's state would set it: past its arrays
@@ -260,14 +254,19 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
         E.import_prompt_cache(path)
 
 
-def test_import_stock_mlx_file(doc_cache, tmp_path):
+def _stock_file(cache: KVCache, path) -> str:
+    """``cache`` as stock mlx-lm saves a prompt cache (``KVCache`` layers, no kvtool metadata)."""
     layers = []
-    for k, v in zip(doc_cache.keys, doc_cache.values, strict=True):
+    for k, v in zip(cache.keys, cache.values, strict=True):
         c = mlx_cache.KVCache()
         c.update_and_fetch(mx.array(k)[None], mx.array(v)[None])
         layers.append(c)
-    path = str(tmp_path / "stock.safetensors")
-    mlx_cache.save_prompt_cache(path, layers, {"model": "some/model"})
+    mlx_cache.save_prompt_cache(str(path), layers, {"model": "some/model"})
+    return str(path)
+
+
+def test_import_stock_mlx_file(doc_cache, tmp_path):
+    path = _stock_file(doc_cache, tmp_path / "stock.safetensors")
     got = E.import_prompt_cache(path)
     assert got.token_ids is None and got.model == {"name": "some/model"}
     assert np.array_equal(got.values[7], doc_cache.values[7])
