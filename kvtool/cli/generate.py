@@ -52,9 +52,9 @@ def sampling_options(fn: Any) -> Any:
         click.option("--max-tokens", "--max-new-tokens", "max_tokens", default=32,
                      show_default=True, type=click.IntRange(1),
                      help="Most tokens to generate (--max-new-tokens: the old name)."),
-        click.option("--temperature", "--temp", default=0.0, show_default=True,
-                     type=FiniteFloatRange(0.0),
-                     help="Sampling temperature; 0 picks the most likely token (greedy)."),
+        click.option("--temperature", "--temp", default=None, type=FiniteFloatRange(0.0),
+                     help="Sampling temperature; 0 (the default) picks the most likely token "
+                     "(greedy)."),
         click.option("--top-p", default=1.0, show_default=True,
                      type=FiniteFloatRange(0.0, 1.0, min_open=True),
                      help="Nucleus sampling: sample from the smallest set of tokens whose "
@@ -96,7 +96,7 @@ def sampling_options(fn: Any) -> Any:
 def generate_command(model_name: str, dtype: str, threads: int | None, engine: str,
                      cache_path: str | None, prompt_cache: str | None, prompt: str | None,
                      prompt_file: str | None, no_chat_template: bool, max_tokens: int,
-                     temperature: float, top_p: float, seed: int | None, force: bool,
+                     temperature: float | None, top_p: float, seed: int | None, force: bool,
                      no_compare: bool, runtime_codec: str | None, as_json: bool) -> None:
     """Generate text from a prompt; with --cache, restore a saved prefix first and compare
     time to first token against recomputing it.
@@ -112,10 +112,10 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
                                "--cache FILE)")
     if cache_path is not None and prompt_cache is not None:
         raise click.UsageError("give either --cache or --prompt-cache, not both")
-    if temperature == 0 and (top_p != 1.0 or seed is not None):
+    if temperature is None and (top_p != 1.0 or seed is not None):  # an explicit 0 is a sweep's
         raise click.UsageError("--top-p and --seed take effect with --temperature > 0 (the "
                                "default, 0, picks the most likely token)")
-    sampling = Sampling(temperature, top_p, seed)
+    sampling = Sampling(temperature or 0.0, top_p, seed)
     if cache_path is not None:
         from kvtool.fileio import check_input_file
 
