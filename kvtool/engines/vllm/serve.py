@@ -48,15 +48,15 @@ def _cuda() -> bool:
 
 
 def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
-              tokenizer: Any = None) -> tuple[str, str | None]:
+              tokenizer: tuple[str, int] | None = None) -> tuple[str, str | None]:
     """The pin's real path, after checking that it is an intact .kvz of this model (any dtype)
-    and ``tokenizer`` (its fingerprint and vocabulary) that the connector serves
+    and ``tokenizer`` (its fingerprint and vocabulary size) that the connector serves
     (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its K/V will be cast to
     the server's ``dtype`` or it is longer than a prompt can be."""
     from kvtool.engines.vllm.common import unservable
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
-    from kvtool.models import cast_note, identity_key, tokenizer_fingerprint
+    from kvtool.models import cast_note, identity_key
 
     real = Path(path).resolve()
     if not real.exists():
@@ -70,12 +70,13 @@ def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
         if why:
             raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
         if tokenizer is not None:
-            if f.tokenizer_fingerprint not in (None, tokenizer_fingerprint(tokenizer)):
+            tokenizer_fp, vocab = tokenizer
+            if f.tokenizer_fingerprint not in (None, tokenizer_fp):
                 raise ModelMismatchError(f"--pin {path}: it was tokenized by another tokenizer")
             top = int(f.token_ids.max(initial=0))
-            if top >= len(tokenizer):
+            if top >= vocab:
                 raise ModelMismatchError(f"--pin {path}: it holds token id {top}, past the "
-                                         f"model's {len(tokenizer)} tokens")
+                                         f"model's {vocab} tokens")
         problems = verify_file(f)  # every checksum and layer: a pin is served for its life
         if problems:
             raise FormatError(f"--pin {path}: damaged: {problems[0]}")
@@ -185,10 +186,13 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     if store_timeout is not None:
         connector["store_timeout"] = store_timeout
     tokenizer = None
-    if pins:
+    if pins:  # hashed once for every pin
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
+        from kvtool.models import tokenizer_fingerprint
+
+        tok = AutoTokenizer.from_pretrained(location, local_files_only=True)
+        tokenizer = (tokenizer_fingerprint(tok), len(tok))
     checked = [check_pin(p, info["fingerprint"], ident_dtype, max_model_len, tokenizer)
                for p in pins]
     real_pins = [real for real, _ in checked]
