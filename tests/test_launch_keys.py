@@ -170,3 +170,50 @@ def test_a_growing_window_keeps_its_plan(monkeypatch, module):
             tap.attend(q, *roles, ke, ke, scale=0.1)
     # x ≤ 128 and not by 16, x ∈ {112, 128}, x > 128: three plans for 40 steps
     assert len(plans) == 3 and len(_planned(recorder)) == 3 and recorder.planned == 40
+
+
+def test_direct_launches_use_the_chosen_configs_grid(monkeypatch):
+    """The direct path with a fake compiled kernel: a grid that is a function of the
+    meta-parameters goes to Triton as given on a key's first launch; repeats work it out
+    from the chosen config's values and pass the constexprs after the arguments; an
+    autotuner whose search was changed (a test pinning a config) goes through Triton again."""
+    from types import SimpleNamespace
+
+    from kvtool.kernels import triton_launch
+
+    runs, firsts = [], []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *a):
+            runs.append(a)
+
+    class Tuner:  # what Launcher reads of an autotuner
+        arg_names = ["x_ptr", "n", "D", "BM"]
+        configs = [SimpleNamespace(kwargs={"BM": 32})]
+        best_config = configs[0]
+
+        def __getitem__(self, grid):
+            firsts.append(grid({"BM": self.best_config.kwargs["BM"]}))
+            return lambda *a, **k: Compiled()
+
+    driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 7)
+    monkeypatch.setattr(triton_launch, "triton", SimpleNamespace(
+        runtime=SimpleNamespace(driver=SimpleNamespace(active=driver))))
+    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    tuner = Tuner()
+    launcher = Launcher(tuner)
+    launcher.direct = True
+    x = torch.zeros(16)
+    grid = lambda meta: (-(-100 // meta["BM"]),)  # noqa: E731
+    for _ in range(2):
+        launcher(grid, (x, 100), {"D": 64})
+    assert firsts == [(4,)] and launcher.fast == 1
+    assert runs[0][:4] == (4, 1, 1, 7) and runs[0][-4:] == (x, 100, 64, 32)
+    tuner.configs = [SimpleNamespace(kwargs={"BM": 64})]  # pinned: Triton chooses again
+    tuner.best_config = tuner.configs[0]
+    launcher(grid, (x, 100), {"D": 64})
+    launcher(grid, (x, 100), {"D": 64})
+    assert firsts == [(4,), (2,)] and launcher.fast == 2
+    assert runs[-1][:3] == (2, 1, 1) and runs[-1][-1] == 64

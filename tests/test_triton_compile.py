@@ -25,8 +25,9 @@ if not PTXAS.exists():  # a Triton without its NVIDIA backend's assembler
 KERNELS = {"triton_cuda._encode_kernel", "triton_cuda._decode_kernel",
            "triton_cuda._rotate_kernel", "triton_cuda._scores_kernel",
            "triton_turbomix._stats_kernel", "triton_turbomix._encode_kernel",
-           "triton_turbomix._decode_kernel", "triton_turbomix_norms._norm_codes_kernel",
-           "triton_turbomix_norms._norm_values_kernel", "triton_attention._attend_kernel",
+           "triton_turbomix._decode_kernel", "triton_turbomix_norms._norm_values_kernel",
+           "triton_turbomix_select._outliers_kernel", "triton_turbomix_select._choose_kernel",
+           "triton_attention._attend_kernel",
            "triton_attention_parts._parts_kernel"}
 
 

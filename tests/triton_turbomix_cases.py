@@ -213,6 +213,37 @@ def test_odd_widths_and_shapes(spec, shape):
     check_roundtrip(spec, keys(shape, seed=len(shape)))
 
 
+def test_groups_longer_than_a_selection_step():
+    """1100-token groups: the per-group candidate choice, code copy and uint8 norms run in
+    three steps (512 tokens of 16-byte code rows; the uint8 norms read back what all three
+    stored)."""
+    check_roundtrip("turbomix:bits=3,outliers=4,outlier_bits=4,candidates=3,norm_bits=8",
+                    keys((2, 1100, 32), seed=7))
+
+
+@pytest.mark.parametrize("dim,n_hi", [(6, 2), (96, 16), (128, 48), (256, 64)])
+def test_outlier_channels_match_a_stable_sort(dim, n_hi):
+    """Exactly ``n_hi`` channels whatever the energies: ties go to the lowest channel (the
+    reference's stable sort), NaN ranks as +inf; both parts ascend; the mask is the
+    reference's LSB-first packing."""
+    from kvtool.kernels.triton_turbomix_select import outlier_channels
+
+    rng = np.random.default_rng(dim)
+    energy = np.round(rng.exponential(1.0, (7, dim)), 1)  # many ties
+    energy[1] = 2.0  # all tied
+    energy[2, ::3] = np.nan
+    energy[3, 1] = np.inf
+    energy[4] = 0.0
+    mask, lo, hi = outlier_channels(_dev(energy), n_hi)
+    ranked = np.where(np.isnan(energy), np.inf, energy)
+    top = np.argsort(-ranked, axis=1, kind="stable")[:, :n_hi]
+    want = np.zeros((7, dim), bool)
+    np.put_along_axis(want, top, True, axis=1)
+    np.testing.assert_array_equal(_np(hi), np.sort(top, axis=1))
+    np.testing.assert_array_equal(_np(lo), np.stack([np.flatnonzero(~m) for m in want]))
+    np.testing.assert_array_equal(_np(mask)[:, 0], np.packbits(want, axis=1, bitorder="little"))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_input_and_output_dtypes(dtype):
     spec = "turbomix:outliers=16,center=true,candidates=3,trellis=true,norm_bits=8"
@@ -379,6 +410,19 @@ class TestCuda:
 
     def test_deferred_checks(self):
         check_deferred("turbomix:bits=4,center=true,candidates=4")
+
+    def test_repeat_calls_launch_directly_and_read_their_own_inputs(self):
+        """Encodes and decodes after the first of a shape skip Triton's dispatch (counted:
+        stats, outliers, two parts, the choice, two decodes) and still match the reference
+        on new data."""
+        from kvtool.kernels import triton_cuda as tc
+
+        spec = "turbomix:bits=3,outliers=8,center=true,candidates=3,norm_bits=8"
+        for seed in range(3):
+            check_roundtrip(spec, keys((2, 16, 64), seed=seed))
+            if seed == 0:
+                fast = sum(launcher.fast for launcher in tc._LAUNCHERS.values())
+        assert sum(launcher.fast for launcher in tc._LAUNCHERS.values()) >= fast + 2 * 7
 
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
     def test_dtypes(self, dtype):

@@ -110,6 +110,24 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+#: each kernel's :class:`~kvtool.kernels.triton_launch.Launcher`, made at its first launch
+_LAUNCHERS: dict[Any, Any] = {}
+
+
+def launch(kernel: Any, grid: Any, args: tuple[Any, ...], constants: dict[str, Any],
+           tuned: tuple[Any, ...] = ()) -> None:
+    """``kernel[grid](*args, **constants)``, repeat launches of a specialisation without
+    Triton's per-call dispatch (a Launcher per kernel; ``tuned``: the autotune key's runtime
+    arguments): an encode or decode of a cache block is a few µs of kernel time, and Triton's
+    dispatch of ~25 arguments costs tens of µs of host time on a GPU host."""
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        from kvtool.kernels.triton_launch import Launcher  # it imports this module
+
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    launcher(grid, args, constants, tuned)
+
+
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
     elements per thread spills: ``benchmarks/triton_sass.py``). Small calls (``size_class``
@@ -375,12 +393,12 @@ def turbo_encode(x: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, t
     if rows:
         rot = _rotation(dim, seed, x.device)
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows)
-        _encode_kernel[launch["grid"]](
+        plan, size_class = _rows_launch(rows), int(rows >= 1 << 16)
+        launch(_encode_kernel, plan["grid"], (
             x2, rot.rt16 if x2.dtype == torch.float16 else rot.rtb,
-            _codebook(dim, bits, x.device)[0], codes, norms, rows, int(rows >= 1 << 16),
-            D=dim, BITS=bits, CPG=cpg, BPG=bpg, BN=min(dim, 64),
-            PIECES=1 if x2.dtype in _F16 else 3, **launch["meta"])
+            _codebook(dim, bits, x.device)[0], codes, norms, rows, size_class),
+            {"D": dim, "BITS": bits, "CPG": cpg, "BPG": bpg, "BN": min(dim, 64),
+             "PIECES": 1 if x2.dtype in _F16 else 3, **plan["meta"]}, (size_class,))
     return codes.reshape(*lead, nb), norms.reshape(lead)
 
 
@@ -402,11 +420,12 @@ def turbo_decode(codes: torch.Tensor, norms: torch.Tensor, dim: int, bits: int, 
     if c2.shape[0]:
         rows = c2.shape[0]
         cpg, bpg = group_shape(bits)
-        launch = _rows_launch(rows)
-        _decode_kernel[launch["grid"]](
+        plan, size_class = _rows_launch(rows), int(rows >= 1 << 16)
+        launch(_decode_kernel, plan["grid"], (
             c2, n2, _codebook(dim, bits, codes.device)[1], _rotation(dim, seed, codes.device).rb,
-            out, rows, int(rows >= 1 << 16), D=dim, BITS=bits, CPG=cpg, BPG=bpg,
-            BK=min(dim, 64), PIECES=3 if out_dtype == torch.float32 else 2, **launch["meta"])
+            out, rows, size_class),
+            {"D": dim, "BITS": bits, "CPG": cpg, "BPG": bpg, "BK": min(dim, 64),
+             "PIECES": 3 if out_dtype == torch.float32 else 2, **plan["meta"]}, (size_class,))
     return out.reshape(*lead, dim)
 
 

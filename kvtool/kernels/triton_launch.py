@@ -39,6 +39,8 @@ import torch
 from kvtool.kernels.triton_cuda import INTERPRET, triton
 
 _I32 = 2**31
+#: a launch grid: programs per axis, or a function of the launch's meta-parameters
+Grid = Sequence[int] | Callable[[dict[str, Any]], Sequence[int]]
 
 
 def _getter(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
@@ -96,21 +98,27 @@ def _hooks_set() -> bool:
 class Launcher:
     """``Launcher(kernel)(grid, args, constants, tuned, fixed)`` runs ``kernel[grid](*args,
     **constants)``; ``args`` are the kernel's leading runtime arguments in order, ``constants``
-    its constexprs by name (those an autotuner sets come from its chosen config); ``fixed``
-    (optional, hashable): the caller's promise that it determines ``constants``, ``tuned``,
-    the arguments' types and dtypes and every non-tensor argument's specialisation."""
+    its constexprs by name (those an autotuner sets come from its chosen config) and compile
+    options; ``grid`` a tuple, or a function of the launch's meta-parameters (an autotuned
+    block size: the chosen config's, on direct launches too); ``tuned``: the values of the
+    autotuner's key arguments that are not constexprs; ``fixed`` (optional, hashable): the
+    caller's promise that it determines ``constants``, ``tuned``, the arguments' types and
+    dtypes and every non-tensor argument's specialisation."""
 
     def __init__(self, kernel: Any):
         self.kernel = kernel
-        self.names: list[str] = list(getattr(getattr(kernel, "fn", kernel), "arg_names", ()))
-        self.compiled: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
+        # a JIT function's and an autotuner's own (the first's ``fn`` is the Python function)
+        self.names: list[str] = list(getattr(kernel, "arg_names", ()))
+        #: per key: the compiled kernel, its trailing (constexpr) arguments, its meta-parameters
+        #: and the autotuner's configs it was chosen among (tests pin others: a new choice)
+        self.compiled: dict[Hashable, tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = {}
         #: per ``fixed`` key: the getter of its tensor arguments and the number of its spec
         self._fixed: dict[Hashable, tuple[Callable[[Sequence[Any]], tuple[Any, ...]], int]] = {}
         self._specs: dict[Hashable, int] = {}  # spec -> its number (never reused)
         self.direct = not INTERPRET and triton is not None
         self.fast = 0  # launches that skipped Triton's dispatch (tests read it)
 
-    def __call__(self, grid: Sequence[int], args: Sequence[Any], constants: dict[str, Any],
+    def __call__(self, grid: Grid, args: Sequence[Any], constants: dict[str, Any],
                  tuned: Hashable = (), fixed: Hashable = None) -> None:
         if not self.direct or _hooks_set():
             self._through_triton(grid, args, constants)
@@ -122,11 +130,11 @@ class Launcher:
             self._through_triton(grid, args, constants)
             return
         hit = self.compiled.get(key)
-        if hit is None:
-            self._first(key, grid, args, constants)
+        if hit is None or hit[3] is not getattr(self.kernel, "configs", None):
+            self._first(key, grid, args, constants)  # new, or the autotuner's search changed
             return
-        kernel, tail = hit
-        g = (*grid, 1, 1)
+        kernel, tail, meta, _ = hit
+        g = (*(grid(meta) if callable(grid) else grid), 1, 1)
         try:
             kernel.run(g[0], g[1], g[2], driver.get_current_stream(device), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *tail)
@@ -166,12 +174,12 @@ class Launcher:
         except TypeError:
             return None
 
-    def _through_triton(self, grid: Sequence[int], args: Sequence[Any],
+    def _through_triton(self, grid: Grid, args: Sequence[Any],
                         constants: dict[str, Any]) -> Any:
         """Triton's own launch (it compiles, autotunes and specialises); its compiled kernel."""
-        return self.kernel[tuple(grid)](*args, **constants)
+        return self.kernel[grid if callable(grid) else tuple(grid)](*args, **constants)
 
-    def _first(self, key: Hashable, grid: Sequence[int], args: Sequence[Any],
+    def _first(self, key: Hashable, grid: Grid, args: Sequence[Any],
                constants: dict[str, Any]) -> None:
         """Launch through Triton and keep what it compiled, if its launcher takes our call."""
         kernel = self._through_triton(grid, args, constants)
@@ -186,7 +194,7 @@ class Launcher:
             return
         if len(self.compiled) >= 512:  # shapes come and go; keys stay few per shape
             self.compiled.clear()
-        self.compiled[key] = (kernel, tail)
+        self.compiled[key] = (kernel, tail, values, getattr(self.kernel, "configs", None))
 
 
 _FIXED = object()  # keeps the keys of ``fixed`` launches apart from full keys

@@ -5,8 +5,9 @@ on ``x``'s device (the small tables — rotations, codebooks, trellis subsets �
 the host and cached per device):
 
 - :func:`_stats_kernel`: per group the channel means (float64 sums, rounded to fp16 as stored)
-  and the channel energies after centering (float64); the top-n outlier channels are a stable
-  ``torch.sort`` of the energies (ties: the lowest channel);
+  and the channel energies after centering (float64); the top-n outlier channels by energy
+  (ties: the lowest channel) and each part's channels, in one launch
+  (:mod:`kvtool.kernels.triton_turbomix_select`);
 - :func:`_encode_kernel`, once per part: gather the part's channels minus the mean, the norm,
   then per candidate rotation ``u = t·R_cᵀ`` as tensor-core dots with exact fp32 products
   (``t`` split in three bf16 pieces; ``R_c`` is exact in bf16 at power-of-two widths, whose
@@ -15,7 +16,8 @@ the host and cached per device):
   (scalar by binary search, ``vq=2`` pairs by an argmax over the 2-D codebook, or the 32-state
   trellis: a Viterbi pass over ``[BLOCK_M, 32]`` path costs with one uint32 of decisions per
   row and coordinate, then a traceback per row), LSB-first packing and each row's squared
-  error; each group then keeps its least-error candidate (ties: the lowest) on the device;
+  error; a program per group then keeps its least-error candidate (ties: the lowest), with
+  its codes and norms (:mod:`kvtool.kernels.triton_turbomix_select`);
 - :func:`_decode_kernel`: unpack, look up, rotate back with the group's candidate, scale by the
   norm, add the mean and store the part's channels in the output dtype.
 
@@ -34,7 +36,6 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from kvtool.codecs.turbo import FP16_MAX
 from kvtool.errors import CodecError
 from kvtool.kernels.device_checks import require
 from kvtool.kernels.triton_cuda import (
@@ -44,9 +45,11 @@ from kvtool.kernels.triton_cuda import (
     _persisted,
     available,
     cdiv,
+    launch,
     next_power_of_2,
 )
 from kvtool.kernels.triton_turbomix_norms import norm_codes, norm_values
+from kvtool.kernels.triton_turbomix_select import choose, outlier_channels
 from kvtool.kernels.triton_turbomix_steps import (
     _pack,
     _pairs,
@@ -298,14 +301,15 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     norms = torch.empty(nrows, dtype=torch.float32, device=device)
     err = torch.empty((len(seeds), nrows), dtype=torch.float32, device=device)
     cpg, bpg = group_shape(bits)
-    _encode_kernel[grid](
+    launch(_encode_kernel, grid, (
         rows, mean if mean is not None else norms, channels,
         channels.shape[1] if channels.shape[0] > 1 else 0, rt, tab["bnd"], tab["cent"],
         tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], tab["sub"], codes, norms, err,
-        *scratch, nrows, tokens, groups, len(seeds), tok_class, D=dim, N=n, NP=width, NB=nb,
-        BITS=bits, CPG=cpg, BPG=bpg, QUANT=QUANTIZERS[codec.quantizer], PER=1 << (bits - 1),
-        RP=pieces, HAS_MEAN=mean is not None, ALL_CH=channels.shape[1] == dim,
-        BK=min(width, 32), enable_fp_fusion=False, **meta)
+        *scratch, nrows, tokens, groups, len(seeds), tok_class),
+        {"D": dim, "N": n, "NP": width, "NB": nb, "BITS": bits, "CPG": cpg, "BPG": bpg,
+         "QUANT": QUANTIZERS[codec.quantizer], "PER": 1 << (bits - 1), "RP": pieces,
+         "HAS_MEAN": mean is not None, "ALL_CH": channels.shape[1] == dim,
+         "BK": min(width, 32), "enable_fp_fusion": False, **meta}, (tok_class,))
     return codes, norms, err
 
 
@@ -325,23 +329,18 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
         mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
         energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
         bd = min(64, next_power_of_2(dim))
-        _stats_kernel[(groups, cdiv(dim, bd))](
-            rows, mean, energy, tokens, D=dim, BD=bd, BT=16, CENTER=codec.center,
-            ENERGY=n_hi > 0)
+        launch(_stats_kernel, (groups, cdiv(dim, bd)), (rows, mean, energy, tokens),
+               {"D": dim, "BD": bd, "BT": 16, "CENTER": codec.center, "ENERGY": n_hi > 0})
     if codec.center:
         out["mean"] = mean.half()
     parts = [(_all_channels(dim, device), codec.bits)]
     if n_hi:
-        top = torch.sort(energy, dim=1, descending=True, stable=True).indices[:, :n_hi]
-        mask = torch.zeros((groups, dim), dtype=torch.bool, device=device)
-        mask.scatter_(1, top, True)
-        out["outlier_mask"] = _packbits(mask)
-        lo = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices[:, :n_lo]
-        parts = [(lo.int().contiguous(), codec.bits),
-                 (top.sort(dim=1).values.int().contiguous(), codec.outlier_bits)]
+        out["outlier_mask"], lo, top = outlier_channels(energy, n_hi)
+        parts = [(lo, codec.bits), (top, codec.outlier_bits)]
     encoded = [_encode_part(codec, rows, tokens, ch, mean if codec.center else None, bits)
                for ch, bits in parts]
-    norms = torch.stack([nrm for _, nrm, _ in encoded])
+    chosen, ok = choose(encoded, groups, tokens, codec.norm_bits)
+    out.update(chosen)
 
     def fail() -> NoReturn:  # NaN/Inf input, or a norm past fp16's range
         from kvtool.kernels import check_finite, torch_ops
@@ -349,35 +348,9 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
         check_finite(torch_ops, x, codec.codec_id)
         raise CodecError(f"{codec.codec_id}: vector norm exceeds the fp16 range")
 
-    require((norms <= FP16_MAX).all(), fail)
-    cands = codec.candidates
-    choice = None
-    if cands > 1:  # the least error per group; ties: the lowest candidate
-        errors = encoded[0][2].double() if len(encoded) == 1 else \
-            torch.stack([e for _, _, e in encoded]).sum(0, dtype=torch.float64)
-        total = errors.view(cands, groups, tokens).sum(2)
-        choice = total.argmin(0)
-        out["rotation"] = choice.to(torch.uint8)[:, None]
-    for (codes, nrm, _), suffix in zip(encoded, ("", "_hi"), strict=False):
-        codes = codes.view(cands, groups, tokens, -1)
-        out["codes" + suffix] = codes[0] if choice is None else \
-            codes[choice, torch.arange(groups, device=device)]
-        n16 = nrm.view(groups, tokens).half()
-        if codec.norm_bits == 8:
-            out["norms" + suffix], out["norm_range" + suffix] = norm_codes(n16)
-        else:
-            out["norms" + suffix] = n16
-    expected = codec.expected_arrays(shape, "float32")
-    return {k: v.reshape(expected[k].shape) for k, v in out.items()}
-
-
-def _packbits(mask: torch.Tensor) -> torch.Tensor:
-    """uint8 [G, 1, ceil(D/8)] of a bool mask [G, D], LSB-first (``np.packbits`` little)."""
-    groups, dim = mask.shape
-    padded = torch.zeros((groups, -(-dim // 8) * 8), dtype=torch.int32, device=mask.device)
-    padded[:, :dim] = mask.int()
-    weights = 1 << torch.arange(8, dtype=torch.int32, device=mask.device)
-    return (padded.view(groups, -1, 8) * weights).sum(-1).to(torch.uint8)[:, None, :]
+    require(ok.all(), fail)
+    return {k: out[k].reshape(spec.shape)
+            for k, spec in codec.expected_arrays(shape, "float32").items()}
 
 
 def channel_sets_of(codec: Any, arrays: dict[str, torch.Tensor], groups: int, dim: int,
@@ -440,15 +413,15 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
             norms = norm_values(norms, arrays["norm_range" + suffix].reshape(groups, 2))
         _, r, pieces = _rotations(n, seeds, device)
         tab = _tables(n, bits, codec.quantizer, device)
-        _decode_kernel[grid](
+        launch(_decode_kernel, grid, (
             arrays["codes" + suffix].reshape(rows, -1).contiguous(), norms.reshape(-1).contiguous(),
             choice if choice is not None else channels, channels,
             n if channels.shape[0] > 1 else 0, mean if mean is not None else out, r, tab["cent"],
-            tab["pts"], tab["slv"], out, tokens, tok_class, D=dim, N=n,
-            NP=_width(n), NB=(n * bits + 7) // 8, BITS=bits, QUANT=QUANTIZERS[codec.quantizer],
-            RP=pieces, HAS_MEAN=mean is not None, HAS_CHOICE=choice is not None,
-            ALL_CH=n == dim, BK=min(_width(n), 32), enable_fp_fusion=False,
-            **meta)
+            tab["pts"], tab["slv"], out, tokens, tok_class),
+            {"D": dim, "N": n, "NP": _width(n), "NB": (n * bits + 7) // 8, "BITS": bits,
+             "QUANT": QUANTIZERS[codec.quantizer], "RP": pieces, "HAS_MEAN": mean is not None,
+             "HAS_CHOICE": choice is not None, "ALL_CH": n == dim, "BK": min(_width(n), 32),
+             "enable_fp_fusion": False, **meta}, (tok_class,))
     return out.reshape(shape)
 
 

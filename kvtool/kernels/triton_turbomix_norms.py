@@ -16,7 +16,7 @@ import torch
 
 from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
-from kvtool.kernels.triton_cuda import _jit, next_power_of_2
+from kvtool.kernels.triton_cuda import _jit, launch, next_power_of_2
 
 try:
     import triton.language as tl
@@ -33,11 +33,8 @@ def _log_range(lo, hi):
 
 
 @_jit
-def _norm_codes_kernel(n_ptr, codes_ptr, range_ptr, tokens, STEPS: tl.constexpr,
-                       BT: tl.constexpr):
-    """codes[g, :] and range[g] = (lo, hi) of fp16 norms n[g, :] (see the module doc)."""
-    g = tl.program_id(0).to(tl.int64)
-    row = n_ptr + g * tokens
+def _group_norm_codes(row, codes_row, range_row, tokens, STEPS: tl.constexpr, BT: tl.constexpr):
+    """codes and (lo, hi) of one group's fp16 norms at ``row`` (see the module doc)."""
     lo = tl.full([BT], float("inf"), tl.float32)
     hi = tl.full([BT], float("-inf"), tl.float32)
     for t0 in range(0, tokens, BT):
@@ -58,10 +55,18 @@ def _norm_codes_kernel(n_ptr, codes_ptr, range_ptr, tokens, STEPS: tl.constexpr,
         r = tl.floor(x)
         d = x - r
         r += tl.where((d > 0.5) | ((d == 0.5) & (r.to(tl.int32) % 2 == 1)), 1.0, 0.0)
-        tl.store(codes_ptr + g * tokens + t, tl.where(positive, 1 + r, 0.0).to(tl.uint8),
-                 mask=t < tokens)
-    tl.store(range_ptr + 2 * g, least.to(tl.float16))
-    tl.store(range_ptr + 2 * g + 1, most.to(tl.float16))
+        tl.store(codes_row + t, tl.where(positive, 1 + r, 0.0).to(tl.uint8), mask=t < tokens)
+    tl.store(range_row, least.to(tl.float16))
+    tl.store(range_row + 1, most.to(tl.float16))
+
+
+@_jit
+def _norm_codes_kernel(n_ptr, codes_ptr, range_ptr, tokens, STEPS: tl.constexpr,
+                       BT: tl.constexpr):
+    """codes[g, :] and range[g] = (lo, hi) of fp16 norms n[g, :]."""
+    g = tl.program_id(0).to(tl.int64)
+    _group_norm_codes(n_ptr + g * tokens, codes_ptr + g * tokens, range_ptr + 2 * g, tokens,
+                      STEPS, BT)
 
 
 @_jit
@@ -81,6 +86,7 @@ def _norm_values_kernel(codes_ptr, range_ptr, out_ptr, tokens, STEPS: tl.constex
 
 # -- host side -----------------------------------------------------------------------------------
 def _block(tokens: int) -> int:
+    """Tokens per step of a group's loop."""
     return min(1024, max(16, next_power_of_2(tokens)))
 
 
@@ -92,8 +98,8 @@ def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((groups, tokens), dtype=torch.uint8, device=norms.device)
     ranges = torch.empty((groups, 1, 2), dtype=torch.float16, device=norms.device)
     if groups and tokens:
-        _norm_codes_kernel[(groups,)](norms, codes, ranges, tokens, STEPS=_NORM_STEPS,
-                                      BT=_block(tokens))
+        launch(_norm_codes_kernel, (groups,), (norms, codes, ranges, tokens),
+               {"STEPS": _NORM_STEPS, "BT": _block(tokens)})
     elif groups:
         ranges.zero_()
     return codes, ranges
@@ -110,8 +116,8 @@ def norm_values(codes: torch.Tensor, ranges: torch.Tensor, check: bool = True) -
                          "writer stores")
     out = torch.empty((groups, tokens), dtype=torch.float32, device=codes.device)
     if groups and tokens:
-        _norm_values_kernel[(groups,)](codes.contiguous(), ranges, out, tokens,
-                                       STEPS=_NORM_STEPS, BT=_block(tokens))
+        launch(_norm_values_kernel, (groups,), (codes.contiguous(), ranges, out, tokens),
+               {"STEPS": _NORM_STEPS, "BT": _block(tokens)})
     return out
 
 
