@@ -49,6 +49,16 @@ def test_command_line(runner, tmp_path):
     out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--pin", "x.kvz"])
     assert out.exit_code == 2 and "vLLM-only" in out.output
 
+    # engine arguments that would replace the launcher's own (argparse keeps the last value,
+    # abbreviations included) are refused, each with one line
+    for args, message in ((("--store", "/tmp/x"), "give kvtool serve --store"),
+                          (("--kvtool-policy", "{}"), "codec options"),
+                          (("--po", "9"), "sets --port itself"),
+                          (("--model=other",), "give kvtool serve --model")):
+        out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--", *args])
+        assert out.exit_code != 0 and message in out.output, out.output
+        assert len(out.output.strip().splitlines()) == 1
+
 
 def _free_port() -> int:
     with socket.socket() as s:

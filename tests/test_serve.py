@@ -115,7 +115,8 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "give --store" in refused("--max-store-bytes", "2GB")
     assert "--store is empty" in refused("--store", "")
     assert "--host is empty" in refused("--host", "")
-    assert "kvtool serve sets it itself" in refused("--", "--kv-transfer-config", "{}")
+    assert "sets --kv-transfer-config itself" in refused("--", "--kv-transfer-config", "{}")
+    assert "give kvtool serve --max-model-len" in refused("--", "--max-model", "9")  # abbrev.
     assert "give kvtool serve --port" in refused("--", "--port=9")
     assert "--max-model-len instead" in refused("--", "--max_model_len", "999999")
     assert "give --store" in refused("--store-timeout", "2")

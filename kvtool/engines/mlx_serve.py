@@ -34,6 +34,10 @@ from typing import Any
 from kvtool.errors import KvtoolError
 
 ENTRY_POINT = "kvtool.engines.mlx_serve"
+#: what the launcher's command line sets (see ``kvtool.engines.vllm.serve.refuse_own``)
+_OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--dtype": "--dtype",
+             "--kvtool-policy": "codec options (--codec, --preset, ...)", "--store": "--store",
+             "--kvtool-block-size": None, "--host": "--host", "--port": "--port"}
 STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
 STORE_VERSION = 1
 log = logging.getLogger("kvtool.mlx_serve")
@@ -44,9 +48,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          policy_options: dict[str, Any] | None = None, engine_args: tuple[str, ...] = ()):
     """The server's command line and summary (nothing is started)."""
     from kvtool.engines.vllm.common import policy_from_extra
-    from kvtool.engines.vllm.serve import ServePlan
+    from kvtool.engines.vllm.serve import ServePlan, refuse_own
     from kvtool.models import resolve_model
 
+    refuse_own(engine_args, _OWN_ARGS, "mlx_lm.server")
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvtool.engines.mlx import MX_DTYPES
     from kvtool.policy import CodecPolicy
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
+                                 allow_abbrev=False)  # abbreviations are mlx_lm.server's
     ap.add_argument("--model", required=True)
     ap.add_argument("--served-model-name", action="append", default=[])
     ap.add_argument("--dtype", default="float32", choices=sorted(MX_DTYPES))

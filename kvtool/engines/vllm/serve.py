@@ -112,17 +112,25 @@ _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--host": "--hos
              "--kv-transfer-config": None}
 
 
-def _refuse_own(engine_args: tuple[str, ...]) -> None:
-    """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets: vLLM
-    takes the last value, so the server would run other than the summary says (another
-    model or port; without kvtool's connector and store)."""
+def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
+               engine: str = "vLLM") -> None:
+    """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets
+    (``own``: each with the ``kvtool serve`` option to use instead, or None): the engine's
+    argparse takes the last value, also of an abbreviation (``--po 9`` for ``--port``), so
+    the server would run other than the summary says (another model or port; without
+    kvtool's connector, policy or store)."""
     for arg in engine_args:
-        name = arg.split("=", 1)[0].replace("_", "-")  # vLLM reads --max_model_len alike
-        if name in _OWN_ARGS:
-            own = _OWN_ARGS[name]
-            raise KvtoolError(f"-- {arg.split('=', 1)[0]}: kvtool serve sets it itself"
-                              + (f"; give kvtool serve {own} instead" if own else
-                                 "; run vLLM directly for another connector or name"))
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        dashed = name.replace("_", "-")  # vLLM reads --max_model_len alike
+        hit = dashed if dashed in own else next(
+            (o for o in own if len(dashed) > 3 and o.startswith(dashed)), None)
+        if hit is not None:
+            instead = own[hit]
+            raise KvtoolError(f"-- {name}: kvtool serve sets {hit} itself"
+                              + (f"; give kvtool serve {instead} instead" if instead else
+                                 f"; run {engine} directly for another one"))
 
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -138,7 +146,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
 
     from kvtool.models import model_identity, resolve_model
 
-    _refuse_own(engine_args)
+    refuse_own(engine_args)
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
     if not host.strip():
