@@ -336,7 +336,15 @@ def test_runtime_codec_without_cache(runner, fast_model):
     result = runner.invoke(cli, ["generate", "--prompt", "Name a colour.", "--max-tokens", "3",
                                  "--runtime-codec", "turbo3", "--json"])
     assert result.exit_code == 0, result.output
-    assert len(json.loads(result.stdout)["recompute"]["new_token_ids"]) >= 1
+    report = json.loads(result.stdout)
+    assert len(report["recompute"]["new_token_ids"]) >= 1
+    # a prompt shorter than a block: nothing encoded, and the user is told
+    assert report["runtime_codec"]["encoded_tokens"] == 0 and "encoded none" in result.stderr
+    result = runner.invoke(cli, ["generate", "--prompt", "Name a colour. " * 40,
+                                 "--max-tokens", "2", "--runtime-codec", "turbo3", "--json"])
+    assert result.exit_code == 0 and "encoded none" not in result.stderr, result.output
+    report = json.loads(result.stdout)["runtime_codec"]
+    assert report["encoded_tokens"] >= 64 and report["encoded_tokens"] % 64 == 0, report
 
 
 # -- 8. models: Hub ids and GGUF conversion ----------------------------------------------------

@@ -153,7 +153,24 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
                                                  sampling=sampling)
             report = {"model": loaded.name, "text": result.text,
                       "recompute": result.to_json()}
+            if past is not None:
+                report["runtime_codec"] = _runtime_report(past)
     _output(report, as_json)
+
+
+def _runtime_report(past: Any) -> dict[str, int]:
+    """What a ``--runtime-codec`` cache held; a warning when it encoded nothing (a cache
+    encodes whole blocks once they leave its exact sinks and recent window)."""
+    from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
+
+    held = past.get_seq_length()
+    encoded = max((s.stored for layer in past.layers for s in layer.streams
+                   if s.codec is not None), default=0)  # a layer's most
+    if not encoded:
+        click.echo(f"warning: --runtime-codec encoded none of the {held} tokens (it encodes "
+                   f"whole {DEFAULT_BLOCK_SIZE}-token blocks past the exact sinks and recent "
+                   "window): the cache stayed exact", err=True)
+    return {"tokens": held, "encoded_tokens": encoded}
 
 
 def _generating(loaded: Any, max_tokens: int):
@@ -318,6 +335,10 @@ def _output(report: dict[str, Any], as_json: bool) -> None:
     if recompute:
         click.echo(f"recompute: time to first token {recompute['ttft_s']:.3f} s "
                    f"(prefill {recompute['prompt_tokens']} tokens)")
+    runtime = report.get("runtime_codec")
+    if runtime:
+        click.echo(f"runtime codec: {runtime['encoded_tokens']} of {runtime['tokens']} tokens "
+                   "held encoded")
     if restore and recompute:
         speedup = recompute["ttft_s"] / max(restore["ttft_with_read_s"], 1e-9)
         same = "identical" if report["same_text"] else "different"
