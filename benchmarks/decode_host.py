@@ -21,7 +21,8 @@ the one that flushes a block, whose every layer encodes it). "prefill" is the ho
 layer in the cache's ``update`` during a ``--context``-token prefill (every cache, DynamicCache
 too, prefills the whole context: the compressed ones encode it there), best of ``--rounds``,
 with the aten ops a layer of that prefill adds to DynamicCache's. "host reads" counts, in the
-prefill and in those 64 steps, the device values the host read (``.item()``, ``bool()``,
+prefill, in those 64 steps and in a next turn (a forward of 40 new tokens, which attends
+through the store decoded), the device values the host read (``.item()``, ``bool()``,
 ``nonzero``, ``.tolist()``, ``.cpu()``, ...): on CUDA each waits for the device to catch up,
 so the host stops running ahead of it. The tables built on the host from numpy and the
 queued checks' flags (pinned host memory on CUDA, :mod:`kvtool.kernels.device_checks`) are
@@ -46,9 +47,12 @@ os.environ.pop("TRITON_INTERPRET", None)
 from host_stubs import stub_kernels  # noqa: E402  (benchmarks/ is the script's directory)
 
 POLICIES = ("turbo3", "quality", "balanced", "small")
-#: aten ops that read a tensor's values on the host (on CUDA: wait for the device)
-READ_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select",
-                      "unique", "_unique2", "unique_dim", "unique_consecutive"})
+TURN = 40  # tokens of the next turn (a forward of them attends through decoded K/V)
+#: aten ops that read a tensor's values on the host (on CUDA: wait for the device; ``item``
+#: is what ``int()``/``.item()`` dispatch under ``torch.inference_mode``)
+READ_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal",
+                      "masked_select", "unique", "_unique2", "unique_dim",
+                      "unique_consecutive"})
 #: Tensor methods that read values on the host without an aten op on a CPU tensor
 READ_METHODS = ("tolist", "numpy", "cpu")
 #: (file, function) whose tensors are host memory on CUDA too: tables built from numpy, and
@@ -256,13 +260,16 @@ def main(argv: list[str] | None = None) -> None:
                     counts.append(Count.n / args.layers)
             ops[name] = (min(counts), max(counts))
             reads[name]["steps"] = step_reads
+            with HostReads() as turn_reads:  # a next turn: many new tokens over the store,
+                model(ids[:, :TURN], past_key_values=cache, logits_to_keep=1)  # decoded
+            reads[name]["turn"] = turn_reads
     base = best["DynamicCache"]
     print(f"host µs per layer and decode step, best of {args.rounds} rounds of {args.steps} "
           f"steps ({args.layers} layers; compressed caches hold {args.context} tokens, "
           f"DynamicCache {args.dynamic_tokens}; kernel launches replaced by their launch keys)")
     print(f"{'cache':>13} | {'update':>7} | {'attention':>9} | {'sum':>6} | {'vs Dynamic':>10} | "
           f"{'aten ops':>8} | {'flush step':>10} | {'prefill':>7} | {'prefill ops':>11} | "
-          f"{'host reads':>10}")
+          "host reads")
     dyn, dyn_prefill = ops["DynamicCache"][0], prefill_ops["DynamicCache"]
     for name, per in best.items():
         plain, flush = ops[name]
@@ -272,12 +279,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{plain if own else plain - dyn:>8.1f} | "
               f"{flush if own else flush - dyn:>10.1f} | {prefill[name]:>7.1f} | "
               f"{prefill_ops[name] if own else prefill_ops[name] - dyn_prefill:>11.1f} | "
-              f"{reads[name]['prefill'].count:>4} / {reads[name]['steps'].count:>3}",
-              flush=True)
+              f"{reads[name]['prefill'].count} / {reads[name]['steps'].count} / "
+              f"{reads[name]['turn'].count}", flush=True)
     print(f"(aten ops per layer: DynamicCache's own, then what each cache adds in an ordinary "
           f"step and in the step that flushes a block; prefill: host µs per layer in the "
           f"cache's update of a {args.context}-token prefill (its encodes) and the aten ops a "
-          f"layer of it adds; host reads: in the prefill / in the 64 steps, all layers)")
+          f"layer of it adds; host reads: in the prefill / in the 64 steps / in a "
+          f"{TURN}-token next turn, all layers)")
     for name, both in reads.items():
         for phase, seen in both.items():
             if seen.count:
@@ -290,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                  "flush_aten_ops": ops[name][1], "prefill_update_us": prefill[name],
                  "prefill_aten_ops": prefill_ops[name],
                  "prefill_host_reads": reads[name]["prefill"].count,
-                 "step_host_reads": reads[name]["steps"].count} for name, per in best.items()]
+                 "step_host_reads": reads[name]["steps"].count,
+                 "turn_host_reads": reads[name]["turn"].count} for name, per in best.items()]
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 

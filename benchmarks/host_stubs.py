@@ -43,6 +43,8 @@ class KeyedLaunch:
         self.keys[key] = self.keys.get(key, 0) + 1
         if self.record is not None:
             self.record.append((self.launcher.kernel, tuple(args), dict(constants)))
+        if not self.outputs:
+            return
         with _disable_current_modes():  # a GPU launch dispatches no torch op: count none
             for at, value in self.outputs.items():  # in order: an output may alias another
                 if callable(value):

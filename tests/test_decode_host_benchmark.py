@@ -52,10 +52,12 @@ def test_rows_and_ops_per_layer(tmp_path):
     assert prefill["balanced"] <= 105, prefill
     assert all(math.isfinite(r["prefill_update_us"]) and r["prefill_update_us"] > 0
                for r in rows.values())
-    # the host never waits for the device: no device value read in a prefill or in 64 steps
-    # (one flushes a block), so on CUDA the host keeps running ahead of the kernels
+    # the host never waits for the device: no device value read in a prefill, in 64 steps
+    # (one flushes a block) or in a next turn (it decodes the store: the cache's own arrays,
+    # whose values are not checked again), so on CUDA the host keeps running ahead
     for row in rows.values():
         assert row["prefill_host_reads"] == row["step_host_reads"] == 0, row
+        assert row["turn_host_reads"] == 0, row
     assert "host reads" in run.stdout and "reads at:" not in run.stdout
 
 

@@ -57,6 +57,7 @@ from kvtool.codecs import Codec, Encoded
 from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError, KvtoolError
 from kvtool.kernels import kernel_mode
+from kvtool.kernels.device_checks import own_arrays
 
 CODE_BITS = (2, 3, 4)  # kvtool.kernels.numba_attention.BITS (not imported: numba may be absent)
 ATTR = "_kvtool_codes"  # attribute on the key tensor returned by CompressedLayer.update
@@ -131,7 +132,8 @@ class CodesView:
         for exact, codec, (chunks, index) in zip((key, value), self.codecs, self.chunks,
                                                  strict=True):
             if id(chunks) not in decoded:  # keys and values stacked: one decode for both
-                decoded[id(chunks)] = [codec.decode(enc).flatten(-3, -2) for enc in chunks]
+                with own_arrays():  # the cache's own encodes: no value checks (host syncs)
+                    decoded[id(chunks)] = [codec.decode(enc).flatten(-3, -2) for enc in chunks]
             parts = [x if index is None else x[index] for x in decoded[id(chunks)]]
             parts = [exact[..., :self.sinks, :], *(p.to(exact.dtype) for p in parts),
                      exact[..., self.sinks:, :]]

@@ -33,6 +33,27 @@ def deferrable(ok: Any) -> bool:
     return getattr(getattr(ok, "device", None), "type", None) == "cuda"
 
 
+#: whether the decodes of this context read arrays this process encoded (see :func:`own_arrays`)
+_OWN: ContextVar[bool] = ContextVar("kvtool_own_arrays", default=False)
+
+
+@contextmanager
+def own_arrays() -> Iterator[None]:
+    """Decodes inside read arrays this process's encodes wrote (a ``CompressedCache``'s store):
+    the value checks a decode makes of arrays from elsewhere (rotation indices, outlier masks,
+    norm ranges), which on CUDA read a device value back and stall the host, are skipped."""
+    token = _OWN.set(True)
+    try:
+        yield
+    finally:
+        _OWN.reset(token)
+
+
+def check_values() -> bool:
+    """Whether a decode here must check its arrays' values (outside :func:`own_arrays`)."""
+    return not _OWN.get()
+
+
 def require(ok: Any, fail: Callable[[], NoReturn]) -> None:
     """Call ``fail`` (which raises) unless the 0-d boolean ``ok`` holds; inside
     :func:`deferred`, a :func:`deferrable` flag is queued for the caller instead."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvtool.errors import CodecError
-from kvtool.kernels.device_checks import require
+from kvtool.kernels.device_checks import check_values, require
 from kvtool.kernels.triton_cuda import (
     INTERPRET,
     _bf16,
@@ -380,7 +380,7 @@ def _check(codec: Any, a: dict[str, torch.Tensor], shape: tuple[int, ...]) -> No
                 or str(got.dtype).removeprefix("torch.") != spec.dtype:
             raise CodecError(f"{codec.codec_id}: array {key!r} does not match an encode "
                              f"of shape {shape}, which no writer stores")
-    if "rotation" in a and a["rotation"].numel() \
+    if "rotation" in a and a["rotation"].numel() and check_values() \
             and int(a["rotation"].max()) >= codec.candidates:
         raise CodecError(f"{codec.codec_id}: a rotation index is past candidates="
                          f"{codec.candidates}, which no writer stores")
@@ -399,7 +399,7 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     out = torch.empty((rows, dim), dtype=getattr(torch, dtype), device=device)
     if not rows:
         return out.reshape(shape)
-    channel_sets = channel_sets_of(codec, arrays, groups, dim)
+    channel_sets = channel_sets_of(codec, arrays, groups, dim, check_values())
     mean = arrays["mean"].reshape(groups, dim).float().contiguous() if codec.center else None
     choice = arrays["rotation"].reshape(groups).int().contiguous() \
         if "rotation" in arrays else None
@@ -410,7 +410,8 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
         n = channels.shape[1]
         norms = arrays["norms" + suffix].reshape(groups, tokens)
         if codec.norm_bits == 8:
-            norms = norm_values(norms, arrays["norm_range" + suffix].reshape(groups, 2))
+            norms = norm_values(norms, arrays["norm_range" + suffix].reshape(groups, 2),
+                                check_values())
         _, r, pieces = _rotations(n, seeds, device)
         tab = _tables(n, bits, codec.quantizer, device)
         launch(_decode_kernel, grid, (
