@@ -115,7 +115,7 @@ def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> lis
 @_jit
 def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.constexpr,
                   BT: tl.constexpr, CENTER: tl.constexpr, ENERGY: tl.constexpr):
-    """mean[g] (fp16-rounded, as fp32) and energy[g] = Σ (x − mean)² (float64) per channel."""
+    """mean[g] (fp16, as stored) and energy[g] = Σ (x − mean)² (float64) per channel."""
     g = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     cmask = cols < D
@@ -128,7 +128,7 @@ def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.c
                         mask=(tt < tokens)[:, None] & cmask[None, :], other=0.0)
             acc += tl.sum(v.to(tl.float32).to(tl.float64), axis=0)
         m = (acc / tokens).to(tl.float32).to(tl.float16).to(tl.float32)
-        tl.store(mean_ptr + g * D + cols, m, mask=cmask)
+        tl.store(mean_ptr + g * D + cols, m.to(tl.float16), mask=cmask)
     if ENERGY:
         acc2 = tl.zeros([BD], tl.float64)
         for t0 in range(0, tokens, BT):
@@ -326,13 +326,13 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     mean = energy = None
     if codec.center or n_hi:
-        mean = torch.empty((groups, dim), dtype=torch.float32, device=device)
+        mean = torch.empty((groups, dim), dtype=torch.float16, device=device)
         energy = torch.empty((groups, dim), dtype=torch.float64, device=device)
         bd = min(64, next_power_of_2(dim))
         launch(_stats_kernel, (groups, cdiv(dim, bd)), (rows, mean, energy, tokens),
                {"D": dim, "BD": bd, "BT": 16, "CENTER": codec.center, "ENERGY": n_hi > 0})
     if codec.center:
-        out["mean"] = mean.half()
+        out["mean"] = mean
     parts = [(_all_channels(dim, device), codec.bits)]
     if n_hi:
         out["outlier_mask"], lo, top = outlier_channels(energy, n_hi)
@@ -400,7 +400,7 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
     if not rows:
         return out.reshape(shape)
     channel_sets = channel_sets_of(codec, arrays, groups, dim, check_values())
-    mean = arrays["mean"].reshape(groups, dim).float().contiguous() if codec.center else None
+    mean = arrays["mean"].reshape(groups, dim).contiguous() if codec.center else None
     choice = arrays["rotation"].reshape(groups).int().contiguous() \
         if "rotation" in arrays else None
     seeds = _seeds(codec)

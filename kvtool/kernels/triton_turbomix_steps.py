@@ -108,8 +108,8 @@ def _part(x_ptr, mean_ptr, ch_ptr, g, r, rmask, j, N: tl.constexpr, D: tl.conste
     t = tl.load(x_ptr + r[:, None] * D + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
                 other=0.0).to(tl.float32)
     if HAS_MEAN:
-        t = tl.where((j < N)[None, :],
-                     t - tl.load(mean_ptr + g * D + ch, mask=j < N, other=0.0)[None, :], 0.0)
+        m = tl.load(mean_ptr + g * D + ch, mask=j < N, other=0.0).to(tl.float32)
+        t = tl.where((j < N)[None, :], t - m[None, :], 0.0)
     return t
 
 
