@@ -58,6 +58,8 @@ def test_command_line(runner, tmp_path):
         out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--", *args])
         assert out.exit_code != 0 and message in out.output, out.output
         assert len(out.output.strip().splitlines()) == 1
+    block = _plan(runner, "--", "--kvtool-block-size", "8")["argv"]  # the entry point's own
+    assert block[-2:] == ["--kvtool-block-size", "8"]  # option, which kvtool serve leaves to --
 
 
 def _free_port() -> int:

@@ -35,9 +35,10 @@ from kvtool.errors import KvtoolError
 
 ENTRY_POINT = "kvtool.engines.mlx_serve"
 #: what the launcher's command line sets (see ``kvtool.engines.vllm.serve.refuse_own``)
+#: (``--kvtool-block-size`` is the entry point's too, but the launcher leaves it to ``--``)
 _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--dtype": "--dtype",
              "--kvtool-policy": "codec options (--codec, --preset, ...)", "--store": "--store",
-             "--kvtool-block-size": None, "--host": "--host", "--port": "--port"}
+             "--host": "--host", "--port": "--port"}
 STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
 STORE_VERSION = 1
 log = logging.getLogger("kvtool.mlx_serve")
