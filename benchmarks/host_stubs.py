@@ -2,14 +2,11 @@
 (``decode_host.py``, ``attend_host.py``): the Triton modules' host code runs as on CUDA, their
 kernels do not.
 
-- launches stop at their key (:class:`KeyedLaunch`): what a repeat launch works out before it
-  calls the compiled kernel; the encode, decode, selection and norm kernels also fill their
-  outputs (zeros, and "ok" flags: the model and the encodes' checks read them);
-- the kernels launched through Triton's own dispatch (``turbo_scores``'s) only zero their
-  outputs (:class:`Stub`).
-
-Both can also keep what each launch passed (``record``): ``triton_compile.py`` compiles those
-launches for a GPU.
+Launches stop at their key (:class:`KeyedLaunch`): what a repeat launch works out before it
+calls the compiled kernel; the encode, decode, selection, norm and scores kernels also fill
+their outputs (zeros, and "ok" flags: the model and the encodes' checks read them). Each can
+also keep what it was passed (``record``): ``triton_compile.py`` compiles those launches for a
+GPU.
 """
 
 from __future__ import annotations
@@ -53,27 +50,6 @@ class KeyedLaunch:
                     args[at].fill_(value)
 
 
-class Stub:
-    """A Triton kernel whose launches do nothing but zero its float outputs:
-    ``kernel[grid](*args)`` as the host code calls it (``record``: as :class:`KeyedLaunch`)."""
-
-    def __init__(self, kernel: Any, outputs: tuple[str, ...],
-                 record: list[Launch] | None = None):
-        self.names, self.outputs = list(kernel.arg_names), outputs  # JIT or autotuner
-        self.kernel, self.record = kernel, record
-
-    def __getitem__(self, grid: Any) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            if self.record is not None:
-                self.record.append((self.kernel, args, kwargs))
-            with _disable_current_modes():
-                for name, arg in zip(self.names, args, strict=False):
-                    if name in self.outputs:
-                        arg.zero_()
-
-        return launch
-
-
 def _first_outliers(mask: Any, constants: dict[str, Any]) -> None:
     """A stubbed outlier selection's mask: the first ``N_HI`` channels (a valid mask)."""
     import torch
@@ -93,9 +69,8 @@ def _outlier_channels(hi: Any, constants: dict[str, Any]) -> None:
 
 def stub_kernels(record: list[Launch] | None = None) -> None:
     """Attention launches and the launches through :func:`kvtool.kernels.triton_cuda.launch`
-    (the turbo encode and decode, the ``turbomix`` and uint8-norm kernels) become
-    :class:`KeyedLaunch`es (an H100's 132 SMs for the split heuristic), ``turbo_scores``'s
-    kernels :class:`Stub`s; ``record`` gets every launch of them all."""
+    (the turbo, ``turbomix`` and uint8-norm kernels) become :class:`KeyedLaunch`es (an H100's
+    132 SMs for the split heuristic); ``record`` gets every launch of them all."""
     from kvtool.kernels import triton_attention as ta
     from kvtool.kernels import triton_attention_parts as tap
     from kvtool.kernels import triton_cuda as tc
@@ -112,6 +87,8 @@ def stub_kernels(record: list[Launch] | None = None) -> None:
     for module, name, outputs in (
             (tc, "_encode_kernel", zero(["norms_ptr"], 0)),
             (tc, "_decode_kernel", zero(["out_ptr"], 0)),
+            (tc, "_rotate_kernel", zero(["out_ptr"], 0)),
+            (tc, "_scores_kernel", zero(["out_ptr"], 0)),
             (tt, "_stats_kernel", zero(["mean_ptr", "energy_ptr"], 0)),
             (tt, "_encode_kernel", zero(["norms_ptr", "err_ptr"], 0)),
             (tt, "_decode_kernel", zero(["out_ptr"], 0)),
@@ -125,7 +102,3 @@ def stub_kernels(record: list[Launch] | None = None) -> None:
         kernel = getattr(module, name)
         if not isinstance(tc._LAUNCHERS.get(kernel), KeyedLaunch):
             tc._LAUNCHERS[kernel] = KeyedLaunch(Launcher(kernel), record, outputs)
-    for name in ("_rotate_kernel", "_scores_kernel"):
-        kernel = getattr(tc, name)
-        if not isinstance(kernel, Stub):
-            setattr(tc, name, Stub(kernel, ("out_ptr",), record))

@@ -163,9 +163,7 @@ def _runtime_report(past: Any) -> dict[str, int]:
     encodes whole blocks once they leave its exact sinks and recent window)."""
     from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
 
-    held = past.get_seq_length()
-    encoded = max((s.stored for layer in past.layers for s in layer.streams
-                   if s.codec is not None), default=0)  # a layer's most
+    held, encoded = past.get_seq_length(), past.encoded_tokens()
     if not encoded:
         click.echo(f"warning: --runtime-codec encoded none of the {held} tokens (it encodes "
                    f"whole {DEFAULT_BLOCK_SIZE}-token blocks past the exact sinks and recent "

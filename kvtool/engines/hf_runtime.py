@@ -451,9 +451,9 @@ class CompressedCache(Cache):
         return sum(sum(layer.nbytes()) for layer in self.layers)
 
     def encoded_tokens(self) -> int:
-        """Tokens held encoded, summed over layers and streams (0: every token held exact)."""
-        return sum(stream.stored for layer in self.layers for stream in layer.streams
-                   if stream.codec is not None)
+        """Tokens held encoded by the layer that holds the most (0: every token held exact)."""
+        return max((stream.stored for layer in self.layers for stream in layer.streams
+                    if stream.codec is not None), default=0)
 
     def nbytes_breakdown(self) -> dict[str, int]:
         enc = sum(layer.nbytes()[0] for layer in self.layers)

@@ -434,8 +434,8 @@ def _rotate(x: torch.Tensor, m: torch.Tensor, scale: float) -> torch.Tensor:
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=torch.float32, device=x.device)
     if rows:
-        _rotate_kernel[(cdiv(rows, 16),)](x.contiguous(), m, out, rows, float(scale),
-                                                 D=dim, BK=min(dim, 64), BLOCK_M=16)
+        launch(_rotate_kernel, (cdiv(rows, 16),), (x.contiguous(), m, out, rows, float(scale)),
+               {"D": dim, "BK": min(dim, 64), "BLOCK_M": 16})
     return out
 
 
@@ -460,9 +460,10 @@ def turbo_scores(q: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, bits
     m_blocks, n_blocks = cdiv(m, block_m), cdiv(n, block_n)
     if out.numel():
         cpg, bpg = group_shape(bits)
-        _scores_kernel[(batch * m_blocks * n_blocks,)](
-            q_rot, c3, n3, _codebook(dim, bits, q.device)[1], out, m, n, m_blocks, n_blocks,
-            D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m, BLOCK_N=block_n)
+        launch(_scores_kernel, (batch * m_blocks * n_blocks,), (
+            q_rot, c3, n3, _codebook(dim, bits, q.device)[1], out, m, n, m_blocks, n_blocks),
+            {"D": dim, "BITS": bits, "CPG": cpg, "BPG": bpg, "BLOCK_M": block_m,
+             "BLOCK_N": block_n})
     return out
 
 

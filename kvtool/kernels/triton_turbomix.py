@@ -319,7 +319,7 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     shape, dim = tuple(x.shape), x.shape[-1]
     if dim < 2:
         raise CodecError(f"{codec.codec_id}: head_dim must be at least 2")
-    n_hi, n_lo = codec._split(dim)
+    n_hi = codec._split(dim)[0]
     tokens = shape[-2] if len(shape) > 1 else 1
     rows = (x if x.dtype in _INPUT else x.float()).reshape(-1, dim).contiguous()
     groups, device = rows.shape[0] // tokens, rows.device
