@@ -108,7 +108,7 @@ def preset_main(args: argparse.Namespace) -> None:
     signatures = {
         "encode": dict(x_ptr="*bf16", mean_ptr="*fp32", ch_ptr="*i32", ch_stride="i32",
                        rt_ptr="*bf16", bnd_ptr="*fp32", cent_ptr="*fp32", pts_ptr="*fp32",
-                       hsq_ptr="*fp32", lvl_ptr="*fp32", edge_ptr="*fp32", sub_ptr="*i32",
+                       hsq_ptr="*fp32", lvl_ptr="*fp32", edge_ptr="*fp32",
                        codes_ptr="*u8", norms_ptr="*fp32", err_ptr="*fp32", u_scr="*fp32",
                        dec_scr="*i32", q_scr="*i8", rows="i32", tokens="i32", groups="i32",
                        C="i32", tok_class="i32"),

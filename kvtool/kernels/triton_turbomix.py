@@ -143,7 +143,7 @@ def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.c
 
 @partial(_tuned, configs=_CONFIGS + _ROW_CONFIGS)
 def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr, pts_ptr,
-                   hsq_ptr, lvl_ptr, edge_ptr, sub_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
+                   hsq_ptr, lvl_ptr, edge_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
                    dec_scr, q_scr, rows, tokens, groups, C, tok_class,
                    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
@@ -186,7 +186,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                     tl.store(u_scr + scr + (n0 + tl.arange(0, BK))[None, :] * BM
                              + lanes[:, None], u)
                 err = _trellis(u_scr + scr, dec_scr + scr, q_scr + scr, inv, n16, lvl_ptr,
-                               edge_ptr, sub_ptr, N, BM, BITS, PER)
+                               edge_ptr, N, BM, BITS, PER)
                 q = tl.load(q_scr + scr + jp[None, :] * BM + lanes[:, None],
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
@@ -254,6 +254,14 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _trellis_programs(most: int, block: int) -> int:
+    """Persistent trellis programs of ``block`` rows (a warp per 32; the search is serial per
+    row and its kernel takes all 255 registers, so an SM holds 8 warps): 8 warps per SM, two
+    per scheduler to hide each other's loads, where ``most`` programs gave one-warp configs
+    4. Their scratch is at most ``most · 64`` rows."""
+    return most * 64 // max(block, 32)
+
+
 def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
     """(grid, fixed meta-parameters, tok_class) of a kernel over ``items(BM)`` programs: BM
     autotuned on GPUs; under the interpreter (whose cost is per op, not per element) a whole
@@ -289,9 +297,10 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     rt, _, pieces = _rotations(n, seeds, device)
     tab = _tables(n, bits, codec.quantizer, device)
     groups, most = nrows // tokens, _programs(device)
-    grid, meta, tok_class = _launch(tokens, lambda bm: min(groups * cdiv(tokens, bm),
-                                                            most))
-    if codec.quantizer == "trellis":  # this launch's own: the kernel writes it
+    trellis = codec.quantizer == "trellis"
+    grid, meta, tok_class = _launch(tokens, lambda bm: min(
+        groups * cdiv(tokens, bm), _trellis_programs(most, bm) if trellis else most))
+    if trellis:  # this launch's own: the kernel writes it
         size = most * width * 64
         scratch = tuple(torch.empty(size, dtype=t, device=device)
                         for t in (torch.float32, torch.int32, torch.int8))
@@ -304,7 +313,7 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     launch(_encode_kernel, grid, (
         rows, mean if mean is not None else norms, channels,
         channels.shape[1] if channels.shape[0] > 1 else 0, rt, tab["bnd"], tab["cent"],
-        tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], tab["sub"], codes, norms, err,
+        tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], codes, norms, err,
         *scratch, nrows, tokens, groups, len(seeds), tok_class),
         {"D": dim, "N": n, "NP": width, "NB": nb, "BITS": bits, "CPG": cpg, "BPG": bpg,
          "QUANT": QUANTIZERS[codec.quantizer], "PER": 1 << (bits - 1), "RP": pieces,

@@ -46,7 +46,7 @@ def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> tuple[An
 def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str, Any]:
     """The part's quantiser tables (the reference's float32 values; unused ones: a zero)."""
     from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-    from kvtool.codecs.trellis import state_values, subset_table
+    from kvtool.codecs.trellis import state_values
     from kvtool.codecs.trellis_tables import trellis_levels
     from kvtool.codecs.vq_tables import pair_codebook
 
@@ -64,10 +64,8 @@ def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str
         per_subset = levels.reshape(-1, 4).T
         t["edge"] = (per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5)
         t["slv"] = state_values(n, bits)  # what decoding looks up: one load per coordinate
-    out = {k: torch.from_numpy(np.array(v, np.float32).reshape(-1)).to(device)
-           for k, v in t.items()}
-    out["sub"] = torch.from_numpy(subset_table().astype(np.int32).reshape(-1)).to(device)
-    return out
+    return {k: torch.from_numpy(np.array(v, np.float32).reshape(-1)).to(device)
+            for k, v in t.items()}
 
 
 
