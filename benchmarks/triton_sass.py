@@ -17,6 +17,7 @@ issue-bound; one near it needs fewer instructions. It is a model, not a measurem
     python benchmarks/triton_sass.py --dims 64,128,256 --bits 3 --arch 80
     python benchmarks/triton_sass.py --preset quality # the preset's turbomix kernels
     python benchmarks/triton_sass.py --preset quality --kernels decode
+    python benchmarks/triton_sass.py --preset balanced --kernels encode --loops
 """
 
 from __future__ import annotations
@@ -46,12 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", default="encode,decode", help="encode and/or decode")
     p.add_argument("--preset", choices=("quality", "balanced", "small"),
                    help="instead: the turbomix kernels of this preset's parts (D=128)")
+    p.add_argument("--loops", action="store_true",
+                   help="with --preset: each kernel's innermost loop bodies (warp-"
+                        "instructions and global loads/stores), the trellis search's steps")
     return p.parse_args(argv)
 
 
 def compile_kernel(fn, signature: dict[str, str], constants: dict[str, int], warps: int,
-                   stages: int, arch: int):
-    """The compiled kernel, with Triton's launch-time specialisations of aligned arguments."""
+                   stages: int, arch: int, fp_fusion: bool = True):
+    """The compiled kernel, with Triton's launch-time specialisations of aligned arguments
+    (``fp_fusion``: whether to fuse multiplies and adds, off where the launch turns it off)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -62,11 +67,19 @@ def compile_kernel(fn, signature: dict[str, str], constants: dict[str, int], war
                if a not in constants and (signature[a].startswith("*") or a == "n_rows")}
     return triton.compile(ASTSource(fn, full, constants, aligned),
                           target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   "enable_fp_fusion": fp_fusion})
 
 
 def sass_profile(kernel) -> tuple[int, int, Counter]:
     """(registers, spill bytes, opcode counts) of a compiled kernel's SASS."""
+    usage, sass = _disassemble(kernel)
+    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    return regs, stack, Counter(op for op, _ in _instructions(sass))
+
+
+def _disassemble(kernel) -> tuple[str, str]:
+    """(``cuobjdump`` resource usage, ``nvdisasm`` SASS) of a compiled kernel."""
     import triton
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -77,11 +90,38 @@ def sass_profile(kernel) -> tuple[int, int, Counter]:
                                capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tools / "nvdisasm", f.name], capture_output=True, text=True,
                               check=True).stdout
-    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    ops = Counter(m.group(2).split(".")[0] for m in (
-        re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        for line in sass.splitlines()) if m)
-    return regs, stack, ops
+    return usage, sass
+
+
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
+
+
+def _instructions(sass: str) -> list[tuple[str, str]]:
+    """(opcode without modifiers, the label it branches to or "") per SASS instruction; a
+    label line becomes ("", label) at its place."""
+    out = []
+    for line in sass.splitlines():
+        if m := _LABEL.match(line):
+            out.append(("", m.group(1)))
+        elif m := _INSTRUCTION.match(line):
+            target = re.search(r"(\.L_x_\d+)", m.group(3)) if m.group(2).startswith("BRA") \
+                else None
+            out.append((m.group(2).split(".")[0], target.group(1) if target else ""))
+    return out
+
+
+def inner_loops(kernel) -> list[Counter]:
+    """Opcode counts of each innermost loop body (a backward branch's span holding no other):
+    where a kernel loops (the trellis search, per coordinate), its cost is body × trips."""
+    code = _instructions(_disassemble(kernel)[1])
+    at = {target: i for i, (op, target) in enumerate(code) if not op}
+    spans = [(at[target], i) for i, (op, target) in enumerate(code)
+             if op == "BRA" and target in at and at[target] < i]
+    inner = [(a, b) for a, b in spans
+             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in spans)]
+    bodies = [Counter(op for op, _ in code[a:b + 1] if op) for a, b in sorted(inner)]
+    return [b for b in bodies if sum(b.values()) > 1]  # not the exit's self-branch
 
 
 def configs() -> list[tuple[int, int, int]]:
@@ -97,7 +137,9 @@ def preset_main(args: argparse.Namespace) -> None:
     each part of a preset's key and value codecs at D=128 (bf16 in, fp16 out), per autotune
     config its pruning keeps: warp-instructions per row (the static count of a program over its
     rows: the encode's loop over candidates counted once, so about one candidate's work with
-    the part's gather and norm), and global loads and stores per program (likewise)."""
+    the part's gather and norm), and global loads and stores per program (likewise);
+    ``--loops`` adds each innermost loop's body (the trellis's Viterbi step and traceback
+    step run once per coordinate and candidate)."""
     import torch
 
     from kvtool.kernels import triton_turbomix as tt
@@ -145,13 +187,18 @@ def preset_main(args: argparse.Namespace) -> None:
                         constants.update(CPG=cpg, BPG=bpg, PER=1 << (bits - 1))
                     else:
                         constants["HAS_CHOICE"] = int(codec.candidates > 1)
-                    kernel = compile_kernel(fn, signature, constants, warps, 1, args.arch)
+                    kernel = compile_kernel(fn, signature, constants, warps, 1, args.arch,
+                                            fp_fusion=False)  # as turbomix launches
                     regs, spill, ops = sass_profile(kernel)
                     per = sum(ops.values()) * warps / bm
                     print(f"{name:>6} | {role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | "
                           f"{warps:>5} | {regs:>4} | {spill:>5} | "
                           f"{kernel.metadata.shared / 1024:>7.0f} | {per:>9.0f} | "
                           f"{ops['LDG']:>4} | {ops['STG']:>4}", flush=True)
+                    if args.loops:
+                        print("       loops: " + ", ".join(
+                            f"{sum(b.values())} ({b['LDG']} LDG, {b['STG']} STG)"
+                            for b in inner_loops(kernel)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,7 @@ from kvtool.kernels.triton_cuda import (
     _bf16,
     _jit,
     _persisted,
+    _sm_count,
     available,
     cdiv,
     launch,
@@ -246,20 +247,19 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
 
 
 # -- host side -----------------------------------------------------------------------------------
-@lru_cache(maxsize=16)
-def _programs(device: torch.device) -> int:
-    """Persistent encode programs: a few per SM (their scratch stays in L2)."""
-    if device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+#: rows of persistent trellis programs per SM: its kernel takes all 255 registers a thread, so an
+#: SM holds 8 warps (two per scheduler, to hide each other's loads), a warp per 32 rows
+_TRELLIS_ROWS_PER_SM = 8 * 32
 
 
-def _trellis_programs(most: int, block: int) -> int:
-    """Persistent trellis programs of ``block`` rows (a warp per 32; the search is serial per
-    row and its kernel takes all 255 registers, so an SM holds 8 warps): 8 warps per SM, two
-    per scheduler to hide each other's loads, where ``most`` programs gave one-warp configs
-    4. Their scratch is at most ``most · 64`` rows."""
-    return most * 64 // max(block, 32)
+def _trellis_programs(sms: int, block: int) -> int:
+    """Persistent trellis programs of ``block`` rows: as many as the SMs hold at once, since
+    each works through its share of the items with its own scratch (at most
+    ``_TRELLIS_ROWS_PER_SM`` rows of it per SM). Other quantisers need no scratch: a program
+    per item, which the hardware schedules as its registers allow (a fixed 4 programs per SM
+    outnumbered what fits, 2-3 of ``quality``'s configs on sm_90, so the rest ran in a second
+    wave)."""
+    return sms * _TRELLIS_ROWS_PER_SM // max(block, 32)
 
 
 def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
@@ -296,12 +296,13 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     seeds = _seeds(codec)
     rt, _, pieces = _rotations(n, seeds, device)
     tab = _tables(n, bits, codec.quantizer, device)
-    groups, most = nrows // tokens, _programs(device)
+    groups, sms = nrows // tokens, _sm_count(device)
     trellis = codec.quantizer == "trellis"
     grid, meta, tok_class = _launch(tokens, lambda bm: min(
-        groups * cdiv(tokens, bm), _trellis_programs(most, bm) if trellis else most))
+        groups * cdiv(tokens, bm), _trellis_programs(sms, bm)) if trellis
+        else groups * cdiv(tokens, bm))
     if trellis:  # this launch's own: the kernel writes it
-        size = most * width * 64
+        size = sms * _TRELLIS_ROWS_PER_SM * width
         scratch = tuple(torch.empty(size, dtype=t, device=device)
                         for t in (torch.float32, torch.int32, torch.int8))
     else:
