@@ -54,7 +54,12 @@ from kvtool.kernels.triton_launch import (
     exact_key,
     plan_token,
 )
-from kvtool.kernels.triton_turbomix import QUANTIZERS, channel_sets_of, norm_values
+from kvtool.kernels.triton_turbomix import (
+    QUANTIZERS,
+    channel_sets_of,
+    norm_values,
+    word_aligned,
+)
 from kvtool.kernels.triton_turbomix_steps import _dot, _rot, _rot_cols, _split, _values
 from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _tables, _width
 
@@ -149,7 +154,7 @@ def role_tensors(codec: Any, arrays: dict[str, torch.Tensor], heads: int, tokens
             raw = norm_values(raw, arrays["norm_range" + suffix].reshape(groups, 2),
                               check=False)
         norms.append(raw.float().reshape(heads, tokens).contiguous())
-    codes = [arrays["codes" + s].reshape(heads, tokens, -1).contiguous()
+    codes = [word_aligned(arrays["codes" + s].reshape(heads, tokens, -1))
              for s in ("", "_hi")[:len(sets)]]
     choice = arrays["rotation"].reshape(heads, blocks).int().contiguous() \
         if "rotation" in arrays else None

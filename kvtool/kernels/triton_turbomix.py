@@ -273,6 +273,13 @@ def _launch(tokens: int, items: Any) -> tuple[Any, dict[str, Any], int]:
     return lambda meta: (items(meta["BM"]),), {}, tok_class
 
 
+def word_aligned(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` (contiguous) at a 4-byte-aligned address, copied if a view starts elsewhere:
+    the kernels read trellis rows of whole words as 32-bit words."""
+    codes = codes.contiguous()
+    return codes if codes.data_ptr() % 4 == 0 else codes.clone()
+
+
 @lru_cache(maxsize=16)
 def _all_channels(dim: int, device: torch.device) -> torch.Tensor:
     """int32 [1, D]: the one part of a codec without outliers (read-only, kept per device)."""
@@ -425,7 +432,8 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
         _, r, pieces = _rotations(n, seeds, device)
         tab = _tables(n, bits, codec.quantizer, device)
         launch(_decode_kernel, grid, (
-            arrays["codes" + suffix].reshape(rows, -1).contiguous(), norms.reshape(-1).contiguous(),
+            word_aligned(arrays["codes" + suffix].reshape(rows, -1)),
+            norms.reshape(-1).contiguous(),
             choice if choice is not None else channels, channels,
             n if channels.shape[0] > 1 else 0, mean if mean is not None else out, r, tab["cent"],
             tab["pts"], tab["slv"], out, tokens, tok_class),
@@ -437,4 +445,4 @@ def decode(codec: Any, arrays: dict[str, torch.Tensor], shape: tuple[int, ...],
 
 
 __all__ = ["INTERPRET", "QUANTIZERS", "available", "channel_sets_of", "decode", "encode", "name",
-           "norm_codes", "norm_values"]
+           "norm_codes", "norm_values", "word_aligned"]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from kvtool.codecs.trellis_tables import SUBSET_TAPS, UNION_TAPS
 from kvtool.kernels.triton_cuda import _INTERP, _bf16, _jit, _quantize, tl
+from kvtool.kernels.triton_turbomix_tables import TRELLIS_HASH
 
 _UNION_TAPS = tl.constexpr(UNION_TAPS) if tl is not None else None
 _SUBSET_TAPS = tl.constexpr(SUBSET_TAPS) if tl is not None else None
+_MASK2, _MULT2, _MASK3, _MULT3, _MASK4, _MULT4 = (
+    tl.constexpr(v) if tl is not None else None for b in (2, 3, 4) for v in TRELLIS_HASH[b])
 
 
 @_jit
@@ -136,22 +139,37 @@ def _values(row_ptr, rmask, idx, cent_ptr, pts_ptr, slv_ptr, N: tl.constexpr,
 @_jit
 def _trellis_index(row_ptr, rmask, idx, N: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr):
-    """``state << BITS | code`` [BM, len(idx)] of trellis codes: the code at ``idx`` and its
-    path state, the top bits of the 5 codes before it (the latest in bit 0; zeros before the
-    first), from the 6·BITS bits that end with the code, read as 3-4 bytes (int32 window)."""
+    """The value-table index [BM, len(idx)] of trellis codes: the code at ``idx`` and its
+    path state, the top bits of the 5 codes before it (zeros before the first), hashed
+    one-to-one from the 6·BITS bits that end with the code (``triton_turbomix_tables.
+    trellis_hash``). Rows of whole 32-bit words (4-byte aligned: the callers' rows) read the
+    window from two aligned words, others from 3-4 bytes."""
     lo = (idx - 5) * BITS  # the window's first bit (negative: before the row)
-    first = lo >> 3
-    w = tl.zeros([rmask.shape[0], idx.shape[0]], tl.int32)
-    for k in tl.static_range((6 * BITS + 6) // 8 + 1):
-        b = first + k
-        ok = (b >= 0) & (b < NB) & (idx < N)
-        w |= tl.load(row_ptr[:, None] + b[None, :], mask=rmask[:, None] & ok[None, :],
-                     other=0).to(tl.int32) << (8 * k)
-    w = w >> (lo & 7)[None, :]
-    index = (w >> (5 * BITS)) & ((1 << BITS) - 1)
-    for k in tl.static_range(1, 6):
-        index |= ((w >> ((6 - k) * BITS - 1)) & 1) << (BITS + k - 1)
-    return index
+    if NB % 4 == 0:
+        at = lo >> 5  # the word holding it (-1: before the row)
+        words = row_ptr.to(tl.pointer_type(tl.uint32))[:, None]
+        low = tl.load(words + at[None, :], mask=rmask[:, None] & ((at >= 0) & (idx < N))[None, :],
+                      other=0)
+        high = tl.load(words + (at + 1)[None, :],
+                       mask=rmask[:, None] & ((at + 1 < NB // 4) & (idx < N))[None, :], other=0)
+        pair = (high.to(tl.uint64) << 32) | low.to(tl.uint64)
+        w = (pair >> (lo & 31).to(tl.uint64)[None, :]).to(tl.uint32)
+    else:
+        first = lo >> 3
+        w = tl.zeros([rmask.shape[0], idx.shape[0]], tl.uint32)
+        for k in tl.static_range((6 * BITS + 6) // 8 + 1):
+            b = first + k
+            ok = (b >= 0) & (b < NB) & (idx < N)
+            w |= tl.load(row_ptr[:, None] + b[None, :], mask=rmask[:, None] & ok[None, :],
+                         other=0).to(tl.uint32) << (8 * k)
+        w = w >> (lo & 7).to(tl.uint32)[None, :]
+    if BITS == 2:
+        h = (w & _MASK2) * _MULT2
+    elif BITS == 3:
+        h = (w & _MASK3) * _MULT3
+    else:
+        h = (w & _MASK4) * _MULT4
+    return (h >> (27 - BITS)).to(tl.int32)
 
 
 @_jit

@@ -42,11 +42,40 @@ def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> tuple[An
     return out[0], out[1], len(pieces)
 
 
+#: per trellis width: (mask, multiplier) of :func:`trellis_hash`. Found by search: each maps the
+#: 5 path bits and the code in a window onto 5 + bits bits one-to-one (``tests/
+#: test_triton_turbomix_tables.py`` checks every combination)
+TRELLIS_HASH = {2: (0xEAA, 0x2100000), 3: (0x3C924, 0x444000), 4: (0xF88888, 0x842100)}
+
+
+def trellis_hash(window: np.ndarray, bits: int) -> np.ndarray:
+    """The value-table index of a trellis code from its window (6·bits bits, LSB first: the 5
+    codes before it, then the code): ``((window & mask) · multiplier mod 2³²) >> (27 − bits)``,
+    what the Triton kernels compute (3 instructions where gathering the 5 path bits one by
+    one took ~12)."""
+    mask, mult = TRELLIS_HASH[bits]
+    product = ((window.astype(np.uint64) & mask) * mult) & 0xFFFFFFFF
+    return (product >> (27 - bits)).astype(np.int64)
+
+
+def _hashed_state_values(n: int, bits: int) -> np.ndarray:
+    """``state_values`` (entry ``state << bits | code``) at :func:`trellis_hash` indices."""
+    from kvtool.codecs.trellis import state_values
+
+
+    state, code = np.arange(32)[:, None], np.arange(1 << bits)[None, :]
+    window = code << (5 * bits)
+    for k in range(1, 6):  # state bit k-1: the path bit (top bit) of the code k before
+        window = window | (((state >> (k - 1)) & 1) << ((6 - k) * bits - 1))
+    out = np.empty(32 << bits, np.float32)
+    out[trellis_hash(window, bits).reshape(-1)] = state_values(n, bits)
+    return out
+
+
 @lru_cache(maxsize=64)
 def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str, Any]:
     """The part's quantiser tables (the reference's float32 values; unused ones: a zero)."""
     from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-    from kvtool.codecs.trellis import state_values
     from kvtool.codecs.trellis_tables import trellis_levels
     from kvtool.codecs.vq_tables import pair_codebook
 
@@ -63,7 +92,7 @@ def _tables(n: int, bits: int, quantizer: str, device: torch.device) -> dict[str
         t["lvl"] = levels = trellis_levels(bits) / np.float32(np.sqrt(n))
         per_subset = levels.reshape(-1, 4).T
         t["edge"] = (per_subset[:, 1:] + per_subset[:, :-1]) * np.float32(0.5)
-        t["slv"] = state_values(n, bits)  # what decoding looks up: one load per coordinate
+        t["slv"] = _hashed_state_values(n, bits)  # decoding's one load per coordinate
     return {k: torch.from_numpy(np.array(v, np.float32).reshape(-1)).to(device)
             for k, v in t.items()}
 
