@@ -205,7 +205,7 @@ def _part_query(q_ptr, ch_ptr, rt_ptr, bh, R, nq, hq, sb, sh, sn, scale, N: tl.c
         ch = tl.load(ch_ptr + j, mask=j < N, other=0)
         x = tl.load(src[:, None] + ch[None, :], mask=rmask[:, None] & (j < N)[None, :],
                     other=0.0).to(tl.float32)
-        acc = _rot(acc, x, rt_ptr, k0, NP, BK, RP, False)  # ~16 bits: fp16 next
+        acc = _rot(acc, x, rt_ptr, k0, N, NP, BK, RP, False)  # ~16 bits: fp16 next
     return (acc * scale).to(tl.float16)
 
 
@@ -242,7 +242,7 @@ def _put_values(acc, l_i, dst, rmask, ch_ptr, r_ptr, mean_ptr, N: tl.constexpr,
     for n0 in tl.static_range(0, NP, BN):
         j = n0 + tl.arange(0, BN)
         ch = tl.load(ch_ptr + j, mask=j < N, other=0)
-        o = _rot_cols(hi, mid, lo, r_ptr, n0, MP, NP, BN, RP, False)
+        o = _rot_cols(hi, mid, lo, r_ptr, n0, MP, N, NP, BN, RP, False)
         if CENTERED:
             o += l_i[:, None] * tl.load(mean_ptr + ch, mask=j < N, other=0.0)[None, :]
         tl.store(dst[:, None] + ch[None, :], o, mask=rmask[:, None] & (j < N)[None, :])

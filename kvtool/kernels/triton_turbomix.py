@@ -183,7 +183,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                     for k0 in range(0, NP, BK):
                         tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N,
                                    D, HAS_MEAN, ALL_CH)
-                        u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, NP, BK, RP, True, n0)
+                        u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, N, NP, BK, RP, True, n0)
                     tl.store(u_scr + scr + (n0 + tl.arange(0, BK))[None, :] * BM
                              + lanes[:, None], u)
                 err = _trellis(u_scr + scr, dec_scr + scr, q_scr + scr, inv, n16, lvl_ptr,
@@ -192,7 +192,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
             else:
-                u = _rot(tl.zeros([BM, NP], tl.float32), t, rt_ptr + c * (RP * NP * NP), 0, NP,
+                u = _rot(tl.zeros([BM, NP], tl.float32), t, rt_ptr + c * (RP * NP * NP), 0, N, NP,
                          NP, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
@@ -231,7 +231,7 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
     for k0 in tl.static_range(0, NP, BK):
         y = _values(row_ptr, rmask, k0 + tl.arange(0, BK), cent_ptr, pts_ptr, slv_ptr,
                     N, NB, BITS, QUANT, BM, BK)
-        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, NP, BK, RP)
+        acc = _rot(acc, y, r_ptr + c * (RP * NP * NP), k0, N, NP, BK, RP)
     v = acc * tl.load(norms_ptr + r, mask=rmask, other=0.0).to(tl.float32)[:, None]
     cols = tl.arange(0, NP)
     if ALL_CH:

@@ -35,37 +35,45 @@ def _dot(a, m, acc):
 
 
 @_jit
-def _rot(acc, t, m_ptr, k0, NP: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
-         FP32: tl.constexpr = True, n0=0):
+def _rot(acc, t, m_ptr, k0, N: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr,
+         RP: tl.constexpr, FP32: tl.constexpr = True, n0=0):
     """``acc + t @ M[k0:k0+BK, n0:n0+W]`` (W: ``acc``'s width) for an fp32 chunk ``t``
-    [BM, BK] and ``M`` [NP, NP] stored as RP bf16 pieces (one where exact): in fp32 accuracy,
-    or (not ``FP32``) to ~16 bits, the leading terms only (for a result rounded to fp16 next,
-    or summed with fp16 dots' error)."""
+    [BM, BK] and ``M`` [NP, NP] (an N×N matrix, zero-padded) stored as RP bf16 pieces (one
+    where exact): in fp32 accuracy, or (not ``FP32``) to ~16 bits, the leading terms only (for
+    a result rounded to fp16 next, or summed with fp16 dots' error)."""
     hi, mid, lo = _split(t)
-    offs = (k0 + tl.arange(0, BK))[:, None] * NP + (n0 + tl.arange(0, acc.shape[1]))[None, :]
-    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP, RP, FP32)
+    rows = k0 + tl.arange(0, BK)
+    cols = n0 + tl.arange(0, acc.shape[1])
+    offs = rows[:, None] * NP + cols[None, :]
+    keep = (rows < N)[:, None] & (cols < N)[None, :]  # unused where N = NP
+    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, N < NP, NP, RP, FP32)
 
 
 @_jit
-def _rot_cols(hi, mid, lo, m_ptr, n0, MP: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
-              RP: tl.constexpr, FP32: tl.constexpr = True):
+def _rot_cols(hi, mid, lo, m_ptr, n0, MP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+              BN: tl.constexpr, RP: tl.constexpr, FP32: tl.constexpr = True):
     """``(hi + mid + lo) @ M[:, n0:n0+BN]`` [MP, BN] for an fp32 tile in bf16 pieces
     (:func:`_split`) and ``M`` as :func:`_rot`'s (accuracy likewise): the columns of a
     product a program cannot slice out of registers, one chunk at a time."""
-    offs = tl.arange(0, NP)[:, None] * NP + (n0 + tl.arange(0, BN))[None, :]
-    return _by_pieces(tl.zeros([MP, BN], tl.float32), hi, mid, lo, m_ptr, offs, NP, RP, FP32)
+    rows = tl.arange(0, NP)
+    cols = n0 + tl.arange(0, BN)
+    offs = rows[:, None] * NP + cols[None, :]
+    acc = tl.zeros([MP, BN], tl.float32)
+    keep = (rows < N)[:, None] & (cols < N)[None, :]  # unused where N = NP
+    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, N < NP, NP, RP, FP32)
 
 
 @_jit
-def _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP: tl.constexpr, RP: tl.constexpr,
-               FP32: tl.constexpr):
+def _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, PADDED: tl.constexpr, NP: tl.constexpr,
+               RP: tl.constexpr, FP32: tl.constexpr):
     """``acc + (hi + mid + lo) @ (M₁ + M₂ + M₃)[offs]``, small terms first: in fp32 accuracy
-    (every term down to 2⁻²⁴ of the leading one), or to ~16 bits (hi·M₁, mid·M₁, hi·M₂)."""
-    m1 = tl.load(m_ptr + offs)
+    (every term down to 2⁻²⁴ of the leading one), or to ~16 bits (hi·M₁, mid·M₁, hi·M₂).
+    ``PADDED``: read only the entries in ``keep`` (the matrix's, never its zero padding)."""
+    m1 = _piece(m_ptr + offs, keep, PADDED)
     if RP == 3:
-        m2 = tl.load(m_ptr + NP * NP + offs)
+        m2 = _piece(m_ptr + NP * NP + offs, keep, PADDED)
         if FP32:
-            acc = _dot(hi, tl.load(m_ptr + 2 * NP * NP + offs), acc)
+            acc = _dot(hi, _piece(m_ptr + 2 * NP * NP + offs, keep, PADDED), acc)
             acc = _dot(mid, m2, acc)
             acc = _dot(lo, m1, acc)
         acc = _dot(hi, m2, acc)
@@ -73,6 +81,14 @@ def _by_pieces(acc, hi, mid, lo, m_ptr, offs, NP: tl.constexpr, RP: tl.constexpr
         acc = _dot(lo, m1, acc)
     acc = _dot(mid, m1, acc)
     return _dot(hi, m1, acc)
+
+
+@_jit
+def _piece(ptrs, keep, PADDED: tl.constexpr):
+    """A matrix piece's entries at ``ptrs`` (``PADDED``: 0 outside ``keep``, not read)."""
+    if PADDED:
+        return tl.load(ptrs, mask=keep, other=0.0)
+    return tl.load(ptrs)
 
 
 @_jit
