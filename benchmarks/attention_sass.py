@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import tempfile
 from collections import Counter
-from pathlib import Path
 
-from triton_sass import compile_kernel, sass_profile
+from triton_sass import compile_kernel, disassemble, sass_profile
 
 _LSU = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM")
 _POINTERS = dict(q_ptr="*bf16", krt_ptr="*bf16", kc_ptr="*u8", kn_ptr="*fp16", vc_ptr="*u8",
@@ -60,14 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def token_loop(kernel) -> list[str]:
     """The SASS instructions (opcode and modifiers) of the longest loop that runs ``HMMA``."""
-    import triton
-
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True,
-                              text=True, check=True).stdout
+    sass = disassemble(kernel)[1]
     ops: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():

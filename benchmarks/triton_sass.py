@@ -73,12 +73,12 @@ def compile_kernel(fn, signature: dict[str, str], constants: dict[str, int], war
 
 def sass_profile(kernel) -> tuple[int, int, Counter]:
     """(registers, spill bytes, opcode counts) of a compiled kernel's SASS."""
-    usage, sass = _disassemble(kernel)
+    usage, sass = disassemble(kernel)
     regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return regs, stack, Counter(op for op, _ in _instructions(sass))
 
 
-def _disassemble(kernel) -> tuple[str, str]:
+def disassemble(kernel) -> tuple[str, str]:
     """(``cuobjdump`` resource usage, ``nvdisasm`` SASS) of a compiled kernel."""
     import triton
 
@@ -114,7 +114,7 @@ def _instructions(sass: str) -> list[tuple[str, str]]:
 def inner_loops(kernel) -> list[Counter]:
     """Opcode counts of each innermost loop body (a backward branch's span holding no other):
     where a kernel loops (the trellis search, per coordinate), its cost is body × trips."""
-    code = _instructions(_disassemble(kernel)[1])
+    code = _instructions(disassemble(kernel)[1])
     at = {target: i for i, (op, target) in enumerate(code) if not op}
     spans = [(at[target], i) for i, (op, target) in enumerate(code)
              if op == "BRA" and target in at and at[target] < i]
