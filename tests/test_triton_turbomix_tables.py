@@ -53,3 +53,17 @@ def test_the_hashed_table_decodes_packed_rows_as_the_reference(bits):
     window = _windows(codes[3:4], bits)[0]
     for i in range(5, n):
         assert window[i] == (as_int >> ((i - 5) * bits)) & ((1 << (6 * bits)) - 1)
+
+
+def test_codes_the_kernels_read_as_words_start_on_a_word():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from kvtool.kernels.triton_turbomix import word_aligned
+
+    rows = torch.arange(4 * 36 + 1, dtype=torch.uint8)
+    aligned = rows[:-1].reshape(4, 36)
+    assert word_aligned(aligned) is aligned  # no copy of what is already aligned
+    shifted = rows[1:].reshape(4, 36)  # a view one byte in
+    assert shifted.data_ptr() % 4 != 0
+    got = word_aligned(shifted)
+    assert got.data_ptr() % 4 == 0 and torch.equal(got, shifted)
