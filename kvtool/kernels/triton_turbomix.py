@@ -308,8 +308,10 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     grid, meta, tok_class = _launch(tokens, lambda bm: min(
         groups * cdiv(tokens, bm), _trellis_programs(sms, bm)) if trellis
         else groups * cdiv(tokens, bm))
-    if trellis:  # this launch's own: the kernel writes it
-        size = sms * _TRELLIS_ROWS_PER_SM * width
+    if trellis:  # this launch's own: the kernel writes it (rows its programs hold at once:
+        # a block flush's few groups need far less than every SM's share)
+        most_rows = max(m for m, _ in _CONFIGS + _ROW_CONFIGS)
+        size = min(sms * _TRELLIS_ROWS_PER_SM, groups * (tokens + most_rows - 1)) * width
         scratch = tuple(torch.empty(size, dtype=t, device=device)
                         for t in (torch.float32, torch.int32, torch.int8))
     else:
