@@ -24,7 +24,7 @@ import argparse
 import re
 from collections import Counter
 
-from triton_sass import compile_kernel, disassemble, sass_profile
+from triton_sass import compile_kernel, loops, sass_profile
 
 _LSU = ("LDG", "STG", "LDS", "STS", "LDSM", "STSM")
 _POINTERS = dict(q_ptr="*bf16", krt_ptr="*bf16", kc_ptr="*u8", kn_ptr="*fp16", vc_ptr="*u8",
@@ -57,23 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def token_loop(kernel) -> list[str]:
     """The SASS instructions (opcode and modifiers) of the longest loop that runs ``HMMA``."""
-    sass = disassemble(kernel)[1]
-    ops: list[str] = []
-    labels: dict[str, int] = {}
-    for line in sass.splitlines():
-        if m := re.match(r"\s*(\.L_x_\d+):", line):
-            labels[m.group(1)] = len(ops)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)",
-                           line):
-            ops.append(m.group(1) + m.group(2))
-    best: list[str] = []
-    for end, op in enumerate(ops):
-        jump = re.match(r"BRA\s+(?:`\()?(\.L_x_\d+)", op)
-        start = labels.get(jump.group(1), end + 1) if jump else end + 1
-        body = [o.split()[0] for o in ops[start:end + 1]]
-        if start <= end and any(o.startswith("HMMA") for o in body) and len(body) > len(best):
-            best = body
-    return best
+    return max((body for body in loops(kernel) if any(o.startswith("HMMA") for o in body)),
+               key=len, default=[])
 
 
 def _row(kernel, warps: int, block_n: int, looped: bool = True) -> str:

@@ -75,7 +75,7 @@ def sass_profile(kernel) -> tuple[int, int, Counter]:
     """(registers, spill bytes, opcode counts) of a compiled kernel's SASS."""
     usage, sass = disassemble(kernel)
     regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-    return regs, stack, Counter(op for op, _ in _instructions(sass))
+    return regs, stack, Counter(op.split(".")[0] for op, _ in _instructions(sass) if op)
 
 
 def disassemble(kernel) -> tuple[str, str]:
@@ -98,7 +98,7 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-
 
 
 def _instructions(sass: str) -> list[tuple[str, str]]:
-    """(opcode without modifiers, the label it branches to or "") per SASS instruction; a
+    """(opcode with its modifiers, the label it branches to or "") per SASS instruction; a
     label line becomes ("", label) at its place."""
     out = []
     for line in sass.splitlines():
@@ -107,21 +107,29 @@ def _instructions(sass: str) -> list[tuple[str, str]]:
         elif m := _INSTRUCTION.match(line):
             target = re.search(r"(\.L_x_\d+)", m.group(3)) if m.group(2).startswith("BRA") \
                 else None
-            out.append((m.group(2).split(".")[0], target.group(1) if target else ""))
+            out.append((m.group(2), target.group(1) if target else ""))
     return out
 
 
-def inner_loops(kernel) -> list[Counter]:
-    """Opcode counts of each innermost loop body (a backward branch's span holding no other):
-    where a kernel loops (the trellis search, per coordinate), its cost is body × trips."""
+def loops(kernel, innermost: bool = False) -> list[list[str]]:
+    """Each loop body's opcodes (with modifiers), in order: the span of each backward branch
+    (``innermost``: those holding no other; the exit's branch to itself is none). Where a
+    kernel loops (the trellis search, per coordinate; attention, per token tile), its cost is
+    body × trips."""
     code = _instructions(disassemble(kernel)[1])
     at = {target: i for i, (op, target) in enumerate(code) if not op}
     spans = [(at[target], i) for i, (op, target) in enumerate(code)
-             if op == "BRA" and target in at and at[target] < i]
-    inner = [(a, b) for a, b in spans
-             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in spans)]
-    bodies = [Counter(op for op, _ in code[a:b + 1] if op) for a, b in sorted(inner)]
-    return [b for b in bodies if sum(b.values()) > 1]  # not the exit's self-branch
+             if op.startswith("BRA") and target in at and at[target] < i]
+    if innermost:
+        spans = [(a, b) for a, b in spans
+                 if not any((a, b) != (c, d) and a <= c and d <= b for c, d in spans)]
+    bodies = [[op for op, _ in code[a:b + 1] if op] for a, b in sorted(spans)]
+    return [b for b in bodies if len(b) > 1]
+
+
+def inner_loops(kernel) -> list[Counter]:
+    """Opcode counts (without modifiers) of each innermost loop body (:func:`loops`)."""
+    return [Counter(op.split(".")[0] for op in body) for body in loops(kernel, innermost=True)]
 
 
 def configs() -> list[tuple[int, int, int]]:
