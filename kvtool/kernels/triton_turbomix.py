@@ -80,6 +80,7 @@ _INPUT = (torch.float32, torch.float16, torch.bfloat16)
 #: ``docs/gpu.md``) by 1.07-2.23×: not searched (each config is a compile on first use)
 _CONFIGS = ((16, 4), (16, 8), (32, 4), (64, 4))
 _ROW_CONFIGS = ((16, 1), (32, 1), (64, 2))
+_MOST_ROWS = max(m for m, _ in _CONFIGS + _ROW_CONFIGS)  # a program's rows, at most
 
 
 def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS) -> Any:
@@ -255,10 +256,7 @@ _TRELLIS_ROWS_PER_SM = 8 * 32
 def _trellis_programs(sms: int, block: int) -> int:
     """Persistent trellis programs of ``block`` rows: as many as the SMs hold at once, since
     each works through its share of the items with its own scratch (at most
-    ``_TRELLIS_ROWS_PER_SM`` rows of it per SM). Other quantisers need no scratch: a program
-    per item, which the hardware schedules as its registers allow (a fixed 4 programs per SM
-    outnumbered what fits, 2-3 of ``quality``'s configs on sm_90, so the rest ran in a second
-    wave)."""
+    ``_TRELLIS_ROWS_PER_SM`` rows of it per SM)."""
     return sms * _TRELLIS_ROWS_PER_SM // max(block, 32)
 
 
@@ -305,13 +303,15 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     tab = _tables(n, bits, codec.quantizer, device)
     groups, sms = nrows // tokens, _sm_count(device)
     trellis = codec.quantizer == "trellis"
+    # other quantisers need no scratch: a program per item, which the GPU schedules as their
+    # registers allow (a fixed 4 per SM outnumbered the 2-3 of quality's configs that fit on
+    # sm_90, so the rest ran in a second wave)
     grid, meta, tok_class = _launch(tokens, lambda bm: min(
         groups * cdiv(tokens, bm), _trellis_programs(sms, bm)) if trellis
         else groups * cdiv(tokens, bm))
     if trellis:  # this launch's own: the kernel writes it (rows its programs hold at once:
         # a block flush's few groups need far less than every SM's share)
-        most_rows = max(m for m, _ in _CONFIGS + _ROW_CONFIGS)
-        size = min(sms * _TRELLIS_ROWS_PER_SM, groups * (tokens + most_rows - 1)) * width
+        size = min(sms * _TRELLIS_ROWS_PER_SM, groups * (tokens + _MOST_ROWS - 1)) * width
         scratch = tuple(torch.empty(size, dtype=t, device=device)
                         for t in (torch.float32, torch.int32, torch.int8))
     else:

@@ -42,11 +42,8 @@ def _rot(acc, t, m_ptr, k0, N: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr,
     where exact): in fp32 accuracy, or (not ``FP32``) to ~16 bits, the leading terms only (for
     a result rounded to fp16 next, or summed with fp16 dots' error)."""
     hi, mid, lo = _split(t)
-    rows = k0 + tl.arange(0, BK)
-    cols = n0 + tl.arange(0, acc.shape[1])
-    offs = rows[:, None] * NP + cols[None, :]
-    keep = (rows < N)[:, None] & (cols < N)[None, :]  # unused where N = NP
-    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, N < NP, NP, RP, FP32)
+    return _by_pieces(acc, hi, mid, lo, m_ptr, k0 + tl.arange(0, BK),
+                      n0 + tl.arange(0, acc.shape[1]), N, NP, RP, FP32)
 
 
 @_jit
@@ -55,25 +52,23 @@ def _rot_cols(hi, mid, lo, m_ptr, n0, MP: tl.constexpr, N: tl.constexpr, NP: tl.
     """``(hi + mid + lo) @ M[:, n0:n0+BN]`` [MP, BN] for an fp32 tile in bf16 pieces
     (:func:`_split`) and ``M`` as :func:`_rot`'s (accuracy likewise): the columns of a
     product a program cannot slice out of registers, one chunk at a time."""
-    rows = tl.arange(0, NP)
-    cols = n0 + tl.arange(0, BN)
-    offs = rows[:, None] * NP + cols[None, :]
-    acc = tl.zeros([MP, BN], tl.float32)
-    keep = (rows < N)[:, None] & (cols < N)[None, :]  # unused where N = NP
-    return _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, N < NP, NP, RP, FP32)
+    return _by_pieces(tl.zeros([MP, BN], tl.float32), hi, mid, lo, m_ptr, tl.arange(0, NP),
+                      n0 + tl.arange(0, BN), N, NP, RP, FP32)
 
 
 @_jit
-def _by_pieces(acc, hi, mid, lo, m_ptr, offs, keep, PADDED: tl.constexpr, NP: tl.constexpr,
+def _by_pieces(acc, hi, mid, lo, m_ptr, rows, cols, N: tl.constexpr, NP: tl.constexpr,
                RP: tl.constexpr, FP32: tl.constexpr):
-    """``acc + (hi + mid + lo) @ (M₁ + M₂ + M₃)[offs]``, small terms first: in fp32 accuracy
-    (every term down to 2⁻²⁴ of the leading one), or to ~16 bits (hi·M₁, mid·M₁, hi·M₂).
-    ``PADDED``: read only the entries in ``keep`` (the matrix's, never its zero padding)."""
-    m1 = _piece(m_ptr + offs, keep, PADDED)
+    """``acc + (hi + mid + lo) @ (M₁ + M₂ + M₃)[rows, cols]``, small terms first: in fp32
+    accuracy (every term down to 2⁻²⁴ of the leading one), or to ~16 bits (hi·M₁, mid·M₁,
+    hi·M₂). Entries past the N×N matrix (its zero padding) are not read."""
+    offs = rows[:, None] * NP + cols[None, :]
+    keep = (rows < N)[:, None] & (cols < N)[None, :]  # unused where N = NP
+    m1 = _piece(m_ptr + offs, keep, N < NP)
     if RP == 3:
-        m2 = _piece(m_ptr + NP * NP + offs, keep, PADDED)
+        m2 = _piece(m_ptr + NP * NP + offs, keep, N < NP)
         if FP32:
-            acc = _dot(hi, _piece(m_ptr + 2 * NP * NP + offs, keep, PADDED), acc)
+            acc = _dot(hi, _piece(m_ptr + 2 * NP * NP + offs, keep, N < NP), acc)
             acc = _dot(mid, m2, acc)
             acc = _dot(lo, m1, acc)
         acc = _dot(hi, m2, acc)
