@@ -17,8 +17,9 @@ H100's winners (encode 32 rows × 4 warps, decode 16 × 4): on the H100 ``qualit
 at 12% of the copy, and its 64-row config, with a quarter of the programs and no spills, took
 1.7× as long as the 16-row one.
 
-Each kernel's autotune search is replaced by the one config given (rows per program, warps;
-default: the H100's winners at D=128), so no tuning launches come before the profiled ones.
+Each kernel's autotune search is replaced by its config of the rows per program and warps
+given (default: the H100's winners at D=128; turbo's decode: the sub-tiled search that
+replaced its winner, 256 rows), so no tuning launches come before the profiled ones.
 Without CUDA it runs the same calls under the Triton interpreter at the size given (a check of
 the script, not a measurement).
 """
@@ -46,24 +47,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--encode", type=_config,
                    help="rows,warps (default 64,4; --preset: 32,4)")
     p.add_argument("--decode", type=_config,
-                   help="rows,warps (default 128,4; --preset: 16,4)")
+                   help="rows,warps (default 256,4: 64-row sub-tiles; --preset: 16,4)")
     p.add_argument("--preset", choices=("quality", "balanced", "small"),
                    help="profile this preset's turbomix kernels instead of turbo's")
     p.add_argument("--role", choices=("key", "value"), default="value",
                    help="the preset's codec (default value)")
     args = p.parse_args(argv)
     args.encode = args.encode or ((32, 4) if args.preset else (64, 4))
-    args.decode = args.decode or ((16, 4) if args.preset else (128, 4))
+    args.decode = args.decode or ((16, 4) if args.preset else (256, 4))
     return args
 
 
 def _pin(kernel: object, rows: int, warps: int, name: str = "BLOCK_M") -> None:
-    """The autotuner's search becomes one config (it launches a lone config untimed); ``name``:
-    its rows-per-program parameter (turbomix's: ``BM``)."""
+    """The autotuner's search becomes its one config of ``rows`` per program and ``warps`` (it
+    launches a lone config untimed); ``name``: its rows-per-program parameter (turbomix's:
+    ``BM``)."""
     if hasattr(kernel, "configs"):  # compiled; the interpreter's kernels are plain JIT
-        import triton
-
-        kernel.configs = [triton.Config({name: rows}, num_warps=warps, num_stages=1)]
+        found = [c for c in kernel.configs if c.kwargs[name] == rows and c.num_warps == warps]
+        if not found:
+            raise SystemExit(f"{kernel.fn.__name__} searches no config of {rows} rows and "
+                             f"{warps} warps: " + ", ".join(
+                                 f"{c.kwargs[name]},{c.num_warps}" for c in kernel.configs))
+        kernel.configs = found[:1]
 
 
 def main(argv: list[str] | None = None) -> None:

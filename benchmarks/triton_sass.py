@@ -4,8 +4,9 @@ memory and SASS instructions per row, per autotune config.
 Each kernel variant is compiled ahead of time for a target (default sm_90, an H100) with the
 argument specialisations Triton's launcher gives real tensors (16-byte-aligned pointers, row
 counts divisible by 16), then disassembled with the ``nvdisasm`` that ships with Triton. The
-row-block kernels are straight-line per block, so ``instructions × warps / BLOCK_M`` is the
-warp-instructions each row costs (``STG/row``: the global stores among them; a byte stored at a
+row-block kernels are straight-line per block (the decode's loop over sub-tiles counted
+``BLOCK_M / SUB`` times), so ``instructions × warps / BLOCK_M`` is the warp-instructions each
+row costs (``STG/row``: the global stores among them; a byte stored at a
 time costs a store each, 16 bytes in one vector store cost one). The last column turns that
 into a ceiling: the rows per second at which the SMs could issue nothing else (``SMs × 4
 schedulers × clock``), as a share of the device copy of the same fp16 rows. A kernel far under
@@ -132,12 +133,14 @@ def inner_loops(kernel) -> list[Counter]:
     return [Counter(op.split(".")[0] for op in body) for body in loops(kernel, innermost=True)]
 
 
-def configs() -> list[tuple[int, int, int]]:
-    """(BLOCK_M, warps, pipeline stages) of the row kernels' autotune search."""
-    from kvtool.kernels import triton_cuda as tc
-
-    found = tc._encode_kernel.configs if hasattr(tc._encode_kernel, "configs") else []
-    return [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in found]
+def configs(kernel, dim: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, SUB, warps, pipeline stages) of a row kernel's autotune search at head_dim
+    ``dim`` on bulk calls, as its pruning keeps them (SUB = BLOCK_M: one tile)."""
+    if not hasattr(kernel, "configs"):  # the interpreter's kernels are plain JIT
+        return []
+    kept = kernel.early_config_prune(kernel.configs, {"D": dim, "size_class": 1})
+    return [(c.kwargs["BLOCK_M"], c.kwargs.get("SUB", c.kwargs["BLOCK_M"]), c.num_warps,
+             c.num_stages) for c in kept]
 
 
 def preset_main(args: argparse.Namespace) -> None:
@@ -228,32 +231,34 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"sm_{args.arch}: fp16 in (encode) / fp16 out (decode); ceiling = issue-bound rows/s "
           f"as % of a {copy_gbs:.0f} GB/s copy ({sms} SMs at {ghz} GHz)")
-    print(f"{'kernel':>7} | {'D':>4} | {'bits':>4} | {'BM':>4} | {'warps':>5} | {'stages':>6} | "
-          f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'STG/row':>7} | "
-          f"{'ceiling':>7}")
+    print(f"{'kernel':>7} | {'D':>4} | {'bits':>4} | {'BM':>4} | {'SUB':>4} | {'warps':>5} | "
+          f"{'stages':>6} | {'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | "
+          f"{'STG/row':>7} | {'ceiling':>7}")
     for name in args.kernels.split(","):
         fn, signature = signatures[name]
         for dim in (int(d) for d in args.dims.split(",")):
             for bits in (int(b) for b in args.bits.split(",")):
                 cpg, bpg = group_shape(bits)
-                for block_m, warps, stages in configs():
-                    if block_m * dim > 128 * 32 * warps:  # pruned by the autotuner too
-                        continue
-                    constants = dict(D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m,
-                                     PIECES=1 if name == "encode" else 2)
-                    constants["BN" if name == "encode" else "BK"] = min(dim, 64)
+                for block_m, sub, warps, stages in configs(fn, dim):
+                    constants = dict(D=dim, BITS=bits, CPG=cpg, BPG=bpg, BLOCK_M=block_m)
+                    if name == "encode":
+                        constants.update(PIECES=1, BN=min(dim, 64))
+                    else:
+                        constants.update(PIECES=2, BK=min(dim, 64), SUB=sub)
                     kernel = compile_kernel(fn, signature, constants, warps, stages, args.arch)
                     regs, spill, ops = sass_profile(kernel)
+                    # a loop over sub-tiles runs its body BLOCK_M / SUB times
+                    body = sum(inner_loops(kernel), Counter()) if sub < block_m else Counter()
+                    ops += Counter({op: n * (block_m // sub - 1) for op, n in body.items()})
                     per_row = sum(ops.values()) * warps / block_m
                     stores = ops["STG"] * warps / block_m  # warp-level global stores per row
                     ceiling = sms * 4 * ghz * 1e9 / per_row * dim * 2 / (copy_gbs * 1e9)
                     smem = kernel.metadata.shared / 1024
                     fits = "" if smem <= 227 else " (no fit)"
-                    print(f"{name:>7} | {dim:>4} | {bits:>4} | {block_m:>4} | {warps:>5} | "
-                          f"{stages:>6} | {regs:>4} | {spill:>5} | {smem:>7.0f} | "
+                    print(f"{name:>7} | {dim:>4} | {bits:>4} | {block_m:>4} | {sub:>4} | "
+                          f"{warps:>5} | {stages:>6} | {regs:>4} | {spill:>5} | {smem:>7.0f} | "
                           f"{per_row:>9.1f} | {stores:>7.2f} | {ceiling:>6.0%}{fits}",
                           flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(BENCH))
 
 import autotune_table  # noqa: E402  (benchmarks/autotune_table.py)
 import gpu  # noqa: E402
+import ncu_turbo  # noqa: E402
 
 TUNED = ("triton_cuda._encode_kernel", "triton_cuda._decode_kernel",
          "triton_attention._attend_kernel", "triton_attention_parts._parts_kernel",
@@ -123,8 +124,11 @@ def kept(kernel, **named):
 print(json.dumps({
     "unspecialised": [unspecialised(k) for k in (tc._encode_kernel, tc._decode_kernel,
                       ta._attend_kernel, tt._encode_kernel, tt._decode_kernel)],
-    "turbo": [[c.kwargs["BLOCK_M"], c.num_warps, c.num_stages] for c in tc._decode_kernel.configs],
+    "encode": [[c.kwargs["BLOCK_M"], c.num_warps, c.num_stages] for c in tc._encode_kernel.configs],
+    "decode": [[c.kwargs["BLOCK_M"], c.kwargs["SUB"], c.num_warps, c.num_stages]
+               for c in tc._decode_kernel.configs],
     "bulk_128": kept(tc._decode_kernel, D=128, size_class=1),
+    "bulk_256_decode": kept(tc._decode_kernel, D=256, size_class=1),
     "bulk_256": kept(tc._encode_kernel, D=256, size_class=1),
     "small": kept(tc._decode_kernel, D=128, size_class=0),
 }))
@@ -134,14 +138,22 @@ print(json.dumps({
 def test_class_arguments_share_compiles_and_small_calls_get_one_config():
     """The autotuners' class arguments are tuned on but not specialised on (a config compiles
     once for every class: the H100's first load recompiled each decode config for the other
-    class); the turbo search holds the H100's winners; small calls get one config (no search).
+    class); the turbo searches hold the H100's winners (the decode's beside blocks in
+    sub-tiles); small calls get one config (no search).
     Compiled-path autotuners exist without a GPU when the interpreter is off."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "KVTOOL_AUTOTUNE_CACHE")}
     out = json.loads(subprocess.run([sys.executable, "-c", SEARCH], env=env,
                                     capture_output=True, text=True, check=True).stdout)
     assert out["unspecialised"] == [["size_class"]] * 3 + [["tok_class"]] * 2
-    assert out["turbo"] == [[64, 4, 1], [128, 4, 1], [128, 8, 1], [256, 8, 1]]
-    assert out["bulk_128"] == [[64, 4], [128, 4], [128, 8], [256, 8]]
+    assert out["encode"] == [[64, 4, 1], [128, 4, 1], [128, 8, 1], [256, 8, 1]]
+    # decode: the H100's winners in one tile, then R kept over 64-row sub-tiles, the next
+    # one's codes loaded ahead
+    assert out["decode"] == [[64, 64, 4, 1], [128, 128, 4, 1], [256, 64, 4, 2], [512, 64, 4, 2]]
+    assert out["bulk_128"] == [[64, 4], [128, 4], [256, 4], [512, 4]]
     assert out["bulk_256"] == [[64, 4], [128, 8]]  # [BLOCK_M, 256] tiles within registers
+    assert out["bulk_256_decode"] == [[64, 4]]  # R in chunks: no pipelined sub-tiles
     assert out["small"] == [[64, 4]]
+    pins = ncu_turbo.parse_args([])  # what gpu_session.sh profiles: configs of these searches
+    assert list(pins.encode) + [1] in out["encode"]
+    assert [pins.decode[0], 64, pins.decode[1], 2] in out["decode"]

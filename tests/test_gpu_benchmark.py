@@ -290,14 +290,25 @@ def test_ncu_script_launches_each_kernel_twice_at_one_config():
     assert 0.005 < float(lines[-1].split()[-1]) < 0.05  # 3 bits, best of 4 rotations
 
     class Tuner:
-        configs = [triton.Config({"BLOCK_M": m}, num_warps=4) for m in (64, 128)]
+        fn = _decode_kernel
+        configs = [triton.Config({"BLOCK_M": m, "SUB": 64}, num_warps=w, num_stages=s)
+                   for m, w, s in ((64, 4, 1), (256, 4, 2), (256, 8, 2))]
 
     tuner = Tuner()
-    ncu_turbo._pin(tuner, 256, 8)
+    ncu_turbo._pin(tuner, 256, 4)  # the search's own config, whole (sub-tiles, stages)
     (config,) = tuner.configs
-    assert config.kwargs == {"BLOCK_M": 256} and config.num_warps == 8
+    assert config.kwargs == {"BLOCK_M": 256, "SUB": 64} and config.num_warps == 4 \
+        and config.num_stages == 2
+    with pytest.raises(SystemExit, match="_decode_kernel searches no config of 128 rows and "
+                                         "4 warps: 256,4"):
+        ncu_turbo._pin(tuner, 128, 4)
+    tuner.configs = [triton.Config({"BM": m}, num_warps=4) for m in (16, 32)]
     ncu_turbo._pin(tuner, 16, 4, name="BM")
-    assert tuner.configs[0].kwargs == {"BM": 16} and tuner.configs[0].num_warps == 4
+    assert tuner.configs[0].kwargs == {"BM": 16} and len(tuner.configs) == 1
+
+
+def _decode_kernel():
+    """A stand-in kernel function: its name is what a refused pin names."""
 
 
 def test_host_waits_rank_cuda_calls_that_are_not_launches():

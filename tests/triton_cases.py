@@ -292,6 +292,19 @@ def test_decode_matches_numpy(bits, dim, out, rng):
                     norms)
 
 
+@pytest.mark.parametrize("dim", (64, 128))
+def test_decode_in_one_tile(dim, rng, monkeypatch):
+    """A block decoded as one tile (R in chunks per dot: the H100's winners) as well as in
+    sub-tiles (R loaded once: every other case here) writes the reference's values."""
+    codec = get_codec("turbo3", seed=SEED)
+    enc = codec.encode(_inputs(rng, 45, dim))
+    monkeypatch.setattr(tc, "_rows_launch", lambda rows, sub=False: {
+        "grid": (-(-rows // 32),), "meta": {"BLOCK_M": 32, "SUB": 32}})
+    ours = tc.turbo_decode(_dev(enc.arrays["codes"]), _dev(enc.arrays["norms"]), dim, 3, SEED,
+                           torch.float16)
+    _assert_decoded(ours, codec.decode(enc, "float16"), "float16", enc.arrays["norms"])
+
+
 @pytest.mark.parametrize("bits", (2, 3, 4))
 def test_cross_read(bits, rng):
     """Triton codes decode with the numpy codec, numpy codes with triton, to the same values."""

@@ -10,10 +10,11 @@ the reference, up to summation order). fp32 operands (fp32 inputs, queries, cent
 split into bf16 pieces ``hi + mid + lo`` (exact with three pieces) and multiplied piece by
 piece; 16-bit outputs use two pieces (about 2⁻¹⁷ relative, far below their rounding).
 
-Encode and decode autotune over two kinds of configs: one row block per program, and a
-persistent grid whose loop prefetches the next block while this one is coded
-(``benchmarks/triton_sass.py`` shows what each compiles to). Decode attention from codes lives
-in :mod:`kvtool.kernels.triton_attention` (:func:`turbo_decode_attention` here forwards to it).
+Encode and decode take a block of rows per program, autotuned; the decode's search adds blocks
+in sub-tiles of ``SUB`` rows that load ``R`` once (where it fits in shared memory: D ≤ 128),
+the next sub-tile's codes loaded while this one is computed (``benchmarks/triton_sass.py``
+shows what each config compiles to). Decode attention from codes lives in
+:mod:`kvtool.kernels.triton_attention` (:func:`turbo_decode_attention` here forwards to it).
 
 Kernels are decorated when this module is imported: they run under the interpreter only if
 ``TRITON_INTERPRET=1`` was set then (:data:`INTERPRET`), and only if it was also set when
@@ -25,7 +26,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -66,20 +67,33 @@ def _jit(fn: Any) -> Any:
     return fn if triton is None else triton.jit(fn)
 
 
-def _tuned(fn: Any) -> Any:
-    """Autotune the row-block kernels on GPUs (fixed block under the interpreter); the
+#: the encode's search, (BLOCK_M, warps): it holds the winner of every encode key in the H100's
+#: autotune table (ninth session, ``docs/gpu.md``: D 64/128, 2-4 bits, both classes) and the
+#: runners-up of large blocks; 64-row blocks with 8 warps, 256 with 4, and a persistent
+#: prefetching grid lost every key (by 1.02-2.8×). Its tiles stay whole and ``Rᵀ`` goes 64
+#: columns at a time: its quantiser over whole 128-wide rows took up to 1.5× the registers,
+#: and 64-row sub-tiles gained or lost a few instructions a row by Triton version (sm_90)
+_ENCODE_CONFIGS = ((64, 4, 0, 1), (128, 4, 0, 1), (128, 8, 0, 1), (256, 8, 0, 1))
+#: the decode's search, (BLOCK_M, warps, SUB, stages): the H100's winners in one tile (128
+#: rows with 4 warps won 6 of 7 keys, taking 255 registers a thread and spilling: 2 programs
+#: an SM; 64 rows, 1), and blocks of 64-row sub-tiles that keep ``R``, the next one's codes
+#: loaded ahead (2 stages): ~164 registers for about the same instructions a row, 3 programs
+#: an SM, ``R`` read once per 256 or 512 rows (sm_90, Triton 3.6 and 3.9:
+#: ``benchmarks/triton_sass.py``)
+_DECODE_CONFIGS = ((64, 4, 64, 1), (128, 4, 128, 1), (256, 4, 64, 2), (512, 4, 64, 2))
+
+
+def _tuned(fn: Any, configs: tuple[tuple[int, int, int, int], ...]) -> Any:
+    """Autotune the row-block kernels on GPUs over ``configs`` (BLOCK_M, warps, SUB or 0 for a
+    kernel without sub-tiles, pipeline stages; fixed block under the interpreter); the
     ``size_class`` argument (0: < 65536 rows) keeps small calls apart from bulk ones without
     compiling them apart (it is not specialised on: both classes share each config's binary).
-
-    The search holds the winner of every key in the H100's autotune table (ninth session,
-    ``docs/gpu.md``: D 64/128, 2-4 bits, both classes) and the runners-up of large blocks;
-    64-row blocks with 8 warps, 256 with 4, and a persistent prefetching grid lost every key
-    (by 1.02-2.8×), and each config is a compile on a process's first call. Choices persist
-    across processes (``cache_results``) where Triton offers it."""
+    Each config is a compile on a process's first call; choices persist across processes
+    (``cache_results``) where Triton offers it."""
     if triton is None or INTERPRET:
         return _jit(fn)
-    configs = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=1)
-               for m, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+    configs = [triton.Config({"BLOCK_M": m} | ({"SUB": sub} if sub else {}), num_warps=w,
+                             num_stages=stages) for m, w, sub, stages in configs]
     return triton.autotune(configs, key=["D", "BITS", "PIECES", "size_class"],
                            prune_configs_by={"early_config_prune": _prune},
                            **_persisted())(triton.jit(fn, do_not_specialize=["size_class"]))
@@ -129,17 +143,20 @@ def launch(kernel: Any, grid: Any, args: tuple[Any, ...], constants: dict[str, A
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Drop row blocks whose [BLOCK_M, D] tile would not fit in registers (more than 128
-    elements per thread spills: ``benchmarks/triton_sass.py``). Small calls (``size_class``
-    0: a cache's block flushes, a load's layers) get the first config alone: on the H100 it
-    ran within 13% of the best of them (~2 µs a call), where a search costs a process that
-    meets a new key mid-generation the compile of every config (Triton 3.9+ launches a lone
-    config untimed; older ones time it once, ~0.1 s)."""
+    """Drop row blocks whose [BLOCK_M, D] tile ([SUB, D] where the rows go in sub-tiles) would
+    not fit in registers (more than 128 elements per thread spills:
+    ``benchmarks/triton_sass.py``), and at D=256 pipelined sub-tiles (their loop would hold
+    several of R's chunks in shared memory: 336 KB on sm_90). Small calls (``size_class`` 0:
+    a cache's block flushes, a load's layers) get the first config alone: on the H100 it ran
+    within 13% of the best of them (~2 µs a call), where a search costs a process that meets a
+    new key mid-generation the compile of every config (Triton 3.9+ launches a lone config
+    untimed; older ones time it once, ~0.1 s)."""
     if named_args.get("size_class", kwargs.get("size_class", 1)) == 0:
         return configs[:1]
     dim = kwargs.get("D", named_args.get("D", 128))
-    return [c for c in configs if c.kwargs["BLOCK_M"] * dim <= 128 * 32 * c.num_warps] \
-        or configs[:1]
+    return [c for c in configs
+            if c.kwargs.get("SUB", c.kwargs["BLOCK_M"]) * dim <= 128 * 32 * c.num_warps
+            and not (dim > 128 and c.num_stages > 1)] or configs[:1]
 
 
 # -- device helpers ------------------------------------------------------------------------------
@@ -172,6 +189,12 @@ def _mm(acc, hi, mid, lo, m_ptr, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: 
         PIECES: tl.constexpr):
     """``acc + (hi + mid + lo) @ M[k0:k0+BK, n0:n0+BN]`` for a row-major ``M[D, D]``."""
     m = tl.load(m_ptr + (k0 + tl.arange(0, BK))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
+    return _dots(acc, hi, mid, lo, m, PIECES)
+
+
+@_jit
+def _dots(acc, hi, mid, lo, m, PIECES: tl.constexpr):
+    """``acc + (hi + mid + lo) @ m``, the small pieces first (the unused ones are ``hi``)."""
     if _INTERP:
         hi, mid, lo, m = hi.to(tl.float32), mid.to(tl.float32), lo.to(tl.float32), m.to(tl.float32)
     if PIECES == 3:
@@ -254,7 +277,7 @@ def _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D: tl.constexpr, W:
             tl.store(ptr + k, ((g >> (8 * k)) & 0xFF).to(tl.uint8), mask=rmask[:, None])
 
 
-@_tuned
+@partial(_tuned, configs=_ENCODE_CONFIGS)
 def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
                    BN: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -278,25 +301,38 @@ def _encode_kernel(x_ptr, rt_ptr, bnd_ptr, codes_ptr, norms_ptr, n_rows, size_cl
         _code_store(y, inv, bnd_ptr, codes_ptr, rows, rmask, n0, D, BN, BITS, CPG, BPG)
 
 
-@_tuned
+@partial(_tuned, configs=_DECODE_CONFIGS)
 def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_class,
                    D: tl.constexpr, BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
-                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One block of rows per program, as :func:`_encode_kernel`; ``R`` ``BK`` rows at a time."""
+                   BK: tl.constexpr, PIECES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SUB: tl.constexpr):
+    """x̂ = y @ R for a block of ``BLOCK_M`` rows per program, ``SUB`` rows at a time. A block
+    in sub-tiles loads ``R`` once, before them (it stays in shared memory for their dots),
+    where it fits (D ≤ 128); a block in one tile, or at D=256, takes ``BK`` rows of ``R`` per
+    dot (fewer registers for one tile)."""
     cols = tl.arange(0, D)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < n_rows
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for k0 in tl.static_range(0, D, BK):  # x̂ = y @ R, BK codes at a time
-        y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask, cent_ptr,
-                       BLOCK_M, BK, BITS, CPG, BPG)
-        hi, mid, lo = _split(y, PIECES)
-        acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
-    x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        x = _bf16(x)
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], x.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None])
+    if SUB < BLOCK_M and D <= 128:
+        m = tl.load(r_ptr + cols[:, None] * D + cols[None, :])
+    for s in range(0, BLOCK_M, SUB):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + s + tl.arange(0, SUB)
+        rmask = rows < n_rows
+        if SUB < BLOCK_M and D <= 128:
+            y = _centroids(codes_ptr, rows * (D * BITS // 8), rmask, cent_ptr, SUB, D, BITS,
+                           CPG, BPG)
+            hi, mid, lo = _split(y, PIECES)
+            acc = _dots(tl.zeros([SUB, D], tl.float32), hi, mid, lo, m, PIECES)
+        else:
+            acc = tl.zeros([SUB, D], tl.float32)
+            for k0 in tl.static_range(0, D, BK):
+                y = _centroids(codes_ptr, rows * (D * BITS // 8) + k0 * BITS // 8, rmask,
+                               cent_ptr, SUB, BK, BITS, CPG, BPG)
+                hi, mid, lo = _split(y, PIECES)
+                acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
+        x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            x = _bf16(x)
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], x.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
 
 
 @_jit
@@ -372,10 +408,11 @@ def _check(dim: int, bits: int) -> None:
                          f"got dim={dim} bits={bits}")
 
 
-def _rows_launch(rows: int) -> dict[str, Any]:
-    """Grid and fixed meta-parameters of the row-block kernels."""
+def _rows_launch(rows: int, sub: bool = False) -> dict[str, Any]:
+    """Grid and fixed meta-parameters of the row-block kernels (``sub``: the decode's; under
+    the interpreter its blocks go in two sub-tiles, so the loop over them runs)."""
     if INTERPRET:
-        return {"grid": (cdiv(rows, 32),), "meta": {"BLOCK_M": 32}}
+        return {"grid": (cdiv(rows, 32),), "meta": {"BLOCK_M": 32} | ({"SUB": 16} if sub else {})}
     return {"grid": lambda meta: (cdiv(rows, meta["BLOCK_M"]),), "meta": {}}
 
 
@@ -420,7 +457,7 @@ def turbo_decode(codes: torch.Tensor, norms: torch.Tensor, dim: int, bits: int, 
     if c2.shape[0]:
         rows = c2.shape[0]
         cpg, bpg = group_shape(bits)
-        plan, size_class = _rows_launch(rows), int(rows >= 1 << 16)
+        plan, size_class = _rows_launch(rows, sub=True), int(rows >= 1 << 16)
         launch(_decode_kernel, plan["grid"], (
             c2, n2, _codebook(dim, bits, codes.device)[1], _rotation(dim, seed, codes.device).rb,
             out, rows, size_class),
