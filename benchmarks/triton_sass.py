@@ -260,5 +260,6 @@ def main(argv: list[str] | None = None) -> None:
                           f"{per_row:>9.1f} | {stores:>7.2f} | {ceiling:>6.0%}{fits}",
                           flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -67,12 +67,12 @@ def _jit(fn: Any) -> Any:
     return fn if triton is None else triton.jit(fn)
 
 
-#: the encode's search, (BLOCK_M, warps): it holds the winner of every encode key in the H100's
-#: autotune table (ninth session, ``docs/gpu.md``: D 64/128, 2-4 bits, both classes) and the
-#: runners-up of large blocks; 64-row blocks with 8 warps, 256 with 4, and a persistent
-#: prefetching grid lost every key (by 1.02-2.8×). Its tiles stay whole and ``Rᵀ`` goes 64
-#: columns at a time: its quantiser over whole 128-wide rows took up to 1.5× the registers,
-#: and 64-row sub-tiles gained or lost a few instructions a row by Triton version (sm_90)
+#: the encode's search, (BLOCK_M, warps, SUB, stages), each block one tile: it holds the winner
+#: of every encode key in the H100's autotune table (ninth session, ``docs/gpu.md``: D 64/128,
+#: 2-4 bits, both classes) and the runners-up of large blocks; 64-row blocks with 8 warps, 256
+#: with 4, and a persistent prefetching grid lost every key (by 1.02-2.8×). ``Rᵀ`` goes 64
+#: columns at a time: the quantiser over whole 128-wide rows took up to 1.5× the registers, and
+#: 64-row sub-tiles gained or lost a few instructions a row by Triton version (sm_90)
 _ENCODE_CONFIGS = ((64, 4, 0, 1), (128, 4, 0, 1), (128, 8, 0, 1), (256, 8, 0, 1))
 #: the decode's search, (BLOCK_M, warps, SUB, stages): the H100's winners in one tile (128
 #: rows with 4 warps won 6 of 7 keys, taking 255 registers a thread and spilling: 2 programs
