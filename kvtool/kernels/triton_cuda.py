@@ -311,12 +311,13 @@ def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_
     where it fits (D ≤ 128); a block in one tile, or at D=256, takes ``BK`` rows of ``R`` per
     dot (fewer registers for one tile)."""
     cols = tl.arange(0, D)
-    if SUB < BLOCK_M and D <= 128:
+    keep_r: tl.constexpr = SUB < BLOCK_M and D <= 128
+    if keep_r:
         m = tl.load(r_ptr + cols[:, None] * D + cols[None, :])
     for s in range(0, BLOCK_M, SUB):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + s + tl.arange(0, SUB)
         rmask = rows < n_rows
-        if SUB < BLOCK_M and D <= 128:
+        if keep_r:
             y = _centroids(codes_ptr, rows * (D * BITS // 8), rmask, cent_ptr, SUB, D, BITS,
                            CPG, BPG)
             hi, mid, lo = _split(y, PIECES)
