@@ -68,12 +68,13 @@ def _outlier_channels(hi: Any, constants: dict[str, Any]) -> None:
 
 
 def stub_kernels(record: list[Launch] | None = None) -> None:
-    """Attention launches and the launches through :func:`kvtool.kernels.triton_cuda.launch`
+    """Attention launches and the launches through :func:`kvtool.kernels.triton_support.launch`
     (the turbo, ``turbomix`` and uint8-norm kernels) become :class:`KeyedLaunch`es (an H100's
     132 SMs for the split heuristic); ``record`` gets every launch of them all."""
     from kvtool.kernels import triton_attention as ta
     from kvtool.kernels import triton_attention_parts as tap
     from kvtool.kernels import triton_cuda as tc
+    from kvtool.kernels import triton_support as support
     from kvtool.kernels import triton_turbomix as tt
     from kvtool.kernels import triton_turbomix_norms as tn
     from kvtool.kernels import triton_turbomix_select as ts
@@ -100,5 +101,5 @@ def stub_kernels(record: list[Launch] | None = None) -> None:
             (tn, "_norm_codes_kernel", zero(["range_ptr"], 0)),
             (tn, "_norm_values_kernel", zero(["out_ptr"], 0))):
         kernel = getattr(module, name)
-        if not isinstance(tc._LAUNCHERS.get(kernel), KeyedLaunch):
-            tc._LAUNCHERS[kernel] = KeyedLaunch(Launcher(kernel), record, outputs)
+        if not isinstance(support._LAUNCHERS.get(kernel), KeyedLaunch):
+            support._LAUNCHERS[kernel] = KeyedLaunch(Launcher(kernel), record, outputs)

@@ -415,14 +415,14 @@ class TestCuda:
         """Encodes and decodes after the first of a shape skip Triton's dispatch (counted:
         stats, outliers, two parts, the choice, two decodes) and still match the reference
         on new data."""
-        from kvtool.kernels import triton_cuda as tc
+        from kvtool.kernels import triton_support
 
         spec = "turbomix:bits=3,outliers=8,center=true,candidates=3,norm_bits=8"
         for seed in range(3):
             check_roundtrip(spec, keys((2, 16, 64), seed=seed))
             if seed == 0:
-                fast = sum(launcher.fast for launcher in tc._LAUNCHERS.values())
-        assert sum(launcher.fast for launcher in tc._LAUNCHERS.values()) >= fast + 2 * 7
+                fast = sum(launcher.fast for launcher in triton_support._LAUNCHERS.values())
+        assert sum(launcher.fast for launcher in triton_support._LAUNCHERS.values()) >= fast + 2 * 7
 
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
     def test_dtypes(self, dtype):

@@ -56,22 +56,7 @@ import torch
 from kvtool.kernels.bitpack import group_shape
 from kvtool.kernels.triton_attention_steps import _codes_part, _exact_part, _finish_part
 from kvtool.kernels.triton_attention_store import Store, prepare
-from kvtool.kernels.triton_cuda import (
-    BITS,
-    DIMS,
-    INTERPRET,
-    _codebook,
-    _jit,
-    _mm,
-    _persisted,
-    _rotation,
-    _sm_count,
-    _split,
-    available,
-    cdiv,
-    next_power_of_2,
-    supported,
-)
+from kvtool.kernels.triton_cuda import BITS, DIMS, _codebook, _mm, _rotation, _split, supported
 from kvtool.kernels.triton_launch import (
     EXACT_SPLIT,
     Launcher,
@@ -80,6 +65,15 @@ from kvtool.kernels.triton_launch import (
     StreamScratch,
     exact_key,
     plan_token,
+)
+from kvtool.kernels.triton_support import (
+    INTERPRET,
+    _jit,
+    _persisted,
+    _sm_count,
+    available,
+    cdiv,
+    next_power_of_2,
 )
 
 try:

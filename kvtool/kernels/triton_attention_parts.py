@@ -44,7 +44,6 @@ from kvtool.kernels.triton_attention_steps import (
     _query_rows,
     _query_src,
 )
-from kvtool.kernels.triton_cuda import INTERPRET, _jit, _persisted, available, next_power_of_2
 from kvtool.kernels.triton_launch import (
     EXACT_SPLIT,
     Launcher,
@@ -54,6 +53,7 @@ from kvtool.kernels.triton_launch import (
     exact_key,
     plan_token,
 )
+from kvtool.kernels.triton_support import INTERPRET, _jit, _persisted, available, next_power_of_2
 from kvtool.kernels.triton_turbomix import (
     QUANTIZERS,
     channel_sets_of,

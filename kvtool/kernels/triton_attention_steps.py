@@ -5,7 +5,8 @@ part, and the merge of a KV head's parts by the program that finishes last."""
 
 from __future__ import annotations
 
-from kvtool.kernels.triton_cuda import _INTERP, _centroids, _jit, _mm, _split, tl
+from kvtool.kernels.triton_cuda import _centroids, _mm, _split
+from kvtool.kernels.triton_support import _INTERP, _jit, tl
 from kvtool.kernels.triton_turbomix_steps import _dot
 
 

@@ -16,15 +16,12 @@ the next sub-tile's codes loaded while this one is computed (``benchmarks/triton
 shows what each config compiles to). Decode attention from codes lives in
 :mod:`kvtool.kernels.triton_attention` (:func:`turbo_decode_attention` here forwards to it).
 
-Kernels are decorated when this module is imported: they run under the interpreter only if
-``TRITON_INTERPRET=1`` was set then (:data:`INTERPRET`), and only if it was also set when
-triton itself was first imported (its ``tl.sum``/``tl.max`` are decorated then).
+The plumbing every Triton module shares (interpreter mode, decoration, launches) is in
+:mod:`kvtool.kernels.triton_support`.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
@@ -34,37 +31,29 @@ import torch
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
 from kvtool.codecs.rotation import rotation_matrix
 from kvtool.kernels.bitpack import group_shape
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only without triton
-    triton = None
-    tl = None
+from kvtool.kernels.triton_support import (
+    _INTERP,
+    INTERPRET,
+    _jit,
+    _persisted,
+    available,
+    cdiv,
+    launch,
+    next_power_of_2,
+    tl,
+    triton,
+)
 
 name = "triton"
 DIMS = (16, 32, 64, 128, 256)
 BITS = (2, 3, 4)
-#: whether the kernels below were decorated in interpreter mode (they then run on CPU tensors)
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET", "") == "1"
-# the interpreter multiplies bf16 dot operands as their raw uint16 bits: widen them first (exact)
-_INTERP = tl.constexpr(INTERPRET) if triton is not None else None
 _F16 = (torch.float16, torch.bfloat16)
 _OUT = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def available() -> bool:
-    """Triton is importable and its kernels can run here (CUDA, or the interpreter)."""
-    return triton is not None and (INTERPRET or torch.cuda.is_available())
 
 
 def supported(dim: int, bits: int) -> bool:
     """Whether these kernels handle ``dim``/``bits`` (else the caller falls back)."""
     return dim in DIMS and bits in BITS
-
-
-def _jit(fn: Any) -> Any:
-    return fn if triton is None else triton.jit(fn)
 
 
 #: the encode's search, (BLOCK_M, warps, SUB, stages), each block one tile: it holds the winner
@@ -97,49 +86,6 @@ def _tuned(fn: Any, configs: tuple[tuple[int, int, int, int], ...]) -> Any:
     return triton.autotune(configs, key=["D", "BITS", "PIECES", "size_class"],
                            prune_configs_by={"early_config_prune": _prune},
                            **_persisted())(triton.jit(fn, do_not_specialize=["size_class"]))
-
-
-def _persisted() -> dict[str, Any]:
-    """``cache_results=True`` where this Triton's autotuner can keep its results on disk, unless
-    ``KVTOOL_AUTOTUNE_CACHE=0``: a process whose timings should not decide for later ones (one
-    of several sharing a GPU, or calls far smaller than the real ones) still compiles every
-    config into Triton's cache, but leaves no choice behind (Triton's own
-    ``TRITON_CACHE_AUTOTUNING=1`` would turn it back on: it is dropped). Read when the kernels
-    are decorated (at import)."""
-    if os.environ.get("KVTOOL_AUTOTUNE_CACHE", "") == "0":
-        os.environ.pop("TRITON_CACHE_AUTOTUNING", None)
-        return {}
-    params = inspect.signature(triton.autotune).parameters
-    return {"cache_results": True} if "cache_results" in params else {}
-
-
-def cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉ for launch grids: plain integer arithmetic (``triton.cdiv`` is a traced
-    constexpr function in newer Tritons, ~5 µs a host call; ``attend`` made seven)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The least power of two ≥ ``n`` (1 for n ≤ 1), on the host."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-#: each kernel's :class:`~kvtool.kernels.triton_launch.Launcher`, made at its first launch
-_LAUNCHERS: dict[Any, Any] = {}
-
-
-def launch(kernel: Any, grid: Any, args: tuple[Any, ...], constants: dict[str, Any],
-           tuned: tuple[Any, ...] = ()) -> None:
-    """``kernel[grid](*args, **constants)``, repeat launches of a specialisation without
-    Triton's per-call dispatch (a Launcher per kernel; ``tuned``: the autotune key's runtime
-    arguments): an encode or decode of a cache block is a few µs of kernel time, and Triton's
-    dispatch of ~25 arguments costs tens of µs of host time on a GPU host."""
-    launcher = _LAUNCHERS.get(kernel)
-    if launcher is None:
-        from kvtool.kernels.triton_launch import Launcher  # it imports this module
-
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-    launcher(grid, args, constants, tuned)
 
 
 def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
@@ -503,12 +449,6 @@ def turbo_scores(q: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, bits
             {"D": dim, "BITS": bits, "CPG": cpg, "BPG": bpg, "BLOCK_M": block_m,
              "BLOCK_N": block_n})
     return out
-
-
-@lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 4
 
 
 def turbo_decode_attention(q: torch.Tensor, k_codes: torch.Tensor, k_norms: torch.Tensor,

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvtool.kernels.triton_cuda import INTERPRET, triton
+from kvtool.kernels.triton_support import INTERPRET, triton
 
 _I32 = 2**31
 #: a launch grid: programs per axis, or a function of the launch's meta-parameters

@@ -38,9 +38,9 @@ import torch
 
 from kvtool.errors import CodecError
 from kvtool.kernels.device_checks import check_values, require
-from kvtool.kernels.triton_cuda import (
+from kvtool.kernels.triton_cuda import _bf16
+from kvtool.kernels.triton_support import (
     INTERPRET,
-    _bf16,
     _jit,
     _persisted,
     _sm_count,

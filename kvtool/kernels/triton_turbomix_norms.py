@@ -16,7 +16,7 @@ import torch
 
 from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.errors import CodecError
-from kvtool.kernels.triton_cuda import _jit, launch, next_power_of_2
+from kvtool.kernels.triton_support import _jit, launch, next_power_of_2
 
 try:
     import triton.language as tl

@@ -18,7 +18,7 @@ import torch
 
 from kvtool.codecs.turbo import FP16_MAX
 from kvtool.codecs.turbomix import _NORM_STEPS
-from kvtool.kernels.triton_cuda import _jit, launch, next_power_of_2
+from kvtool.kernels.triton_support import _jit, launch, next_power_of_2
 from kvtool.kernels.triton_turbomix_norms import _block, _group_norm_codes
 
 try:

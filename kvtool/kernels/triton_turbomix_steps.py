@@ -9,7 +9,8 @@ lowest bucket, the lowest pair index, the lower predecessor state, the lowest fi
 from __future__ import annotations
 
 from kvtool.codecs.trellis_tables import SUBSET_TAPS, UNION_TAPS
-from kvtool.kernels.triton_cuda import _INTERP, _bf16, _jit, _quantize, tl
+from kvtool.kernels.triton_cuda import _bf16, _quantize
+from kvtool.kernels.triton_support import _INTERP, _jit, tl
 from kvtool.kernels.triton_turbomix_tables import TRELLIS_HASH
 
 _UNION_TAPS = tl.constexpr(UNION_TAPS) if tl is not None else None
