@@ -29,6 +29,9 @@ means causal over the new tokens (they come last), a mask's columns are matched 
   uint8-norm ``turbomix`` codes (``balanced``, ``small``). :data:`DEVICE_ATTENTION_ON_CPU`
   (tests only) sends CPU tensors this way too, for Triton's interpreter.
 
+(The calls themselves, with the numpy views and tables the CPU kernels take, are in
+:mod:`kvtool.engines.hf_attention_calls`.)
+
 Anything else decodes the view and calls the delegate on the full K/V
 (:meth:`CodesView.materialize`), the same decode-then-attend computation as without the hook:
 forwards of many query tokens (more than :data:`~kvtool.kernels.numba_attention.MAX_ROWS` query
@@ -54,7 +57,7 @@ import numpy as np
 import torch
 
 from kvtool.codecs import Codec, Encoded
-from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
+from kvtool.engines import hf_attention_calls as calls
 from kvtool.errors import CodecError, KvtoolError
 from kvtool.kernels import kernel_mode
 from kvtool.kernels.device_checks import own_arrays
@@ -401,121 +404,38 @@ def _device_bias(mask: torch.Tensor, s: int, e: int) -> torch.Tensor | bool:
     return out
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """float32 C-contiguous numpy view (or copy) of ``t``."""
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        t = t.to(torch.float32).contiguous()
-    return t.detach().numpy()
-
-
-_CONSTANTS: dict[tuple[int, int], tuple[Codec, np.ndarray, np.ndarray, np.ndarray]] = {}
-
-
-def _constants(codec: Codec, dim: int) -> tuple[Codec, np.ndarray, np.ndarray, np.ndarray]:
-    """(codec, centroid chunk table, R_kᵀ, R_v) of a turbo or turbomix codec at ``dim``, the
-    rotations stacked [C, D, D] (turbomix: one per candidate), cached per codec."""
-    hit = _CONSTANTS.get((id(codec), dim))
-    if hit is None or hit[0] is not codec:
-        from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-
-        if len(_CONSTANTS) > 64:
-            _CONSTANTS.clear()
-        table = kernels().chunk_table(codec.bits,
-                                      sphere_marginal_codebook(dim, 1 << codec.bits).centroids)
-        seeds = rotation_seeds(codec)
-        hit = (codec, table, np.stack([rotation_matrix_t(dim, s) for s in seeds]),
-               np.stack([rotation_matrix(dim, s) for s in seeds]))
-        _CONSTANTS[(id(codec), dim)] = hit
-    return hit
-
-
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: CodesView,
             bias: torch.Tensor | None, causal: bool, scaling: float | None
             ) -> torch.Tensor | None:
-    """The kernel's output [B, Q, Hq, D] in the query's dtype (None: it failed to build)."""
+    """The kernel's output [B, Q, Hq, D] in the query's dtype (None: it failed to build; the
+    kernels stay off from then on, unless ``KVTOOL_KERNELS=compiled``)."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     if view.on_device:
-        return _attend_on_device(query, key, value, view, bias, causal, scaling)
-    na = kernels()
-    batch, hq, nq, dim = query.shape
-    out = torch.empty((batch, nq, hq, dim), dtype=torch.float32)
-    scale = dim ** -0.5 if scaling is None else float(scaling)
-    try:
-        if view.roles is not None:
-            from kvtool.kernels import numba_attention_parts
-
-            numba_attention_parts.attend(_numpy(query), *view.roles, _numpy(key), _numpy(value),
-                                         None if bias is None else bias.numpy(), causal, scale,
-                                         out.numpy(), view.block, _numba_threads())
-            return out if query.dtype == torch.float32 else out.to(query.dtype)
-        (kcodec, ktab, k_rt, _), (vcodec, vtab, _, v_r) = (_constants(c, dim)
-                                                           for c in view.codecs)
-        na.attend(_numpy(query), view.codes[0], view.norms[0], kcodec.bits, ktab, k_rt,
-                  view.codes[1], view.norms[1], vcodec.bits, vtab, v_r, _numpy(key),
-                  _numpy(value), None if bias is None else bias.numpy(), causal, scale,
-                  out.numpy(),
-                  _numba_threads(), *(view.rotations or (None, None)), view.key_means,
-                  view.block)
-    except na.BuildError as e:  # the kernel does not build here: decode-then-attend from now on
-        if kernel_mode() == "compiled":
-            raise
-        na.warn_fallback("attention from codes", e)
-        _KERNELS[:] = [None]
-        return None
+        ta = device_kernels()
+        try:
+            out = calls.on_device(ta, query, key, value, view, bias, causal, scale)
+        except ta.BUILD_ERRORS as e:
+            if kernel_mode() == "compiled":
+                raise
+            warnings.warn(f"kvtool: attention from codes on {query.device} is off (the Triton "
+                          f"kernel does not build here: {e}); decoding instead", RuntimeWarning,
+                          stacklevel=2)
+            _DEVICE_KERNELS[:] = [None]
+            return None
+    else:
+        na = kernels()
+        try:
+            out = calls.on_cpu(na, query, key, value, view, bias, causal, scale)
+        except na.BuildError as e:
+            if kernel_mode() == "compiled":
+                raise
+            na.warn_fallback("attention from codes", e)
+            _KERNELS[:] = [None]
+            return None
     return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def _attend_on_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      view: CodesView, bias: torch.Tensor | None, causal: bool,
-                      scaling: float | None) -> torch.Tensor | None:
-    """:func:`_attend` through :func:`kvtool.kernels.triton_attention.attend`."""
-    ta = device_kernels()
-    dim = query.shape[-1]
-    scale = dim ** -0.5 if scaling is None else float(scaling)
-    out_dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    try:
-        if view.roles is not None:
-            from kvtool.kernels import triton_attention_parts
-
-            out = triton_attention_parts.attend(query, *view.roles, key, value, scale=scale,
-                                                bias=bias, causal=causal, out_dtype=out_dtype)
-        else:
-            out = ta.attend_store(query, view.device_store(dim), key, value, scale=scale,
-                                  bias=bias, causal=causal, out_dtype=out_dtype)
-    except ta.BUILD_ERRORS as e:  # the kernel does not build here: decode-then-attend from now
-        if kernel_mode() == "compiled":
-            raise
-        warnings.warn(f"kvtool: attention from codes on {query.device} is off (the Triton "
-                      f"kernel does not build here: {e}); decoding instead", RuntimeWarning,
-                      stacklevel=2)
-        _DEVICE_KERNELS[:] = [None]
-        return None
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def role_codes(codec: Codec, arrays: dict[str, np.ndarray], heads: int, tokens: int,
-               block: int, dim: int) -> Any:
-    """:func:`kvtool.kernels.numba_attention_parts.role_codes` (numba imported only here)."""
-    from kvtool.kernels.numba_attention_parts import role_codes as build
-
-    return build(codec, arrays, heads, tokens, block, dim)
-
-
-def _numba_threads() -> int:
-    """torch's thread count, applied to numba's pool (capped by ``NUMBA_NUM_THREADS``)."""
-    threads = torch.get_num_threads()
-    if threads <= 1:
-        return 1
-    import numba
-
-    from kvtool.kernels.numba_support import num_threads
-
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if threads > 1 and num_threads() != threads:
-        numba.set_num_threads(threads)
-    return threads
 
 
 __all__ = ["ATTR", "DEVICE_ATTENTION_ON_CPU", "NAME", "STATS", "CodesTag", "CodesView",
            "codes_codec", "codes_enabled", "device_codes", "device_kernels", "device_path",
-           "install", "kvtool_attention", "role_codes", "rotation_seeds", "routes_through_kvtool",
+           "install", "kvtool_attention", "rotation_seeds", "routes_through_kvtool",
            "scalar_codes", "uninstall"]

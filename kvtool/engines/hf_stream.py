@@ -109,7 +109,7 @@ class _Stream:
         lead = codes.shape[:-3]  # (batch, heads) or (2, batch, heads)
         heads, blocks = lead[-2] * lead[-1], codes.shape[-3]
         if self.parts:
-            from kvtool.engines.hf_attention import role_codes
+            from kvtool.engines.hf_attention_calls import role_codes
 
             per_role = {name: a.contiguous().numpy().reshape(-1, heads, *a.shape[axis:])
                         for name, a in joined.items()}
