@@ -192,6 +192,32 @@ def test_a_kernel_that_does_not_build_falls_back_for_good(monkeypatch):
     assert hf_attention.kernels() is None and not codes.uses_codes()
 
 
+@pytest.mark.parametrize("mode", ["auto", "compiled"])
+def test_a_device_kernel_that_does_not_build_falls_back_for_good(monkeypatch, mode):
+    """A Triton kernel that does not build (a compiler error, too little shared memory) turns
+    attention from codes on that device off with a warning, and the caller decodes; with
+    ``KVTOOL_KERNELS=compiled`` the error stands."""
+    class NoBuild(Exception):
+        pass
+
+    def attend_store(*args, **kwargs):
+        raise NoBuild("out of shared memory")
+
+    ta = SimpleNamespace(BUILD_ERRORS=(NoBuild,), attend_store=attend_store)
+    monkeypatch.setattr(hf_attention, "_DEVICE_KERNELS", [ta])
+    monkeypatch.setenv("KVTOOL_KERNELS", mode)
+    view = SimpleNamespace(on_device=True, roles=None, device_store=lambda dim: None)
+    q = torch.zeros(1, 4, 1, 64)
+    if mode == "compiled":
+        with pytest.raises(NoBuild):
+            hf_attention._attend(q, q, q, view, None, False, None)
+        assert hf_attention.device_kernels() is ta
+        return
+    with pytest.warns(RuntimeWarning, match="does not build here: out of shared memory"):
+        assert hf_attention._attend(q, q, q, view, None, False, None) is None
+    assert hf_attention.device_kernels() is None
+
+
 def test_states_on_cuda_ask_for_triton(monkeypatch):
     """CUDA states attend from codes through Triton (tests/test_triton_attention.py runs that
     path); the CPU's only with the test switch, and CUDA's never without Triton there."""

@@ -411,27 +411,24 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: C
     kernels stay off from then on, unless ``KVTOOL_KERNELS=compiled``)."""
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     if view.on_device:
-        ta = device_kernels()
-        try:
-            out = calls.on_device(ta, query, key, value, view, bias, causal, scale)
-        except ta.BUILD_ERRORS as e:
-            if kernel_mode() == "compiled":
-                raise
+        ops, call, failures = device_kernels(), calls.on_device, _DEVICE_KERNELS
+        errors = ops.BUILD_ERRORS
+    else:
+        ops, call, failures = kernels(), calls.on_cpu, _KERNELS
+        errors = ops.BuildError
+    try:
+        out = call(ops, query, key, value, view, bias, causal, scale)
+    except errors as e:
+        if kernel_mode() == "compiled":
+            raise
+        if view.on_device:
             warnings.warn(f"kvtool: attention from codes on {query.device} is off (the Triton "
                           f"kernel does not build here: {e}); decoding instead", RuntimeWarning,
                           stacklevel=2)
-            _DEVICE_KERNELS[:] = [None]
-            return None
-    else:
-        na = kernels()
-        try:
-            out = calls.on_cpu(na, query, key, value, view, bias, causal, scale)
-        except na.BuildError as e:
-            if kernel_mode() == "compiled":
-                raise
-            na.warn_fallback("attention from codes", e)
-            _KERNELS[:] = [None]
-            return None
+        else:
+            ops.warn_fallback("attention from codes", e)
+        failures[:] = [None]
+        return None
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
