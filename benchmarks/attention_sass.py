@@ -81,7 +81,7 @@ def _row(kernel, warps: int, block_n: int, looped: bool = True) -> str:
 def _preset_parts(preset: str) -> dict[str, int]:
     """The parts kernel's per-part constants for ``preset``'s key and value codecs at D=128."""
     from kvtool.kernels.triton_turbomix_tables import _rotations, _width
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     policy, out = preset_policy(preset), {}
     for role, codec in (("K", policy.key), ("V", policy.value)):
@@ -98,7 +98,7 @@ def _preset_parts(preset: str) -> dict[str, int]:
 def parts_main(args: argparse.Namespace) -> None:
     """The parts kernel's table for ``args.preset``."""
     from kvtool.kernels import triton_attention_parts as tap
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     policy = preset_policy(args.preset)
     ints = {"kcs0", "kcs1", "vcs0", "vcs1", "NBLK", "X", "E", "hkv", "nq", "hq", "R", "bias_b",

@@ -27,7 +27,7 @@ from peers import ManthanQuant  # benchmarks/peers.py (this script's folder is o
 
 from kvtool.codecs import get_codec, list_codecs
 from kvtool.kernels import available_backends, cpu_kernels
-from kvtool.policy import PRESETS, preset_policy
+from kvtool.presets import PRESETS, preset_policy
 
 
 @contextmanager

@@ -62,7 +62,8 @@ def cache_makers(b: Bench, model: Any) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvtool.engines.hf_runtime import CompressedCache
-    from kvtool.policy import PRESETS, CodecPolicy
+    from kvtool.policy import CodecPolicy
+    from kvtool.presets import PRESETS
 
     makers = {"DynamicCache": lambda: DynamicCache(config=model.config)}
     for label in b.args.policy:

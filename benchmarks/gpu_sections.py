@@ -240,7 +240,7 @@ def _preset_attention_row(b: Bench, name: str, batch: int, n: int) -> dict:
     per store change) are not timed."""
     from kvtool.engines.hf_attention import rotation_seeds, scalar_codes
     from kvtool.kernels import triton_attention, triton_attention_parts
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     torch, args, clock = b.torch, b.args, b.clock
     hq, hkv, dim, block = args.heads, args.kv_heads, args.head_dim, 64
@@ -333,7 +333,7 @@ def presets(b: Bench) -> dict:
     ops) against the median call's wall time, and on CUDA the host's waits: where the presets'
     1–12% of the copy on the H100 goes."""
     from kvtool.kernels import compiled_for
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     torch, args, clock = b.torch, b.args, b.clock
     dim, block = args.head_dim, 64

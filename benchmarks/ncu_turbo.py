@@ -117,7 +117,7 @@ def _preset(args: argparse.Namespace, n: int, device: str) -> tuple[Any, Any, st
     import torch
 
     from kvtool.kernels import triton_turbomix as tt
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     _pin(tt._encode_kernel, *args.encode, name="BM")
     _pin(tt._decode_kernel, *args.decode, name="BM")

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvtool.codecs.lloyd_max import lloyd_max
+from kvtool.identity import kv_layout
 from kvtool.kernels import bitpack, numpy_ops
-from kvtool.models import kv_layout
 
 # (backend, bits) of every peer row benchmarks/quality.py measures where the backend is installed
 QUALITY_PEERS = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 3), ("hqq", 2),

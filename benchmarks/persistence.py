@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.formats import load, open_kvz, save
-from kvtool.policy import preset_policy
+from kvtool.presets import preset_policy
 
 SETUPS = {
     "raw": {"codec": "raw"},

@@ -44,7 +44,10 @@ from kvtool.evaluate_grid import (
     seed_list,
     sweep,
 )
-from kvtool.policy import PRESETS, CodecPolicy
+from kvtool.policy import CodecPolicy
+
+# methods tried for issue 13 (presets are added in front); add more with --policy
+from kvtool.presets import PRESETS
 
 # methods tried for issue 13 (presets are added in front); add more with --policy
 METHODS = [

@@ -48,7 +48,8 @@ from kvtool.engines.hf import capture, to_dynamic_cache
 from kvtool.engines.hf_runtime import CompressedCache
 from kvtool.errors import KvtoolError
 from kvtool.evaluate import data_text
-from kvtool.policy import PRESETS, CodecPolicy
+from kvtool.policy import CodecPolicy
+from kvtool.presets import PRESETS
 
 TEXTS = ("eval_text.md", "story_text.md", "demo_document.md")
 INSTRUCTION = ("Read the document below carefully. It contains locker codes, the names of "

@@ -136,7 +136,8 @@ def store_bytes(store: str) -> int:
 def raw_layout_bytes(tokens: int) -> int:
     from transformers import AutoConfig
 
-    from kvtool.models import model_identity, resolve_model
+    from kvtool.identity import model_identity
+    from kvtool.models import resolve_model
 
     info = model_identity(AutoConfig.from_pretrained(resolve_model("default")[1],
                                                      local_files_only=True))

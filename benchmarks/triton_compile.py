@@ -63,7 +63,8 @@ def record_launches(policies: list[str], dims: list[int], quick: bool = False) -
     from kvtool.engines.hf_runtime import CompressedCache
     from kvtool.kernels import triton_cuda as tc
     from kvtool.kernels import triton_turbomix as tt
-    from kvtool.policy import CodecPolicy, preset_policy
+    from kvtool.policy import CodecPolicy
+    from kvtool.presets import preset_policy
 
     launches: list[Launch] = []
     _cuda_path_on_cpu(record=launches)

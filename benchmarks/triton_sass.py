@@ -156,7 +156,7 @@ def preset_main(args: argparse.Namespace) -> None:
     from kvtool.kernels import triton_turbomix as tt
     from kvtool.kernels.bitpack import group_shape
     from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _width
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     signatures = {
         "encode": dict(x_ptr="*bf16", mean_ptr="*fp32", ch_ptr="*i32", ch_stride="i32",

@@ -189,7 +189,7 @@ def measure(loaded: Any, text: str | None = None, *, tokens: int = DEFAULT_TOKEN
     """Single-layer next-token KL of every (layer, role, menu option) (steps 1-2 above)."""
     import torch
 
-    from kvtool.models import kv_layout
+    from kvtool.identity import kv_layout
 
     menu = dict(menu or DEFAULT_MENU)
     if not menu:

@@ -32,7 +32,8 @@ from typing import Any
 
 from kvtool.codecs.turbo import DEFAULT_SEED
 from kvtool.errors import KvtoolError
-from kvtool.policy import PRESETS, CodecPolicy
+from kvtool.policy import CodecPolicy
+from kvtool.presets import PRESETS
 
 log = logging.getLogger("kvtool")
 
@@ -119,7 +120,7 @@ def fit_preset(loaded: Any, name: str, *, texts: dict[str, str | None] | None = 
                on_run: Callable[[dict[str, Any]], None] | None = None) -> Fit:
     """Measure ``name``'s menu on ``loaded`` and choose the least mean KL within the budget."""
     from kvtool.evaluate_grid import load_baselines, sweep
-    from kvtool.models import kv_layout
+    from kvtool.identity import kv_layout
 
     budget, start = BUDGETS.get(name), time.perf_counter()
     policies = menu_policies(name)

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtool.codecs import entropy, get_codec, list_codecs
 from kvtool.kernels import cpu_kernels, warm_up
-from kvtool.policy import PRESETS, preset_policy
+from kvtool.presets import PRESETS, preset_policy
 
 if cpu_kernels() is not None:
     codecs = [get_codec(codec_id) for codec_id in list_codecs()]

@@ -176,6 +176,6 @@ def runner():
 @pytest.fixture(autouse=True)
 def _fresh_cast_notes(monkeypatch):
     """The dtype-cast note is logged once per process; each test sees its own first time."""
-    import kvtool.models
+    import kvtool.identity
 
-    monkeypatch.setattr(kvtool.models, "_NOTED", set())
+    monkeypatch.setattr(kvtool.identity, "_NOTED", set())

@@ -298,7 +298,7 @@ def decoded(path: str) -> tuple[Any, ...]:
 
 def model_identity(layers: int, heads: int, dim: int) -> dict[str, Any]:
     """A model identity as kvtool.models writes it: layout fields and their fingerprint."""
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     layout = {"architecture": "llama", "num_layers": layers, "num_kv_heads": heads,
               "head_dim": dim, "rope": {"rope_theta": 10000.0}, "dtype": "float16"}

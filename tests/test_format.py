@@ -545,7 +545,7 @@ def test_windows_and_identities_no_model_has_are_neither_written_nor_read(tmp_pa
     """A layer's sliding window must be the model's (its layout names it, and each layer's
     type where they differ), and a fingerprint must be its layout's: the writer refuses what
     the reader would, and a header edited to declare a window the model lacks is refused."""
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     def model(window, types=None):
         layout = {"architecture": "llama", "num_layers": 3, "num_kv_heads": 2, "head_dim": 32,

@@ -64,8 +64,8 @@ def test_quality_preset_keeps_the_next_token_distribution(gemma, baseline):
 def test_quality_means_the_shipped_fit_here_and_it_beats_the_fixed_preset(gemma, baseline):
     """kvtool ships Gemma's ``quality`` fit, keyed by this model's fingerprint: ``--preset
     quality`` resolves to it with no calibration step, and it loses less than the fixed one."""
-    from kvtool.policy import PRESETS, preset_policy
     from kvtool.preset_fit import MENUS
+    from kvtool.presets import PRESETS, preset_policy
 
     fitted = preset_policy("quality", gemma.fingerprints["model"])
     assert fitted == CodecPolicy.from_label(MENUS["quality"][1])

@@ -102,7 +102,7 @@ def test_foreign_model_is_refused(loaded, doc_cache):
 
 
 def test_layout_mismatch_names_the_field(loaded, doc_cache):
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     layout = {**doc_cache.model["layout"], "num_kv_heads": 9}
     other = dataclasses.replace(doc_cache, model={**doc_cache.model, "layout": layout,
@@ -230,7 +230,7 @@ def test_cli_capture_then_generate(tmp_path, loaded):
 
 def test_cli_refuses_a_foreign_cache(tmp_path, doc_cache):
     from kvtool.formats import save
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     # another model of the same KV shapes; files must carry the fingerprint of their layout
     layout = {**doc_cache.model["layout"], "architecture": "another-llama"}

@@ -17,11 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvtool import models  # noqa: E402
+from kvtool import identity  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.errors import ModelMismatchError  # noqa: E402
 from kvtool.formats import load, open_kvz, save  # noqa: E402
-from kvtool.models import (  # noqa: E402
+from kvtool.identity import (  # noqa: E402
     canonical_sha256,
     cast_note,
     identity_key,
@@ -54,7 +54,7 @@ def pre_split(model: dict, dtype: str) -> dict:
 @pytest.fixture(autouse=True)
 def fresh_notes(monkeypatch):
     """Cast notes are logged once per process and dtype pair: each test starts afresh."""
-    monkeypatch.setattr(models, "_NOTED", set())
+    monkeypatch.setattr(identity, "_NOTED", set())
 
 
 # -- the identity itself ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from kvz_util import synthetic_cache
 from kvtool.codecs.abc import Encoded
 from kvtool.errors import FormatError
 from kvtool.formats import load, open_kvz, reader, save
-from kvtool.policy import preset_policy
+from kvtool.presets import preset_policy
 
 torch = pytest.importorskip("torch")
 

@@ -32,7 +32,7 @@ from kvtool.engines import mlx as E  # noqa: E402
 from kvtool.engines.mlx_cache import KvtoolMLXCache, make_kvtool_cache  # noqa: E402
 from kvtool.errors import FormatError, ModelMismatchError, PrefixMismatchError  # noqa: E402
 from kvtool.formats import load, save  # noqa: E402
-from kvtool.models import canonical_sha256  # noqa: E402
+from kvtool.identity import canonical_sha256  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
 DOC = ("The lighthouse keeper of Skerry Point kept a logbook for forty years. When he retired, "

@@ -71,7 +71,8 @@ def test_per_layer_codecs_win_over_protect_and_base():
 
 
 def test_per_layer_round_trips_json_label_and_file(tmp_path):
-    from kvtool.policy import load_policy, preset_policy, save_policy
+    from kvtool.policy import load_policy, save_policy
+    from kvtool.presets import preset_policy
 
     policy = CodecPolicy.from_json(LAYERED)
     assert CodecPolicy.from_json(policy.to_json()) == policy
@@ -158,7 +159,7 @@ def test_preset_outliers_scale_with_head_dim():
     """The presets' outlier counts are per 64 channels (``outliers_per=64``): the same share,
     so about the same bits, at every head_dim; absolute counts stay absolute."""
     from kvtool.codecs.turbomix import TurboMixCodec
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     balanced, small = preset_policy("balanced"), preset_policy("small")
     assert [balanced.key._split(d)[0] for d in (16, 64, 128, 256)] == [4, 16, 32, 64]

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from kvtool import preset_fit  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.formats import open_kvz  # noqa: E402
-from kvtool.policy import PRESETS, CodecPolicy, preset_policy  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
 from kvtool.preset_fit import (  # noqa: E402
     BUDGETS,
     MENUS,
@@ -25,6 +25,7 @@ from kvtool.preset_fit import (  # noqa: E402
     fitted_label,
     save_fit,
 )
+from kvtool.presets import PRESETS, preset_policy  # noqa: E402
 
 PROMPT = "The lighthouse keeper wrote down every ship that passed the rocks that night."
 

@@ -15,7 +15,8 @@ from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.errors import CodecError  # noqa: E402
 from kvtool.evaluate import next_token_kl, top_logp  # noqa: E402
 from kvtool.evaluate_grid import aggregate, seed_spread  # noqa: E402
-from kvtool.policy import PRESETS, CodecPolicy  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+from kvtool.presets import PRESETS  # noqa: E402
 from kvtool.sinks import detect_sinks  # noqa: E402
 
 

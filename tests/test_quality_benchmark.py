@@ -20,7 +20,8 @@ sys.path.insert(0, str(BENCH))
 import quality  # noqa: E402  (benchmarks/quality.py)
 
 from kvtool.evaluate_grid import Sweep, aggregate  # noqa: E402
-from kvtool.policy import PRESETS, CodecPolicy  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+from kvtool.presets import PRESETS  # noqa: E402
 
 BALANCED = CodecPolicy.from_label(PRESETS["balanced"][0]).describe()
 PEER = "peer: ManthanQuant scheme (norm, Lloyd–Max, no rotation)"

@@ -68,7 +68,7 @@ def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loa
 
     from kvtool.engines.hf import capture
     from kvtool.formats import save
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     cache = capture(loaded.model, loaded.tokenizer, "A pinned system prompt.",
                     model_info=loaded.info)
@@ -369,7 +369,7 @@ def test_store_stats_count_both_servers(runner, server_b):
 def test_connector_options_are_checked_and_presets_honoured():
     from kvtool.engines.vllm.common import DEFAULT_PRESET, check_extra, policy_from_extra
     from kvtool.errors import CodecError, KvtoolError
-    from kvtool.policy import preset_policy
+    from kvtool.presets import preset_policy
 
     assert policy_from_extra({}) == preset_policy(DEFAULT_PRESET)
     assert policy_from_extra({"preset": "balanced"}) == preset_policy("balanced")

@@ -134,7 +134,7 @@ torch.set_num_threads(1)                      # what vLLM's CPU worker does on a
 gomp = ctypes.CDLL("libgomp.so.1")            # the one torch (and vLLM's kernels) use
 from kvtool.engines.vllm.common import policy_from_extra
 from kvtool.kernels import cpu_kernels
-from kvtool.policy import preset_policy, PRESETS
+from kvtool.presets import PRESETS, preset_policy
 assert cpu_kernels() is not None, "compiled kernels inactive"
 x = torch.randn(1, 3, 300, 64)
 seen = []

@@ -12,7 +12,7 @@ import pytest
 
 from kvtool.codecs import get_codec
 from kvtool.errors import CodecError
-from kvtool.policy import preset_policy
+from kvtool.presets import preset_policy
 
 pytest.importorskip("numba")
 

@@ -27,7 +27,8 @@ from triton_attention_cases import _agree, _inputs, _model, _run, close, referen
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.kernels import triton_attention_parts as tap  # noqa: E402
 from kvtool.kernels import triton_cuda  # noqa: E402
-from kvtool.policy import PRESETS, CodecPolicy, preset_policy  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+from kvtool.presets import PRESETS, preset_policy  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 BALANCED, SMALL = (tuple(s.split("=", 1)[1] for s in PRESETS[name][0].split()[:2])

@@ -345,7 +345,7 @@ def test_norm_codes_match_numpy(shape):
 # -- real CUDA, larger shapes -------------------------------------------------------------------
 def _preset_codecs() -> list[tuple[str, dict]]:
     """(preset/role, codec config) of every lossy preset's key and value codec."""
-    from kvtool.policy import PRESETS, preset_policy
+    from kvtool.presets import PRESETS, preset_policy
 
     return [(f"{name}/{role}", getattr(preset_policy(name), role).get_config())
             for name in PRESETS if name != "lossless" for role in ("key", "value")]

@@ -59,11 +59,11 @@ def codecs_command(head_dim: int, show_options: bool, show_presets: bool, measur
 
 def _print_presets(head_dim: int, measure: bool, as_json: bool) -> None:
     """``kvtool codecs --presets``: bits, quality and speed of each preset."""
-    from kvtool.policy import presets_table
+    from kvtool.presets import presets_table
 
     rows = presets_table(head_dim)
     if measure:
-        from kvtool.policy import preset_policy
+        from kvtool.presets import preset_policy
 
         for r in rows:
             policy = preset_policy(r["name"])

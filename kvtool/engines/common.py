@@ -24,12 +24,12 @@ def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[s
     """What differs between the cache's model/tokenizer and ``loaded`` (an engine's model with
     ``info``, ``fingerprints`` and ``name``).
 
-    The model must be the same up to dtype (:func:`kvtool.models.same_model`): a cache computed
-    in another dtype is accepted, cast, with a logged note (:func:`kvtool.models.log_cast`).
+    The model must be the same up to dtype (:func:`kvtool.identity.same_model`): a cache computed
+    in another dtype is accepted, cast, with a logged note (:func:`kvtool.identity.log_cast`).
     Raises :class:`ModelMismatchError` naming the differences unless ``force``; returns them
     (empty when compatible) so a forced caller can warn.
     """
-    from kvtool.models import identity_dtype, log_cast, same_model
+    from kvtool.identity import identity_dtype, log_cast, same_model
 
     problems = []
     want = cache.model or {}

@@ -7,7 +7,7 @@
   ``model.generate(input_ids=full_ids, past_key_values=cache)`` continues from.
 * :func:`check_compatible` refuses a cache from another model or tokenizer; a cache computed in
   another dtype of the same model is accepted, cast, with a logged note
-  (:func:`kvtool.models.log_cast`).
+  (:func:`kvtool.identity.log_cast`).
 * :func:`continue_generation` / :func:`recompute_generation` generate greedily from a restored
   cache or from scratch, timing restore and time to first token.
 
@@ -42,7 +42,7 @@ from kvtool.kernels import to_torch
 
 # -- capture ----------------------------------------------------------------------------------
 def _identity(model: Any, tokenizer: Any, model_info: dict | None) -> tuple[dict, str | None]:
-    from kvtool.models import model_identity, tokenizer_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint
 
     info = model_info or model_identity(model.config, dtype=_dtype_name(model.dtype),
                                         architecture=type(model).__name__)
@@ -109,7 +109,7 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
 
     want = None
     if model is not None:
-        from kvtool.models import kv_layout
+        from kvtool.identity import kv_layout
 
         layout = kv_layout(model.config)
         want = (layout["num_kv_heads"], layout["head_dim"])

@@ -2,7 +2,7 @@
 
 * :func:`load_mlx` loads ``default`` (the converted SmolLM2 directory) or a local HF model
   directory with ``mlx_lm.load`` and casts it to ``dtype``. Its identity is
-  :func:`kvtool.models.model_identity` of the directory's HF config with that dtype, and the
+  :func:`kvtool.identity.model_identity` of the directory's HF config with that dtype, and the
   tokenizer fingerprint of the same HF tokenizer, so a .kvz captured by the HF or vLLM engine
   for the same model (in any dtype: cast, with a logged note) is accepted here, and one
   captured here is accepted there.
@@ -67,7 +67,8 @@ class MLXModel:
 def load_mlx(model_name: str = "default", dtype: str | None = "auto") -> MLXModel:
     """Load ``default`` or a local HF model directory with mlx-lm, weights cast to ``dtype``
     (``"auto"``/None: the model's own, :func:`kvtool.models.native_dtype`)."""
-    from kvtool.models import model_identity, resolve_dtype, resolve_model, tokenizer_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint
+    from kvtool.models import resolve_dtype, resolve_model
 
     name, location = resolve_model(model_name)
     dtype = resolve_dtype(dtype, location)
@@ -351,7 +352,7 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
         raise FormatError(f"{path}: {e}") from None
     model = cache.model or {}
     if isinstance(model.get("layout"), dict) and "fingerprint" in model:
-        from kvtool.models import canonical_sha256
+        from kvtool.identity import canonical_sha256
 
         if canonical_sha256(model["layout"]) != model["fingerprint"]:
             raise FormatError(f"{path}: its model fingerprint does not match its layout")

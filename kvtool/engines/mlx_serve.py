@@ -175,7 +175,7 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
 
     from kvtool.engines.mlx import MX_DTYPES, rope_config
     from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, make_kvtool_cache
-    from kvtool.models import model_identity
+    from kvtool.identity import model_identity
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     identity = dict(model_identity(config, dtype=dtype), path=model_path, dtype=dtype)

@@ -121,7 +121,7 @@ def _check_one_policy(header: dict[str, Any], key: str,
 def check_identity(header: dict[str, Any]) -> None:
     """The layers' shapes agree with the KV layout the model identity declares (when it does):
     a writer stores the arrays of the model it names."""
-    from kvtool.models import canonical_sha256
+    from kvtool.identity import canonical_sha256
 
     model = header[C.H_MODEL]
     layout = model.get("layout")
@@ -145,7 +145,7 @@ def check_identity(header: dict[str, Any]) -> None:
 
 def _check_windows(layout: dict[str, Any], info: list[Any]) -> None:
     """Sliding windows the layers declare are the model's (a layout written by
-    :func:`kvtool.models.kv_layout` names its window and, where they differ, each layer's
+    :func:`kvtool.identity.kv_layout` names its window and, where they differ, each layer's
     type): a window it does not have would trim what every engine restores in full."""
     window, types = layout.get("sliding_window", ...), layout.get("layer_types", ...)
     for i, entry in enumerate(info):

@@ -292,7 +292,7 @@ def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
     same model is served, cast (:func:`check_cache` notes it)."""
     from kvtool.errors import KvtoolError
     from kvtool.formats import open_kvz
-    from kvtool.models import identity_key
+    from kvtool.identity import identity_key
 
     try:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
@@ -337,7 +337,7 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
 def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
     """Raise ValueError unless a loaded cache is this model's (up to dtype: another dtype is
     cast, logged once per process) and holds ``tokens`` tokens."""
-    from kvtool.models import identity_dtype, log_cast, same_model
+    from kvtool.identity import identity_dtype, log_cast, same_model
 
     if not same_model(cache.model, model):
         raise ValueError("the file belongs to another model")
@@ -352,7 +352,8 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     """The model identity kvtool's HF engine would write for the model vLLM runs."""
     from pathlib import Path
 
-    from kvtool.models import DEFAULT_MODEL_NAME, model_identity
+    from kvtool.identity import model_identity
+    from kvtool.models import DEFAULT_MODEL_NAME
 
     mc = vllm_config.model_config
     path = Path(str(mc.model))
@@ -369,7 +370,7 @@ def tokenizer_fingerprint_of(vllm_config: Any) -> str:
     try:
         from transformers import AutoTokenizer
 
-        from kvtool.models import tokenizer_fingerprint
+        from kvtool.identity import tokenizer_fingerprint
 
         mc = vllm_config.model_config
         tok = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model, local_files_only=True)

@@ -56,7 +56,7 @@ def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
     from kvtool.engines.vllm.common import unservable
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
-    from kvtool.models import cast_note, identity_key
+    from kvtool.identity import cast_note, identity_key
 
     real = Path(path).resolve()
     if not real.exists():
@@ -144,7 +144,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     """The server's command line and summary (nothing is started)."""
     from transformers import AutoConfig
 
-    from kvtool.models import model_identity, resolve_model
+    from kvtool.identity import model_identity
+    from kvtool.models import resolve_model
 
     refuse_own(engine_args)
     if store is not None and not store.strip():
@@ -197,7 +198,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     if pins:  # hashed once for every pin
         from transformers import AutoTokenizer
 
-        from kvtool.models import tokenizer_fingerprint
+        from kvtool.identity import tokenizer_fingerprint
 
         tok = AutoTokenizer.from_pretrained(location, local_files_only=True)
         tokenizer = (tokenizer_fingerprint(tok), len(tok))

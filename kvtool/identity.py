@@ -1,0 +1,174 @@
+"""A model's identity in a cache: what must match for a KV cache to fit a model, and what
+converts.
+
+Fingerprints: :func:`model_fingerprint` hashes the config fields that must match for a cache to
+fit a model (architecture, layers, KV heads, head_dim, RoPE, sliding-window layer types) but not
+the dtype, which converts: a cache captured in float32 restores into a bfloat16 engine with a
+cast (:func:`cast_note`). :func:`tokenizer_fingerprint` hashes the vocab, merges and special
+tokens. :func:`model_identity` is the JSON-safe dict stored as ``KVCache.model``; files written
+before the split carry ``dtype`` inside ``layout`` and a fingerprint over it, which
+:func:`identity_key` and :func:`portable_identity` see through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+# -- fingerprints -----------------------------------------------------------------------------
+def canonical_sha256(data: Any) -> str:
+    """sha256 of ``data`` as canonical JSON (sorted keys, no spaces, ASCII): the fingerprint."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kv_layout(config: Any) -> dict[str, Any]:
+    """The config fields that must match for a KV cache to fit a model, JSON-safe (the input of
+    the fingerprint). The dtype is not one of them: it converts (see :func:`cast_note`)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if rope is None and getattr(text, "rope_theta", None) is not None:
+        rope = {"rope_theta": text.rope_theta}
+    layer_types = getattr(text, "layer_types", None)
+    sliding = getattr(text, "sliding_window", None)
+    uniform = not layer_types or all(t == "full_attention" for t in layer_types)
+    return json.loads(json.dumps({
+        "architecture": getattr(config, "model_type", None),  # the family (llama, gemma3, ...)
+        "num_layers": text.num_hidden_layers,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "rope": rope,
+        "partial_rotary_factor": getattr(text, "partial_rotary_factor", None),
+        "sliding_window": sliding if layer_types is None or not uniform else None,
+        "layer_types": None if uniform else list(layer_types),
+        "num_kv_shared_layers": getattr(text, "num_kv_shared_layers", None),
+    }, default=str))
+
+
+def model_fingerprint(config: Any) -> str:
+    """sha256 of :func:`kv_layout` (canonical JSON): equal for every dtype of one model."""
+    return canonical_sha256(kv_layout(config))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the tokenizer's vocab, merges and added/special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        model = state.get("model", {})
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        vocab = model.get("vocab") or {}
+        added = [{"id": t["id"], "content": t["content"], "special": t.get("special", False)}
+                 for t in state.get("added_tokens") or []]
+        head = {"type": model.get("type"), "added": added}
+    else:  # a slow tokenizer: what it exposes
+        vocab, merges, head = tokenizer.get_vocab(), [], {"type": type(tokenizer).__name__}
+    if isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        vocab = {str(piece[0]): i for i, piece in enumerate(vocab)}
+    head["special"] = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    h = hashlib.sha256(b"kvtool-tokenizer-1\n")
+    h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+    # length-prefixed records: unambiguous and much faster than canonical JSON of 50k entries
+    h.update("".join(f"{i}:{len(t)}:{t}" for t, i in sorted(vocab.items(), key=lambda x: x[1]))
+             .encode("utf-8", "surrogatepass"))
+    h.update(b"\x00merges\x00")
+    h.update("".join(f"{len(m)}:{m}" for m in merges).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def model_identity(config: Any, name: str | None = None, dtype: str | None = None,
+                   architecture: str | None = None) -> dict:
+    """The JSON-safe identity stored as ``KVCache.model`` (and in the .kvz header).
+
+    ``fingerprint`` hashes ``layout`` (what must match); ``dtype`` (the engine's, else the
+    config's) says what the K/V were computed in, and converts."""
+    layout = kv_layout(config)
+    archs = getattr(config, "architectures", None) or [layout["architecture"]]
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if dtype is None:
+        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    return {
+        "name": name or getattr(config, "_name_or_path", None) or layout["architecture"],
+        "architecture": architecture or archs[0],
+        "fingerprint": canonical_sha256(layout),
+        "num_layers": layout["num_layers"],
+        "num_kv_heads": layout["num_kv_heads"],
+        "num_attention_heads": getattr(text, "num_attention_heads", None),
+        "head_dim": layout["head_dim"],
+        "dtype": dtype,
+        "layout": layout,
+    }
+
+
+# -- portable identity: what must match vs what converts --------------------------------------
+def identity_key(model: dict[str, Any] | None) -> str | None:
+    """The dtype-free fingerprint of a model identity dict (``KVCache.model``, a .kvz header's
+    ``model``): its ``fingerprint``, except for an identity written before the split (``dtype``
+    inside ``layout``, hashed into the fingerprint): then sha256 of that layout without
+    ``dtype``, which equals today's fingerprint of the same model."""
+    model = model or {}
+    layout = model.get("layout")
+    if isinstance(layout, dict) and "dtype" in layout:
+        return canonical_sha256({k: v for k, v in layout.items() if k != "dtype"})
+    fp = model.get("fingerprint")
+    return str(fp) if fp is not None else None
+
+
+def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two identities name the same model up to dtype (:func:`identity_key`)."""
+    key = identity_key(a)
+    return key is not None and key == identity_key(b)
+
+
+def identity_dtype(model: dict[str, Any] | None) -> str | None:
+    """The dtype an identity says its K/V were computed in (None when it does not say)."""
+    model = model or {}
+    layout = model.get("layout") if isinstance(model.get("layout"), dict) else {}
+    from kvtool.formats.constants import FLOAT_DTYPES
+
+    dtype = model.get("dtype") or layout.get("dtype")
+    return dtype if dtype in FLOAT_DTYPES else None  # a crafted {"x": 1} or "int8" says nothing
+
+
+def portable_identity(model: dict[str, Any]) -> dict[str, Any]:
+    """``model`` in today's form: a pre-split identity (``dtype`` inside ``layout``) gets a
+    dtype-free ``layout`` and ``fingerprint``, its dtype kept as ``dtype``; others unchanged."""
+    layout = model.get("layout")
+    if not isinstance(layout, dict) or "dtype" not in layout:
+        return dict(model)
+    clean = {k: v for k, v in layout.items() if k != "dtype"}
+    return {**model, "layout": clean, "fingerprint": canonical_sha256(clean),
+            "dtype": identity_dtype(model)}
+
+
+def cast_note(model: dict[str, Any] | None, dtype: str) -> str | None:
+    """A one-line note when K/V computed in the identity's dtype go into an engine running
+    ``dtype`` (they are cast), else None."""
+    theirs = identity_dtype(model)
+    if not theirs or not dtype or theirs == dtype:
+        return None
+    how = "widened exactly" if dtype == "float32" else f"rounded to {dtype}"
+    return (f"the cache was computed in {theirs} and the model runs {dtype}: its K/V are cast "
+            f"({how}); continuations may differ slightly from a {dtype} recompute")
+
+
+_NOTED: set[tuple[str, str]] = set()
+
+
+def log_cast(model: dict[str, Any] | None, dtype: str, logger: Any = None) -> str | None:
+    """Log :func:`cast_note` as a warning, once per process per (from, to) dtype pair; the
+    note (also when already logged), or None when no cast happens."""
+    import logging
+
+    note = cast_note(model, dtype)
+    if note is None:
+        return None
+    pair = (str(identity_dtype(model)), dtype)
+    if pair not in _NOTED:
+        _NOTED.add(pair)
+        (logger or logging.getLogger("kvtool")).warning("kvtool: %s", note)
+    return note

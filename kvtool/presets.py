@@ -1,0 +1,83 @@
+"""The named presets (``lossless``, ``quality``, ``balanced``, ``small``): the policy label each
+names, what was measured for it (quality and CPU speed), and :func:`preset_policy`, which turns
+a preset name (fitted to a model where ``kvtool calibrate --preset`` fitted it:
+:mod:`kvtool.preset_fit`) or a policy JSON file into a :class:`~kvtool.policy.CodecPolicy`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtool.errors import CodecError
+from kvtool.policy import CodecPolicy, load_policy
+
+#: name → (policy label, what was measured): ``python benchmarks/quality.py``, SmolLM2-135M
+#: float32, mean over 3 rotation seeds × the 2 bundled texts (2048 tokens, chunks of 256),
+#: bits/element of the whole cache (4 exact sinks included). Keys get the bits; ``candidates=4``
+#: (the best of 4 rotations per head and block, by reconstruction error) and ``trellis=true``
+#: (trellis-coded quantisation) are the methods that won. Outlier counts are per 64 channels
+#: (``outliers_per=64``): the same share of channels, so about the same bits, at every head_dim.
+PRESETS: dict[str, tuple[str, str]] = {
+    "lossless": ("raw", "exact"),
+    "quality": ("k=turbomix:bits=4,center=true,candidates=4 v=turbomix:candidates=4 sink=4",
+                "3.78 b: KL 0.0026, Δppl +0.10% (seed spread 0.22)"),
+    "balanced": ("k=turbomix:outliers=16,outliers_per=64,center=true,candidates=4,trellis=true,"
+                 "norm_bits=8 v=turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,"
+                 "candidates=4,trellis=true,norm_bits=8 sink=4",
+                 "3.28 b: KL 0.0031, Δppl +0.30% (seed spread 0.49)"),
+    "small": ("k=turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,"
+              "candidates=4,trellis=true v=turbomix:bits=2,candidates=4,trellis=true sink=4",
+              "2.53 b: KL 0.0123, Δppl +1.01% (seed spread 0.72)"),
+}
+
+
+#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
+#: ``benchmarks/codecs.py --vectors 262144 --codecs NAME/k,NAME/v --backends numpy+numba``
+#: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels; before
+#: ``outliers_per``, with 16 and 48 outlier channels); ``kvtool codecs --presets --measure``
+#: measures this machine
+PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
+    "quality": {"encode": (389, 442), "decode": (1886, 1882)},
+    "balanced": {"encode": (76, 79), "decode": (822, 648)},
+    "small": {"encode": (79, 85), "decode": (773, 1379)},
+}
+
+
+def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolicy:
+    """The policy a preset names, or the one in a policy JSON file (a path ending ``.json``
+    or naming an existing file). The presets' outlier counts are per 64 channels
+    (``outliers_per=64``), so they keep their share at every head_dim; with
+    ``model_fingerprint``, a preset fitted to that model (``kvtool calibrate --preset``) is
+    its fitted policy."""
+    if name in PRESETS:
+        if model_fingerprint:
+            from kvtool.preset_fit import fitted_label
+
+            label = fitted_label(name, model_fingerprint)
+            if label is not None:
+                return CodecPolicy.from_label(label)
+        return CodecPolicy.from_label(PRESETS[name][0])
+    if str(name).endswith(".json") or os.path.isfile(name):
+        return load_policy(name)
+    if os.path.exists(name):  # a FIFO, a device: never read (/dev/zero has no end)
+        raise CodecError(f"policy file {name}: not a regular file")
+    raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "
+                     "a policy JSON file (kvtool calibrate writes one)")
+
+
+
+
+def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
+    """Every preset: its label, encoded bits/element at ``head_dim`` (mean of keys and values,
+    sinks excluded) and what was measured for it."""
+    rows = []
+    for name, (label, measured) in PRESETS.items():
+        policy = preset_policy(name)
+        bits = (policy.key.bits_per_element(head_dim) + policy.value.bits_per_element(head_dim))
+        speed = PRESET_SPEEDS.get(name, {})
+        rows.append({"name": name, "label": label, "bits_per_element": round(bits / 2, 4),
+                     "measured": measured,
+                     **{f"{op}_mbps": dict(zip(("key", "value"), mbps, strict=True))
+                        for op, mbps in speed.items()}})
+    return rows
