@@ -16,31 +16,34 @@ from kvtool.policy import CodecPolicy, load_policy
 #: float32, mean over 3 rotation seeds × the 2 bundled texts (2048 tokens, chunks of 256),
 #: bits/element of the whole cache (4 exact sinks included). Keys get the bits; ``candidates=4``
 #: (the best of 4 rotations per head and block, by reconstruction error) and ``trellis=true``
-#: (trellis-coded quantisation) are the methods that won. Outlier counts are per 64 channels
+#: (trellis-coded quantisation) are the methods that won. ``balanced`` keeps one rotation: with
+#: the trellis, four cost 4x the encode for ~4% less KL on both bundled models (``small``, at 2
+#: bits, loses 12% without them and keeps them). Outlier counts are per 64 channels
 #: (``outliers_per=64``): the same share of channels, so about the same bits, at every head_dim.
 PRESETS: dict[str, tuple[str, str]] = {
     "lossless": ("raw", "exact"),
     "quality": ("k=turbomix:bits=4,center=true,candidates=4 v=turbomix:candidates=4 sink=4",
                 "3.78 b: KL 0.0026, Δppl +0.10% (seed spread 0.22)"),
-    "balanced": ("k=turbomix:outliers=16,outliers_per=64,center=true,candidates=4,trellis=true,"
-                 "norm_bits=8 v=turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,"
-                 "candidates=4,trellis=true,norm_bits=8 sink=4",
-                 "3.28 b: KL 0.0031, Δppl +0.30% (seed spread 0.49)"),
+    "balanced": ("k=turbomix:outliers=16,outliers_per=64,center=true,trellis=true,norm_bits=8 "
+                 "v=turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,trellis=true,"
+                 "norm_bits=8 sink=4",
+                 "3.28 b: KL 0.0031, Δppl +0.35% (seed spread 0.27)"),
     "small": ("k=turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,"
               "candidates=4,trellis=true v=turbomix:bits=2,candidates=4,trellis=true sink=4",
               "2.53 b: KL 0.0123, Δppl +1.01% (seed spread 0.72)"),
 }
 
 
-#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
-#: ``benchmarks/codecs.py --vectors 262144 --codecs NAME/k,NAME/v --backends numpy+numba``
-#: (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels; before
-#: ``outliers_per``, with 16 and 48 outlier channels); ``kvtool codecs --presets --measure``
+#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured in one
+#: run with ``benchmarks/codecs.py --vectors 262144 --repeats 3 --codecs NAME/k,NAME/v,...
+#: --backends numpy+numba`` (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels;
+#: 2026-11-28, when its memory copy ran at 10-11 GB/s: earlier runs there, at 22.6 GB/s, gave
+#: ``quality`` 389/442 and ``small`` 79/85 to encode); ``kvtool codecs --presets --measure``
 #: measures this machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
-    "quality": {"encode": (389, 442), "decode": (1886, 1882)},
-    "balanced": {"encode": (76, 79), "decode": (822, 648)},
-    "small": {"encode": (79, 85), "decode": (773, 1379)},
+    "quality": {"encode": (223, 299), "decode": (1135, 1290)},
+    "balanced": {"encode": (203, 204), "decode": (584, 599)},
+    "small": {"encode": (57, 59), "decode": (628, 761)},
 }
 
 

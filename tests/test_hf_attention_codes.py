@@ -26,8 +26,8 @@ GROUPS = 3  # query heads per KV head (GQA)
 KV_HEADS = 2
 PREFIX = 100  # 4 sinks, 80 encoded (block 8), 16 in the window
 QUALITY = "turbomix:bits=4,center=true,candidates=4/turbomix:candidates=4"  # the preset's
-BALANCED = ("turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8/"  # preset's
-            "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8")
+BALANCED = ("turbomix:outliers=16,center=true,trellis=true,norm_bits=8/"  # the preset's
+            "turbomix:bits=2,outliers=48,outlier_bits=3,trellis=true,norm_bits=8")
 SMALL = ("turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true/"
          "turbomix:bits=2,candidates=4,trellis=true")
 #: read by numba_attention_parts: pair codes, outliers at 8 bits, centered values, mixed kernels

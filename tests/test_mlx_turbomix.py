@@ -39,8 +39,8 @@ MATRIX = [
 PRESET_CODECS = [
     "turbomix:bits=4,center=true,candidates=4",  # quality
     "turbomix:candidates=4",
-    "turbomix:outliers=16,center=true,candidates=4,trellis=true,norm_bits=8",  # balanced
-    "turbomix:bits=2,outliers=48,outlier_bits=3,candidates=4,trellis=true,norm_bits=8",
+    "turbomix:outliers=16,center=true,trellis=true,norm_bits=8",  # balanced
+    "turbomix:bits=2,outliers=48,outlier_bits=3,trellis=true,norm_bits=8",
     "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true",  # small
     "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",  # 8-bit outliers
 ]

@@ -19,10 +19,8 @@ pytest.importorskip("numba")
 OPTIONS = [
     "turbomix:bits=4,center=true,candidates=4",  # quality's key codec
     "turbomix:candidates=4",  # quality's value codec
-    "turbomix:outliers=16,outliers_per=64,center=true,candidates=4,trellis=true,"  # balanced
-    "norm_bits=8",
-    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,candidates=4,trellis=true,"
-    "norm_bits=8",
+    "turbomix:outliers=16,outliers_per=64,center=true,trellis=true,norm_bits=8",  # balanced
+    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,trellis=true,norm_bits=8",
     "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,candidates=4,"
     "trellis=true",  # small
     "turbomix:bits=2,candidates=4,trellis=true",
