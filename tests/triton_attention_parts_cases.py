@@ -33,6 +33,8 @@ from kvtool.presets import PRESETS, preset_policy  # noqa: E402
 DEVICE = "cuda" if CUDA else "cpu"
 BALANCED, SMALL = (tuple(s.split("=", 1)[1] for s in PRESETS[name][0].split()[:2])
                    for name in ("balanced", "small"))
+#: ``balanced``'s codecs with four candidate rotations (the preset keeps one)
+CANDIDATES = tuple(spec.replace("trellis=true", "candidates=4,trellis=true") for spec in BALANCED)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +94,7 @@ def test_several_candidates_are_really_in_use_and_read():
     """Blocks of the same row under different rotations: a kernel that read candidate 0 for
     every block would be off by far more than the tolerance."""
     q, k, v, _, _ = _inputs(1, 2, 2, 1, 96, 64, seed=3)
-    kr, vr = Role(BALANCED[0], k, 16), Role(BALANCED[1], v, 16)
+    kr, vr = Role(CANDIDATES[0], k, 16), Role(CANDIDATES[1], v, 16)
     assert len(set(kr.tensors.choice.flatten().tolist())) > 1
     out = tap.attend(q, kr.tensors, vr.tensors, scale=0.25)
     want = reference(q, kr.decoded, vr.decoded, None, None, 0.25)
