@@ -69,8 +69,6 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
                      "a policy JSON file (kvtool calibrate writes one)")
 
 
-
-
 def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
     """Every preset: its label, encoded bits/element at ``head_dim`` (mean of keys and values,
     sinks excluded) and what was measured for it."""
