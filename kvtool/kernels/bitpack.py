@@ -65,6 +65,15 @@ def compiled(x: Any, op: str, bits: int) -> Any:
         else None
 
 
+def run(xp: ModuleType, op: str, x: Any, bits: int, *rest: Any) -> Any:
+    """``op`` ("pack_bits", "unpack_bits", "unpack_lookup") on ``x``: the compiled CPU kernel
+    where :func:`compiled` picks one, else this module's array-op plan on backend ``xp``."""
+    fused = compiled(x, op, bits)
+    if fused is not None:
+        return fused(x, bits, *rest)
+    return globals()[op](xp, x, bits, *rest)
+
+
 def _shift(a: Any, shift: int) -> Any:
     return a << shift if shift > 0 else a >> -shift if shift < 0 else a
 

@@ -112,6 +112,25 @@ def _dot(a, b):
     return s
 
 
+@numba.njit(inline="always")
+def _softmax_step(s, m, ls, r, n):
+    """One block of the online softmax for query row ``r``: raise its running max ``m[r]``
+    over the scores ``s[r, :n]``, turn them into their weights in place and add those to
+    ``ls[r]``; returns the factor by which the row's earlier sums must be scaled."""
+    top = m[r]
+    for t in range(n):
+        top = max(top, s[r, t])
+    alpha = _exp(m[r] - top)
+    m[r] = top
+    total = ls[r] * alpha
+    for t in range(n):
+        p = _exp(s[r, t] - top)
+        s[r, t] = p
+        total += p
+    ls[r] = total
+    return alpha
+
+
 @numba.njit(fastmath=_FAST, nogil=True)
 def merge_exact(bh, q, pm, pl, pacc, v_r, ke, ve, bias, causal, scale, splits, hkv, groups,
                 out):
@@ -245,17 +264,7 @@ def _attend_impl(q, kc, kn, kbits, ktab, k_rt, krot, kmean, vc, vn, vbits, vtab,
                 for r in range(rows):
                     s[r, t] = norm * _dot(rk[r], kt) + qm[r]
             for r in range(rows):
-                top = m[r]
-                for t in range(n):
-                    top = max(top, s[r, t])
-                alpha = _exp(m[r] - top)
-                m[r] = top
-                total = ls[r] * alpha
-                for t in range(n):
-                    p = _exp(s[r, t] - top)
-                    s[r, t] = p
-                    total += p
-                ls[r] = total
+                alpha = _softmax_step(s, m, ls, r, n)
                 if alpha != 1.0:
                     for c in range(nv):
                         for d in range(dim):

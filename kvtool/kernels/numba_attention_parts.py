@@ -30,7 +30,7 @@ from kvtool.kernels.numba_attention import (
     MIN_TOKENS_PER_TASK,
     TILE,
     _dot,
-    _exp,
+    _softmax_step,
     merge_exact,
 )
 from kvtool.kernels.numba_support import jit
@@ -218,17 +218,7 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                         score += norm1 * _dot(q1[r], kb1[t])
                     s[r, t] = score
             for r in range(rows):
-                top = m[r]
-                for t in range(n):
-                    top = max(top, s[r, t])
-                alpha = _exp(m[r] - top)
-                m[r] = top
-                total = ls[r] * alpha
-                for t in range(n):
-                    p = _exp(s[r, t] - top)
-                    s[r, t] = p
-                    total += p
-                ls[r] = total
+                alpha = _softmax_step(s, m, ls, r, n)
                 if alpha != 1.0:
                     for d in range(dim):
                         o[r, d] *= alpha

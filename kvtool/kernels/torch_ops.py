@@ -232,19 +232,13 @@ def stack_last(parts):
 def pack_bits(codes, bits: int):
     from kvtool.kernels import bitpack
 
-    fused = bitpack.compiled(codes, "pack_bits", bits)
-    if fused is not None:
-        return fused(codes, bits)
-    return bitpack.pack_bits(sys.modules[__name__], codes, bits)
+    return bitpack.run(sys.modules[__name__], "pack_bits", codes, bits)
 
 
 def unpack_bits(packed, bits: int, n: int):
     from kvtool.kernels import bitpack
 
-    fused = bitpack.compiled(packed, "unpack_bits", bits)
-    if fused is not None:
-        return fused(packed, bits, n)
-    return bitpack.unpack_bits(sys.modules[__name__], packed, bits, n)
+    return bitpack.run(sys.modules[__name__], "unpack_bits", packed, bits, n)
 
 
 def unpack_lookup(packed, bits: int, n: int, values: np.ndarray):
