@@ -58,6 +58,7 @@ class Clock:
                  cold_l2: bool = False):
         self.torch, self.cuda = torch, device == "cuda"
         self.repeats, self.warmup = max(1, repeats), warmup
+        self.last: Any = None  # what the last call timed by median_ms returned
         self._flush = torch.empty(self.FLUSH_BYTES, dtype=torch.int8, device="cuda") \
             if self.cuda and cold_l2 else None
 
@@ -86,17 +87,22 @@ class Clock:
 
     def median_ms(self, fn: Callable[[], Any]) -> float:
         """Median milliseconds of ``fn`` over ``repeats`` calls after ``warmup`` calls (the
-        first calls also compile and autotune)."""
+        first calls also compile and autotune); :attr:`last` keeps the last call's result."""
         for _ in range(self.warmup):
             fn()
-        times = sorted(self.once(fn)[1] * 1e3 for _ in range(self.repeats))
-        return times[len(times) // 2]
+        times = []
+        for _ in range(self.repeats):
+            self.last, seconds = self.once(fn)
+            times.append(seconds * 1e3)
+        return sorted(times)[len(times) // 2]
 
 
     def host_us(self, fn: Callable[[], Any]) -> float:
         """CPU microseconds per call of ``fn`` issued back to back without waiting for the
-        device: what launching its work costs the host (on CUDA; all of it on the CPU)."""
-        fn()
+        device: what launching its work costs the host (on CUDA; all of it on the CPU). A
+        call first, as :meth:`median_ms` warms up (always on CUDA: it compiles and tunes)."""
+        for _ in range(max(self.warmup, 1) if self.cuda else self.warmup):
+            fn()
         self.sync()
         start = time.perf_counter()
         for _ in range(self.repeats):
