@@ -99,9 +99,9 @@ class Clock:
 
     def host_us(self, fn: Callable[[], Any]) -> float:
         """CPU microseconds per call of ``fn`` issued back to back without waiting for the
-        device: what launching its work costs the host (on CUDA; all of it on the CPU). A
-        call first, as :meth:`median_ms` warms up (always on CUDA: it compiles and tunes)."""
-        for _ in range(max(self.warmup, 1) if self.cuda else self.warmup):
+        device: what launching its work costs the host (on CUDA; all of it on the CPU). One call
+        first where the clock warms up, and always on CUDA (the first call compiles and tunes)."""
+        if self.cuda or self.warmup:
             fn()
         self.sync()
         start = time.perf_counter()
