@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", default="2,3,4", help="turbo bit widths")
     p.add_argument("--kernels", default="encode,decode", help="encode and/or decode")
     p.add_argument("--preset", choices=("quality", "balanced", "small"),
-                   help="instead: the turbomix kernels of this preset's parts (D=128)")
+                   help="instead: the turbomix kernels of this preset's parts (at --dims)")
     p.add_argument("--loops", action="store_true",
                    help="with --preset: each kernel's innermost loop bodies (warp-"
                         "instructions and global loads/stores), the trellis search's steps")
@@ -145,7 +145,7 @@ def configs(kernel, dim: int) -> list[tuple[int, int, int, int]]:
 
 def preset_main(args: argparse.Namespace) -> None:
     """The ``turbomix`` encode and decode kernels (:mod:`kvtool.kernels.triton_turbomix`) of
-    each part of a preset's key and value codecs at D=128 (bf16 in, fp16 out), per autotune
+    each part of a preset's key and value codecs at ``--dims`` (bf16 in, fp16 out), per autotune
     config its pruning keeps: warp-instructions per row (the static count of a program over its
     rows: the encode's loop over candidates counted once, so about one candidate's work with
     the part's gather and norm), and global loads and stores per program (likewise);
@@ -169,13 +169,14 @@ def preset_main(args: argparse.Namespace) -> None:
                        ch_stride="i32", mean_ptr="*fp32", r_ptr="*bf16", cent_ptr="*fp32",
                        pts_ptr="*fp32", slv_ptr="*fp32", out_ptr="*fp16", tokens="i32",
                        tok_class="i32")}
-    policy, dim = preset_policy(args.preset), 128
-    print(f"sm_{args.arch}: {args.preset}'s turbomix kernels at D={dim}, bf16 in, fp16 out, "
-          "tokens per group 64")
-    print(f"{'kernel':>6} | {'role':>5} | {'part':>9} | {'BM':>3} | {'warps':>5} | "
+    policy = preset_policy(args.preset)
+    print(f"sm_{args.arch}: {args.preset}'s turbomix kernels, bf16 in, fp16 out, tokens per "
+          "group 64")
+    print(f"{'kernel':>6} | {'D':>3} | {'role':>5} | {'part':>9} | {'BM':>3} | {'warps':>5} | "
           f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'LDG':>4} | "
           f"{'STG':>4}")
-    for name in args.kernels.split(","):
+    for name, dim in ((k, int(d)) for k in args.kernels.split(",")
+                      for d in args.dims.split(",")):
         fn = getattr(tt, f"_{name}_kernel")
         for role, codec in (("key", policy.key), ("value", policy.value)):
             n_hi, n_lo = codec._split(dim)
@@ -202,7 +203,7 @@ def preset_main(args: argparse.Namespace) -> None:
                                             fp_fusion=False)  # as turbomix launches
                     regs, spill, ops = sass_profile(kernel)
                     per = sum(ops.values()) * warps / bm
-                    print(f"{name:>6} | {role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | "
+                    print(f"{name:>6} | {dim:>3} | {role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | "
                           f"{warps:>5} | {regs:>4} | {spill:>5} | "
                           f"{kernel.metadata.shared / 1024:>7.0f} | {per:>9.0f} | "
                           f"{ops['LDG']:>4} | {ops['STG']:>4}", flush=True)
