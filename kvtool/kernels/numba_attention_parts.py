@@ -36,7 +36,7 @@ from kvtool.kernels.numba_attention import (
 from kvtool.kernels.numba_support import jit
 
 SCALAR, PAIR, TRELLIS = 0, 1, 2  # quantiser kinds
-STATES = 32  # trellis states (kvtool.codecs.trellis.STATES)
+MEMORY = 5  # path bits in a trellis state (kvtool.codecs.trellis.MEMORY)
 
 
 class RoleCodes(NamedTuple):
@@ -52,12 +52,13 @@ class RoleCodes(NamedTuple):
     rot1: np.ndarray  # float32 [C, n1, n1]
     choice: np.ndarray  # uint8 [BH, blocks]: each block's candidate
     mean: np.ndarray  # float32 [BH, blocks, D], or [0, 0, 0]: uncentered
-    table0: np.ndarray  # float32: scalar centroids, pair points (flat [x0, y0, ...]), or levels
+    #: float32: scalar centroids, pair points (flat [x0, y0, ...]), or the trellis level of
+    #: each state and code (flat [state << bits | code])
+    table0: np.ndarray
     table1: np.ndarray
     kind: int  # SCALAR, PAIR or TRELLIS
     bits0: int
     bits1: int
-    subsets: np.ndarray  # int64 [STATES, 2]: the trellis subset of each state and path bit
 
 
 @numba.njit(inline="always")
@@ -84,12 +85,12 @@ def _unpack_codes(row, n, bits, codes):
     else:  # any width, any count: a bit accumulator
         acc = np.uint32(0)
         have = 0
-        at = 0
+        b = 0
         mask = np.uint32((1 << bits) - 1)
         for j in range(n):
             if have < bits:
-                acc |= np.uint32(row[at]) << have
-                at += 1
+                acc |= np.uint32(row[b]) << have
+                b += 1
                 have += 8
             codes[j] = acc & mask
             acc >>= bits
@@ -97,27 +98,47 @@ def _unpack_codes(row, n, bits, codes):
 
 
 @numba.njit(inline="always")
-def _unit_values(row, n, bits, kind, table, subsets, codes, out):
-    """The part's unit-domain values of one packed code row into ``out[:n]`` (``codes``: a
-    uint8 scratch of ``n``)."""
-    _unpack_codes(row, n, bits, codes)
+def _tile_values(rows, count, n, bits, kind, table, codes, index, out):
+    """The part's unit-domain values of ``count`` packed code rows into ``out[:count, :n]``.
+
+    ``codes`` (uint8) and ``index`` (uint32: numba wraps no unsigned index) are scratch of
+    ``count * (n + MEMORY)``: each row's codes go after ``MEMORY`` zeros. A trellis
+    coordinate's state is the path bits (each code's top bit) of the ``MEMORY`` codes before
+    it, the latest in bit 0: read from that window rather than carried from one coordinate to
+    the next, so the whole tile is one loop without a dependency between iterations (the
+    compiler vectorises it), and each value one lookup of its state and code.
+
+    Indices are a loop variable plus a constant, or taken in slices: numba wraps every index
+    it cannot prove non-negative (``codes[i - 1]`` made the window's loop 6x slower).
+    """
+    w = n + MEMORY
+    for t in range(count):
+        for k in range(MEMORY):
+            codes[t * w + k] = 0
+        _unpack_codes(rows[t], n, bits, codes[t * w + MEMORY:])
     if kind == SCALAR:
-        for j in range(n):
-            out[j] = table[codes[j]]
+        for t in range(count):
+            row = codes[t * w + MEMORY:]
+            for j in range(n):
+                out[t, j] = table[row[j]]
     elif kind == PAIR:
-        for j in range(0, n, 2):
-            index = (np.int64(codes[j]) << bits) + codes[j + 1]
-            out[j] = table[2 * index]
-            out[j + 1] = table[2 * index + 1]
-    else:  # the state: the last path bits, the latest in bit 0 (zeros before the first)
-        state = 0
+        for t in range(count):
+            row = codes[t * w + MEMORY:]
+            for j in range(0, n, 2):
+                pair = (np.int64(row[j]) << bits) + row[j + 1]
+                out[t, j] = table[2 * pair]
+                out[t, j + 1] = table[2 * pair + 1]
+    else:
         top = bits - 1
-        low = (1 << top) - 1
-        for j in range(n):
-            c = np.int64(codes[j])
-            u = c >> top
-            out[j] = table[4 * (c & low) + subsets[state, u]]
-            state = ((state << 1) | u) & (STATES - 1)
+        for i in range(count * w - MEMORY):
+            state = (np.int32(codes[i + 4]) >> top) | ((np.int32(codes[i + 3]) >> top) << 1) \
+                | ((np.int32(codes[i + 2]) >> top) << 2) \
+                | ((np.int32(codes[i + 1]) >> top) << 3) | ((np.int32(codes[i]) >> top) << 4)
+            index[i + MEMORY] = np.uint32((state << bits) | np.int32(codes[i + MEMORY]))
+        for t in range(count):
+            row = index[t * w + MEMORY:]
+            for j in range(n):
+                out[t, j] = table[row[j]]
 
 
 @numba.njit(inline="always")
@@ -184,21 +205,21 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         acc1 = np.zeros((rows, vn1), np.float32)
         wsum = np.zeros(rows, np.float32)
         tmp = np.empty(dim, np.float32)
-        cb = np.empty(dim, np.uint8)
+        cb = np.zeros(TILE * (dim + MEMORY), np.uint8)  # see _tile_values
+        ib = np.empty(TILE * (dim + MEMORY), np.uint32)
         kb0 = np.empty((TILE, kn0), np.float32)
         kb1 = np.empty((TILE, kn1), np.float32)
-        vb0 = np.empty(vn0, np.float32)
-        vb1 = np.empty(vn1, np.float32)
+        vb0 = np.empty((TILE, vn0), np.float32)
+        vb1 = np.empty((TILE, vn1), np.float32)
         s = np.empty((rows, TILE), np.float32)
         k_block = v_block = -1
         for t0 in range(lo, hi, TILE):
             n = min(TILE, hi - t0)
-            for t in range(n):
-                _unit_values(kr.codes0[bh, t0 + t], kn0, kr.bits0, kr.kind, kr.table0,
-                             kr.subsets, cb, kb0[t])
-                if kn1:
-                    _unit_values(kr.codes1[bh, t0 + t], kn1, kr.bits1, kr.kind, kr.table1,
-                                 kr.subsets, cb, kb1[t])
+            _tile_values(kr.codes0[bh, t0:t0 + n], n, kn0, kr.bits0, kr.kind, kr.table0, cb, ib,
+                         kb0)
+            if kn1:
+                _tile_values(kr.codes1[bh, t0:t0 + n], n, kn1, kr.bits1, kr.kind, kr.table1, cb,
+                             ib, kb1)
             for t in range(n):
                 blk = (t0 + t) // block
                 if blk != k_block:
@@ -227,17 +248,17 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     for d in range(vn1):
                         acc1[r, d] *= alpha
                     wsum[r] *= alpha
+            _tile_values(vr.codes0[bh, t0:t0 + n], n, vn0, vr.bits0, vr.kind, vr.table0, cb, ib,
+                         vb0)
+            if vn1:
+                _tile_values(vr.codes1[bh, t0:t0 + n], n, vn1, vr.bits1, vr.kind, vr.table1, cb,
+                             ib, vb1)
             for t in range(n):
                 blk = (t0 + t) // block
                 if blk != v_block:
                     if v_block >= 0:
                         _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
                     v_block = blk
-                _unit_values(vr.codes0[bh, t0 + t], vn0, vr.bits0, vr.kind, vr.table0,
-                             vr.subsets, cb, vb0)
-                if vn1:
-                    _unit_values(vr.codes1[bh, t0 + t], vn1, vr.bits1, vr.kind, vr.table1,
-                                 vr.subsets, cb, vb1)
                 norm0 = vr.norms[0, bh, t0 + t]
                 norm1 = vr.norms[1, bh, t0 + t]
                 for r in range(rows):
@@ -245,10 +266,10 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     wsum[r] += w
                     w0 = w * norm0
                     for d in range(vn0):
-                        acc0[r, d] += w0 * vb0[d]
+                        acc0[r, d] += w0 * vb0[t, d]
                     w1 = w * norm1
                     for d in range(vn1):
-                        acc1[r, d] += w1 * vb1[d]
+                        acc1[r, d] += w1 * vb1[t, d]
         if v_block >= 0:
             _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
         pm[task] = m
@@ -312,7 +333,6 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
     batch · KV heads rows of ``tokens`` encoded tokens of ``dim`` channels in blocks of
     ``block`` (numpy arrays of the codec's encode, the blocks joined: ``codes`` [heads, tokens,
     bytes] and so on)."""
-    from kvtool.codecs.trellis import subset_table
     from kvtool.codecs.turbomix import norm_values
 
     n_hi = codec._split(dim)[0] if hasattr(codec, "_split") else 0
@@ -351,7 +371,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         norms, np.ascontiguousarray(channels[0], np.int32),
         np.ascontiguousarray(channels[1], np.int32), rots[0], rots[1],
         np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
-        kind, bits[0], max(bits[1], 1), subset_table().astype(np.int64))
+        kind, bits[0], max(bits[1], 1))
 
 
 def _seeds(codec: Any) -> tuple[int, ...]:
@@ -371,10 +391,17 @@ def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
         from kvtool.codecs.turbomix import _pair_points
 
         values = _pair_points(bits, n).reshape(-1)
-    else:
+    else:  # each state's level of each code: [state << bits | code]
+        from kvtool.codecs.trellis import level_indices
         from kvtool.codecs.trellis_tables import trellis_levels
 
-        values = trellis_levels(bits) / np.float32(np.sqrt(n))
+        levels = trellis_levels(bits) / np.float32(np.sqrt(n))
+        states, codes = np.divmod(np.arange(1 << (MEMORY + bits)), 1 << bits)
+        path = (states[:, None] >> np.arange(MEMORY - 1, -1, -1)) & 1  # the oldest bit first
+        path = np.concatenate([path, codes[:, None] >> (bits - 1)], axis=1)
+        within = np.zeros_like(path)
+        within[:, -1] = codes & ((1 << (bits - 1)) - 1)
+        values = levels[level_indices(path, within)[:, -1]]
     return np.ascontiguousarray(values, np.float32)
 
 
