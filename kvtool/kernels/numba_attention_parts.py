@@ -10,7 +10,8 @@ Per block (one group: a head's tokens encoded together) and part ``p`` with chan
 and rotation ``R_p`` (the block's candidate), a key is ``k̂[ch_p] = ‖k_p‖ · (y_p @ R_p) +
 mean[ch_p]`` with ``y_p`` the part's unit-domain values, so a score is ``Σ_p ‖k_p‖ · (R_p
 q[ch_p])·y_p + q·mean``: each query part is rotated once per block, and every score reads the
-values straight from the codes (trellis: walking the path bits' state along the row). Values are
+values straight from the codes, a tile of tokens at a time (trellis: each coordinate's state
+read from the path bits of the codes before it, see :func:`_tile_values`). Values are
 summed per block in each part's rotated domain and rotated back into their channels when the
 block ends (``n_p²`` multiply-adds per query row and block). The tasks' partial softmax states
 are merged, and the exact tokens attended, by :func:`numba_attention.merge_exact`.
