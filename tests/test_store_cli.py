@@ -238,6 +238,69 @@ def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner)
     assert store_admin.scan(root).chunks == []
 
 
+def _pin_source(tmp_path, codec: str = "raw"):
+    import numpy as np
+
+    from kvtool.cache import KVCache
+    from kvtool.formats import save
+
+    rng = np.random.default_rng(0)
+    cache = KVCache([rng.standard_normal((2, 32, 32)).astype(np.float32) for _ in range(2)],
+                    [rng.standard_normal((2, 32, 32)).astype(np.float32) for _ in range(2)],
+                    token_ids=np.arange(600, 632), model=MODELS[0])
+    kvz = tmp_path / f"{codec}.kvz"
+    save(cache, kvz, codec=codec)
+    return kvz
+
+
+def _chunk_policies(root) -> set[str]:
+    from kvtool.formats import open_kvz
+    from kvtool.policy import CodecPolicy
+
+    policies = set()
+    for chunk in store_admin.scan(root).chunks:
+        with open_kvz(chunk.path) as f:
+            policies.add(CodecPolicy.from_json(f.info()["policy"]).describe())
+    return policies
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--preset", "lossless"], {"raw"}),
+    (["--preset", "quality", "--sink-tokens", "8"], None),
+])
+def test_pin_encodes_as_the_server_would_with_the_same_options(tmp_path, runner, options,
+                                                               expected):
+    """`store pin` with a preset (or only token counts) once ignored them unless a codec was
+    given too, and pinned with the connector's lossy default."""
+    root = tmp_path / "store"
+    out = runner.invoke(cli, ["store", "pin", str(root), str(_pin_source(tmp_path)),
+                              "--chunk-tokens", str(CHUNK), *options])
+    assert out.exit_code == 0, out.output
+    served = policy_from_extra({"preset": options[1], "sink_tokens": 8}
+                               if expected is None else {"preset": options[1]},
+                               MODELS[0]["fingerprint"]).describe()
+    policies = _chunk_policies(root)
+    if expected is not None:
+        assert policies == expected == {served}
+    else:  # the first chunk holds the sinks; the second, the same codecs
+        codecs = served.removesuffix(" sink=8")
+        assert "sink=8" in served and policies == {served, codecs}, (policies, served)
+
+
+def test_pin_refuses_to_quantize_a_lossy_file_again_unless_forced(tmp_path, runner):
+    root = tmp_path / "store"
+    lossy = str(_pin_source(tmp_path, "turbo3"))
+    out = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens", str(CHUNK)])
+    assert out.exit_code != 0 and "already lossy (turbo3)" in out.output, out.output
+    assert not os.path.exists(root / "pins.json")
+    lossless = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens",
+                                   str(CHUNK), "--preset", "lossless"])
+    assert lossless.exit_code == 0, lossless.output
+    forced = runner.invoke(cli, ["store", "pin", str(tmp_path / "s2"), lossy, "--chunk-tokens",
+                                 str(CHUNK), "--force"])
+    assert forced.exit_code == 0 and "pinned 2 chunks" in forced.output, forced.output
+
+
 @pytest.mark.parametrize("damage", [b'{"trunc', b'["a list"]', b'{"k": {"model": "x"}}', b"\xff"])
 def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, runner, damage):
     """Read as "no pins", a damaged pins.json made prune delete the pinned chunks and a new

@@ -7,12 +7,13 @@ name (:data:`SIZE`, :data:`DURATION`)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import click
 
-from kvtool.cli._common import codec_policy_options, echo_json, handle_errors, policy_from_options
+from kvtool.cli._common import codec_policy_options, echo_json, handle_errors
 
 
 class SizeType(click.ParamType):
@@ -269,16 +270,24 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
 @click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(1),
               help="The server's chunk size (the connector's chunk_tokens).")
 @codec_policy_options
+@click.option("--force", is_flag=True,
+              help="Encode an already lossy FILE with a lossy policy (errors add up).")
 @handle_errors
-def pin_command(root: str, file: str, chunk_tokens: int, **codec_opts: Any) -> None:
+def pin_command(root: str, file: str, chunk_tokens: int, force: bool,
+                **codec_opts: Any) -> None:
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
-    remove pinned chunks. Encoded with the connector's default policy unless codec options
-    are given."""
+    remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
+    (without any: its default policy)."""
     from kvtool.engines.vllm import store_admin
 
-    policy = (policy_from_options(codec_opts) if codec_opts.get("codec")
-              or codec_opts.get("key_codec") or codec_opts.get("value_codec") else None)
-    pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens, policy=policy)
+    policy_file = codec_opts.pop("policy_file", None)
+    if policy_file:  # the connector takes a policy file where it takes a preset name
+        if codec_opts.get("preset"):
+            raise click.UsageError("give --preset or --policy, not both")
+        codec_opts["preset"] = os.path.abspath(policy_file)
+    options = {k: v for k, v in codec_opts.items() if v not in (None, 0)}
+    pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
+                                           policy_options=options, force=force)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 

@@ -62,19 +62,6 @@ def _report(report: dict[str, Any], as_json: bool) -> None:
                f"{report['policy']})")
 
 
-def _refuse_requantizing(src: str, policy: Any) -> None:
-    """Refuse to quantize decoded values a second time: its error adds to the first, unseen."""
-    from kvtool.errors import KvtoolError
-    from kvtool.formats import open_kvz
-
-    with open_kvz(src, verify=False) as f:
-        lossy = sorted(c for c in f.info()["codecs"] if c != "raw")
-    if lossy and policy.is_lossy():
-        raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): compressing it again "
-                          "quantizes decoded values a second time; compress the raw capture "
-                          "instead, or pass --force")
-
-
 def _mlx_engine():
     """``kvtool.engines.mlx``, or a one-line error where mlx-lm is not installed."""
     try:
@@ -127,9 +114,10 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
                       progress=progress_enabled())
     else:
         from kvtool.formats import transcode
+        from kvtool.formats.transcode import refuse_requantizing
 
         if not force:
-            _refuse_requantizing(src, policy)
+            refuse_requantizing(src, policy, "compressing it again")
         report = transcode(src, output, policy, zstd=level, progress=progress_enabled(),
                            entropy=entropy)
     _report(report, as_json)

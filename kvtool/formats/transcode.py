@@ -31,3 +31,17 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
                          tokenizer_fingerprint=f.tokenizer_fingerprint, token_ids=f.token_ids,
                          layer_info=f.layer_info, zstd=zstd, entropy=entropy,
                          progress=progress)
+
+
+def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str) -> None:
+    """Refuse to encode ``src``'s decoded values with a lossy ``policy`` when ``src`` is lossy
+    already: the second quantization's error adds to the first, unseen (the commands that do
+    it take ``--force``). ``doing`` names what would, as in "compressing it again"."""
+    from kvtool.errors import KvtoolError
+
+    with open_kvz(src, verify=False) as f:
+        lossy = sorted(c for c in f.info()["codecs"] if c != "raw")
+    if lossy and policy.is_lossy():
+        raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): {doing} quantizes "
+                          "decoded values a second time; use the raw capture instead, or "
+                          "pass --force")

@@ -379,13 +379,16 @@ def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None
 
 
 def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
-             policy: Any = None) -> tuple[int, int]:
+             policy_options: dict[str, Any] | None = None,
+             force: bool = False) -> tuple[int, int]:
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
-    them; (chunks pinned, chunks written). ``policy``: how new chunks are encoded (default:
-    the connector's)."""
+    them; (chunks pinned, chunks written). ``policy_options``: the connector's codec options
+    new chunks are encoded with (default: none, its default policy); a lossy policy refuses
+    a file that is already lossy unless ``force``."""
     from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
+    from kvtool.formats.transcode import refuse_requantizing
 
     read_pins(root)  # a damaged pins file is refused before anything is written
     refuse_foreign(root)  # as is a directory that is not a store
@@ -395,11 +398,14 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
+    policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
+    if not force:
+        refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
     if not is_url(str(root)):
         os.makedirs(root, exist_ok=True)
     backend = backend_of(root)
     store = PrefixStore(backend.location, cache.model, chunk_tokens,
-                        policy or policy_from_extra({}),
+                        policy,
                         tokenizer_fingerprint=cache.tokenizer_fingerprint, backend=backend)
     ids = [int(t) for t in cache.token_ids]
     chunks = store.chunks(ids)
