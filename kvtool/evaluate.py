@@ -414,7 +414,11 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     metrics["runtime_resident_bytes"] = past.nbytes()
     gen = None
     if max_new_tokens > 0:
-        gen = compare_generation(loaded, policy, prompt or demo_prompt(loaded.tokenizer),
+        if prompt is not None and not prompt.strip():
+            raise KvtoolError("the prompt is empty: give text, or None for the demo document "
+                              "and a question about it")
+        gen = compare_generation(loaded, policy,
+                                 demo_prompt(loaded.tokenizer) if prompt is None else prompt,
                                  max_new_tokens, block_size)
     return EvalReport(policy.to_json(), policy.describe(), int(base.ids.shape[1]), base.chunk,
                       ppl, base.ppl, 100 * (ppl / base.ppl - 1), metrics, gen, kl)

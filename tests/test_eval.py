@@ -179,6 +179,9 @@ def test_eval_cli_json(loaded, tmp_path):
                                     "--max-tokens", "64", "--chunk", "16"])  # no 64-token block
     assert none.exit_code == 1 and "no chunk of 16 tokens attends to an encoded token" \
         in none.output, none.output
+    empty = CliRunner().invoke(cli, ["eval", "--codec", "turbo3", "--prompt", " "])
+    assert empty.exit_code == 2 and "--prompt is empty" in empty.output, empty.output  # was: the
+    # demo prompt, silently
 
 
 def test_bundled_texts_are_long_enough():

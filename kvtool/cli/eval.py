@@ -49,6 +49,9 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
     from kvtool.models import load_model
     from kvtool.progress import forward_progress
 
+    if prompt is not None and not prompt.strip():
+        raise click.UsageError("--prompt is empty: give text, or leave it out for the demo "
+                               "document and a question about it")
     policy = policy_from_options(policy_opts)
     text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)

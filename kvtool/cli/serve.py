@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from kvtool.cli._common import (
+    DTYPE,
     FiniteFloatRange,
     codec_policy_options,
     echo_json,
@@ -42,7 +43,7 @@ def _store_line(store: str | None) -> str:
 @click.option("--store-timeout", type=FiniteFloatRange(0.001, 3600),
               help="Seconds a store lookup, or one chunk's read, may take before the prefix is "
               "computed instead (default 1).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]),
+@click.option("--dtype", type=DTYPE,
               help="Model dtype (default: bfloat16 on CPU, the model's on CUDA).")
 @click.option("--max-model-len", type=click.IntRange(16), help="Context length (default: the "
               "model's, at most 4096).")
