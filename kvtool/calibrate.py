@@ -156,14 +156,18 @@ class Calibration:
                                 "scored": m.scored, "menu": m.specs, "layers": self.rows}}
 
 
-def _calibration_ids(loaded: Any, text: str | None, tokens: int, scored: int):
+def _calibration_ids(loaded: Any, text: str | None, tokens: int, scored: int, sinks: int):
+    """The text's first ``tokens`` ids; refused unless the prefix before the ``scored`` ones
+    holds encoded tokens beyond the ``sinks`` (else every KL is 0 and reads as lossless)."""
     from kvtool.evaluate import data_text
 
     ids = loaded.tokenizer(text if text is not None else data_text("eval_text.md"),
                            return_tensors="pt").input_ids[:, :tokens]
-    if scored < 1 or ids.shape[1] < scored + DEFAULT_SINKS + 4:
+    need = scored + max(sinks, DEFAULT_SINKS) + 4
+    if scored < 1 or ids.shape[1] < need:
         raise KvtoolError(f"the calibration text has {ids.shape[1]} tokens; it needs at least "
-                          f"{scored + DEFAULT_SINKS + 4} (--scored {scored} plus a prefix)")
+                          f"{need} (--scored {scored}, the {sinks} sink tokens kept exact, and "
+                          "a prefix to encode): give more --tokens or fewer --sink-tokens")
     return ids.to(next(loaded.model.parameters()).device)
 
 
@@ -194,7 +198,7 @@ def measure(loaded: Any, text: str | None = None, *, tokens: int = DEFAULT_TOKEN
     menu = dict(menu or DEFAULT_MENU)
     if not menu:
         raise KvtoolError("the calibration menu is empty")
-    ids = _calibration_ids(loaded, text, tokens, scored)
+    ids = _calibration_ids(loaded, text, tokens, scored, sinks)
     path = _cache_path(loaded, _cache_key(loaded, ids, scored, sinks, menu))
     if use_cache and path.is_file():
         try:

@@ -127,6 +127,11 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
                               "--scored", "6", "--menu", "2b,4b"])
     assert bad.exit_code != 0 and "below the smallest choice" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
+    covered = runner.invoke(cli, ["calibrate", "--bits", "3", "-o", str(tmp_path / "no.json"),
+                                  "--tokens", "40", "--scored", "6", "--menu", "2b,4b",
+                                  "--sink-tokens", "34"])  # sinks cover the whole prefix:
+    assert covered.exit_code != 0 and "fewer --sink-tokens" in covered.output  # every KL was 0
+    assert not (tmp_path / "no.json").exists()
     unknown = runner.invoke(cli, ["calibrate", "--bits", "3", "-o", str(out), "--menu", "9b"])
     assert unknown.exit_code != 0 and "unknown option '9b'" in unknown.output
     # calibrate → capture with --policy → inspect → generate from the file, all from the CLI
