@@ -541,6 +541,35 @@ def test_available_codecs_helper_lists_turbo():
     assert NP_DTYPES
 
 
+def test_layers_and_shapes_the_fingerprinted_layout_contradicts_are_refused(tmp_path):
+    """The layout a fingerprint covers declares the layer count and KV shape too: a file that
+    dropped a layer and the model's own ``num_layers`` (kept its fingerprint and layout) passed
+    ``inspect --verify`` and ``store pin`` and failed only when a model loaded it."""
+    from kvtool.identity import canonical_sha256
+
+    def model(layers=3, heads=2, dim=32, **top):
+        layout = {"architecture": "llama", "num_layers": layers, "num_kv_heads": heads,
+                  "head_dim": dim}
+        return {"name": "m", "layout": layout, "fingerprint": canonical_sha256(layout), **top}
+
+    save(synthetic_cache(model=model()), tmp_path / "ok.kvz")
+    for bad, message in ((model(4), "3 layers, the model has 4"),
+                         (model(heads=4), "num_kv_heads 2, the model has 4"),
+                         (model(dim=64), "head_dim 32, the model has 64"),
+                         (model(num_layers=4), "model's num_layers is 4, its layout's 3")):
+        with pytest.raises(ValueError, match=message):
+            save(synthetic_cache(model=bad), tmp_path / "bad.kvz")
+        assert not (tmp_path / "bad.kvz").exists()
+
+    def drop_a_layer(header):
+        header["layers"] = header["layers"][:2]
+        header["num_layers"] = 2
+
+    rewrite_header(tmp_path / "ok.kvz", tmp_path / "edited.kvz", drop_a_layer)
+    with pytest.raises(FormatError, match="2 layers, the model has 3"):
+        load(tmp_path / "edited.kvz")
+
+
 def test_windows_and_identities_no_model_has_are_neither_written_nor_read(tmp_path):
     """A layer's sliding window must be the model's (its layout names it, and each layer's
     type where they differ), and a fingerprint must be its layout's: the writer refuses what

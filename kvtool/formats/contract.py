@@ -129,6 +129,15 @@ def check_identity(header: dict[str, Any]) -> None:
         if canonical_sha256(layout) != model["fingerprint"]:
             raise FormatError("kvz header: the model fingerprint does not match its layout")
     declared = {k: model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
+    if isinstance(layout, dict):  # the fingerprinted layout declares them too, and must agree
+        for name in declared:
+            value = layout.get(name)
+            if not is_int(value) or (name == "num_layers" and layout.get("num_kv_shared_layers")):
+                continue
+            if is_int(declared[name]) and declared[name] != value:
+                raise FormatError(f"kvz header: the model's {name} is {declared[name]}, its "
+                                  f"layout's {value}")
+            declared[name] = value
     if is_int(declared["num_layers"]) and declared["num_layers"] != header[C.H_NUM_LAYERS]:
         raise FormatError(f"kvz header: {header[C.H_NUM_LAYERS]} layers, the model has "
                           f"{declared['num_layers']}")
