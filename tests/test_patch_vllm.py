@@ -302,6 +302,26 @@ def test_stray_blocks_without_manifest(tmp_path):
     assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
 
 
+@pytest.mark.parametrize("damage", [b"garbage", b"{}", b"[1, 2]"])
+def test_a_damaged_manifest_is_reverted_with_force(tmp_path, damage):
+    """A manifest that cannot be read is no record to restore from: --revert says so, and
+    --revert --force removes kvtool's blocks and the record (it once refused either way)."""
+    root = make_fake_vllm(tmp_path)
+    patcher.patch(root)
+    (root / ".kvtool_patch" / "manifest.json").write_bytes(damage)
+    with pytest.raises(PatchError, match="--revert --force"):
+        patcher.revert(root)
+    with pytest.raises(PatchError, match="not a kvtool manifest"):
+        patcher.patch(root)
+    assert patcher.revert(root, force=True, dry_run=True)["action"] == "would revert"
+    assert patcher.revert(root, force=True)["action"] == "reverted"
+    assert patcher.status(root)["state"] == "not patched"
+    assert not (root / ".kvtool_patch").exists()
+    assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
+    patcher.patch(root)  # and it patches again
+    assert patcher.status(root)["state"] == "patched"
+
+
 def test_locate_errors(tmp_path):
     with pytest.raises(PatchError, match="not a vLLM package"):
         patcher.locate_vllm(tmp_path)

@@ -435,11 +435,16 @@ def revert(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
 def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"vllm_path": str(root), "vllm_version": vllm_version(root),
                               "kvtool_version": __version__, "dry_run": dry_run}
-    manifest = read_manifest(root)
+    try:
+        manifest, damaged = read_manifest(root), False
+    except PatchError:
+        if not force:
+            raise
+        manifest, damaged = None, True  # no record to trust: remove kvtool's blocks, and it
     restores: list[tuple[str, bytes, bytes, str]] = []  # rel, current, restored, how
     if manifest is None:
         stray = [t for t in TARGETS if (root / t).exists() and has_markers((root / t).read_bytes())]
-        if not stray:
+        if not stray and not damaged:
             return {**report, "action": "not patched", "files": [], "diff": ""}
         if not force:
             raise PatchError(f"{stray[0]} has kvtool-hook blocks but there is no manifest; "

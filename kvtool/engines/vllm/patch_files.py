@@ -108,8 +108,9 @@ def read_manifest(root: Path) -> dict[str, Any] | None:
     except (ValueError, OSError) as e:
         manifest = {"error": e}
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise PatchError(f"{path} is unreadable or not a kvtool manifest; reinstall vLLM "
-                         "to start over")
+        raise PatchError(f"{path} is unreadable or not a kvtool manifest; 'kvtool "
+                         "patch-vllm --revert --force' removes kvtool's blocks and the record "
+                         "(or reinstall vLLM)")
     return manifest
 
 
