@@ -325,8 +325,27 @@ def choose(m: Measurements, budget: float, num_layers: int | None = None) -> Cal
 
 
 def calibrate(loaded: Any, budget: float, text: str | None = None, **options: Any) -> Calibration:
-    """Measure (or reuse cached measurements) and choose a per-layer policy for ``budget``."""
+    """Measure (or reuse cached measurements) and choose a per-layer policy for ``budget``
+    (a budget no choice of the menu fits is refused before the minutes of measuring)."""
+    _check_budget(loaded, budget, dict(options.get("menu") or DEFAULT_MENU))
     return choose(measure(loaded, text, **options), budget)
+
+
+def _check_budget(loaded: Any, budget: float, menu: dict[str, str]) -> None:
+    """:func:`choose`'s refusals that need no measurement: a budget that is not a positive
+    number, or below the cheapest option of every layer and role."""
+    from kvtool.identity import kv_layout
+
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise KvtoolError(f"--bits must be a positive number, got {budget!r}")
+    if not menu:
+        raise KvtoolError("the calibration menu is empty")
+    layout = kv_layout(loaded.model.config)
+    bits = [[menu_codec(spec, role, layout["head_dim"]).bits_per_element(layout["head_dim"])
+             for spec in menu.values()] for role in ROLES]
+    groups = layout["num_layers"] * len(ROLES)
+    knapsack([[0.0] * len(menu)] * groups, [bits[g % len(ROLES)] for g in range(groups)],
+             budget * groups)
 
 
 def format_table(cal: Calibration) -> list[str]:

@@ -86,6 +86,19 @@ def test_choose_spends_the_bits_where_the_kl_is():
 
 
 @pytest.mark.slow
+def test_a_budget_no_option_fits_is_refused_before_measuring(loaded, monkeypatch):
+    import kvtool.calibrate as calibrate_module
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured (~75 s on the default model) before refusing")
+
+    monkeypatch.setattr(calibrate_module, "measure", measure)
+    menu = {"2b": "turbomix:bits=2", "4b": "turbo4"}
+    for budget, message in ((0.5, "below the smallest choice"), (float("nan"), "positive")):
+        with pytest.raises(KvtoolError, match=message):
+            calibrate_module.calibrate(loaded, budget, menu=menu)
+
+
 def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner):
     """A real calibration (2 options, 40 tokens) gives a policy within budget that
     CompressedCache and kvtool.save accept; the CLI writes it and reuses the measurements."""

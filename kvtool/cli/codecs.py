@@ -5,10 +5,12 @@ from __future__ import annotations
 import click
 
 from kvtool.cli._common import echo_json, handle_errors
+from kvtool.formats.constants import MAX_HEAD_DIM
 
 
 @click.command("codecs")
-@click.option("--head-dim", default=128, show_default=True, type=click.IntRange(2),
+@click.option("--head-dim", default=128, show_default=True,
+              type=click.IntRange(2, MAX_HEAD_DIM),
               help="head_dim at which to report bits/element.")
 @click.option("--options", "show_options", is_flag=True,
               help="List each codec's options (id:name=value,...) with types and defaults.")
