@@ -66,7 +66,8 @@ def from_numpy(a: np.ndarray, device=None) -> torch.Tensor:
 
     from kvtool.errors import CodecError
 
-    a = np.ascontiguousarray(a)
+    shape = np.shape(a)
+    a = np.ascontiguousarray(a)  # (a 0-d array comes back 1-d: ``shape`` restores it)
     if a.dtype == ml_dtypes.bfloat16:
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     elif a.dtype == ml_dtypes.float8_e4m3fn:
@@ -79,6 +80,8 @@ def from_numpy(a: np.ndarray, device=None) -> torch.Tensor:
         except TypeError:
             raise CodecError(f"torch backend: arrays of dtype {a.dtype} are not supported") \
                 from None
+    if t.shape != shape:
+        t = t.reshape(shape)
     return t if device is None else t.to(device)
 
 
