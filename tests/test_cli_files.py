@@ -152,3 +152,11 @@ def test_cli_startup_imports_no_heavy_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "HEAVY []" in out, out
+
+
+def test_the_cli_bounds_head_dim_as_files_do():
+    """``kvtool codecs`` keeps its own copy of the bound (the formats package imports numpy)."""
+    from kvtool.cli import codecs as codecs_cli
+    from kvtool.formats import constants
+
+    assert codecs_cli.MAX_HEAD_DIM == constants.MAX_HEAD_DIM

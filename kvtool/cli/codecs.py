@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from kvtool.cli._common import echo_json, handle_errors
-from kvtool.formats.constants import MAX_HEAD_DIM
+
+MAX_HEAD_DIM = 4096  # kvtool.formats.constants.MAX_HEAD_DIM (not imported: numpy at start-up)
 
 
 @click.command("codecs")
