@@ -440,7 +440,7 @@ def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     except PatchError:
         if not force:
             raise
-        manifest, damaged = None, True  # no record to trust: remove kvtool's blocks, and it
+        manifest, damaged = None, True  # no record to trust: strip kvtool's blocks, drop it
     restores: list[tuple[str, bytes, bytes, str]] = []  # rel, current, restored, how
     if manifest is None:
         stray = [t for t in TARGETS if (root / t).exists() and has_markers((root / t).read_bytes())]
