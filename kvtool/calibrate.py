@@ -293,8 +293,7 @@ def _measure_kl(model: Any, ids: Any, scored: int, sinks: int, codecs: dict[str,
 
 def choose(m: Measurements, budget: float, num_layers: int | None = None) -> Calibration:
     """The policy minimising the summed single-layer KL within ``budget`` bits/element."""
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-        raise KvtoolError(f"--bits must be a positive number, got {budget!r}")
+    _refuse_nonpositive(budget)
     layers = num_layers if num_layers is not None else len(m.kl)
     groups = [(i, r) for i in range(layers) for r in range(len(ROLES))]
     picked = knapsack([m.kl[i][r] for i, r in groups], [m.bits[r] for _, r in groups],
@@ -331,15 +330,17 @@ def calibrate(loaded: Any, budget: float, text: str | None = None, **options: An
     return choose(measure(loaded, text, **options), budget)
 
 
+def _refuse_nonpositive(budget: float) -> None:
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise KvtoolError(f"--bits must be a positive number, got {budget!r}")
+
+
 def _check_budget(loaded: Any, budget: float, menu: dict[str, str]) -> None:
     """:func:`choose`'s refusals that need no measurement: a budget that is not a positive
     number, or below the cheapest option of every layer and role."""
     from kvtool.identity import kv_layout
 
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-        raise KvtoolError(f"--bits must be a positive number, got {budget!r}")
-    if not menu:
-        raise KvtoolError("the calibration menu is empty")
+    _refuse_nonpositive(budget)
     layout = kv_layout(loaded.model.config)
     bits = [[menu_codec(spec, role, layout["head_dim"]).bits_per_element(layout["head_dim"])
              for spec in menu.values()] for role in ROLES]

@@ -149,6 +149,19 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw",
     )
 
 
+def connector_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The command's codec options as the connector takes them (``kvtool serve``, ``store
+    pin``): a ``--policy`` file goes where a preset name goes (as an absolute path), and
+    options left at their default are dropped."""
+    opts = dict(opts)
+    policy_file = opts.pop("policy_file", None)
+    if policy_file:
+        if opts.get("preset"):
+            raise click.UsageError("give --preset or --policy, not both")
+        opts["preset"] = os.path.abspath(policy_file)
+    return {k: v for k, v in opts.items() if v not in (None, 0, False)}
+
+
 # -- one dtype vocabulary ---------------------------------------------------------------------
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "f32": "float32",
                "bf16": "bfloat16", "bfloat16": "bfloat16",

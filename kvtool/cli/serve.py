@@ -11,6 +11,7 @@ from kvtool.cli._common import (
     DTYPE,
     FiniteFloatRange,
     codec_policy_options,
+    connector_options,
     echo_json,
     handle_errors,
 )
@@ -64,11 +65,7 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
     Arguments after ``--`` go to the engine unchanged, e.g.
     ``kvtool serve --store ~/kvstore -- --max-num-seqs 8``.
     """
-    policy_file = codec_opts.pop("policy_file", None)
-    if policy_file:  # the engines take a policy file where they take a preset name
-        if codec_opts.get("preset"):
-            raise click.UsageError("give --preset or --policy, not both")
-        codec_opts["preset"] = os.path.abspath(policy_file)
+    codec_opts = connector_options(codec_opts)
     if engine == "mlx":
         from kvtool.engines import mlx_serve
 

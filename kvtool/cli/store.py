@@ -7,13 +7,17 @@ name (:data:`SIZE`, :data:`DURATION`)."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import click
 
-from kvtool.cli._common import codec_policy_options, echo_json, handle_errors
+from kvtool.cli._common import (
+    codec_policy_options,
+    connector_options,
+    echo_json,
+    handle_errors,
+)
 
 
 class SizeType(click.ParamType):
@@ -280,14 +284,9 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool,
     (without any: its default policy)."""
     from kvtool.engines.vllm import store_admin
 
-    policy_file = codec_opts.pop("policy_file", None)
-    if policy_file:  # the connector takes a policy file where it takes a preset name
-        if codec_opts.get("preset"):
-            raise click.UsageError("give --preset or --policy, not both")
-        codec_opts["preset"] = os.path.abspath(policy_file)
-    options = {k: v for k, v in codec_opts.items() if v not in (None, 0)}
     pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
-                                           policy_options=options, force=force)
+                                           policy_options=connector_options(codec_opts),
+                                           force=force)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 
