@@ -393,16 +393,9 @@ def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
 
         values = _pair_points(bits, n).reshape(-1)
     else:  # each state's level of each code: [state << bits | code]
-        from kvtool.codecs.trellis import level_indices
-        from kvtool.codecs.trellis_tables import trellis_levels
+        from kvtool.codecs.trellis import state_values
 
-        levels = trellis_levels(bits) / np.float32(np.sqrt(n))
-        states, codes = np.divmod(np.arange(1 << (MEMORY + bits)), 1 << bits)
-        path = (states[:, None] >> np.arange(MEMORY - 1, -1, -1)) & 1  # the oldest bit first
-        path = np.concatenate([path, codes[:, None] >> (bits - 1)], axis=1)
-        within = np.zeros_like(path)
-        within[:, -1] = codes & ((1 << (bits - 1)) - 1)
-        values = levels[level_indices(path, within)[:, -1]]
+        values = state_values(n, bits)
     return np.ascontiguousarray(values, np.float32)
 
 

@@ -193,24 +193,29 @@ def trellis_codes(y, levels, edges, subset_bits, bits, q, yhat, cost, fresh, dec
 
 
 @numba.njit(inline="always")
-def pack_row(q, v, bits, out, r):
-    """Pack column ``v`` of the code tile LSB-first into ``out[r]``."""
+def pack_tile(q, w, bits, packed, out, r0):
+    """Pack the first ``w`` columns of the code tile LSB-first into ``out[r0:r0 + w]``: the
+    bytes are built transposed (``packed``: a ``[nbytes, TILE]`` uint32 scratch), a vectorised
+    loop over the rows per code, then copied out a row at a time."""
     n = q.shape[0]
     nbytes = out.shape[1]
-    acc = np.uint32(0)
-    have = 0
-    b = 0
-    for j in range(n):
-        acc |= np.uint32(q[j, v]) << np.uint32(have)
-        have += bits
-        while have >= 8:
-            out[r, b] = np.uint8(acc & 255)
-            acc >>= np.uint32(8)
-            have -= 8
-            b += 1
-    if b < nbytes:
-        out[r, b] = np.uint8(acc & 255)
+    for b in range(nbytes):
+        for v in range(w):
+            packed[b, v] = 0
+    for j in range(n):  # code j: bits [j·bits, (j+1)·bits) of the row
+        at = np.uint32(j * bits)
+        first, shift = at >> np.uint32(3), at & np.uint32(7)
+        for v in range(w):
+            packed[first, v] |= np.uint32(q[j, v]) << shift
+        if shift + bits > 8:  # straddles two bytes
+            second, back = first + np.uint32(1), np.uint32(8) - shift
+            for v in range(w):
+                packed[second, v] |= np.uint32(q[j, v]) >> back
+    rows = out[r0:r0 + w]
+    for v in range(w):
+        for b in range(nbytes):
+            rows[v, b] = np.uint8(packed[b, v] & np.uint32(255))
 
 
-__all__ = ["MEMORY", "STATES", "pack_row", "pair_codes", "rotate", "rotate_back",
+__all__ = ["MEMORY", "STATES", "pack_tile", "pair_codes", "rotate", "rotate_back",
            "scalar_codes", "trellis_codes"]

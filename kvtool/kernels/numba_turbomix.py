@@ -37,7 +37,7 @@ from kvtool.errors import CodecError
 from kvtool.kernels.numba_cpu import from_f32, to_f32
 from kvtool.kernels.numba_quantizers import (
     STATES,
-    pack_row,
+    pack_tile,
     pair_codes,
     rotate,
     rotate_back,
@@ -120,16 +120,18 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
         k = np.empty(TILE, np.uint32)
         decided = np.empty(TILE, np.uint32)
         e = np.empty(TILE, np.float64)
+        packed = np.empty((codes.shape[2], TILE), np.uint32)
         for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
             g = item // per_group
             r0 = g * tokens + (item % per_group) * TILE
             w = min(TILE, (g + 1) * tokens - r0)
             ch = channels[g if channels.shape[0] > 1 else 0]
+            rows_in = x[r0:r0 + w]  # a slice and an unsigned channel: no index wrapping
             for j in range(n):
-                d = ch[j]
+                d = np.uint32(ch[j])
                 m = mean[g, d] if mean.shape[0] else np.float32(0.0)
                 for v in range(w):
-                    t[j, v] = to_f32(x[r0 + v, d]) - m
+                    t[j, v] = to_f32(rows_in[v, d]) - m
                 for v in range(w, TILE):
                     t[j, v] = 0.0
             for v in range(TILE):
@@ -142,8 +144,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                 nrm[v] = norm
                 n16[v] = f16_to_f32(f32_to_f16(norm))
                 inv[v] = np.float32(1.0) / (norm if norm > 0 else norm + np.float32(1.0))
-            for v in range(w):
-                norms[r0 + v] = nrm[v]
+            norms[r0:r0 + w] = nrm[:w]
             for c in range(ncand):
                 rotate(t, u, signs, dense, c, fwht)
                 for j in range(n):
@@ -163,14 +164,13 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                     for v in range(TILE):
                         diff = u[j, v] - n16[v] * yhat[j, v]
                         e[v] += np.float64(diff) * np.float64(diff)
-                for v in range(w):
-                    err[c, r0 + v] = e[v]
-                    pack_row(q, v, bits, codes[c], r0 + v)
+                err[c, r0:r0 + w] = e[:w]
+                pack_tile(q, w, bits, packed, codes[c], r0)
 
 
 @jit(parallel=True, nogil=True)
 def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dense, fwht,
-                       quantizer, bits, centroids, points, levels, subset_bits, out, threads):
+                       quantizer, bits, centroids, points, state_levels, out, threads):
     """out[r, channels[g]] = norms[r] · R_cᵀ values(codes[r]) + mean[g], c = choice[g]
     (choice of one entry: every group's), in out's dtype."""
     rows = codes.shape[0]
@@ -179,8 +179,8 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     per_group = (tokens + TILE - 1) // TILE
     items = groups * per_group
     nchunks = max(1, min(items, threads * 8))
-    mask = (1 << bits) - 1
-    low = np.uint32((1 << (bits - 1)) - 1)
+    mask = np.uint32((1 << bits) - 1)
+    top = np.uint32(bits - 1)
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
     for chunk in prange(nchunks):
         y = np.empty((n, TILE), np.float32)
@@ -193,19 +193,19 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
             w = min(TILE, (g + 1) * tokens - r0)
             c = choice[g if choice.shape[0] > 1 else 0]
             ch = channels[g if channels.shape[0] > 1 else 0]
-            for v in range(w):
-                acc = np.uint32(0)
-                have = 0
-                b = 0
-                row = codes[r0 + v]
-                for j in range(n):
-                    if have < bits:
-                        acc |= np.uint32(row[b]) << np.uint32(have)
-                        b += 1
-                        have += 8
-                    q[j, v] = np.uint8(acc & mask)
-                    acc >>= np.uint32(bits)
-                    have -= bits
+            tile_codes = codes[r0:r0 + w]
+            for j in range(n):  # code j of every row: bits [j·bits, (j+1)·bits) LSB-first
+                at = np.uint32(j * bits)
+                first, shift = at >> np.uint32(3), at & np.uint32(7)
+                if shift + bits > 8:  # straddles two bytes
+                    second = first + np.uint32(1)
+                    for v in range(w):
+                        word = np.uint32(tile_codes[v, first]) \
+                            | (np.uint32(tile_codes[v, second]) << np.uint32(8))
+                        q[j, v] = np.uint8((word >> shift) & mask)
+                else:
+                    for v in range(w):
+                        q[j, v] = np.uint8((np.uint32(tile_codes[v, first]) >> shift) & mask)
             for j in range(n):
                 for v in range(w, TILE):
                     q[j, v] = 0
@@ -220,24 +220,22 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
                         y[j, v] = points[at, 0]
                         y[j + 1, v] = points[at, 1]
             else:
-                low_bits, high_bits = subset_bits[0], subset_bits[1]
                 for v in range(TILE):
                     state[v] = 0
-                for j in range(n):
+                for j in range(n):  # one lookup of (state, code); the code's top bit joins it
                     for v in range(TILE):
                         s = state[v]
-                        pbit = np.uint32(q[j, v]) >> np.uint32(bits - 1)
-                        subset = ((low_bits >> s) & np.uint32(1)) \
-                            | ((((high_bits >> s) & np.uint32(1)) ^ pbit) << np.uint32(1))
-                        y[j, v] = levels[4 * (np.uint32(q[j, v]) & low) + subset]
-                        state[v] = ((s << np.uint32(1)) | pbit) & np.uint32(STATES - 1)
+                        code = np.uint32(q[j, v])
+                        y[j, v] = state_levels[(s << np.uint32(bits)) | code]
+                        state[v] = ((s << np.uint32(1)) | (code >> top)) & np.uint32(STATES - 1)
             rotate_back(y, u, signs, dense, c, fwht)
+            rows_out, row_norms = out[r0:r0 + w], norms[r0:r0 + w]  # slices: no index wrapping
             for j in range(n):
-                d = ch[j]
+                d = np.uint32(ch[j])
                 m = mean[g, d] if mean.shape[0] else np.float32(0.0)
                 for v in range(w):
-                    value = u[j, v] * scale * to_f32(norms[r0 + v]) + m
-                    out[r0 + v, d] = from_f32(value, out[0, 0])
+                    value = u[j, v] * scale * to_f32(row_norms[v]) + m
+                    rows_out[v, d] = from_f32(value, out[0, 0])
 
 
 # -- Python entry points -------------------------------------------------------------------------
@@ -291,6 +289,18 @@ def quantizer_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, ...
     for a in tables:
         a.setflags(write=False)
     return tables
+
+
+@cache
+def decode_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(centroids, points, state_levels) of one part's decoder: the trellis as one table of
+    each (state, code)'s value (:func:`kvtool.codecs.trellis.state_values`)."""
+    from kvtool.codecs.trellis import state_values
+
+    _, centroids, points, *_ = quantizer_tables(n, bits, quantizer)
+    state_levels = state_values(n, bits) if quantizer == "trellis" else np.zeros(1, np.float32)
+    state_levels.setflags(write=False)
+    return centroids, points, state_levels
 
 
 def _input_rows(x: Any, dim: int) -> np.ndarray:
@@ -389,14 +399,13 @@ def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], li
                                                   strict=False):
         n = channels.shape[1]
         signs, dense, fwht = rotation_tables(n, seeds)
-        _, centroids, points, _, levels, _, subset_bits = quantizer_tables(n, bits,
-                                                                            codec.quantizer)
+        centroids, points, state_levels = decode_tables(n, bits, codec.quantizer)
         codes = np.ascontiguousarray(arrays["codes" + suffix]).reshape(rows, -1)
         part_decode_kernel(codes, part_norms, choice, tokens, channels, mean, signs, dense,
-                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points, levels,
-                           subset_bits, out, threads)
+                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points,
+                           state_levels, out, threads)
     return result.reshape(shape)
 
 
-__all__ = ["QUANTIZERS", "TILE", "decode", "encode", "group_stats_kernel",
+__all__ = ["QUANTIZERS", "TILE", "decode", "decode_tables", "encode", "group_stats_kernel",
            "part_decode_kernel", "part_encode_kernel", "quantizer_tables", "rotation_tables"]
