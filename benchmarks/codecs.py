@@ -106,6 +106,7 @@ def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict
         chunks = [torch.from_numpy(c) for c in chunks]
     fp16_bytes = sum(int(c.nbytes) for c in chunks)
     encoded = [codec.encode(c) for c in chunks]  # warm-up (codebooks, rotations, allocators)
+    [codec.decode(e) for e in encoded]
     t_enc = best_seconds(lambda: [codec.encode(c) for c in chunks], repeats)
     t_dec = best_seconds(lambda: [codec.decode(e) for e in encoded], repeats)
     err = ref = cos_sum = 0.0
@@ -139,6 +140,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")
     ap.add_argument("--no-peer", action="store_true", help="skip the ManthanQuant row")
     args = ap.parse_args()
+    known = backend_labels()
+    unknown = [b for b in args.backends.split(",") if b not in known]
+    if unknown:  # "numba" alone would silently time the reference ops
+        ap.error(f"unknown backend {unknown[0]!r}; this machine has: {', '.join(known)}")
 
     if "torch" in args.backends:
         import torch

@@ -34,16 +34,15 @@ PRESETS: dict[str, tuple[str, str]] = {
 }
 
 
-#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured in one
-#: run with ``benchmarks/codecs.py --vectors 262144 --repeats 3 --codecs NAME/k,NAME/v,...
+#: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
+#: ``benchmarks/codecs.py --vectors 262144 --repeats 5 --codecs NAME/k,NAME/v,...
 #: --backends numpy+numba`` (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels;
-#: 2026-11-28, when its memory copy ran at 10-11 GB/s: earlier runs there, at 22.6 GB/s, gave
-#: ``quality`` 389/442 and ``small`` 79/85 to encode); ``kvtool codecs --presets --measure``
-#: measures this machine
+#: 2026-11-29, its memory copy at 11.2 GB/s); ``kvtool codecs --presets --measure`` measures this
+#: machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
-    "quality": {"encode": (223, 299), "decode": (1135, 1290)},
-    "balanced": {"encode": (203, 204), "decode": (584, 599)},
-    "small": {"encode": (57, 59), "decode": (628, 761)},
+    "quality": {"encode": (364, 423), "decode": (1590, 1613)},
+    "balanced": {"encode": (212, 223), "decode": (774, 806)},
+    "small": {"encode": (61, 68), "decode": (815, 1359)},
 }
 
 
