@@ -108,7 +108,8 @@ class Server:
         self.file.close()
 
 
-def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path):
+def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub-cache"))  # kvtool's models only
     store = tmp_path / "store"
     plan = _plan(runner, "--codec", "turbo3", "--store", str(store), "--port",
                  str(_free_port()), "--", "--kvtool-block-size", "4")
@@ -116,6 +117,9 @@ def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path):
     server = Server(plan["argv"], log)
     try:
         server.wait(plan["url"])
+        with urllib.request.urlopen(plan["url"] + "/models", timeout=30) as r:
+            models = json.loads(r.read())  # not an empty body: mlx_lm scans a missing Hub cache
+        assert models["object"] == "list" and isinstance(models["data"], list)
         first = _complete(plan["url"])
         assert first["choices"][0]["text"].strip().startswith("Paris")
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -42,6 +42,8 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
                                                                         "1GB")
     assert extra["store_timeout"] == 0.5
     assert argv[argv.index("--port") + 1] == "8123"
+    at = argv.index("--served-model-name")  # the model's name answers, and "default" too
+    assert argv[at + 1:at + 3] == ["SmolLM2-135M-Instruct", "default"]
     assert argv[-2:] == ["--max-num-seqs", "3"]  # passed through, last
     assert "--enforce-eager" in argv and "--kv-cache-memory-bytes" in argv  # no CUDA here
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
@@ -302,6 +304,12 @@ def test_shared_prefix_request_hits_the_store(server_a, cold):
     assert server_a.complete(PREFIX + " A different ending, the second document.").strip()
     after = server_a.wait_metric("kvtool_store_prompt_tokens_total", before + 512, result="hit")
     assert after - before >= 512  # the shared prefix's two chunks
+
+
+def test_requests_may_name_the_model_default(server_a):
+    """As the README's examples and the mlx engine: "default" is the served model."""
+    out = server_a.client().completions.create(model="default", prompt="Hello", max_tokens=2)
+    assert out.model == server_a.model != "default" and out.choices[0].text
 
 
 def test_eight_concurrent_requests_succeed(server_a, cold):

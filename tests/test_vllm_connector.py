@@ -96,12 +96,13 @@ FRESH = textwrap.dedent("""
     from kvtool.engines.vllm import connector
     from kvtool.models import resolve_model
     store, prompts, new, role = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    codec = sys.argv[5]
     llm = LLM(model=str(resolve_model("default")[1]), dtype="float32", max_model_len=2048,
               kv_cache_memory_bytes=128 << 20, enforce_eager=True, enable_prefix_caching=False,
               distributed_executor_backend="uni",
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvtoolConnector", kv_role=role,
-                  kv_connector_extra_config={"store_path": store, "codec": "raw",
+                  kv_connector_extra_config={"store_path": store, "codec": codec,
                                              "chunk_tokens": 128}))
     results = []
     for ids in prompts:  # one after another: each result's stats are its own request's
@@ -116,12 +117,13 @@ FRESH = textwrap.dedent("""
 """)
 
 
-def fresh_many(store: str, prompts: list[list[int]], role: str = "kv_both") -> list[dict]:
+def fresh_many(store: str, prompts: list[list[int]], role: str = "kv_both",
+               codec: str = "raw") -> list[dict]:
     """Run FRESH: ``prompts``' requests, one after another, in a new process whose connector
-    has ``role``; each one's tokens, cached tokens and connector counter deltas."""
+    has ``role`` and ``codec``; each one's tokens, cached tokens and connector counter deltas."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([sys.executable, "-c", FRESH, store, json.dumps(prompts), str(NEW),
-                           role], env=env, capture_output=True, text=True, timeout=400)
+                           role, codec], env=env, capture_output=True, text=True, timeout=400)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -149,8 +151,9 @@ RESTART_POLICIES = ({"preset": "small"}, {"codec": "turbo3"})
 def test_save_then_load_in_fresh_process(vm, store):
     """A restart: chunks saved by this process load in a new one, raw ones token-identical to
     recomputing; and chunks written with each of :data:`RESTART_POLICIES` (the connector's
-    write: ``PrefixStore.write`` with the policy, zstd on) load there too, and the engine keeps
-    serving the requests after them."""
+    write: ``PrefixStore.write`` with the policy, zstd on) load in a lossy one too, and the
+    engine keeps serving the requests after them. A lossless one loads none of them: its
+    answers are a cold run's."""
     ids = ids_for(1, 300)
     want = baseline(vm, ids)
     got, delta, _ = served(vm, ids)  # cold: computes and saves two 128-token chunks
@@ -170,7 +173,7 @@ def test_save_then_load_in_fresh_process(vm, store):
             # float32 K/V at 2.5-3.3 bits/element (4 exact sink tokens in chunk 0)
             assert 0 < writer.write(chunk, cache.keys, cache.values, other) < raw_bytes / 4
         lossy.append(other)
-    results = fresh_many(store, [*lossy, ids, ids_for(30, 200)])
+    results = fresh_many(store, [*lossy, ids, ids_for(30, 200)], codec="turbo3")
     for extra, result in zip(RESTART_POLICIES, results, strict=False):
         assert result["stats"]["tokens_loaded"] == 256, extra  # decoded and injected
         assert result["stats"]["hits"] == 1 and result["stats"]["failures"] == 0, extra
@@ -181,6 +184,9 @@ def test_save_then_load_in_fresh_process(vm, store):
     assert result["cached"] >= 256  # vLLM counts them as cached prompt tokens
     assert result["tokens"] == want  # raw codec: token-identical to recomputing
     assert results[-1]["tokens"] == baseline(vm, ids_for(30, 200))  # and it keeps serving
+    lossless = fresh(store, lossy[0])
+    assert lossless["stats"]["tokens_loaded"] == 0 and lossless["stats"]["failures"] == 0
+    assert lossless["tokens"] == baseline(vm, lossy[0]) and not quarantine(store)
 
 
 def test_longest_prefix_shared_by_two_prompts(vm):

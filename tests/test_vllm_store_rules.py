@@ -18,7 +18,12 @@ torch = pytest.importorskip("torch")
 
 from kvz_util import read_parts, rewrite_header, write_parts  # noqa: E402
 
-from kvtool.engines.vllm.common import policy_from_extra, request_kvz, stats  # noqa: E402
+from kvtool.engines.vllm.common import (  # noqa: E402
+    policy_from_extra,
+    request_kvz,
+    request_switch,
+    stats,
+)
 from kvtool.engines.vllm.safeio import UnsafeFileError  # noqa: E402
 from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
 from kvtool.errors import FormatError, NewerVersionError  # noqa: E402
@@ -126,7 +131,7 @@ def test_consumer_never_modifies_the_store(tmp_path, caplog):
     open(c2.path, "wb").write(b"garbage" * 40)
     _old_temp(os.path.join(os.path.dirname(c0.path), f".x.kvz.otherhost.1.abc{TEMP_SUFFIX}"))
     snapshot = tree(tmp_path)
-    reader = make(tmp_path, writable=False)
+    reader = make(tmp_path, writable=False, codec="turbo3")
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
         with pytest.raises(FormatError):
             reader.read(c1)
@@ -235,6 +240,43 @@ def test_fifo_in_the_store_is_never_opened(tmp_path):
     assert time.monotonic() - start < 5
 
 
+def test_lossless_store_skips_lossy_and_cast_chunks(tmp_path, caplog):
+    """A lossless server answers as a cold run: it loads no chunk another server stored lossy
+    (nor one stored exactly in another dtype, which a cast would round), and leaves it for
+    the lossy servers, unrejected; a lossy server loads any chunk."""
+    root = tmp_path / "s"
+    lossy = make(root, codec="turbo3")
+    chunks = fill(lossy, 2)
+    before = tree(root)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert make(root).lookup(IDS) == []
+        assert make(root).lookup(IDS) == []  # cached verdicts: the same answer
+    assert caplog.text.count("loads no chunk stored lossy") == 2 and tree(root) == before
+    assert [c.key for c in make(root, codec="turbo4").lookup(IDS)] == [c.key for c in chunks]
+    def store(dtype: str, codec: str = "raw") -> PrefixStore:  # one root: dtype-free keys
+        return PrefixStore(tmp_path / "d", {**MODEL, "dtype": dtype}, CHUNK,
+                           policy_from_extra({"codec": codec}))
+
+    for i, c in enumerate(store("float32").chunks(IDS)[:2]):  # a float32 server's raw chunks
+        store("float32").write(c, *kv(seed=i), IDS)
+    assert len(store("float32").lookup(IDS)) == 2
+    assert store("bfloat16").lookup(IDS) == []
+    assert len(store("bfloat16", "turbo3").lookup(IDS)) == 2
+
+
+def test_request_switches_take_only_booleans(caplog):
+    """``"kvtool_load": "false"`` must not read as true (a non-empty string): it is ignored,
+    with a warning, and the default holds."""
+    assert request_switch({}, "kvtool_load", True) is True
+    assert request_switch({"kvtool_load": False}, "kvtool_load", True) is False
+    assert request_switch({"kvtool_capture": True}, "kvtool_capture", False) is True
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        for bad in ("false", "true", 0, 1, None, [False]):
+            assert request_switch({"kvtool_save": bad}, "kvtool_save", True) is True
+            assert request_switch({"kvtool_capture": bad}, "kvtool_capture", False) is False
+    assert caplog.text.count("expected true or false") == 12
+
+
 def test_request_paths_confined(tmp_path, caplog):
     allowed, other = tmp_path / "allowed", tmp_path / "other"
     allowed.mkdir()
@@ -253,11 +295,12 @@ def test_request_paths_confined(tmp_path, caplog):
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
         for bad in (other / "x.kvz", allowed / "escape.kvz", allowed / "fifo.kvz",
-                    allowed / ".." / "other" / "x.kvz", allowed, 42):
-            p = bad if isinstance(bad, int) else str(bad)
+                    allowed / ".." / "other" / "x.kvz", allowed, 42,
+                    f"{good}\x00x", "\ud800.kvz"):  # os.path raises ValueError on these
+            p = bad if isinstance(bad, int | str) else str(bad)
             assert len(request_kvz(p, dirs, [], fp)[1]) == 0
     assert time.monotonic() - start < 5
-    assert stats()["refused_files"] - before == 6 and "refusing" in caplog.text
+    assert stats()["refused_files"] - before == 8 and "refusing" in caplog.text
     listed = os.path.realpath(other / "x.kvz")
     assert len(request_kvz(str(other / "x.kvz"), [], [listed], fp)[1]) == CHUNK
 

@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from kvtool.errors import KvtoolError
@@ -116,6 +117,8 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
                     "cache_type": cache_type}
             digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
             path = os.path.join(store, f"{digest[:32]}.safetensors")
+            if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
+                return  # stored already: the same tokens' K/V, not rewritten on every request
 
             def write(f: Any) -> int:
                 save_prompt_cache(f, layers, {STORE_KEY: json.dumps(data, sort_keys=True)})
@@ -203,6 +206,18 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
         original_load_model(self, *args, **kwargs)
         self.is_batchable = False  # batching merges caches; KvtoolMLXCache serves one at a time
 
+    def scan_cache_dir(*args: Any, **kwargs: Any) -> Any:
+        """``GET /v1/models`` lists the Hub cache's models: none, not a 200 with an empty body
+        and a traceback, when that cache does not exist (kvtool's models live elsewhere)."""
+        from huggingface_hub.errors import CacheNotFound
+
+        try:
+            return original_scan(*args, **kwargs)
+        except CacheNotFound:
+            return SimpleNamespace(repos=[])
+
+    original_scan = server.scan_cache_dir
+    server.scan_cache_dir = scan_cache_dir
     server.load = load
     server.make_prompt_cache = make_prompt_cache
     server.ModelProvider.__init__ = provider_init

@@ -94,17 +94,20 @@ def drain() -> dict[str, Any] | None:
 
 
 def lookup(request_id: str, matched: int, prompt_tokens: int, files: int,
-           seconds: float) -> None:
-    """Count and log a request's lookup: ``matched`` of its tokens are stored; it took
-    ``seconds``."""
+           seconds: float, computed: int = 0) -> None:
+    """Count and log a request's lookup: ``matched`` of its tokens are stored (a hit counts
+    what the store holds; ``loaded_tokens`` what it loaded), ``computed`` of them already in
+    vLLM's own prefix cache (not loaded); it took ``seconds``."""
     record("requests_hit" if matched else "requests_missed")
     record("prompt_tokens_hit", matched)
     record("prompt_tokens_missed", prompt_tokens - matched)
     observe("lookup", seconds)
     if matched:
-        log.info("kvtool store: hit: request %s: %d of %d prompt tokens from %d file(s) in "
-                 "%.0f ms (%s)", request_id, matched, prompt_tokens, files, seconds * 1e3,
-                 summary())
+        local = min(computed, matched)
+        log.info("kvtool store: hit: request %s: %d of %d prompt tokens stored in %d file(s)%s, "
+                 "found in %.0f ms (%s)", request_id, matched, prompt_tokens, files,
+                 f", {local} of them already in vLLM's prefix cache" if local else "",
+                 seconds * 1e3, summary())
     else:
         log.info("kvtool store: miss: request %s (%d prompt tokens) in %.0f ms (%s)",
                  request_id, prompt_tokens, seconds * 1e3, summary())

@@ -318,6 +318,16 @@ def allow_kvz(path: str | os.PathLike) -> None:
     _ALLOWED_KVZ.add(os.path.realpath(path))
 
 
+def request_switch(params: dict[str, Any], name: str, default: bool) -> bool:
+    """A request's ``kv_transfer_params[name]``: a JSON boolean; anything else (``"false"``
+    is a non-empty string, true to Python) is ignored with a warning, keeping ``default``."""
+    value = params.get(name, default)
+    if isinstance(value, bool):
+        return value
+    log.warning("kvtool: ignoring the request's %s=%r: expected true or false", name, value)
+    return default
+
+
 def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
                 fingerprint: str) -> tuple[str, np.ndarray]:
     """:func:`read_kvz_ids` of a request's ``kvtool_kvz`` if it resolves to a regular file under
@@ -326,9 +336,9 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
         if not isinstance(path, str) or not path:
             raise UnsafeFileError(errno.EINVAL, f"{path!r} is not a path")
         real = confine(path, dirs, set(files) | _ALLOWED_KVZ)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte or a lone surrogate in it
         log.warning("kvtool: refusing the request's kvtool_kvz %r: %s", path,
-                    e.strerror or e)
+                    getattr(e, "strerror", None) or e)
         count("refused_files")
         return str(path), np.zeros(0, dtype=np.int64)
     return read_kvz_ids(real, fingerprint)

@@ -114,6 +114,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     policy_from_extra,
     read_kvz_ids,
     request_kvz,
+    request_switch,
     reset_stats,
     saves_full,
     stats,
@@ -220,9 +221,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                      or getattr(request, "prompt_embeds", None) is not None)
         self._reqs[request.request_id] = ReqState(
             list(request.prompt_token_ids or []),
-            load=bool(params.get("kvtool_load", True)) and self.load_enabled and keyed,
-            save=bool(params.get("kvtool_save", True)) and keyed,
-            capture=bool(params.get("kvtool_capture", self.capture_all)) and keyed,
+            load=request_switch(params, "kvtool_load", True) and self.load_enabled and keyed,
+            save=request_switch(params, "kvtool_save", True) and keyed,
+            capture=request_switch(params, "kvtool_capture", self.capture_all) and keyed,
             files=[request_kvz(own, self._kvz_dirs, self._kvz_files,
                                self.model_info["fingerprint"])] if own else [])
 
@@ -265,7 +266,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         if not req.logged:
             req.logged = True
             activity.lookup(request.request_id, matched, len(req.prompt), len(sources),
-                            time.perf_counter() - began)
+                            time.perf_counter() - began, num_computed_tokens)
         return max(0, matched - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: Any,

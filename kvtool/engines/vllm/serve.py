@@ -210,8 +210,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     transfer = {"kv_connector": "KvtoolConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "kvtool.engines.vllm.connector",
                 "kv_connector_extra_config": connector}
+    # responses name the model ``name``; requests may also say "default", as with mlx
     argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
-            "--served-model-name", name, "--host", host, "--port", str(port),
+            "--served-model-name", *dict.fromkeys([name, "default"]),
+            "--host", host, "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--kv-transfer-config", json.dumps(transfer)]
     given = set(engine_args)

@@ -52,14 +52,15 @@ from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
-from kvtool.identity import identity_key, portable_identity
+from kvtool.identity import identity_dtype, identity_key, portable_identity
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
 MAX_VERDICTS = 1 << 16
-# per chunk path: (stamp of the file judged, usable?). Shared by the process's stores, so that
-# a chunk the worker half failed to load is skipped by the scheduler half's next lookup.
-_VERDICTS: dict[str, tuple[Stamp, bool]] = {}
+# per chunk path: (stamp of the file judged, usable?, the dtype it is exact in or None). Shared
+# by the process's stores, so that a chunk the worker half failed to load is skipped by the
+# scheduler half's next lookup.
+_VERDICTS: dict[str, tuple[Stamp, bool, str | None]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,10 @@ class PrefixStore:
         self.fingerprint = str(self.model["fingerprint"])
         self.chunk_tokens = int(chunk_tokens)
         self.policy = policy
+        # a lossless server answers as a cold run would: it loads only chunks stored exactly in
+        # its own dtype (not another server's lossy or cast ones)
+        dtype = identity_dtype(self.model)
+        self.exact_dtype = None if policy is None or policy.is_lossy(dtype) else (dtype or "")
         self.zstd, self.entropy = zstd, entropy
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.model_dir = self.fingerprint[:16]  # this model's directory (key prefix) in the store
@@ -114,6 +119,7 @@ class PrefixStore:
         self.writable = writable  # False for kv_consumer: this process never changes the store
         self._warned: set[str] = set()
         self._warned_newer = False
+        self._warned_inexact = False
 
     # -- keys -------------------------------------------------------------------------------------
     def chunks(self, token_ids: Sequence[int], limit: int | None = None) -> list[Chunk]:
@@ -167,11 +173,11 @@ class PrefixStore:
         try:
             cached = _VERDICTS.get(chunk.path)
             if cached is not None and self.backend.peek(self._name(chunk)) == cached[0]:
-                return cached[1]  # judged, and unchanged since (S3: a HEAD, not a download)
+                return self._usable(chunk, *cached[1:])  # unchanged since (S3: a HEAD)
             with self.pin(chunk) as (path, stamp):
                 if cached is not None and cached[0] == stamp:
-                    return cached[1]
-                self._check_header(chunk, path, token_ids)
+                    return self._usable(chunk, *cached[1:])
+                exact = self._check_header(chunk, path, token_ids)
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as e:
@@ -180,8 +186,22 @@ class PrefixStore:
             return self._unreadable(chunk, e, stamp)
         except (KvtoolError, ValueError) as e:
             return self._unreadable(chunk, e, stamp)
-        _remember(chunk.path, stamp, True)
-        return True
+        _remember(chunk.path, stamp, True, exact)
+        return self._usable(chunk, True, exact)
+
+    def _usable(self, chunk: Chunk, ok: bool, exact: str | None) -> bool:
+        """A valid chunk, unless this store is lossless and the chunk is not exact in its
+        dtype: skipped then (a miss, said once), never rejected (lossy servers use it)."""
+        if not ok or self.exact_dtype is None or exact == self.exact_dtype \
+                or (exact is not None and not self.exact_dtype):  # our dtype unknown: raw does
+            return ok
+        if not self._warned_inexact:  # once: a store of lossy chunks would repeat it a lot
+            self._warned_inexact = True
+            log.warning("kvtool store: this server's policy is lossless%s, so it loads no "
+                        "chunk stored lossy or in another dtype (first: %s, %s); their "
+                        "tokens are computed", f" in {self.exact_dtype}" if self.exact_dtype
+                        else "", chunk.path, "lossy" if exact is None else f"exact in {exact}")
+        return False
 
     def _unreadable(self, chunk: Chunk, e: BaseException, stamp: Stamp | None) -> bool:
         """False, after a warning (unsafe or unopenable file) or :meth:`reject`."""
@@ -194,8 +214,9 @@ class PrefixStore:
             self.reject(chunk, e, stamp)
         return False
 
-    def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> None:
-        """Raise unless the (pinned) file's header can serve ``chunk``."""
+    def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> str | None:
+        """Raise unless the (pinned) file's header can serve ``chunk``; else the dtype its
+        K/V are exact in (:func:`exact_dtype`)."""
         from kvtool.formats import open_kvz
 
         with open_kvz(path) as f:
@@ -208,6 +229,7 @@ class PrefixStore:
             want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
             if ids is None or not np.array_equal(ids, want):
                 raise ValueError("it holds other token ids")
+            return exact_dtype(f)
 
     def reject(self, chunk: Chunk, error: BaseException, stamp: Stamp | None = None) -> None:
         """A chunk that failed its header check or its load (``stamp``: the file as read).
@@ -399,12 +421,27 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
                 model, tokens)
 
 
-def _remember(path: str, stamp: Stamp | None, ok: bool) -> None:
+def exact_dtype(f: Any) -> str | None:
+    """The dtype an open .kvz file's K/V are exactly as computed in: the file's own when every
+    segment is stored ``raw`` at its width; None when any is lossy (or narrowed)."""
+    from kvtool.formats import constants as C
+
+    for layer in f.header[C.H_LAYERS]:
+        for role in C.ROLES:
+            for seg in layer[role]["segments"]:
+                codec = seg["codec"]
+                if codec.get("id") != "raw" or codec.get("dtype") not in (None,
+                                                                          layer[role]["dtype"]):
+                    return None
+    return identity_dtype(f.model) or f.header[C.H_DTYPE]
+
+
+def _remember(path: str, stamp: Stamp | None, ok: bool, exact: str | None = None) -> None:
     if stamp is None:
         return
     if len(_VERDICTS) >= MAX_VERDICTS:
         _VERDICTS.clear()
-    _VERDICTS[path] = (stamp, ok)
+    _VERDICTS[path] = (stamp, ok, exact)
 
 
 def _reason(error: BaseException, path: str) -> str:
