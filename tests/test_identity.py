@@ -110,11 +110,12 @@ def test_store_chunks_are_shared_across_dtypes(tmp_path, caplog):
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.store import PrefixStore
 
-    raw = policy_from_extra({"codec": "raw"})
+    raw, lossy = policy_from_extra({"codec": "raw"}), policy_from_extra({"codec": "turbo3"})
     bf16 = PrefixStore(tmp_path, model_identity(llama(), dtype="bfloat16"), 16, raw)
-    f32 = PrefixStore(tmp_path, model_identity(llama(), dtype="float32"), 16, raw)
-    old = PrefixStore(tmp_path, pre_split(model_identity(llama()), "float32"), 16, raw)
+    f32 = PrefixStore(tmp_path, model_identity(llama(), dtype="float32"), 16, lossy)
+    old = PrefixStore(tmp_path, pre_split(model_identity(llama()), "float32"), 16, lossy)
     other = PrefixStore(tmp_path, model_identity(llama(num_hidden_layers=4)), 16, raw)
+    f32_exact = PrefixStore(tmp_path, model_identity(llama(), dtype="float32"), 16, raw)
     assert bf16.dir == f32.dir == old.dir != other.dir  # one directory per model, any dtype
     ids = list(range(40))
     chunk = bf16.chunks(ids)[0]
@@ -128,6 +129,8 @@ def test_store_chunks_are_shared_across_dtypes(tmp_path, caplog):
     assert torch.equal(got.keys[1].float(), keys[1].float())
     assert "computed in bfloat16 and the model runs float32" in caplog.text
     assert old.lookup(ids) == [chunk]  # a pre-split identity finds today's chunks
+    # a lossless float32 server answers as its cold run would: not from bf16-computed K/V
+    assert f32_exact.lookup(ids) == [] and bf16.lookup(ids) == [chunk]
     with open_kvz(chunk.path) as f:
         assert f.model["fingerprint"] == bf16.fingerprint and f.model["dtype"] == "bfloat16"
 
