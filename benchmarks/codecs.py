@@ -106,7 +106,8 @@ def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict
         chunks = [torch.from_numpy(c) for c in chunks]
     fp16_bytes = sum(int(c.nbytes) for c in chunks)
     encoded = [codec.encode(c) for c in chunks]  # warm-up (codebooks, rotations, allocators)
-    [codec.decode(e) for e in encoded]
+    for e in encoded:
+        codec.decode(e)
     t_enc = best_seconds(lambda: [codec.encode(c) for c in chunks], repeats)
     t_dec = best_seconds(lambda: [codec.decode(e) for e in encoded], repeats)
     err = ref = cos_sum = 0.0

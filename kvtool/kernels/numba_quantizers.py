@@ -217,5 +217,24 @@ def pack_tile(q, w, bits, packed, out, r0):
             rows[v, b] = np.uint8(packed[b, v] & np.uint32(255))
 
 
+@numba.njit(inline="always")
+def unpack_tile(codes, w, bits, q):
+    """The inverse of :func:`pack_tile`: rows ``codes[:w]`` (packed LSB-first) into the first
+    ``w`` columns of the code tile, a vectorised loop over the rows per code."""
+    n = q.shape[0]
+    mask = np.uint32((1 << bits) - 1)
+    for j in range(n):  # code j: bits [j·bits, (j+1)·bits) of the row
+        at = np.uint32(j * bits)
+        first, shift = at >> np.uint32(3), at & np.uint32(7)
+        if shift + bits > 8:  # straddles two bytes
+            second = first + np.uint32(1)
+            for v in range(w):
+                word = np.uint32(codes[v, first]) | (np.uint32(codes[v, second]) << np.uint32(8))
+                q[j, v] = np.uint8((word >> shift) & mask)
+        else:
+            for v in range(w):
+                q[j, v] = np.uint8((np.uint32(codes[v, first]) >> shift) & mask)
+
+
 __all__ = ["MEMORY", "STATES", "pack_tile", "pair_codes", "rotate", "rotate_back",
-           "scalar_codes", "trellis_codes"]
+           "scalar_codes", "trellis_codes", "unpack_tile"]

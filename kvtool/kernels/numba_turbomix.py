@@ -43,6 +43,7 @@ from kvtool.kernels.numba_quantizers import (
     rotate_back,
     scalar_codes,
     trellis_codes,
+    unpack_tile,
 )
 from kvtool.kernels.numba_support import (
     empty_like_backend,
@@ -179,7 +180,6 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     per_group = (tokens + TILE - 1) // TILE
     items = groups * per_group
     nchunks = max(1, min(items, threads * 8))
-    mask = np.uint32((1 << bits) - 1)
     top = np.uint32(bits - 1)
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
     for chunk in prange(nchunks):
@@ -193,19 +193,7 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
             w = min(TILE, (g + 1) * tokens - r0)
             c = choice[g if choice.shape[0] > 1 else 0]
             ch = channels[g if channels.shape[0] > 1 else 0]
-            tile_codes = codes[r0:r0 + w]
-            for j in range(n):  # code j of every row: bits [j·bits, (j+1)·bits) LSB-first
-                at = np.uint32(j * bits)
-                first, shift = at >> np.uint32(3), at & np.uint32(7)
-                if shift + bits > 8:  # straddles two bytes
-                    second = first + np.uint32(1)
-                    for v in range(w):
-                        word = np.uint32(tile_codes[v, first]) \
-                            | (np.uint32(tile_codes[v, second]) << np.uint32(8))
-                        q[j, v] = np.uint8((word >> shift) & mask)
-                else:
-                    for v in range(w):
-                        q[j, v] = np.uint8((np.uint32(tile_codes[v, first]) >> shift) & mask)
+            unpack_tile(codes[r0:r0 + w], w, bits, q)
             for j in range(n):
                 for v in range(w, TILE):
                     q[j, v] = 0

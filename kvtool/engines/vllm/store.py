@@ -192,8 +192,7 @@ class PrefixStore:
     def _usable(self, chunk: Chunk, ok: bool, exact: str | None) -> bool:
         """A valid chunk, unless this store is lossless and the chunk is not exact in its
         dtype: skipped then (a miss, said once), never rejected (lossy servers use it)."""
-        if not ok or self.exact_dtype is None or exact == self.exact_dtype \
-                or (exact is not None and not self.exact_dtype):  # our dtype unknown: raw does
+        if not ok or self._serves(exact):
             return ok
         if not self._warned_inexact:  # once: a store of lossy chunks would repeat it a lot
             self._warned_inexact = True
@@ -202,6 +201,12 @@ class PrefixStore:
                         "tokens are computed", f" in {self.exact_dtype}" if self.exact_dtype
                         else "", chunk.path, "lossy" if exact is None else f"exact in {exact}")
         return False
+
+    def _serves(self, exact: str | None) -> bool:
+        """Whether this store loads a chunk exact in ``exact`` (None: stored lossy)."""
+        if self.exact_dtype is None:  # a lossy policy: any chunk
+            return True
+        return exact is not None and exact == (self.exact_dtype or exact)  # "": dtype unknown
 
     def _unreadable(self, chunk: Chunk, e: BaseException, stamp: Stamp | None) -> bool:
         """False, after a warning (unsafe or unopenable file) or :meth:`reject`."""
