@@ -226,13 +226,14 @@ def test_policy_lossiness():
 
 def test_store_stats_sum_every_process_file(runner, tmp_path):
     from kvtool.engines.vllm import activity
+    from kvtool.engines.vllm.stats_files import StatsWriter
     from kvtool.policy import CodecPolicy
 
     class Store:  # what the writer needs of a PrefixStore
         root = tmp_path
         policy = CodecPolicy.from_options(codec="turbo3")
 
-    writers = [activity.StatsWriter(Store, "turbo3", True, interval=0) for _ in range(2)]
+    writers = [StatsWriter(Store, "turbo3", True, interval=0) for _ in range(2)]
     activity.record("requests_hit", 3)
     activity.record("bytes_loaded", 4096)
     activity.observe("load", 0.25)
@@ -357,7 +358,7 @@ def test_restart_serves_from_the_store_and_keeps_serving(server_b, cold):
 
 
 def test_store_stats_count_both_servers(runner, server_b):
-    from kvtool.engines.vllm.activity import store_activity
+    from kvtool.engines.vllm.stats_files import store_activity
 
     for _ in range(30):  # each process rewrites its file every 5 s while its counters change
         if store_activity(server_b.store)["counters"]["requests_hit"] >= 10:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -321,3 +322,107 @@ def test_unpin_needs_a_store(tmp_path, runner):
     out = runner.invoke(cli, ["store", "unpin", str(tmp_path / "nostore"), str(tmp_path / "x")])
     assert out.exit_code != 0 and "no store at" in out.output, out.output
     assert not (tmp_path / "nostore").exists()
+
+
+# -- the stats files of ended servers ---------------------------------------------------------
+class _Store:
+    """What a stats writer needs of a PrefixStore."""
+
+    def __init__(self, root):
+        self.root, self.policy = root, policy_from_extra({"codec": "raw"})
+
+
+def _activity(runner, root) -> dict:
+    out = runner.invoke(cli, ["store", "stats", "--json", str(root)])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)["activity"]
+
+
+def _stats_names(root) -> list[str]:
+    return sorted(os.listdir(root / "stats"))
+
+
+def test_prune_folds_ended_servers_stats_and_keeps_the_totals(root, runner):
+    from kvtool.engines.vllm import activity
+    from kvtool.engines.vllm.stats_files import STALE, StatsWriter
+
+    writers = [StatsWriter(_Store(root), "raw", False, interval=0) for _ in range(4)]
+    activity.record("requests_hit", 5)
+    activity.observe("load", 0.5)
+    for w in writers:
+        assert w.write()
+    writers[0].close()  # ended
+    writers[1].close()
+    stale = json.loads((root / "stats" / writers[2].name).read_text())  # killed 2 hours ago
+    stale["updated"] -= 2 * STALE
+    (root / "stats" / writers[2].name).write_text(json.dumps(stale))
+    legacy = {k: v for k, v in stale.items() if k != "heartbeat"}  # an old server's: kept
+    (root / "stats" / "old-1-abc.json").write_text(json.dumps(legacy))  # for 30 days
+    before = _activity(runner, root)
+    assert before["processes"] == 5 and before["folded"] == 0
+    dry = json.loads(runner.invoke(cli, ["store", "prune", "--dry-run", "--json", str(root)])
+                     .output)
+    assert dry["folded_stats_files"] == 3 and len(_stats_names(root)) == 5
+    out = runner.invoke(cli, ["store", "prune", str(root)])
+    assert out.exit_code == 0 and "folded the stats files of 3 ended server processes" \
+        in out.output, out.output
+    assert _stats_names(root) == sorted(["folded.json", writers[3].name, "old-1-abc.json"])
+    after = _activity(runner, root)
+    assert after["counters"] == before["counters"] and after["policies"] == {"raw": False}
+    assert after["processes"] == 5 and after["folded"] == 3 and after["unreadable"] == 0
+    assert after["counters"]["requests_hit"] == 25 and after["counters"]["load_count"] == 5
+    assert json.loads(runner.invoke(cli, ["store", "prune", "--json", str(root)]).output)[
+        "folded_stats_files"] == 0
+    assert _activity(runner, root) == after
+
+
+def test_a_fold_cut_short_counts_nothing_twice(root, runner):
+    from kvtool.engines.vllm import activity
+    from kvtool.engines.vllm.stats_files import StatsWriter, fold_ended
+
+    writer = StatsWriter(_Store(root), "raw", False, interval=0)
+    activity.record("bytes_loaded", 700)
+    writer.close()
+    kept = (root / "stats" / writer.name).read_bytes()
+    before = _activity(runner, root)
+    assert fold_ended(store_admin.backend_of(str(root))) == (1, len(kept))
+    (root / "stats" / writer.name).write_bytes(kept)  # as if the fold died before removing it
+    assert _activity(runner, root)["counters"] == before["counters"]
+    assert fold_ended(store_admin.backend_of(str(root))) == (1, len(kept))
+    assert _stats_names(root) == ["folded.json"]
+    assert _activity(runner, root)["counters"] == before["counters"]
+
+
+def test_a_live_writer_whose_file_was_folded_goes_on_in_a_new_one(root, runner):
+    from kvtool.engines.vllm import activity
+    from kvtool.engines.vllm.stats_files import HEARTBEAT, STALE, StatsWriter, fold_ended
+
+    writer = StatsWriter(_Store(root), "raw", False, interval=0)
+    activity.record("chunks_evicted", 2)
+    assert writer.write()
+    first = writer.name
+    writer._written_at -= HEARTBEAT  # unchanged counters: a heartbeat rewrites the file
+    updated = json.loads((root / "stats" / first).read_text())["updated"]
+    assert writer.write() and json.loads((root / "stats" / first).read_text())["updated"] > \
+        updated
+    # its heartbeats failed for two hours (a full disk): prune took it for a dead server's
+    assert fold_ended(store_admin.backend_of(str(root)), now=time.time() + 2 * STALE)[0] == 1
+    writer._written_at -= STALE
+    activity.record("chunks_evicted", 3)
+    assert writer.write() and writer.name != first
+    got = _activity(runner, root)
+    assert got["counters"]["chunks_evicted"] == 5 and got["processes"] == 2
+
+
+def test_a_damaged_folded_file_is_never_overwritten(root, runner):
+    from kvtool.engines.vllm.stats_files import StatsWriter
+
+    writer = StatsWriter(_Store(root), "raw", False, interval=0)
+    writer.close()
+    (root / "stats" / "folded.json").write_text('{"kind": "kvtool-folded-stats", "counters"')
+    out = runner.invoke(cli, ["store", "prune", "--max-bytes", "0", str(root)])
+    assert out.exit_code == 1 and "folded.json" in out.output and "damaged" in out.output
+    assert "Traceback" not in out.output and "removed 5 chunks" in out.output
+    assert (root / "stats" / "folded.json").read_text().endswith('"counters"')
+    assert (root / "stats" / writer.name).exists()
+    assert _activity(runner, root)["unreadable"] == 1

@@ -353,14 +353,21 @@ def test_store_cli_on_a_url(s3, url, runner, tmp_path):
     assert len(make(url).lookup(ids)) == 2
     assert "unpinned 2 chunks" in runner.invoke(cli, ["store", "unpin", url, str(kvz)]).output
     from kvtool.engines.vllm import activity  # what a server wrote under stats/ is summed
+    from kvtool.engines.vllm.stats_files import StatsWriter
 
-    writer = activity.StatsWriter(store, "raw", False, interval=0)
+    writer = StatsWriter(store, "raw", False, interval=0)
     activity.record("bytes_loaded", 1000)
     assert writer.write() is True
     assert any(k.startswith("stats/") for k in objects(s3, url))
     act = json.loads(runner.invoke(cli, ["store", "stats", url, "--json"]).output)["activity"]
     assert act["processes"] == 1 and act["counters"]["bytes_loaded"] == 1000
     assert act["policies"] == {"raw": False} and act["unreadable"] == 0
+    writer.close()  # an ended server's file is folded by prune; the totals stay
+    folded = json.loads(runner.invoke(cli, ["store", "prune", url, "--json"]).output)
+    assert folded["folded_stats_files"] == 1
+    assert [k for k in objects(s3, url) if k.startswith("stats/")] == ["stats/folded.json"]
+    again = json.loads(runner.invoke(cli, ["store", "stats", url, "--json"]).output)["activity"]
+    assert again["counters"] == act["counters"] and again["folded"] == again["processes"] == 1
     missing = runner.invoke(cli, ["store", "stats", "s3://no-such-kvtool-bucket/x"])
     assert missing.exit_code != 0 and "does not exist" in missing.output
     assert "Traceback" not in missing.output

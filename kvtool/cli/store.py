@@ -18,6 +18,7 @@ from kvtool.cli._common import (
     echo_json,
     handle_errors,
 )
+from kvtool.errors import KvtoolError
 
 
 class SizeType(click.ParamType):
@@ -122,7 +123,7 @@ def print_stats(info: dict[str, Any]) -> None:
 
 
 def print_activity(a: dict[str, Any]) -> None:
-    """What servers did with the store (:func:`kvtool.engines.vllm.activity.store_activity`)."""
+    """What servers did with the store (:func:`kvtool.engines.vllm.stats_files.store_activity`)."""
     from kvtool.cli.inspect import human_bytes
 
     c = a["counters"]
@@ -160,7 +161,7 @@ def stats_command(root: str, as_json: bool) -> None:
     """Totals of a store at rest: chunks and bytes per model, quarantine, temp files, and
     what servers did with it (hits, loads, saves, latencies, failures)."""
     from kvtool.engines.vllm import store_admin
-    from kvtool.engines.vllm.activity import store_activity
+    from kvtool.engines.vllm.stats_files import store_activity
 
     info = store_admin.stats(_scan(root))
     info["activity"] = store_activity(root)
@@ -220,15 +221,18 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
     """Remove stale temp files of dead writers, quarantined files older than
     --quarantine-older-than, and chunks by last hit (LRU: --max-bytes, --older-than); safe while
     servers use the store. With no option, only the temp files and the aged quarantine go.
+    The stats files of ended server processes are folded into one (their totals stay).
     Pinned chunks are never removed. Exit code 1, naming the file, if something chosen cannot
     be removed (read-only filesystem, permissions)."""
     from kvtool.cli.inspect import human_bytes
     from kvtool.engines.vllm import store_admin
+    from kvtool.engines.vllm.stats_files import FOLDED, STATS_DIR, fold_ended
 
     found = _scan(root)
     now = time.time()
     aged = store_admin.quarantine_plan(found, older_than=quarantine_older_than, now=now)
     failures: list[store_admin.RemoveError] = []
+    fold_error: KvtoolError | None = None
 
     def run(step: Any, *args: Any) -> tuple[int, int]:
         try:
@@ -237,6 +241,10 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
             failures.append(e)
             return e.removed
 
+    try:
+        stats = fold_ended(found.backend, now=now, dry_run=dry_run)
+    except KvtoolError as e:  # the chunks are pruned all the same
+        stats, fold_error = (0, 0), e
     if dry_run:
         stale = store_admin.stale_temps(found)
         temps = len(stale), sum(t.size for t in stale)
@@ -256,7 +264,8 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
         echo_json({"removed_files": chunks[0], "removed_bytes": chunks[1],
                    "removed_temp_files": temps[0], "removed_temp_bytes": temps[1],
                    "removed_quarantined_files": quarantined[0],
-                   "removed_quarantined_bytes": quarantined[1], "dry_run": dry_run,
+                   "removed_quarantined_bytes": quarantined[1],
+                   "folded_stats_files": stats[0], "dry_run": dry_run,
                    "bytes_left": left})
     else:
         verb = "would remove" if dry_run else "removed"
@@ -264,8 +273,13 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
                    f"{human_bytes(left)} left in the store")
         click.echo(f"{verb} {temps[0]} stale temp files ({human_bytes(temps[1])})")
         click.echo(f"{verb} {quarantined[0]} quarantined files ({human_bytes(quarantined[1])})")
+        if stats[0]:
+            click.echo(f"{'would fold' if dry_run else 'folded'} the stats files of {stats[0]} "
+                       f"ended server processes into {STATS_DIR}/{FOLDED}")
     if failures:
         raise failures[0]
+    if fold_error is not None:
+        raise fold_error
 
 
 @store_group.command("pin")

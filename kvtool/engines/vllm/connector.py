@@ -126,6 +126,7 @@ from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
+from kvtool.engines.vllm.stats_files import stats_writer
 from kvtool.engines.vllm.store import open_store
 
 if TYPE_CHECKING:
@@ -178,8 +179,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             self.guard = StoreGuard(str(self.store.root), store_timeout(extra))
         self._stats_file = None
         if self.store is not None and self.store.writable:
-            self._stats_file = activity.stats_writer(self.store, self.model_info.get("dtype"),
-                                                     float(extra.get("stats_interval", 5)))
+            self._stats_file = stats_writer(self.store, self.model_info.get("dtype"),
+                                            float(extra.get("stats_interval", 5)))
         self.budget = None
         if self.store is not None and self.store.writable:
             from kvtool.engines.vllm.store_budget import StoreBudget

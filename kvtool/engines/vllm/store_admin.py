@@ -162,7 +162,7 @@ def refuse_foreign(root: str | os.PathLike | Backend) -> None:
     mistyped path: the user's home, a model directory), which would read as an empty store
     and fill up with a store's directories. An empty or missing root is a new store, as is
     one of hidden entries and ``lost+found`` alone (a volume's mount point)."""
-    from kvtool.engines.vllm.activity import STATS_DIR
+    from kvtool.engines.vllm.stats_files import STATS_DIR
     from kvtool.engines.vllm.store_s3 import HITS_DIR
 
     backend = backend_of(root)
