@@ -373,6 +373,12 @@ def test_store_stats_count_both_servers(runner, server_b):
     assert counters["requests_hit"] >= 10 and counters["requests_missed"] >= 1
     assert counters["tokens_loaded"] >= 512 and counters["chunks_saved"] >= 2
     assert counters["load_failures"] == counters["save_failures"] == 0
+    # both servers exited through SIGTERM: their files say "ended", and prune folds them
+    pruned = runner.invoke(cli, ["store", "prune", "--json", str(server_b.store)])
+    assert json.loads(pruned.output)["folded_stats_files"] == activity["processes"]
+    again = json.loads(runner.invoke(cli, ["store", "stats", "--json", str(server_b.store)])
+                       .output)["activity"]
+    assert again["counters"] == counters and again["folded"] == activity["processes"]
 
 
 def test_connector_options_are_checked_and_presets_honoured():
