@@ -82,7 +82,10 @@ def knapsack(costs: Sequence[Sequence[float]], weights: Sequence[Sequence[float]
     """
     units = [np.ceil(np.asarray(w, dtype=np.float64) / step - 1e-9).astype(np.int64)
              for w in weights]
-    cap = int(math.floor(capacity / step + 1e-9))
+    # a budget past the heaviest choice constrains nothing more: capped there, the table stays
+    # small whatever the budget (--bits 1e9, inf)
+    heaviest, budget_units = sum(int(u.max()) for u in units), capacity / step + 1e-9
+    cap = heaviest if budget_units >= heaviest else int(math.floor(budget_units))
     lightest = sum(int(u.min()) for u in units)
     if lightest > cap:
         raise KvtoolError(f"a budget of {capacity / max(len(units), 1):.3f} bits/element is "
@@ -200,13 +203,16 @@ def measure(loaded: Any, text: str | None = None, *, tokens: int = DEFAULT_TOKEN
         raise KvtoolError("the calibration menu is empty")
     ids = _calibration_ids(loaded, text, tokens, scored, sinks)
     path = _cache_path(loaded, _cache_key(loaded, ids, scored, sinks, menu))
+    layout = kv_layout(loaded.model.config)
+    head_dim = int(layout["head_dim"])
     if use_cache and path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return Measurements(**data, cached=True)
+            cached = Measurements(**data, cached=True)
+            if _fits(cached, menu, int(layout["num_layers"]), head_dim):
+                return cached
         except (OSError, ValueError, TypeError):
             pass  # a damaged cache entry is measured again (and rewritten)
-    head_dim = int(kv_layout(loaded.model.config)["head_dim"])
     options = list(menu)
     codecs = {role: [menu_codec(menu[o], role, head_dim) for o in options] for role in ROLES}
     start = time.perf_counter()
@@ -218,6 +224,23 @@ def measure(loaded: Any, text: str | None = None, *, tokens: int = DEFAULT_TOKEN
                           round(time.perf_counter() - start, 2))
     _write_cache(path, result)
     return result
+
+
+def _fits(m: Measurements, menu: dict[str, str], num_layers: int, head_dim: int) -> bool:
+    """Whether cached measurements are of this menu, layer count and head_dim, every KL finite
+    and >= 0 and every bits/element finite and > 0 (else they are measured again)."""
+    def numbers(rows: Any, count: int) -> bool:
+        return isinstance(rows, list) and len(rows) == count and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and x >= 0 for x in rows)
+
+    n = len(menu)
+    return (m.options == list(menu) and m.specs == menu and m.head_dim == head_dim
+            and isinstance(m.bits, list) and len(m.bits) == len(ROLES)
+            and all(numbers(b, n) and min(b, default=1) > 0 for b in m.bits)
+            and isinstance(m.kl, list) and len(m.kl) == num_layers
+            and all(isinstance(layer, list) and len(layer) == len(ROLES)
+                    and all(numbers(role, n) for role in layer) for layer in m.kl))
 
 
 def _write_cache(path: Any, result: Measurements) -> None:

@@ -120,7 +120,8 @@ def fit_preset(loaded: Any, name: str, *, texts: dict[str, str | None] | None = 
                tokens: int = DEFAULT_TOKENS, seeds: Sequence[int] = DEFAULT_SEEDS,
                on_run: Callable[[dict[str, Any]], None] | None = None) -> Fit:
     """Measure ``name``'s menu on ``loaded`` and choose the least mean KL within the budget."""
-    from kvtool.evaluate_grid import load_baselines, sweep
+    from kvtool.evaluate import data_text
+    from kvtool.evaluate_grid import DEFAULT_TEXTS, load_baselines, sweep
     from kvtool.identity import kv_layout
 
     budget, start = BUDGETS.get(name), time.perf_counter()
@@ -129,9 +130,18 @@ def fit_preset(loaded: Any, name: str, *, texts: dict[str, str | None] | None = 
         raise KvtoolError(f"--tokens {tokens}: a fit measures chunks that attend to encoded "
                           f"blocks of 64 tokens; give --tokens {MIN_TOKENS} or more")
     head_dim = int(kv_layout(loaded.model.config)["head_dim"])
+    texts = texts or {text_name: None for text_name in DEFAULT_TEXTS}
+    # a text shorter than ``tokens`` is measured whole, in chunks of its own length
+    measured = min([tokens] + [len(loaded.tokenizer(data_text(key) if text is None
+                                                     else text).input_ids)
+                               for key, text in texts.items()])
+    if measured < MIN_TOKENS:
+        raise KvtoolError(f"the calibration text has {measured} tokens: a fit measures chunks "
+                          f"that attend to encoded blocks of 64 tokens; give a text of "
+                          f"{MIN_TOKENS} tokens or more")
     # chunks of at most a quarter of the text: all but the first run on the compressed past
     baselines = load_baselines(loaded, texts, max_tokens=tokens,
-                               chunk=max(16, min(256, tokens // 4)))
+                               chunk=max(16, min(256, measured // 4)))
     rows: list[dict[str, Any]] = []
     for policy in policies:
         bits = round(expected_bits(policy, head_dim, BUDGET_TOKENS), 4)

@@ -54,6 +54,15 @@ def test_knapsack_refuses_a_budget_below_the_smallest_choice():
         knapsack([[0.0, 1.0]], [[4.0, 2.0]], 1.5)
 
 
+def test_knapsack_a_huge_budget_costs_no_memory():
+    """A budget beyond every choice's heaviest sum (``--bits 1e9``) picks the least KL at once,
+    with no table as large as the budget (it used to allocate groups × budget × 64 cells)."""
+    costs = [[0.5, 0.1, 0.0]] * 60
+    weights = [[2.0, 4.0, 16.0]] * 60
+    for capacity in (16 * 60, 1e9 * 60, 1e300 * 60, float("inf")):
+        assert knapsack(costs, weights, capacity) == [2] * 60
+
+
 def test_outliers_scale_with_head_dim():
     assert [outlier_channels(d) for d in (8, 64, 128, 256)] == [2, 16, 32, 64]
     assert menu_codec("turbomix:outliers={outliers}", "key", 256).get_config()["outliers"] == 64
@@ -160,3 +169,39 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
     both = runner.invoke(cli, ["capture", "--prompt", "x", "--policy", str(out), "--preset",
                                "quality", "-o", str(tmp_path / "both.kvz")])
     assert both.exit_code != 0 and "not both" in both.output
+
+
+@pytest.mark.parametrize("damage", ["nan", "layers", "options", "negative"])
+def test_a_damaged_cached_measurement_is_measured_again(loaded, tmp_path, monkeypatch, damage):
+    """The measurement cache is a file anyone can edit: an entry of the wrong shape (another
+    model's layer count, another menu) or with KLs that are not finite and >= 0 is measured
+    again, not turned into a policy (or an IndexError)."""
+    import kvtool.calibrate as calibrate_module
+
+    monkeypatch.setattr(calibrate_module, "_cache_path",
+                        lambda loaded, key: tmp_path / "cache" / f"{key[:16]}.json")
+    runs = []
+
+    def fake_kl(model, ids, scored, sinks, codecs, batch=8):
+        runs.append(1)
+        return [[[0.01 * (i + 1)] * len(codecs[r]) for r in ("key", "value")]
+                for i in range(30)]
+
+    monkeypatch.setattr(calibrate_module, "_measure_kl", fake_kl)
+    menu = {"2b": "turbomix:bits=2", "4b": "turbo4"}
+    first = calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu)
+    assert runs == [1] and not first.cached
+    path = next((tmp_path / "cache").glob("*.json"))
+    data = json.loads(path.read_text())
+    if damage == "nan":
+        data["kl"][3][0][1] = float("nan")
+    elif damage == "layers":
+        data["kl"] = data["kl"][:5]
+    elif damage == "options":
+        data["kl"][0][1] = [0.1]
+    else:
+        data["kl"][7][1][0] = -1.0
+    path.write_text(json.dumps(data))
+    again = calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu)
+    assert runs == [1, 1] and not again.cached and again.kl == first.kl
+    assert calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu).cached

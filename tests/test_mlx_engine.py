@@ -31,7 +31,7 @@ from kvtool.engines import hf  # noqa: E402
 from kvtool.engines import mlx as E  # noqa: E402
 from kvtool.engines.mlx_cache import KvtoolMLXCache, make_kvtool_cache  # noqa: E402
 from kvtool.errors import FormatError, ModelMismatchError, PrefixMismatchError  # noqa: E402
-from kvtool.formats import load, save  # noqa: E402
+from kvtool.formats import load, open_kvz, save  # noqa: E402
 from kvtool.identity import canonical_sha256  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
@@ -332,6 +332,61 @@ def test_cli_refuses_bad_mlx_files(lm, doc_cache, monkeypatch, runner, tmp_path)
                               QUESTION])
     assert res.exit_code == 5 and res.output.count("\n") == 1
     assert "architecture: another-llama vs llama" in res.output
+
+
+def _synthetic(layers: int = 3, tokens: int = 20) -> KVCache:
+    """A small float32 cache of a made-up model (no mlx model needed)."""
+    rng = np.random.default_rng(3)
+    keys, values = ([rng.standard_normal((2, tokens, 32)).astype(np.float32)
+                     for _ in range(layers)] for _ in range(2))
+    return KVCache(keys, values, np.arange(tokens), {"name": "synthetic", "fingerprint": "fp-s"},
+                   "t" * 16)
+
+
+def test_cli_import_of_codes_refuses_a_second_quantization(runner, tmp_path):
+    """An mlx prompt cache of KvtoolMLXCache codes is lossy already: importing it with a lossy
+    policy quantizes decoded values again, refused without --force as for a lossy .kvz."""
+    packed, stock = tmp_path / "packed.safetensors", tmp_path / "stock.safetensors"
+    E.export_prompt_cache(_synthetic(), packed, policy=CodecPolicy.from_options("turbo4"),
+                          block_size=4)
+    E.export_prompt_cache(_synthetic(), stock)
+    out = tmp_path / "x.kvz"
+    res = runner.invoke(cli, ["compress", "--from", "mlx", str(packed), "-o", str(out),
+                              "--codec", "turbo3"])
+    assert res.exit_code != 0 and res.output.count("\n") == 1, res.output
+    assert "already lossy (turbo4)" in res.output and not out.exists()
+    for src, extra in ((packed, ["--force"]), (packed, []), (stock, [])):
+        codec = "raw" if src == packed and not extra else "turbo3"
+        res = runner.invoke(cli, ["compress", "--from", "mlx", str(src), "-o", str(out),
+                                  "--codec", codec, *extra])
+        assert res.exit_code == 0, res.output
+
+
+def test_cli_import_uses_the_preset_fitted_to_the_model(runner, tmp_path, monkeypatch):
+    """``compress --from mlx --preset NAME`` uses NAME as fitted to the file's model, as
+    ``compress`` of a .kvz does."""
+    from kvtool.preset_fit import MENUS, Fit, save_fit
+
+    monkeypatch.setenv("KVTOOL_PRESET_FITS_DIR", str(tmp_path / "fits"))
+    alternative = CodecPolicy.from_label(MENUS["balanced"][1])
+    save_fit(Fit("balanced", alternative.describe(), 3.2, 0.001, 0.1, "m", "fp-s", 64, ["t"],
+                 [1], 1.0))
+    st, out = tmp_path / "a.safetensors", tmp_path / "a.kvz"
+    E.export_prompt_cache(_synthetic(tokens=8), st)
+    res = runner.invoke(cli, ["compress", "--from", "mlx", str(st), "-o", str(out),
+                              "--preset", "balanced"])
+    assert res.exit_code == 0, res.output
+    with open_kvz(out) as f:
+        assert f.header["policy"]["key"] == alternative.key.get_config()
+
+
+def test_cli_export_refuses_a_zstd_level_it_would_ignore(runner, tmp_path):
+    kvz = tmp_path / "a.kvz"
+    save(_synthetic(tokens=8), kvz)
+    out = tmp_path / "a.safetensors"
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "--zstd-level", "5", "-o",
+                              str(out)])
+    assert res.exit_code == 2 and "--zstd-level" in res.output and not out.exists()
 
 
 def test_bf16_capture_is_cast(lm, doc_cache, baseline, caplog):

@@ -143,3 +143,44 @@ def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path, monkeypat
         assert after["choices"][0]["text"].strip().startswith("Paris")
     finally:
         server.stop()
+
+
+def test_store_keeps_only_the_served_models_caches(tmp_path):
+    """mlx_lm.server loads any model a request names; its caches must not be stored under the
+    served model's identity (a restart would serve another model's K/V for these tokens)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvtool.engines.mlx_cache import KvtoolMLXCache
+    from kvtool.engines.mlx_serve import _prompt_cache_class
+    from kvtool.policy import CodecPolicy
+
+    policy = CodecPolicy.from_options("turbo3")
+    identity = {"fingerprint": "fp", "dtype": "float32", "path": "/models/served"}
+    store = tmp_path / "store"
+
+    def layers() -> list:
+        out = [KvtoolMLXCache.for_layer(policy, i, 2, block_size=4) for i in range(2)]
+        for c in out:
+            x = mx.array(np.ones((1, 2, 6, 16), np.float32))
+            c.update_and_fetch(x, x)
+        return out
+
+    cache = _prompt_cache_class(policy, identity, str(store))()
+    cache.insert_cache(("/models/other", None, None), [1, 2, 3, 4, 5, 6], layers())
+    assert not list(store.glob("*.safetensors"))
+    cache.insert_cache(("/models/served", None, None), [7, 8, 9, 10, 11, 12], layers())
+    assert len(list(store.glob("*.safetensors"))) == 1
+    again = _prompt_cache_class(policy, identity, str(store))()  # a restart
+    assert len(again) == 1
+    assert again.fetch_nearest_cache(("/models/served", None, None), [1, 2, 3, 4, 5, 6, 9])[0] \
+        is None
+
+
+def test_mlx_lm_kv_quantization_is_refused(runner):
+    """mlx_lm.server's --kv-bits quantizes only caches with ``to_quantized``: KvtoolMLXCache
+    layers would silently stay as kvtool's policy made them, so the launcher refuses it."""
+    for arg in ("--kv-bits", "--kv-bits=4"):
+        out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--", arg, "4"])
+        assert out.exit_code != 0 and "codec options" in out.output, out.output
+        assert len(out.output.strip().splitlines()) == 1

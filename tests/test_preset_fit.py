@@ -185,3 +185,19 @@ def _text(tmp_path):
     path = tmp_path / "text.txt"
     path.write_text(data_text("story_text.md"), encoding="utf-8")
     return path
+
+
+def test_a_text_shorter_than_tokens_is_measured_in_chunks_of_its_length(loaded, fits):
+    """``--text`` of 120 tokens with the default ``--tokens 1024``: measured (its chunks fit
+    its length), not refused with advice about a --chunk option calibrate does not have; a
+    text too short to measure anything is refused, naming its length."""
+    from kvtool.errors import KvtoolError
+    from kvtool.evaluate import data_text
+
+    ids = loaded.tokenizer(data_text("story_text.md")).input_ids
+    text = loaded.tokenizer.decode(ids[1:121])
+    fit = fit_preset(loaded, "balanced", texts={"short": text}, seeds=(1,))
+    assert 96 <= fit.tokens <= 130 and 0 < fit.kl
+    with pytest.raises(KvtoolError, match="has 4[0-9] tokens"):
+        fit_preset(loaded, "balanced", texts={"tiny": loaded.tokenizer.decode(ids[1:46])},
+                   seeds=(1,))

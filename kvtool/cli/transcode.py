@@ -108,8 +108,16 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
     level = _zstd(zstd, zstd_level)
     if src_format == "mlx":
         from kvtool.formats import save
+        from kvtool.formats.transcode import refuse_requantizing
 
-        cache = _mlx_engine().import_prompt_cache(src)
+        mlx_engine = _mlx_engine()
+        cache = mlx_engine.import_prompt_cache(src)
+        model = cache.model or {}
+        policy = fitted_for_model(opts, policy, model.get("fingerprint"),
+                                  str(model.get("name") or src))
+        if not force:  # KvtoolMLXCache layers hold codes: decoded, they are lossy already
+            refuse_requantizing(src, policy, "compressing it again",
+                                mlx_engine.prompt_cache_codecs(src))
         report = save(cache, output, policy, zstd=level, entropy=entropy,
                       progress=progress_enabled())
     else:
@@ -141,8 +149,8 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
     """Decode the .kvz file IN and store it lossless (raw codec, or an mlx-lm prompt cache)."""
     _check_paths(src, output)
     if dst_format == "mlx":
-        if zstd:
-            raise click.UsageError("--zstd applies to .kvz output only")
+        if zstd or zstd_level is not None:
+            raise click.UsageError("--zstd and --zstd-level apply to .kvz output only")
         mlx_engine = _mlx_engine()
         from kvtool.formats import load
 

@@ -362,6 +362,33 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     return cache
 
 
+def prompt_cache_codecs(path: str | os.PathLike) -> list[str]:
+    """The codec ids that the ``KvtoolMLXCache`` layers of an mlx-lm prompt-cache file hold
+    (sorted; ``KVCache`` layers and lossless roles hold none): what ``compress --from mlx``
+    would quantize a second time. Read from each layer's config array, nothing decoded."""
+    from safetensors import safe_open
+
+    from kvtool.engines.mlx_cache import CONFIG_KEY, _read_config
+
+    path = os.fspath(path)
+    meta = _read_header(path)
+    layers = [int(k[2:]) for k, v in meta.items()
+              if k.startswith("1.") and k[2:].isdigit() and v == "KvtoolMLXCache"]
+    ids: set[str] = set()
+    try:
+        with safe_open(path, framework="numpy") as f:
+            for i in layers:
+                config = _read_config({CONFIG_KEY: f.get_tensor(f"{i}.{CONFIG_KEY}")})
+                ids.update(str(c["id"]) for c in (config.get("key"), config.get("value"))
+                           if isinstance(c, dict) and "id" in c)
+    except KvtoolError:
+        raise
+    except Exception as e:  # a missing config tensor, a damaged file
+        raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
+                          f"{e})") from None
+    return sorted(ids)
+
+
 def _kvtool_metadata(path: str, user: dict[str, Any], meta: dict[str, str]) -> dict[str, Any]:
     """KVCache fields from an exported file's ``kvtool`` metadata entry."""
     text = user.get(METADATA_KEY)
@@ -424,4 +451,4 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
 
 __all__ = ["MLXModel", "KvtoolMLXCache", "capture", "continue_generation", "export_prompt_cache",
            "generate_report", "import_prompt_cache", "load_mlx", "make_kvtool_cache",
-           "recompute_generation", "to_prompt_cache"]
+           "prompt_cache_codecs", "recompute_generation", "to_prompt_cache"]

@@ -54,6 +54,12 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.models import resolve_model
 
     refuse_own(engine_args, _OWN_ARGS, "mlx_lm.server")
+    for arg in engine_args:  # argparse abbreviations included (--kv-b)
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if len(name) > len("--kv-") and "--kv-bits".startswith(name):
+            raise KvtoolError(f"-- {name}: mlx-lm quantizes only its own cache layers; "
+                              "kvtool's stay as its codec options make them: give kvtool "
+                              "serve codec options (--codec, --preset, ...) instead")
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
@@ -111,6 +117,8 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
 
             from kvtool.fileio import atomic_write
 
+            if tuple(model)[:1] != (identity["path"],):
+                return  # another model a request named: the file would carry our identity
             data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
                     "dtype": identity["dtype"], "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from kvtool.codecs import Codec
@@ -33,14 +34,18 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
                          progress=progress)
 
 
-def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str) -> None:
+def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str,
+                        codecs: Iterable[str] | None = None) -> None:
     """Refuse to encode ``src``'s decoded values with a lossy ``policy`` when ``src`` is lossy
     already: the second quantization's error adds to the first, unseen (the commands that do
-    it take ``--force``). ``doing`` names what would, as in "compressing it again"."""
+    it take ``--force``). ``doing`` names what would, as in "compressing it again";
+    ``codecs``: the codec ids ``src`` holds, where it is not a .kvz file."""
     from kvtool.errors import KvtoolError
 
-    with open_kvz(src, verify=False) as f:
-        lossy = sorted(c for c in f.info()["codecs"] if c != "raw")
+    if codecs is None:
+        with open_kvz(src, verify=False) as f:
+            codecs = f.info()["codecs"]
+    lossy = sorted(c for c in codecs if c != "raw")
     if lossy and policy.is_lossy():
         raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): {doing} quantizes "
                           "decoded values a second time; use the raw capture instead, or "
