@@ -175,6 +175,12 @@ def test_store_keeps_only_the_served_models_caches(tmp_path):
     assert len(again) == 1
     assert again.fetch_nearest_cache(("/models/served", None, None), [1, 2, 3, 4, 5, 6, 9])[0] \
         is None
+    # --prompt-cache-bytes: the server trims while it generates; what it drops leaves the store
+    again.insert_cache(("/models/served", None, None), [20, 21, 22, 23, 24, 25], layers())
+    assert len(list(store.glob("*.safetensors"))) == 2
+    again.trim_to(n_bytes=again.nbytes - 1)
+    assert len(again) == 1 and len(list(store.glob("*.safetensors"))) == 1
+    assert len(_prompt_cache_class(policy, identity, str(store))()) == 1
 
 
 def test_mlx_lm_kv_quantization_is_refused(runner):

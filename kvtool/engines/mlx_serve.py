@@ -107,6 +107,13 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
                 self._save(model, tokens, prompt_cache, kwargs.get("cache_type", "assistant"))
                 self._forget_evicted()
 
+        def trim_to(self, *args: Any, **kwargs: Any) -> None:
+            """mlx-lm's server trims by bytes (``--prompt-cache-bytes``) while it generates:
+            the stored files of what it drops go too, or a restart would load them again."""
+            super().trim_to(*args, **kwargs)
+            if store:
+                self._forget_evicted()
+
         # -- the store ---------------------------------------------------------------------------
         def _live(self) -> set[tuple[Any, tuple[int, ...]]]:
             return {(m, tuple(t)) for lru in self._lru._lrus.values() for m, t in lru}
