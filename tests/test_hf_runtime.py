@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,7 @@ from transformers import DynamicCache  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache, cache_nbytes  # noqa: E402
-from kvtool.errors import CodecError, KvtoolError  # noqa: E402
+from kvtool.errors import CodecError, KvtoolError, ModelMismatchError  # noqa: E402
 from kvtool.evaluate import data_text  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
 
@@ -229,3 +230,31 @@ def test_a_refused_update_ends_the_layer():
     with pytest.raises(KvtoolError, match="refused an earlier update"):
         cache.update(torch.randn(1, 2, 1, 64, generator=gen),
                      torch.randn(1, 2, 1, 64, generator=gen), 0)
+    cache.reset()  # emptied, the layer holds nothing that could mismatch: it takes updates again
+    fresh = torch.randn(1, 2, 3, 64, generator=gen)
+    keys, _ = cache.update(fresh, fresh, 0)
+    assert torch.equal(keys, fresh) and cache.get_seq_length() == 3
+
+
+def test_from_kvcache_refuses_a_cache_shaped_for_another_model(loaded, prompt_ids):
+    """A .kvz of another layout restored with --force --runtime-codec crashed mid-forward
+    ("Sizes of tensors must match"); to_dynamic_cache named the mismatch."""
+    ids = prompt_ids[0, :20].tolist()
+    kv = hf.capture(loaded.model, loaded.tokenizer, token_ids=ids[:-1])
+    two_heads = KVCache([k[:2] for k in kv.keys], [v[:2] for v in kv.values],
+                        token_ids=kv.token_ids, model=kv.model,
+                        tokenizer_fingerprint=kv.tokenizer_fingerprint)
+    for spec in ("raw", "turbo3"):
+        with pytest.raises(ModelMismatchError, match="layer 0: cache has 2 KV heads"):
+            hf.continue_generation(loaded, two_heads, input_ids=ids, max_new_tokens=2,
+                                   force=True, past_factory=lambda c, m, s=spec: CompressedCache
+                                   .from_kvcache(c, CodecPolicy.from_options(s), m))
+    with pytest.raises(ModelMismatchError, match="cache has 29 layers, model has 30"):
+        CompressedCache.from_kvcache(kv.__class__(kv.keys[:-1], kv.values[:-1],
+                                                  token_ids=kv.token_ids),
+                                     CodecPolicy.from_options("raw"), loaded.model)
+    big = KVCache([k * 1e6 for k in kv.keys], kv.values, token_ids=kv.token_ids)
+    half = SimpleNamespace(config=loaded.model.config, dtype=torch.float16,
+                           parameters=loaded.model.parameters)
+    with pytest.raises(KvtoolError, match="past float16's 65504"):  # not a NaN step later
+        CompressedCache.from_kvcache(big, CodecPolicy.from_options("raw"), half)

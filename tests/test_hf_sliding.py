@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -157,3 +158,57 @@ def test_unknown_layer_types_are_refused(model):
         CompressedCache(_policy("turbo3"), config=cfg)
     with pytest.raises(KvtoolError, match="2 sliding windows for 4 layers"):
         CompressedCache(_policy("turbo3"), num_layers=4, sliding_windows=[8, None])
+
+
+class _Tokenizer:
+    """What kvtool's generation reads of a tokenizer: the model's 128 ids, each its own text."""
+
+    special_tokens_map: dict[str, str] = {}
+    pad_token_id = 0
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(128)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(f"t{i}" for i in ids)
+
+
+def _loaded(model) -> SimpleNamespace:
+    """The tiny model as ``kvtool generate`` holds a loaded one."""
+    from kvtool.identity import model_identity, tokenizer_fingerprint
+
+    tok = _Tokenizer()
+    return SimpleNamespace(model=model, tokenizer=tok, name="tiny-gemma",
+                           info=model_identity(model.config, dtype="float32",
+                                               architecture=type(model).__name__),
+                           fingerprints={"tokenizer": tokenizer_fingerprint(tok)})
+
+
+def test_a_cache_whose_windows_kept_every_token_continues_with_no_new_prompt(model, ids):
+    loaded = _loaded(model)
+    short = ids[0, :WINDOW - 2].tolist()  # no window has slid: the last token can be fed again
+    cache = hf.capture(model, loaded.tokenizer, token_ids=short, model_info=loaded.info)
+    got = hf.continue_generation(loaded, cache, max_new_tokens=4)
+    want = hf.recompute_generation(loaded, short, 4)
+    assert got.new_token_ids == want.new_token_ids and got.cached_tokens == len(short) - 1
+    torch.testing.assert_close(got.first_logits, want.first_logits, rtol=0, atol=1e-4)
+    slid = hf.capture(model, loaded.tokenizer, token_ids=ids[0, :20].tolist(),
+                      model_info=loaded.info)
+    with pytest.raises(KvtoolError, match="adds no tokens to a sliding-window cache"):
+        hf.continue_generation(loaded, slid, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("runtime_codec", [None, "raw:dtype=float32"])
+def test_prompt_cache_of_a_sliding_window_model_saves_then_restores(model, ids, tmp_path,
+                                                                   runtime_codec):
+    """``kvtool generate --prompt-cache``: the same prompt again restores the file (a cache
+    whose windows slid cannot give its last token back, so the file keeps it out)."""
+    from kvtool.cli.generate import _with_prompt_cache
+
+    loaded, prompt, path = _loaded(model), ids[0, :20].tolist(), str(tmp_path / "pc.kvz")
+    runs = [_with_prompt_cache(loaded, path, prompt, 4, hf.GREEDY, False, runtime_codec)
+            for _ in range(2)]
+    assert [r["prompt_cache"]["action"] for r in runs] == ["saved", "restored"]
+    assert runs[1]["prompt_cache"]["cached_tokens"] == len(prompt) - 1
+    want = hf.recompute_generation(loaded, prompt, 4)
+    assert [r["restore"]["new_token_ids"] for r in runs] == [want.new_token_ids] * 2

@@ -286,15 +286,19 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
                      device=_decode_device(loaded))
         hf.check_compatible(cache, loaded, force=force)
         cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
-        if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached:
+        if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached \
+                and (len(cached) < len(ids) or _holds_every_token(cache)):
             action = "restored"
         else:
             info(f"{path} holds another prompt: capturing this one into it")
             cache = None
     if cache is None:
+        # a sliding window lets go of its oldest tokens, so such a cache cannot give its last
+        # token back to be fed again: it keeps the prompt's last token for generate to feed
+        keep = ids[:-1] if len(ids) > 1 and hf.layer_types(loaded.model) else ids
         layers = decoder_layers(loaded.model)
-        with forward_progress(layers, len(layers), f"prefill {len(ids)} tokens", "layer"):
-            cache = hf.capture(loaded.model, loaded.tokenizer, token_ids=ids,
+        with forward_progress(layers, len(layers), f"prefill {len(keep)} tokens", "layer"):
+            cache = hf.capture(loaded.model, loaded.tokenizer, token_ids=keep,
                                model_info=loaded.info)
         save(cache, path, progress=progress_enabled())
     info(f"prompt cache {path}: {action} {len(cache.token_ids)} of {len(ids)} prompt tokens")
@@ -309,6 +313,12 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
                              "seconds": round(prepare_s, 4)},
             "restore": result.to_json() | {"ttft_with_read_s": result.ttft_s + prepare_s},
             "read_file_s": round(prepare_s, 4) if action == "restored" else 0.0}
+
+
+def _holds_every_token(cache: Any) -> bool:
+    """Whether every layer of ``cache`` holds all its tokens (no sliding window has slid), so a
+    prompt it covers whole can still be continued (its last token is fed again)."""
+    return all(int(k.shape[1]) == len(cache.token_ids) for k in cache.keys)
 
 
 def _output(report: dict[str, Any], as_json: bool) -> None:

@@ -109,10 +109,7 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
 
     want = None
     if model is not None:
-        from kvtool.identity import kv_layout
-
-        layout = kv_layout(model.config)
-        want = (layout["num_kv_heads"], layout["head_dim"])
+        want = kv_shape(model)
         dtype = dtype or model.dtype
         device = device or next(model.parameters()).device
         out = DynamicCache(config=model.config)
@@ -129,22 +126,37 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
     total = _total_tokens(cache)
     for i, layer in enumerate(out.layers):
         k, v = (to_torch(a) for a in cache.layer(i))
-        if want is not None and (int(k.shape[0]), int(k.shape[2])) != want:
-            raise ModelMismatchError(f"layer {i}: cache has {k.shape[0]} KV heads × head_dim "
-                                     f"{k.shape[2]}, model has {want[0]} × {want[1]}")
+        check_layer(i, k, v, want, dtype)
         sliding = getattr(layer, "sliding_window", None) if layer.is_sliding else None
         if sliding:
             k, v = k[:, -(sliding - 1):], v[:, -(sliding - 1):]
         elif k.shape[1] != total:
             raise ModelMismatchError(f"layer {i} holds {k.shape[1]} of {total} tokens (a "
                                      "sliding-window cache?) but is full attention here")
-        if dtype == torch.float16 and k.dtype != torch.float16:
-            _check_fits_fp16(i, k, v)
         layer.update(k[None].to(device=device, dtype=dtype or k.dtype),
                      v[None].to(device=device, dtype=dtype or v.dtype))
         if sliding:
             layer.cumulative_length = total
     return out
+
+
+def kv_shape(model: Any) -> tuple[int, int]:
+    """(KV heads, head_dim) of the model's attention layers."""
+    from kvtool.identity import kv_layout
+
+    layout = kv_layout(model.config)
+    return layout["num_kv_heads"], layout["head_dim"]
+
+
+def check_layer(i: int, k: torch.Tensor, v: torch.Tensor, want: tuple[int, int] | None,
+                dtype: Any) -> None:
+    """Refuse layer ``i``'s K/V ``[kv_heads, tokens, head_dim]`` when not shaped ``want``
+    (:class:`ModelMismatchError`; None: any) or past float16's range when cast to ``dtype``."""
+    if want is not None and (int(k.shape[0]), int(k.shape[2])) != want:
+        raise ModelMismatchError(f"layer {i}: cache has {k.shape[0]} KV heads × head_dim "
+                                 f"{k.shape[2]}, model has {want[0]} × {want[1]}")
+    if dtype == torch.float16 and k.dtype != torch.float16:
+        _check_fits_fp16(i, k, v)
 
 
 def _check_fits_fp16(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -253,7 +265,7 @@ def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
     check_compatible(cache, loaded, force=force)
     full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
     if len(full) == len(cache.token_ids):  # generate needs one uncached token: recompute it
-        if cache.layer_info and any(cache.layer_info):
+        if any(int(k.shape[1]) < len(full) for k in cache.keys):  # a window has slid
             raise KvtoolError("the prompt adds no tokens to a sliding-window cache; "
                               "give a prompt to continue from")
         cache = cache.prefix(len(full) - 1)

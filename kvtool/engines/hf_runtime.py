@@ -94,7 +94,7 @@ from kvtool.engines.hf_attention import (
     scalar_codes,
 )
 from kvtool.engines.hf_stream import _Stream
-from kvtool.errors import KvtoolError
+from kvtool.errors import KvtoolError, ModelMismatchError
 from kvtool.policy import CodecPolicy
 
 DEFAULT_BLOCK_SIZE = 64
@@ -278,7 +278,7 @@ class CompressedLayer(DynamicLayer):
         for s in self.streams:
             s.reset()
         self.cumulative_length = self.dropped = 0
-        self._pending = self._view = None
+        self._pending = self._view = self._refused = None  # empty again: it may take updates
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -415,23 +415,28 @@ class CompressedCache(Cache):
         Usable as ``past_factory`` of :func:`kvtool.engines.hf.continue_generation` via
         ``lambda c, m: CompressedCache.from_kvcache(c, policy, m)``.
         """
-        from kvtool.engines.hf import _total_tokens
+        from kvtool.engines.hf import _total_tokens, check_layer, kv_shape
         from kvtool.kernels import to_torch
 
+        want = None
         if model is not None:
             out = cls(policy, config=model.config, **kwargs)
             dtype, device = model.dtype, next(model.parameters()).device
+            want = kv_shape(model)
         else:
             windows = [(i or {}).get("sliding_window")
                        for i in cache.layer_info or [{}] * cache.num_layers]
             out = cls(policy, num_layers=cache.num_layers, sliding_windows=windows, **kwargs)
             dtype = device = None
         if len(out.layers) != cache.num_layers:
-            raise KvtoolError(f"cache has {cache.num_layers} layers, model has {len(out.layers)}")
+            raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has "
+                                     f"{len(out.layers)}")
         total = _total_tokens(cache)
         for i, (layer, (k, v)) in enumerate(zip(out.layers, zip(cache.keys, cache.values,
                                                                  strict=True), strict=True)):
-            k, v = (to_torch(a)[None].to(device=device, dtype=dtype) for a in (k, v))
+            k, v = to_torch(k), to_torch(v)
+            check_layer(i, k, v, want, dtype)  # as to_dynamic_cache: not a crash mid-forward
+            k, v = (a[None].to(device=device, dtype=dtype) for a in (k, v))
             if layer.is_sliding:  # the last window - 1 tokens are all the next step can see
                 keep = layer.sliding_window - 1
                 k, v = k[..., -keep:, :], v[..., -keep:, :]
