@@ -44,6 +44,25 @@ def test_encode_writes_exactly_the_declared_arrays(spec, backend):
                 assert s.high is None or a.max() <= s.high
 
 
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("spec", SPECS + ["turbomix:outliers=8,center=true,candidates=2"])
+def test_empty_input_encodes_to_its_declared_finite_arrays(spec, backend):
+    """No tokens or no heads: the declared (empty or per-group) arrays, all finite (a mean of
+    no tokens was NaN), and an empty decode (turbomix's reference path failed to reshape)."""
+    codec = get_codec(spec)
+    for shape in [(2, 0, 64), (0, 5, 64), (0, 64)]:
+        enc = _encode(codec, np.zeros(shape, np.float32), backend)
+        want = {k: (s.dtype, tuple(s.shape))
+                for k, s in codec.expected_arrays(shape, "float32").items()}
+        assert {k: (str(to_numpy(a).dtype), tuple(a.shape))
+                for k, a in enc.arrays.items()} == want, (spec, shape)
+        for name, a in enc.arrays.items():
+            a = to_numpy(a)
+            if a.dtype.kind == "f" or "float" in str(a.dtype):
+                assert np.isfinite(a.astype(np.float32)).all(), (spec, shape, name)
+        assert tuple(to_numpy(codec.decode(enc)).shape) == shape
+
+
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b != "numpy"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_backend_decodes_numpys_arrays_of_every_shape(spec, backend):

@@ -183,6 +183,19 @@ def test_token_prefix_reads_only_needed_segments(tmp_path, monkeypatch, n):
         load(tmp_path / "c.kvz", tokens=13)
 
 
+@pytest.mark.parametrize("tokens, error", [(True, TypeError), (2.5, TypeError),
+                                           (-1, ValueError), (13, ValueError)])
+def test_a_token_prefix_that_is_not_a_count_within_the_file_is_refused(tmp_path, tokens, error):
+    """``tokens=True`` read a 1-token prefix; ``layer(i, tokens=...)`` cut 13 of 12 tokens to
+    all 12 and failed on -1 with numpy's "negative dimensions"."""
+    save(synthetic_cache(tokens=12), tmp_path / "c.kvz", codec="turbo3", sink_tokens=2)
+    with pytest.raises(error, match="tokens"):
+        load(tmp_path / "c.kvz", tokens=tokens)
+    with open_kvz(tmp_path / "c.kvz") as f, pytest.raises(error, match="tokens"):
+        f.layer(0, tokens=tokens)
+    assert load(tmp_path / "c.kvz", tokens=np.int32(3)).num_tokens == 3
+
+
 # -- determinism, container compatibility, transcoding ---------------------------------------------
 def test_identical_bytes_on_resave(tmp_path):
     cache = synthetic_cache()

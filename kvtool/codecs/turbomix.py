@@ -190,13 +190,15 @@ class TurboMixCodec(Codec):
             return on_cuda.encode(self, x)
         if not xp.all_finite(x):
             check_finite(xp, x, self.codec_id)
-        g = np.asarray(to_numpy(x)).astype(np.float32).reshape(-1, shape[-2] if len(shape) > 1
-                                                               else 1, dim)
+        groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
+        tokens = shape[-2] if len(shape) > 1 else 1  # explicit: -1 is ambiguous when empty
+        g = np.asarray(to_numpy(x)).astype(np.float32).reshape(groups, tokens, dim)
         out: dict[str, np.ndarray] = {}
         if self.center:
             # summed in float64: within rounding of exact, so every backend stores the same
-            mean = g.mean(axis=1, keepdims=True, dtype=np.float64).astype(np.float32) \
-                .astype(np.float16)
+            # (no tokens: a zero mean, not NaN)
+            mean = (g.mean(axis=1, keepdims=True, dtype=np.float64) if tokens else
+                    np.zeros((groups, 1, dim))).astype(np.float32).astype(np.float16)
             out["mean"] = mean
             g = g - mean.astype(np.float32)
         hi_idx = lo_idx = None
@@ -313,6 +315,10 @@ class TurboMixCodec(Codec):
         if on_mlx is not None:  # validates and decodes the mx arrays where they are
             return on_mlx.decode(self, enc.arrays, shape, dtype)
         first = next(iter(enc.arrays.values()))
+        if not int(np.prod(shape)):  # no vectors (the kernels' reshapes need some): validate
+            self._check_decodable({k: np.asarray(to_numpy(v)) for k, v in enc.arrays.items()},
+                                  shape)
+            return xp.empty(shape, dtype, first)
         on_cuda = self._cuda(first)
         if on_cuda is not None:  # validates and decodes the tensors on their device
             from kvtool.kernels import to_torch

@@ -249,7 +249,17 @@ class KvzFile:
         """Decoded ``(keys, values)`` of layer ``i``, reading only that layer's bytes
         (``device``: torch tensors there, see the module docstring)."""
         dtype, backend = C.normalize_dtype(dtype), _check_backend(backend, device)
+        tokens = self._prefix(tokens)
         return tuple(self._decode_role(i, r, dtype, backend, tokens, device) for r in C.ROLES)
+
+    def _prefix(self, tokens: Any) -> int | None:
+        """``tokens`` checked as a prefix length of this file (None: every token)."""
+        if tokens is None:
+            return None
+        tokens = _count(tokens, "tokens")
+        if not 0 <= tokens <= self.num_tokens:
+            raise ValueError(f"prefix of {tokens} tokens from a file of {self.num_tokens}")
+        return tokens
 
     def to_cache(self, *, layers: Iterable[int] | None = None, tokens: int | None = None,
                  backend: str | None = None, dtype: str | None = None,
@@ -261,8 +271,7 @@ class KvzFile:
         index = list(range(self.num_layers)) if layers is None else [_index(i) for i in layers]
         for i in index:
             self._role(i, "key")
-        if tokens is not None and not 0 <= tokens <= self.num_tokens:
-            raise ValueError(f"prefix of {tokens} tokens from a file of {self.num_tokens}")
+        tokens = self._prefix(tokens)
         keys, values = [], []
         for i in tqdm(index, desc="decoding", unit="layer", disable=not progress, leave=False):
             k, v = self.layer(i, dtype, backend, tokens=tokens, device=device)
@@ -291,6 +300,14 @@ class KvzFile:
         from kvtool.formats.info import file_info
 
         return file_info(self)
+
+
+def _count(n: Any, what: str) -> int:
+    """``n`` as an int: an integer, not a float (2.5 was a slice error) or bool (True read as
+    1)."""
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"{what} must be an integer, got {n!r}")
+    return n.__index__()
 
 
 def _index(i: Any) -> int:

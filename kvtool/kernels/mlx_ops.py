@@ -192,6 +192,9 @@ def amax(x: mx.array, axis: int) -> mx.array:
 
 
 def mean(x: mx.array, axis: int) -> mx.array:
+    """float32 mean over ``axis``, keepdims; 0 (not NaN) over an empty axis."""
+    if not x.shape[axis]:
+        return mx.sum(x.astype(mx.float32), axis=axis, keepdims=True)
     return mx.mean(x.astype(mx.float32), axis=axis, keepdims=True)
 
 

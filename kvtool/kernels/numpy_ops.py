@@ -94,6 +94,9 @@ def amax(x: np.ndarray, axis: int) -> np.ndarray:
 
 
 def mean(x: np.ndarray, axis: int) -> np.ndarray:
+    """float32 mean over ``axis``, keepdims; 0 (not NaN) over an empty axis."""
+    if not x.shape[axis]:
+        return x.sum(axis=axis, keepdims=True, dtype=np.float32)
     return x.mean(axis=axis, keepdims=True, dtype=np.float32)
 
 

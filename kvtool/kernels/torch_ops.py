@@ -143,6 +143,9 @@ def amax(x, axis: int):
 
 
 def mean(x, axis: int):
+    """float32 mean over ``axis``, keepdims; 0 (not NaN) over an empty axis."""
+    if not x.shape[axis]:
+        return x.float().sum(dim=axis, keepdim=True)
     return x.float().mean(dim=axis, keepdim=True)
 
 
