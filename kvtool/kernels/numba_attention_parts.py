@@ -34,10 +34,10 @@ from kvtool.kernels.numba_attention import (
     _softmax_step,
     merge_exact,
 )
+from kvtool.kernels.numba_quantizers import trellis_levels_tile, unpack_tile
 from kvtool.kernels.numba_support import jit
 
 SCALAR, PAIR, TRELLIS = 0, 1, 2  # quantiser kinds
-MEMORY = 5  # path bits in a trellis state (kvtool.codecs.trellis.MEMORY)
 
 
 class RoleCodes(NamedTuple):
@@ -53,93 +53,75 @@ class RoleCodes(NamedTuple):
     rot1: np.ndarray  # float32 [C, n1, n1]
     choice: np.ndarray  # uint8 [BH, blocks]: each block's candidate
     mean: np.ndarray  # float32 [BH, blocks, D], or [0, 0, 0]: uncentered
-    #: float32: scalar centroids, pair points (flat [x0, y0, ...]), or the trellis level of
-    #: each state and code (flat [state << bits | code])
+    #: float32: scalar centroids, pair points (flat [x0, y0, ...]), or the trellis codebook's
+    #: sorted levels
     table0: np.ndarray
     table1: np.ndarray
+    #: uint32 [2]: the trellis subsets (:func:`~kvtool.kernels.numba_quantizers.trellis_codes`;
+    #: unused by the other quantisers)
+    subsets: np.ndarray
     kind: int  # SCALAR, PAIR or TRELLIS
     bits0: int
     bits1: int
 
 
 @numba.njit(inline="always")
-def _unpack_codes(row, n, bits, codes):
-    """The ``n`` LSB-first packed codes of ``row`` into ``codes[:n]`` (uint8)."""
-    if bits == 4:
-        for k in range(n // 2):
-            b = row[k]
-            codes[2 * k] = b & 15
-            codes[2 * k + 1] = b >> 4
-    elif bits == 2:
-        for k in range(n // 4):
-            b = row[k]
-            codes[4 * k] = b & 3
-            codes[4 * k + 1] = (b >> 2) & 3
-            codes[4 * k + 2] = (b >> 4) & 3
-            codes[4 * k + 3] = b >> 6
-    elif bits == 3 and n % 8 == 0:
-        for g in range(n // 8):
-            u = np.uint32(row[3 * g]) | (np.uint32(row[3 * g + 1]) << 8) \
-                | (np.uint32(row[3 * g + 2]) << 16)
-            for k in range(8):
-                codes[8 * g + k] = (u >> (3 * k)) & 7
-    else:  # any width, any count: a bit accumulator
-        acc = np.uint32(0)
-        have = 0
-        b = 0
-        mask = np.uint32((1 << bits) - 1)
+def _tile_values(rows, count, n, bits, kind, table, subsets, packed, q, state, out):
+    """The part's unit-domain values of ``count`` packed code rows, transposed: value ``j`` of
+    row ``t`` into ``out[j, t]``.
+
+    ``packed`` and ``q`` (uint8 ``[>= n, TILE]``) and ``state`` (uint32 ``[TILE]``) are
+    scratch. Every loop
+    runs over the tile's rows, which the compiler vectorises: the codes are unpacked a code
+    at a time (:func:`~kvtool.kernels.numba_quantizers.unpack_tile`), then looked up, or for
+    the trellis picked from its codebook by their states
+    (:func:`~kvtool.kernels.numba_quantizers.trellis_levels_tile`).
+    """
+    unpack_tile(rows, count, bits, packed, q[:n])
+    if kind == SCALAR:
         for j in range(n):
-            if have < bits:
-                acc |= np.uint32(row[b]) << have
-                b += 1
-                have += 8
-            codes[j] = acc & mask
-            acc >>= bits
-            have -= bits
+            codes, values = q[j], out[j]
+            for t in range(count):
+                values[t] = table[codes[t]]
+    elif kind == PAIR:
+        for j in range(0, n, 2):
+            first, second = out[j], out[j + 1]
+            for t in range(count):
+                pair = np.uint32(2) * ((np.uint32(q[j, t]) << np.uint32(bits))
+                                       | np.uint32(q[j + 1, t]))
+                first[t] = table[pair]
+                second[t] = table[pair + np.uint32(1)]
+    else:
+        trellis_levels_tile(q, n, count, bits, table, subsets, state, out)
 
 
 @numba.njit(inline="always")
-def _tile_values(rows, count, n, bits, kind, table, codes, index, out):
-    """The part's unit-domain values of ``count`` packed code rows into ``out[:count, :n]``.
+def _scores(q, values, a, b, acc):
+    """``acc[a:b] = values[:, a:b]ᵀ q``: one part's dot products with a query row, a
+    vectorised loop over the tile's tokens per channel.
 
-    ``codes`` (uint8) and ``index`` (uint32: numba wraps no unsigned index) are scratch of
-    ``count * (n + MEMORY)``: each row's codes go after ``MEMORY`` zeros. A trellis
-    coordinate's state is the path bits (each code's top bit) of the ``MEMORY`` codes before
-    it, the latest in bit 0: read from that window rather than carried from one coordinate to
-    the next, so the whole tile is one loop without a dependency between iterations (the
-    compiler vectorises it), and each value one lookup of its state and code.
+    Here and below, loops over ``[a, b)`` run from 0 over slices: numba wraps every index it
+    cannot prove non-negative, and the wrap stops the compiler vectorising (16x slower)."""
+    out = acc[a:b]
+    for t in range(out.shape[0]):
+        out[t] = 0.0
+    for j in range(q.shape[0]):
+        c = q[j]
+        row = values[j, a:b]
+        for t in range(out.shape[0]):
+            out[t] += c * row[t]
 
-    Indices are a loop variable plus a constant, or taken in slices: numba wraps every index
-    it cannot prove non-negative (``codes[i - 1]`` made the window's loop 6x slower).
-    """
-    w = n + MEMORY
-    for t in range(count):
-        for k in range(MEMORY):
-            codes[t * w + k] = 0
-        _unpack_codes(rows[t], n, bits, codes[t * w + MEMORY:])
-    if kind == SCALAR:
-        for t in range(count):
-            row = codes[t * w + MEMORY:]
-            for j in range(n):
-                out[t, j] = table[row[j]]
-    elif kind == PAIR:
-        for t in range(count):
-            row = codes[t * w + MEMORY:]
-            for j in range(0, n, 2):
-                pair = (np.int64(row[j]) << bits) + row[j + 1]
-                out[t, j] = table[2 * pair]
-                out[t, j + 1] = table[2 * pair + 1]
-    else:
-        top = bits - 1
-        for i in range(count * w - MEMORY):
-            state = (np.int32(codes[i + 4]) >> top) | ((np.int32(codes[i + 3]) >> top) << 1) \
-                | ((np.int32(codes[i + 2]) >> top) << 2) \
-                | ((np.int32(codes[i + 1]) >> top) << 3) | ((np.int32(codes[i]) >> top) << 4)
-            index[i + MEMORY] = np.uint32((state << bits) | np.int32(codes[i + MEMORY]))
-        for t in range(count):
-            row = index[t * w + MEMORY:]
-            for j in range(n):
-                out[t, j] = table[row[j]]
+
+@numba.njit(inline="always")
+def _weigh(weights, values, a, b, acc):
+    """``acc += values[:, a:b] @ weights[a:b]``: one part's weighted value sum."""
+    w = weights[a:b]
+    for d in range(acc.shape[0]):
+        s = np.float32(0.0)
+        row = values[d, a:b]
+        for t in range(w.shape[0]):
+            s += w[t] * row[t]
+        acc[d] += s
 
 
 @numba.njit(inline="always")
@@ -206,23 +188,30 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         acc1 = np.zeros((rows, vn1), np.float32)
         wsum = np.zeros(rows, np.float32)
         tmp = np.empty(dim, np.float32)
-        cb = np.zeros(TILE * (dim + MEMORY), np.uint8)  # see _tile_values
-        ib = np.empty(TILE * (dim + MEMORY), np.uint32)
-        kb0 = np.empty((TILE, kn0), np.float32)
-        kb1 = np.empty((TILE, kn1), np.float32)
-        vb0 = np.empty((TILE, vn0), np.float32)
-        vb1 = np.empty((TILE, vn1), np.float32)
+        packed = np.empty((dim, TILE), np.uint8)  # scratch of _tile_values
+        qt = np.empty((dim, TILE), np.uint8)
+        state = np.empty(TILE, np.uint32)
+        kt0 = np.empty((kn0, TILE), np.float32)  # the tile's values, transposed
+        kt1 = np.empty((kn1, TILE), np.float32)
+        vt0 = np.empty((vn0, TILE), np.float32)
+        vt1 = np.empty((vn1, TILE), np.float32)
         s = np.empty((rows, TILE), np.float32)
+        s0 = np.empty(TILE, np.float32)
+        s1 = np.empty(TILE, np.float32)
         k_block = v_block = -1
         for t0 in range(lo, hi, TILE):
             n = min(TILE, hi - t0)
-            _tile_values(kr.codes0[bh, t0:t0 + n], n, kn0, kr.bits0, kr.kind, kr.table0, cb, ib,
-                         kb0)
+            _tile_values(kr.codes0[bh, t0:t0 + n], n, kn0, kr.bits0, kr.kind, kr.table0,
+                         kr.subsets, packed, qt, state, kt0)
             if kn1:
-                _tile_values(kr.codes1[bh, t0:t0 + n], n, kn1, kr.bits1, kr.kind, kr.table1, cb,
-                             ib, kb1)
-            for t in range(n):
-                blk = (t0 + t) // block
+                _tile_values(kr.codes1[bh, t0:t0 + n], n, kn1, kr.bits1, kr.kind, kr.table1,
+                             kr.subsets, packed, qt, state, kt1)
+            norm0 = kr.norms[0, bh, t0:t0 + n]
+            norm1 = kr.norms[1, bh, t0:t0 + n]
+            a = 0
+            while a < n:  # the tile's tokens of one block at a time
+                blk = (t0 + a) // block
+                z = min(n, (blk + 1) * block - t0)
                 if blk != k_block:
                     k_block = blk
                     c = kr.choice[bh, blk]
@@ -232,13 +221,18 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     if k_centered:
                         for r in range(rows):
                             qm[r] = _dot(qs[r], kr.mean[bh, blk])
-                norm0 = kr.norms[0, bh, t0 + t]
-                norm1 = kr.norms[1, bh, t0 + t]
+                n0, n1, x0, x1 = norm0[a:z], norm1[a:z], s0[a:z], s1[a:z]
                 for r in range(rows):
-                    score = norm0 * _dot(q0[r], kb0[t]) + qm[r]
+                    sr, bias_r = s[r, a:z], qm[r]
+                    _scores(q0[r], kt0, a, z, s0)
                     if kn1:
-                        score += norm1 * _dot(q1[r], kb1[t])
-                    s[r, t] = score
+                        _scores(q1[r], kt1, a, z, s1)
+                        for t in range(z - a):
+                            sr[t] = n0[t] * x0[t] + n1[t] * x1[t] + bias_r
+                    else:
+                        for t in range(z - a):
+                            sr[t] = n0[t] * x0[t] + bias_r
+                a = z
             for r in range(rows):
                 alpha = _softmax_step(s, m, ls, r, n)
                 if alpha != 1.0:
@@ -249,28 +243,35 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     for d in range(vn1):
                         acc1[r, d] *= alpha
                     wsum[r] *= alpha
-            _tile_values(vr.codes0[bh, t0:t0 + n], n, vn0, vr.bits0, vr.kind, vr.table0, cb, ib,
-                         vb0)
+            _tile_values(vr.codes0[bh, t0:t0 + n], n, vn0, vr.bits0, vr.kind, vr.table0,
+                         vr.subsets, packed, qt, state, vt0)
             if vn1:
-                _tile_values(vr.codes1[bh, t0:t0 + n], n, vn1, vr.bits1, vr.kind, vr.table1, cb,
-                             ib, vb1)
-            for t in range(n):
-                blk = (t0 + t) // block
+                _tile_values(vr.codes1[bh, t0:t0 + n], n, vn1, vr.bits1, vr.kind, vr.table1,
+                             vr.subsets, packed, qt, state, vt1)
+            norm0 = vr.norms[0, bh, t0:t0 + n]
+            norm1 = vr.norms[1, bh, t0:t0 + n]
+            a = 0
+            while a < n:
+                blk = (t0 + a) // block
+                z = min(n, (blk + 1) * block - t0)
                 if blk != v_block:
                     if v_block >= 0:
                         _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
                     v_block = blk
-                norm0 = vr.norms[0, bh, t0 + t]
-                norm1 = vr.norms[1, bh, t0 + t]
+                n0, n1, x0, x1 = norm0[a:z], norm1[a:z], s0[a:z], s1[a:z]
                 for r in range(rows):
-                    w = s[r, t]
-                    wsum[r] += w
-                    w0 = w * norm0
-                    for d in range(vn0):
-                        acc0[r, d] += w0 * vb0[t, d]
-                    w1 = w * norm1
-                    for d in range(vn1):
-                        acc1[r, d] += w1 * vb1[t, d]
+                    sr = s[r, a:z]
+                    total = np.float32(0.0)
+                    for t in range(z - a):
+                        w = sr[t]
+                        total += w
+                        x0[t] = w * n0[t]
+                        x1[t] = w * n1[t]
+                    wsum[r] += total
+                    _weigh(s0, vt0, a, z, acc0[r])
+                    if vn1:
+                        _weigh(s1, vt1, a, z, acc1[r])
+                a = z
         if v_block >= 0:
             _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
         pm[task] = m
@@ -372,7 +373,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         norms, np.ascontiguousarray(channels[0], np.int32),
         np.ascontiguousarray(channels[1], np.int32), rots[0], rots[1],
         np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
-        kind, bits[0], max(bits[1], 1))
+        _subsets(), kind, bits[0], max(bits[1], 1))
 
 
 def _seeds(codec: Any) -> tuple[int, ...]:
@@ -392,11 +393,19 @@ def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
         from kvtool.codecs.turbomix import _pair_points
 
         values = _pair_points(bits, n).reshape(-1)
-    else:  # each state's level of each code: [state << bits | code]
-        from kvtool.codecs.trellis import state_values
+    else:  # the sorted codebook: the kernel picks a level by its subset and code
+        from kvtool.kernels.numba_turbomix import quantizer_tables
 
-        values = state_values(n, bits)
-    return np.ascontiguousarray(values, np.float32)
+        values = quantizer_tables(n, bits, "trellis")[4]
+    return np.array(values, np.float32)  # a writable copy: one array type for numba
+
+
+@lru_cache(maxsize=1)
+def _subsets() -> np.ndarray:
+    """The trellis subsets as two uint32 masks (the same at every width and bit count)."""
+    from kvtool.kernels.numba_turbomix import quantizer_tables
+
+    return np.array(quantizer_tables(2, 2, "trellis")[6])  # writable, as the other arrays
 
 
 @lru_cache(maxsize=64)

@@ -43,6 +43,7 @@ from kvtool.kernels.numba_quantizers import (
     rotate_back,
     scalar_codes,
     trellis_codes,
+    trellis_levels_tile,
     unpack_tile,
 )
 from kvtool.kernels.numba_support import (
@@ -171,7 +172,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
 
 @jit(parallel=True, nogil=True)
 def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dense, fwht,
-                       quantizer, bits, centroids, points, state_levels, out, threads):
+                       quantizer, bits, centroids, points, levels, subsets, out, threads):
     """out[r, channels[g]] = norms[r] · R_cᵀ values(codes[r]) + mean[g], c = choice[g]
     (choice of one entry: every group's), in out's dtype."""
     rows = codes.shape[0]
@@ -180,12 +181,12 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     per_group = (tokens + TILE - 1) // TILE
     items = groups * per_group
     nchunks = max(1, min(items, threads * 8))
-    top = np.uint32(bits - 1)
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
     for chunk in prange(nchunks):
         y = np.empty((n, TILE), np.float32)
         u = np.empty((n, TILE), np.float32)
         q = np.empty((n, TILE), np.uint8)
+        packed = np.empty((n, TILE), np.uint8)
         state = np.empty(TILE, np.uint32)
         for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
             g = item // per_group
@@ -193,7 +194,7 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
             w = min(TILE, (g + 1) * tokens - r0)
             c = choice[g if choice.shape[0] > 1 else 0]
             ch = channels[g if channels.shape[0] > 1 else 0]
-            unpack_tile(codes[r0:r0 + w], w, bits, q)
+            unpack_tile(codes[r0:r0 + w], w, bits, packed, q)
             for j in range(n):
                 for v in range(w, TILE):
                     q[j, v] = 0
@@ -208,14 +209,7 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
                         y[j, v] = points[at, 0]
                         y[j + 1, v] = points[at, 1]
             else:
-                for v in range(TILE):
-                    state[v] = 0
-                for j in range(n):  # one lookup of (state, code); the code's top bit joins it
-                    for v in range(TILE):
-                        s = state[v]
-                        code = np.uint32(q[j, v])
-                        y[j, v] = state_levels[(s << np.uint32(bits)) | code]
-                        state[v] = ((s << np.uint32(1)) | (code >> top)) & np.uint32(STATES - 1)
+                trellis_levels_tile(q, n, TILE, bits, levels, subsets, state, y)
             rotate_back(y, u, signs, dense, c, fwht)
             rows_out, row_norms = out[r0:r0 + w], norms[r0:r0 + w]  # slices: no index wrapping
             for j in range(n):
@@ -277,18 +271,6 @@ def quantizer_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, ...
     for a in tables:
         a.setflags(write=False)
     return tables
-
-
-@cache
-def decode_tables(n: int, bits: int, quantizer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(centroids, points, state_levels) of one part's decoder: the trellis as one table of
-    each (state, code)'s value (:func:`kvtool.codecs.trellis.state_values`)."""
-    from kvtool.codecs.trellis import state_values
-
-    _, centroids, points, *_ = quantizer_tables(n, bits, quantizer)
-    state_levels = state_values(n, bits) if quantizer == "trellis" else np.zeros(1, np.float32)
-    state_levels.setflags(write=False)
-    return centroids, points, state_levels
 
 
 def _input_rows(x: Any, dim: int) -> np.ndarray:
@@ -387,13 +369,13 @@ def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], li
                                                   strict=False):
         n = channels.shape[1]
         signs, dense, fwht = rotation_tables(n, seeds)
-        centroids, points, state_levels = decode_tables(n, bits, codec.quantizer)
+        _, centroids, points, _, levels, _, subsets = quantizer_tables(n, bits, codec.quantizer)
         codes = np.ascontiguousarray(arrays["codes" + suffix]).reshape(rows, -1)
         part_decode_kernel(codes, part_norms, choice, tokens, channels, mean, signs, dense,
-                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points,
-                           state_levels, out, threads)
+                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points, levels,
+                           subsets, out, threads)
     return result.reshape(shape)
 
 
-__all__ = ["QUANTIZERS", "TILE", "decode", "decode_tables", "encode", "group_stats_kernel",
+__all__ = ["QUANTIZERS", "TILE", "decode", "encode", "group_stats_kernel",
            "part_decode_kernel", "part_encode_kernel", "quantizer_tables", "rotation_tables"]
