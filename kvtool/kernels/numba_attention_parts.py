@@ -10,11 +10,11 @@ Per block (one group: a head's tokens encoded together) and part ``p`` with chan
 and rotation ``R_p`` (the block's candidate), a key is ``k̂[ch_p] = ‖k_p‖ · (y_p @ R_p) +
 mean[ch_p]`` with ``y_p`` the part's unit-domain values, so a score is ``Σ_p ‖k_p‖ · (R_p
 q[ch_p])·y_p + q·mean``: each query part is rotated once per block, and every score reads the
-values straight from the codes, a tile of tokens at a time (trellis: each coordinate's state
-read from the path bits of the codes before it, see :func:`_tile_values`). Values are
-summed per block in each part's rotated domain and rotated back into their channels when the
-block ends (``n_p²`` multiply-adds per query row and block). The tasks' partial softmax states
-are merged, and the exact tokens attended, by :func:`numba_attention.merge_exact`.
+values straight from the codes, a tile of tokens at a time, decoded transposed so that every
+loop runs over the tile's tokens (:func:`_tile_values`). Values are summed per block in each
+part's rotated domain and rotated back into their channels when the block ends (``n_p²``
+multiply-adds per query row and block). The tasks' partial softmax states are merged, and the
+exact tokens attended, by :func:`numba_attention.merge_exact`.
 """
 
 from __future__ import annotations
@@ -70,11 +70,10 @@ def _tile_values(rows, count, n, bits, kind, table, subsets, packed, q, state, o
     """The part's unit-domain values of ``count`` packed code rows, transposed: value ``j`` of
     row ``t`` into ``out[j, t]``.
 
-    ``packed`` and ``q`` (uint8 ``[>= n, TILE]``) and ``state`` (uint32 ``[TILE]``) are
-    scratch. Every loop
-    runs over the tile's rows, which the compiler vectorises: the codes are unpacked a code
-    at a time (:func:`~kvtool.kernels.numba_quantizers.unpack_tile`), then looked up, or for
-    the trellis picked from its codebook by their states
+    ``packed``, ``q`` (uint8 ``[>= n, TILE]``) and ``state`` (uint32 ``[TILE]``) are scratch.
+    Every loop runs over the tile's rows, which the compiler vectorises: the codes are
+    unpacked a code at a time (:func:`~kvtool.kernels.numba_quantizers.unpack_tile`), then
+    looked up, or for the trellis picked from its codebook by their states
     (:func:`~kvtool.kernels.numba_quantizers.trellis_levels_tile`).
     """
     unpack_tile(rows, count, bits, packed, q[:n])
