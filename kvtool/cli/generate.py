@@ -287,7 +287,7 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
         hf.check_compatible(cache, loaded, force=force)
         cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
         if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached \
-                and (len(cached) < len(ids) or _holds_every_token(cache)):
+                and (len(cached) < len(ids) or hf.holds_every_token(cache)):
             action = "restored"
         else:
             info(f"{path} holds another prompt: capturing this one into it")
@@ -313,12 +313,6 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
                              "seconds": round(prepare_s, 4)},
             "restore": result.to_json() | {"ttft_with_read_s": result.ttft_s + prepare_s},
             "read_file_s": round(prepare_s, 4) if action == "restored" else 0.0}
-
-
-def _holds_every_token(cache: Any) -> bool:
-    """Whether every layer of ``cache`` holds all its tokens (no sliding window has slid), so a
-    prompt it covers whole can still be continued (its last token is fed again)."""
-    return all(int(k.shape[1]) == len(cache.token_ids) for k in cache.keys)
 
 
 def _output(report: dict[str, Any], as_json: bool) -> None:

@@ -140,6 +140,12 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
     return out
 
 
+def holds_every_token(cache: KVCache) -> bool:
+    """Whether every layer of ``cache`` holds all its tokens (no sliding window has slid), so
+    that a prompt it covers whole can be continued by feeding its last token again."""
+    return all(int(k.shape[1]) == len(cache.token_ids) for k in cache.keys)
+
+
 def kv_shape(model: Any) -> tuple[int, int]:
     """(KV heads, head_dim) of the model's attention layers."""
     from kvtool.identity import kv_layout
@@ -265,7 +271,7 @@ def continue_generation(loaded: Any, cache: KVCache, prompt: str | None = None,
     check_compatible(cache, loaded, force=force)
     full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
     if len(full) == len(cache.token_ids):  # generate needs one uncached token: recompute it
-        if any(int(k.shape[1]) < len(full) for k in cache.keys):  # a window has slid
+        if not holds_every_token(cache):
             raise KvtoolError("the prompt adds no tokens to a sliding-window cache; "
                               "give a prompt to continue from")
         cache = cache.prefix(len(full) - 1)

@@ -335,7 +335,7 @@ def fold_ended(backend: Backend, *, now: float | None = None,
         put_stats_file(backend, FOLDED, json.dumps({"kind": "kvtool-folded-stats", **folded},
                                                    sort_keys=True).encode())
         # remove only what the FOLDED now in the store holds: another fold may have replaced it
-        written, _ = _stats_files(backend.location)
+        written = backend.read_small(f"{STATS_DIR}/{FOLDED}")
         held = (_parse_folded(written) or _empty_folded())["files"] if written else {}
         for name, (updated, _) in chosen.items():
             if held.get(name, -math.inf) >= updated:
