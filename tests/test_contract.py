@@ -224,3 +224,45 @@ def test_scores_refuse_a_query_without_its_row_axis():
         codec = get_codec(codec_id)
         with pytest.raises(CodecError, match=r"queries \[\.\.\., M, D\]"):
             codec.scores(np.ones(x.shape[-1], np.float32), codec.encode(x))
+
+
+def _near_fp16s_limit() -> list[np.ndarray]:
+    """fp16 vectors with one channel at or near ±65504: a lossy decode of that channel can land
+    past the limit (at ±65504 the scale quantisers' did, at ±65000 among larger channels the
+    rotation codecs' did)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for limit, scale in ((65504.0, 1.0), (65000.0, 300.0)):
+        x = rng.standard_normal((2, 64, 64)).astype(np.float32) * scale
+        x[..., 5] = np.where(rng.standard_normal((2, 64)) > 0, limit, -limit)
+        out.append(np.clip(x, -65504, 65504).astype(np.float16))
+    return out
+
+
+def _preset_codecs() -> dict[str, object]:
+    from kvtool.presets import preset_policy
+
+    return {f"{name}/{role}": getattr(preset_policy(name), role)
+            for name in ("quality", "balanced", "small") for role in ("key", "value")}
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("spec", SPECS + list(_preset_codecs()))
+def test_a_float16_decode_saturates_at_65504_and_never_gives_inf(spec, backend, kernels,
+                                                                  monkeypatch):
+    """Values near fp16's limit, saved by a lossy codec, decode to at most ±65504 on every
+    backend and kernel path: a reconstruction a little past the limit was ±inf."""
+    monkeypatch.setenv("KVTOOL_KERNELS", kernels)
+    codec = _preset_codecs().get(spec) or get_codec(spec)
+    for x in _near_fp16s_limit():
+        try:
+            enc = _encode(codec, x, backend)
+        except CodecError as e:  # a codec may refuse the range outright: that is not silent
+            assert "fp16 range" in str(e), e
+            continue
+        y = to_numpy(codec.decode(enc))
+        assert y.dtype == np.float16
+        assert np.isfinite(y).all(), f"{spec}: {int((~np.isfinite(y)).sum())} values are inf"
+        wide = to_numpy(codec.decode(enc, "float32"))
+        np.testing.assert_array_equal(y, np.clip(wide, -65504, 65504).astype(np.float16))

@@ -305,6 +305,22 @@ def test_decode_in_one_tile(dim, rng, monkeypatch):
     _assert_decoded(ours, codec.decode(enc, "float16"), "float16", enc.arrays["norms"])
 
 
+def test_decode_saturates_float16_at_65504():
+    """A channel at ±65,000 among larger ones: some values decode past 65504 in float32; in
+    float16 they are 65504 (as numpy's decode gives), not inf."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((128, 64)).astype(np.float32) * 300
+    x[:, 5] = np.where(rng.standard_normal(128) > 0, 65000.0, -65000.0)
+    codec = get_codec("turbo4", seed=SEED)
+    enc = codec.encode(np.clip(x, -65504, 65504).astype(np.float16))
+    codes, norms = _dev(enc.arrays["codes"]), _dev(enc.arrays["norms"])
+    wide = tc.turbo_decode(codes, norms, 64, 4, SEED, torch.float32)
+    assert (wide.abs() > 65504).any()  # the case this test is for
+    ours = tc.turbo_decode(codes, norms, 64, 4, SEED, torch.float16)
+    assert torch.isfinite(ours).all()
+    _assert_decoded(ours, codec.decode(enc, "float16"), "float16", enc.arrays["norms"])
+
+
 @pytest.mark.parametrize("bits", (2, 3, 4))
 def test_cross_read(bits, rng):
     """Triton codes decode with the numpy codec, numpy codes with triton, to the same values."""

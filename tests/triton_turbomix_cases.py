@@ -262,6 +262,22 @@ def test_input_and_output_dtypes(dtype):
             close(ours.float(), reference(each).decode(enc, "float32"), out)
 
 
+def test_float16_decode_saturates_at_65504():
+    """Values near fp16's limit (a channel at ±65,000 among larger ones): the float32 decode
+    passes 65504, the float16 one stops there, as the reference's does, and is never inf."""
+    spec = "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,trellis=true,norm_bits=8"
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 64, 64)).astype(np.float32) * 300
+    x[..., 5] = np.where(rng.standard_normal((2, 64)) > 0, 65000.0, -65000.0)
+    x = np.clip(x, -65504, 65504).astype(np.float16)
+    codec, enc = get_codec(spec), reference(spec).encode(x)
+    assert (_decode(codec, enc.arrays, enc.shape).abs() > 65504).any()  # the case tested
+    ours = _decode(codec, enc.arrays, enc.shape, "float16")
+    assert torch.isfinite(ours).all()
+    close(ours.float(), np.clip(reference(spec).decode(enc, "float32"), -65504, 65504),
+          "float16")
+
+
 def test_ties_go_to_the_lowest_candidate_and_the_reference_path():
     """Zero and constant groups: every candidate's error ties (the lowest wins), and the
     degenerate rows take the reference's Viterbi paths and pair points."""

@@ -136,7 +136,10 @@ class Codec(ABC):
         return Encoded(arrays, tuple(int(s) for s in x.shape), dtype)
 
     def decode(self, enc: Encoded, dtype: str | None = None) -> Array:
-        """Rebuild x̂ with the encoded shape, in ``dtype`` (default: the original dtype)."""
+        """Rebuild x̂ with the encoded shape, in ``dtype`` (default: the original dtype).
+
+        Every backend saturates a float16 output at ±65504: a lossy reconstruction of a value
+        near fp16's limit can land past it, and must not become ±inf."""
         dtype = dtype or enc.dtype
         if dtype not in _FLOATS:
             raise CodecError(f"{self.codec_id}: cannot decode to {str(dtype)[:20]!r}; expected "
@@ -181,6 +184,6 @@ class Codec(ABC):
         """x̂ with ``enc.shape``, in float32 or any float dtype ``decode`` then converts."""
 
     def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Array:
-        """x̂ in ``dtype``. Codecs able to write ``dtype`` directly override this (it saves a
-        float32 copy of the whole output)."""
-        return xp.astype(self._decode(xp, enc), dtype)
+        """x̂ in ``dtype``, saturating at float16's ±65504 (see :meth:`decode`). Codecs able to
+        write ``dtype`` directly override this (it saves a float32 copy of the whole output)."""
+        return xp.astype(self._decode(xp, enc), dtype, saturate=True)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.errors import CodecError
-
-FP16_MAX = 65504.0
+from kvtool.kernels.numpy_ops import FP16_MAX
 
 
 def to_fp16(xp: Any, a: Any, who: str) -> Any:

@@ -22,9 +22,9 @@ from kvtool.codecs.rotation import rotation_matrix, rotation_matrix_t
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, compiled_for, cpu_kernels, row_blocks
 from kvtool.kernels.device_checks import require
+from kvtool.kernels.numpy_ops import FP16_MAX
 
 DEFAULT_SEED = 0x6B76  # "kv"
-FP16_MAX = 65504.0
 
 
 class TurboCodec(Codec):
@@ -155,7 +155,7 @@ class TurboCodec(Codec):
             out = xp.reshape(out, enc.shape)
             if centered:
                 out += xp.astype(enc.arrays["mean"], "float32")
-            return xp.astype(out, dtype)
+            return xp.astype(out, dtype, saturate=True)
         norms = xp.reshape(xp.astype(enc.arrays["norms"], "float32"), (-1, 1))
         out = xp.empty((codes.shape[0], dim), "float32" if centered else dtype, norms)
         # the matmul can write straight into ``out`` (not through mlx slices, which are copies)
@@ -166,11 +166,11 @@ class TurboCodec(Codec):
             x = xp.matmul(y, rotation, out=out[rows] if direct else None)
             x *= norms[rows]
             if not direct:
-                out[rows] = x
+                out[rows] = xp.astype(x, xp.dtype_name(out), saturate=True)
         out = xp.reshape(out, enc.shape)
         if centered:
             out += xp.astype(enc.arrays["mean"], "float32")
-        return xp.astype(out, dtype)
+        return xp.astype(out, dtype, saturate=True)
 
     def scores(self, q: Any, enc: Encoded) -> Any:
         """q·k̂ for every stored key without materialising k̂: rotate q once, gather centroids."""

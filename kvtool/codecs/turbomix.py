@@ -347,7 +347,7 @@ class TurboMixCodec(Codec):
         if fused is not None:
             return fused.decode(self, a, shape, first, dtype, channel_sets, norms)
         return xp.astype(_to_backend(xp, self._decode_reference(a, shape, channel_sets, norms),
-                                     first), dtype)
+                                     first), dtype, saturate=True)
 
     def _check_decodable(self, a: dict[str, np.ndarray], shape: tuple[int, ...]) -> None:
         """Refuse arrays no encode of ``shape`` writes (the compiled kernels index by them):

@@ -219,6 +219,10 @@ class KvzFile:
         check_prefix(i, total, self.num_tokens, tokens)
         n = total if tokens is None else min(tokens, total)
         out_dtype = dtype or info["dtype"]
+        # decodes to fp16 saturate: a file of wider values read as fp16 decodes to float32 first,
+        # so that a value past fp16's range is refused rather than clipped
+        narrowing = out_dtype == "float16" and info["dtype"] != "float16"
+        decode_dtype = "float32" if narrowing else out_dtype
         on_device = _decodes_on(device)
         kernel_mode()  # a bad KVTOOL_KERNELS is the environment's error, not the file's
         parts = []
@@ -227,7 +231,7 @@ class KvzFile:
             try:
                 if backend == "torch":
                     enc = enc.to_torch(device if on_device else None)
-                x = codec.decode(enc, out_dtype)
+                x = codec.decode(enc, decode_dtype)
             except Exception as e:
                 raise FormatError(f"{self.path}: layer {i} {role}: codec {codec.codec_id!r} "
                                   f"could not decode tokens {seg['start']}..{seg['stop']}: "
@@ -237,11 +241,14 @@ class KvzFile:
                                   f"{codec.codec_id!r} decoded shape {tuple(x.shape)}, "
                                   f"expected {tuple(seg['shape'])}")
             parts.append(x[:, : n - seg["start"]] if seg["stop"] > n else x)
-        out = _concat(parts, (heads, n, dim), out_dtype, backend, device if on_device else None)
-        if out_dtype == "float16" and info["dtype"] != "float16" and not ops_for(out).all_finite(
-                out):  # a cast past fp16's range: inf where the file holds a number
-            raise KvtoolError(f"{self.path}: layer {i} {role} holds values past float16's 65504: "
-                             "read it as bfloat16 or float32")
+        out = _concat(parts, (heads, n, dim), decode_dtype, backend,
+                      device if on_device else None)
+        if narrowing:
+            xp = ops_for(out)
+            out = xp.astype(out, "float16")
+            if not xp.all_finite(out):  # past fp16's range: inf where the file holds a number
+                raise KvtoolError(f"{self.path}: layer {i} {role} holds values past float16's "
+                                  "65504: read it as bfloat16 or float32")
         return out if on_device or device is None else out.to(device)
 
     def layer(self, i: int, dtype: str | None = None, backend: str | None = None, *,

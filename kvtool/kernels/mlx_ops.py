@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvtool.kernels.numpy_ops import FP16_MAX
+
 name = "mlx"
 slices_are_views = False  # see the module docstring; numpy/torch slices are views
 
@@ -81,7 +83,7 @@ def dtype_name(x: mx.array | Float8) -> str:
     return _NAMES.get(x.dtype, str(x.dtype).removeprefix("mlx.core."))
 
 
-def astype(x: mx.array | Float8, dtype: str) -> mx.array | Float8:
+def astype(x: mx.array | Float8, dtype: str, saturate: bool = False) -> mx.array | Float8:
     if isinstance(x, Float8):
         return x if dtype == FP8 else mx.from_fp8(x.bytes, mx_dtype(dtype)) \
             if dtype in ("float32", "float16", "bfloat16") \
@@ -89,7 +91,11 @@ def astype(x: mx.array | Float8, dtype: str) -> mx.array | Float8:
     if dtype == FP8:  # mx.to_fp8 saturates past ±448 where ml_dtypes gives NaN: callers clip
         return Float8(mx.to_fp8(x))
     target = mx_dtype(dtype)
-    return x if x.dtype == target else x.astype(target)
+    if x.dtype == target:
+        return x
+    if saturate and target == mx.float16:
+        x = mx.clip(x.astype(mx.float32), -FP16_MAX, FP16_MAX)  # bf16 has no 65504
+    return x.astype(target)
 
 
 # -- conversion to and from numpy ------------------------------------------------------------

@@ -446,7 +446,7 @@ def decode(codec: Any, arrays: dict[str, Any], shape: tuple[int, ...],
                                mx.broadcast_to(pos[:, None, :], (groups, tokens, dim)), -1)
     if codec.center:
         x = x + a["mean"].reshape(groups, 1, dim).astype(mx.float32)
-    return mlx_ops.astype(x, dtype).reshape(shape)
+    return mlx_ops.astype(x, dtype, saturate=True).reshape(shape)
 
 
 __all__ = ["decode", "encode", "norm_codes", "norm_values"]

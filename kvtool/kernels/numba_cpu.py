@@ -40,6 +40,7 @@ from kvtool.kernels.numba_support import (
     num_threads,
     u32_as_f32,
 )
+from kvtool.kernels.numpy_ops import FP16_MAX
 
 name = "numba"
 TILE = 64  # vectors per tile: a [128, 64] float32 tile (32 KiB) stays in L1
@@ -67,7 +68,13 @@ def _to_f32(v):
     return None
 
 
+#: float16's finite range, as float32 (a float64 bound would widen the kernels' arithmetic)
+_FP16_MAX = np.float32(FP16_MAX)
+
+
 def from_f32(value, like):  # pragma: no cover
+    """``value`` as an output element of ``like``'s type; float16 saturates at ±65504, as
+    every backend's decode does."""
     raise NotImplementedError
 
 
@@ -76,7 +83,7 @@ def _from_f32(value, like):
     if like == types.float32:
         return lambda value, like: value
     if like == types.uint16:
-        return lambda value, like: f32_to_f16(value)
+        return lambda value, like: f32_to_f16(min(max(value, -_FP16_MAX), _FP16_MAX))
     if like == types.int16:
         return lambda value, like: numba.int16(f32_to_bf16(value))
     return None

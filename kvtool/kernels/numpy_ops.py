@@ -9,6 +9,9 @@ import numpy as np
 
 name = "numpy"
 
+#: float16's largest finite value
+FP16_MAX = 65504.0
+
 _DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
@@ -28,9 +31,22 @@ def dtype_name(x: np.ndarray) -> str:
     return _NAMES.get(x.dtype, str(x.dtype))
 
 
-def astype(x: np.ndarray, dtype: str) -> np.ndarray:
+def astype(x: np.ndarray, dtype: str, saturate: bool = False) -> np.ndarray:
+    """``x`` in ``dtype``; with ``saturate``, float16 values past ±65504 become ±65504, not
+    ±inf (decoders: a lossy reconstruction can land a little past a value its input held)."""
     target = _DTYPES[dtype]
-    return x if x.dtype == target else x.astype(target)
+    if x.dtype == target:
+        return x
+    if not (saturate and target == np.float16):
+        return x.astype(target)
+    with np.errstate(over="ignore"):
+        y = x.astype(target)
+    # x is finite, so y holds no NaN: +inf (0x7C00) is the largest int16 and -inf (0xFC00) the
+    # largest uint16 its bits can be; two reductions cost a fraction of a float32 clip
+    bits = y.view(np.uint16)
+    if bits.size and (int(bits.max()) >= 0xFC00 or int(bits.view(np.int16).max()) >= 0x7C00):
+        np.clip(y, -FP16_MAX, FP16_MAX, out=y)
+    return y
 
 
 def const(values: np.ndarray, like: np.ndarray, dtype: str = "float32") -> np.ndarray:

@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import torch
 
+from kvtool.kernels.numpy_ops import FP16_MAX
+
 name = "torch"
 
 _DTYPES = {
@@ -32,8 +34,11 @@ def dtype_name(x: torch.Tensor) -> str:
     return _NAMES.get(x.dtype, str(x.dtype).removeprefix("torch."))
 
 
-def astype(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    return x.to(_DTYPES[dtype])
+def astype(x: torch.Tensor, dtype: str, saturate: bool = False) -> torch.Tensor:
+    target = _DTYPES[dtype]
+    if saturate and target == torch.float16 and x.dtype != target:
+        x = x.float().clamp(-FP16_MAX, FP16_MAX)  # bf16 has no 65504 (it rounds up)
+    return x.to(target)
 
 
 _CONST_CACHE: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}

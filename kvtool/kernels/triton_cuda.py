@@ -117,6 +117,17 @@ def _bf16(x):
 
 
 @_jit
+def _output(x, ty: tl.constexpr):
+    """fp32 ``x`` as a decoded output element of type ``ty``: bf16 rounded to nearest even,
+    fp16 saturated at ±65504 (every backend's decode does both)."""
+    if ty == tl.bfloat16:
+        return _bf16(x)
+    if ty == tl.float16:
+        return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
+    return x.to(ty)
+
+
+@_jit
 def _split(x, PIECES: tl.constexpr):
     """fp32 ``x`` as bf16 pieces whose sum is ``x`` (exact for 3); unused pieces are ``hi``."""
     hi = _bf16(x)
@@ -276,10 +287,8 @@ def _decode_kernel(codes_ptr, norms_ptr, cent_ptr, r_ptr, out_ptr, n_rows, size_
                 hi, mid, lo = _split(y, PIECES)
                 acc = _mm(acc, hi, mid, lo, r_ptr, k0, 0, D, BK, D, PIECES)
         x = acc * tl.load(norms_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            x = _bf16(x)
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :], x.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :],
+                 _output(x, out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @_jit

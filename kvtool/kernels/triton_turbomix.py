@@ -38,7 +38,7 @@ import torch
 
 from kvtool.errors import CodecError
 from kvtool.kernels.device_checks import check_values, require
-from kvtool.kernels.triton_cuda import _bf16
+from kvtool.kernels.triton_cuda import _output
 from kvtool.kernels.triton_support import (
     INTERPRET,
     _jit,
@@ -241,9 +241,7 @@ def _decode_kernel(codes_ptr, norms_ptr, choice_ptr, ch_ptr, ch_stride, mean_ptr
         ch = tl.load(ch_ptr + g * ch_stride + cols, mask=cols < N, other=0)
     if HAS_MEAN:
         v += tl.load(mean_ptr + g * D + ch, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        v = _bf16(v)
-    tl.store(out_ptr + r[:, None] * D + ch[None, :], v.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + r[:, None] * D + ch[None, :], _output(v, out_ptr.dtype.element_ty),
              mask=rmask[:, None] & (cols < N)[None, :])
 
 
