@@ -263,6 +263,34 @@ def test_a_read_only_install_caches_its_kernels_in_the_user_cache(tmp_path):
     assert min(second["hits"]) > 0 and second["misses"] == [0, 0]  # loaded, none compiled
 
 
+def test_an_edit_of_a_file_a_kernel_calls_into_recompiles_the_kernel(tmp_path):
+    """numba keeps a cached kernel while its own file is unchanged, but the turbo kernels'
+    compiled code also holds ``numba_packing``'s unpackers: after an edit there (a ``git pull``
+    into an editable install) the next process recompiles them rather than load stale code."""
+    import kvtool
+
+    package = tmp_path / "site" / "kvtool"
+    shutil.copytree(Path(kvtool.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(package.parent))
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", CACHE_STATS], capture_output=True,
+                             text=True, env=env, cwd=tmp_path, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["package"] == str(package / "__init__.py")
+    assert min(first["misses"]) > 0 and min(second["hits"]) > 0 and second["misses"] == [0, 0]
+    edited = package / "kernels" / "numba_packing.py"
+    edited.write_text(edited.read_text() + "\n# an edit the turbo kernels' own files do not see\n")
+    third, fourth = run(), run()
+    assert third["hits"] == [0, 0] and min(third["misses"]) > 0  # recompiled, not stale
+    assert min(fourth["hits"]) > 0 and fourth["misses"] == [0, 0]  # and cached again
+
+
 def test_without_numba_everything_runs_on_the_reference_path():
     code = "import sys; sys.modules['numba'] = None; " + ROUNDTRIP
     out = _run(code)

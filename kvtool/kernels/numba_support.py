@@ -9,14 +9,11 @@ instruction each on x86-64 CPUs that have it, which every AVX2 CPU does), bf16 w
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import tempfile
 import threading
 import types as types_module
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -26,6 +23,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from kvtool.kernels import _is_torch
+from kvtool.kernels.numba_cache import cache_location, install_stamped_locators
 
 
 def _llvmlite_refuses_dunders() -> None:
@@ -53,17 +51,16 @@ def _llvmlite_refuses_dunders() -> None:
 
 
 _llvmlite_refuses_dunders()
+install_stamped_locators()
 
 
 def jit(**options: Any) -> Callable[[Callable], Callable]:
     """``numba.njit`` with ``cache=True`` where a cache directory is writable, without where not.
 
-    numba caches next to the source (``__pycache__``), else in ``NUMBA_CACHE_DIR``; where the
-    package directory is read-only (a system site-packages) and ``NUMBA_CACHE_DIR`` is unset,
-    the kernels cache in kvtool's cache directory instead (:func:`user_cache_dir`), so a second
-    process loads them (~0.5 s) instead of compiling them again (6-15 s). Where nothing is
-    writable numba refuses ``cache=True`` at decoration time; the kernels still work there
-    (compiled on each first call).
+    Where the cache lives, and why a change to any kernel or codec source recompiles every
+    kernel: :mod:`kvtool.kernels.numba_cache`. Where nothing is writable numba refuses
+    ``cache=True`` at decoration time; the kernels still work there (compiled on each first
+    call).
 
     A ``parallel=True`` kernel comes wrapped in :class:`ParallelKernel` (it must be called from
     Python, not from other compiled code), and is cached under a name of its own: numba's cache
@@ -75,52 +72,13 @@ def jit(**options: Any) -> Callable[[Callable], Callable]:
         if options.get("parallel"):
             fn = _renamed(fn, fn.__qualname__ + "__parallel")
         try:
-            with _cache_location(os.path.dirname(os.path.abspath(fn.__code__.co_filename))):
+            with cache_location(os.path.dirname(os.path.abspath(fn.__code__.co_filename))):
                 kernel = numba.njit(cache=True, **options)(fn)
         except RuntimeError:  # "cannot cache function ...: no locator available"
             kernel = numba.njit(cache=False, **options)(fn)
         return ParallelKernel(kernel) if options.get("parallel") else kernel
 
     return wrap
-
-
-def user_cache_dir() -> str:
-    """Where kernels of a read-only install cache: ``numba/`` in kvtool's cache directory
-    (``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``)."""
-    from kvtool.models import cache_dir
-
-    return os.path.join(cache_dir(), "numba")
-
-
-@functools.cache
-def _writable(path: str) -> bool:
-    """Whether a cache directory can be created at ``path`` and written (numba's own test)."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _cache_location(source_dir: str) -> Iterator[None]:
-    """Around a decoration: point numba at :func:`user_cache_dir` where it would otherwise
-    fall back to its own user-wide directory (the source's ``__pycache__`` is not writable and
-    ``NUMBA_CACHE_DIR`` is unset). numba picks a function's cache directory when it decorates
-    it, so only kvtool's kernels move; every other library's stay where numba puts them."""
-    if numba.config.CACHE_DIR or _writable(os.path.join(source_dir, "__pycache__")):
-        yield
-        return
-    target = user_cache_dir()
-    if not _writable(target):
-        yield
-        return
-    previous, numba.config.CACHE_DIR = numba.config.CACHE_DIR, target
-    try:
-        yield
-    finally:
-        numba.config.CACHE_DIR = previous
 
 
 def _renamed(fn: Callable, qualname: str) -> Callable:
