@@ -402,9 +402,11 @@ def _codec_label(codec: Codec, role: str) -> str:
 MAX_POLICY_BYTES = 4 << 20  # a policy file is a few KB; refuse anything absurd unread
 
 
-def load_policy(path: str | os.PathLike) -> CodecPolicy:
+def load_policy(path: str | os.PathLike, model_fingerprint: str | None = None) -> CodecPolicy:
     """The policy in a JSON file (:func:`save_policy`, ``kvtool calibrate``); keys other than
-    the policy's (e.g. ``calibration``) are ignored."""
+    the policy's (e.g. ``calibration``) are ignored, but with ``model_fingerprint`` a file
+    ``kvtool calibrate`` made for a model of another KV layout is refused (its per-layer choices
+    were measured there: :class:`~kvtool.errors.ModelMismatchError`)."""
     try:
         if os.path.getsize(path) > MAX_POLICY_BYTES:
             raise CodecError(f"{os.fspath(path)}: too large for a policy file")
@@ -429,9 +431,28 @@ def load_policy(path: str | os.PathLike) -> CodecPolicy:
             if hint:
                 raise CodecError(f"{os.fspath(path)}: unknown policy key {name!r}{hint}")
     try:
-        return CodecPolicy.from_json(data)
+        policy = CodecPolicy.from_json(data)
     except CodecError as e:
         raise CodecError(f"{os.fspath(path)}: {e}") from None
+    made_for = _calibrated_for(data)
+    if model_fingerprint and made_for and made_for[1] != model_fingerprint:
+        from kvtool.errors import ModelMismatchError
+
+        raise ModelMismatchError(f"{os.fspath(path)} was calibrated for {made_for[0]}, whose KV "
+                                 "layout differs from this model's: run kvtool calibrate on "
+                                 "this model")
+    return policy
+
+
+def _calibrated_for(data: Any) -> tuple[str, str] | None:
+    """(model name, fingerprint) that ``kvtool calibrate`` recorded in a policy file, if any:
+    under ``calibration`` (a per-layer fit) or ``preset_fit`` (a fitted preset)."""
+    for section in ("calibration", "preset_fit"):
+        record = data.get(section) if isinstance(data, dict) else None
+        if isinstance(record, dict) and isinstance(record.get("fingerprint"), str) \
+                and record["fingerprint"]:
+            return str(record.get("model") or "another model")[:80], record["fingerprint"]
+    return None
 
 
 def save_policy(policy: CodecPolicy, path: str | os.PathLike,

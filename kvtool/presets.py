@@ -51,7 +51,7 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
     or naming an existing file). The presets' outlier counts are per 64 channels
     (``outliers_per=64``), so they keep their share at every head_dim; with
     ``model_fingerprint``, a preset fitted to that model (``kvtool calibrate --preset``) is
-    its fitted policy."""
+    its fitted policy, and a policy file calibrated for another model is refused."""
     if name in PRESETS:
         if model_fingerprint:
             from kvtool.preset_fit import fitted_label
@@ -61,7 +61,7 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
                 return CodecPolicy.from_label(label)
         return CodecPolicy.from_label(PRESETS[name][0])
     if str(name).endswith(".json") or os.path.isfile(name):
-        return load_policy(name)
+        return load_policy(name, model_fingerprint)
     if os.path.exists(name):  # a FIFO, a device: never read (/dev/zero has no end)
         raise CodecError(f"policy file {name}: not a regular file")
     raise CodecError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "

@@ -169,6 +169,16 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
     both = runner.invoke(cli, ["capture", "--prompt", "x", "--policy", str(out), "--preset",
                                "quality", "-o", str(tmp_path / "both.kvz")])
     assert both.exit_code != 0 and "not both" in both.output
+    # a policy calibrated for a model of another KV layout is refused once the model is known
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**written, "calibration": {**written["calibration"],
+                                                            "fingerprint": "0" * 64}}))
+    for args in (["capture", "--prompt", "x", "-o", str(tmp_path / "o.kvz")],
+                 ["compress", str(kvz), "-o", str(tmp_path / "o.kvz")]):
+        res = runner.invoke(cli, [*args, "--policy", str(other)])
+        assert res.exit_code == 5 and "was calibrated for" in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1
+        assert not (tmp_path / "o.kvz").exists()
 
 
 @pytest.mark.parametrize("damage", ["nan", "layers", "options", "negative"])

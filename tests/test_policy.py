@@ -110,6 +110,23 @@ def test_bad_per_layer_policies_are_one_line_codec_errors(change, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_policy_file_calibrated_for_another_model_is_refused_for_it(tmp_path):
+    from kvtool.errors import ModelMismatchError
+    from kvtool.policy import load_policy, save_policy
+    from kvtool.presets import preset_policy
+
+    policy = CodecPolicy.from_label("k=turbo4 v=turbo3")
+    for section in ("calibration", "preset_fit"):
+        path = tmp_path / f"{section}.json"
+        save_policy(policy, path, {section: {"model": "SmolLM2", "fingerprint": "a" * 64}})
+        assert load_policy(path) == load_policy(path, "a" * 64) == policy
+        assert preset_policy(str(path), "a" * 64) == policy
+        with pytest.raises(ModelMismatchError, match="was calibrated for SmolLM2"):
+            preset_policy(str(path), "b" * 64)
+    save_policy(policy, tmp_path / "plain.json")  # no record: any model
+    assert load_policy(tmp_path / "plain.json", "b" * 64) == policy
+
+
 def test_bad_policy_files(tmp_path):
     from kvtool.policy import load_policy
 

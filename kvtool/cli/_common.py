@@ -138,7 +138,7 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw",
             value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers", 0),
             sink_tokens=opts.get("sink_tokens", 0), recent_tokens=opts.get("recent_tokens", 0),
             preset=opts.get("preset") or opts["policy_file"],
-            model_fingerprint=model_fingerprint if opts.get("preset") else None)
+            model_fingerprint=model_fingerprint)
     return CodecPolicy.from_options(
         codec=opts.get("codec") or default_codec,
         key_codec=opts.get("key_codec"),
@@ -301,10 +301,11 @@ def context_limit(loaded: Any) -> int | None:
 def fitted_for_model(opts: dict[str, Any], policy: Any, model_fingerprint: str | None,
                      model_name: str) -> Any:
     """``policy`` again once the model is known: where ``--preset NAME`` was fitted to this
-    model (``kvtool calibrate --preset NAME``), the fitted policy, said in one info line."""
+    model (``kvtool calibrate --preset NAME``), the fitted policy, said in one info line; a
+    ``--policy`` file calibrated for a model of another KV layout is refused."""
     from kvtool.progress import info
 
-    name = opts.get("preset")
+    name = opts.get("preset") or opts.get("policy_file")
     if not name or not model_fingerprint:
         return policy
     fitted = policy_from_options(opts, model_fingerprint=model_fingerprint)

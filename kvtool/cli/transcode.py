@@ -98,7 +98,7 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
                                "--policy FILE; raw: lossless)")
     _check_paths(src, output)
     policy = policy_from_options(opts)
-    if src_format != "mlx" and opts.get("preset"):
+    if src_format != "mlx" and (opts.get("preset") or opts.get("policy_file")):
         from kvtool.formats import open_kvz
 
         with open_kvz(src, verify=False) as f:
