@@ -226,6 +226,24 @@ def test_scores_refuse_a_query_without_its_row_axis():
             codec.scores(np.ones(x.shape[-1], np.float32), codec.encode(x))
 
 
+@pytest.mark.parametrize("spec", ["turbo3", "turbo3:center=true", "int8", "turbomix"])
+def test_scores_come_on_the_querys_backend_wherever_the_codes_are(spec):
+    """Codes of one backend, queries of another: the scores are the query's, equal to those
+    of a same-backend call (they failed with a type error from the mixed matmul)."""
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((2, 40, 64)).astype(np.float32)
+    q = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    codec = get_codec(spec)
+    want = codec.scores(q, codec.encode(keys))
+    backends = available_backends()
+    queries = {"numpy": q, "torch": to_torch(q), "mlx": to_mlx(q)}
+    for codes_on, q_on in [(b, c) for b in backends for c in backends if b != c]:
+        got = codec.scores(queries[q_on], _encode(codec, keys, codes_on))
+        assert type(got) is type(queries[q_on]), (codes_on, q_on)
+        np.testing.assert_allclose(to_numpy(got), want, rtol=1e-4, atol=1e-4,
+                                   err_msg=f"{codes_on} codes, {q_on} queries")
+
+
 def _near_fp16s_limit() -> list[np.ndarray]:
     """fp16 vectors with one channel at or near ±65504: a lossy decode of that channel can land
     past the limit (at ±65504 the scale quantisers' did, at ±65000 among larger channels the

@@ -62,6 +62,21 @@ class Encoded:
         arrays = {k: to_torch(v, device) for k, v in self.arrays.items()}
         return Encoded(arrays, self.shape, self.dtype)
 
+    def like(self, x: Array) -> Encoded:
+        """These arrays on ``x``'s backend and device (``self`` where they are already):
+        :meth:`Codec.scores` of numpy codes for torch queries, or CPU codes for CUDA ones."""
+        from kvtool.kernels import to_mlx
+
+        want = ops_for(x).name
+        if all(ops_for(a).name == want and (want != "torch" or a.device == x.device)
+               for a in self.arrays.values()):
+            return self
+        if want == "torch":
+            return self.to_torch(x.device)
+        if want == "mlx":
+            return Encoded({k: to_mlx(v) for k, v in self.arrays.items()}, self.shape, self.dtype)
+        return self.to_numpy()
+
 
 class Codec(ABC):
     """Base class of every codec.
@@ -167,13 +182,14 @@ class Codec(ABC):
     def scores(self, q: Array, enc: Encoded) -> Array:
         """``q @ k̂ᵀ`` for q[..., M, D] against the encoded keys [..., N, D] → [..., M, N].
 
-        The default decodes; codecs that can do better (turbo) override it.
+        The default decodes; codecs that can do better (turbo) override it. The scores are on
+        ``q``'s backend and device, wherever the codes are.
         """
         if q.ndim < 2:
             raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
                              f"{tuple(q.shape)}")
         xp = ops_for(q)
-        k = self.decode(enc, "float32")
+        k = self.decode(enc.like(q), "float32")
         return xp.matmul(xp.astype(q, "float32"), xp.swap_last(k))
 
     @abstractmethod

@@ -180,7 +180,7 @@ class TurboCodec(Codec):
             raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
                              f"{tuple(q.shape)}")
         xp = ops_for(q)
-        dim = enc.shape[-1]
+        dim, enc = enc.shape[-1], enc.like(q)
         q = xp.astype(q, "float32")
         kernels = self._kernels(q, dim)
         if kernels is not None and hasattr(kernels, "turbo_scores"):  # fused on CUDA (Triton)

@@ -10,7 +10,7 @@ and size. A kernel's compiled code also holds what it called or inlined from oth
 (``numba_quantizers``' tile decoders, ``numba_cpu.from_f32``) and the constants it read from
 them (codebooks, trellis tables), so an edit of one of those, or a ``git pull`` into an
 editable install that changes only them, would keep running the old code. kvtool's kernels
-are stamped with a digest of every source they can reach as well (:func:`sources_digest`): a
+are stamped with a digest of the sources they can reach as well (:func:`sources_digest`): a
 change to any of them recompiles every kernel, once.
 """
 
@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,9 @@ from pathlib import Path
 import numba
 from numba.core import caching
 
-#: the package directories whose sources a kernel's compiled code can hold
-_SOURCE_DIRS = ("kernels", "codecs")
 _PACKAGE = Path(__file__).resolve().parent.parent
+#: ``kvtool.codecs.x`` or ``kvtool.kernels.x`` named in a kernel module's source
+_IMPORTED = re.compile(rb"kvtool\.(codecs|kernels)\.(\w+)")
 
 
 def user_cache_dir() -> str:
@@ -42,11 +43,19 @@ def user_cache_dir() -> str:
 
 @functools.cache
 def sources_digest() -> str:
-    """A digest of every ``.py`` file of the kernels and codecs (a few ms, once a process)."""
+    """A digest of every numba kernel module and of each kvtool module they import from (the
+    codebooks', rotations' and trellis tables' too): a few ms, once a process. An edit of any
+    other file (the CLI, a codec's host code) keeps the compiled kernels."""
+    kernels = sorted((_PACKAGE / "kernels").glob("numba_*.py"))
+    sources = {path.resolve() for path in kernels}
+    for path in kernels:
+        for folder, name in _IMPORTED.findall(path.read_bytes()):
+            module = _PACKAGE / folder.decode() / (name.decode() + ".py")
+            if module.is_file():
+                sources.add(module.resolve())
     digest = hashlib.sha256()
-    for folder in _SOURCE_DIRS:
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(sources):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
