@@ -183,6 +183,21 @@ def test_store_keeps_only_the_served_models_caches(tmp_path):
     assert len(_prompt_cache_class(policy, identity, str(store))()) == 1
 
 
+def test_a_policy_file_calibrated_for_another_model_is_refused(runner, tmp_path):
+    """The launcher resolves the policy as the vLLM connector does, with the model's
+    fingerprint: a calibrated file records its model's, and another model refuses it."""
+    from kvtool.policy import CodecPolicy, save_policy
+
+    path = tmp_path / "policy.json"
+    save_policy(CodecPolicy.from_label("k=turbo4 v=turbo3"), path,
+                {"calibration": {"model": "another", "fingerprint": "0" * 64}})
+    out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--policy", str(path)])
+    assert out.exit_code == 5 and "was calibrated for another" in out.output, out.output
+    save_policy(CodecPolicy.from_label("k=turbo4 v=turbo3"), path)  # no record: any model
+    argv = _plan(runner, "--policy", str(path))["argv"]
+    assert json.loads(argv[argv.index("--kvtool-policy") + 1])["key"]["id"] == "turbo4"
+
+
 def test_mlx_lm_kv_quantization_is_refused(runner):
     """mlx_lm.server's --kv-bits quantizes only caches with ``to_quantized``: KvtoolMLXCache
     layers would silently stay as kvtool's policy made them, so the launcher refuses it."""

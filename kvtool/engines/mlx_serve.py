@@ -65,7 +65,9 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
                           f"({location}); use --model default or a converted directory")
     options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
-    policy = policy_from_extra(options)  # the vLLM server's defaults when no codec is given
+    # the vLLM server's defaults when no codec is given; a preset fitted to this model (and a
+    # policy file calibrated for another one, refused) as the vLLM connector resolves them
+    policy = policy_from_extra(options, _fingerprint(location))
     dtype = dtype or "float32"  # mlx's CPU matmuls run float32
     argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
             "--served-model-name", name, "--dtype", dtype,
@@ -82,6 +84,15 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     # reused prompts attend to decoded K/V unless both codecs are lossless
     out.lossy = policy.is_lossy(dtype)
     return out
+
+
+def _fingerprint(location: Path) -> str:
+    """The KV-layout fingerprint of the model directory (its config, no weights loaded)."""
+    from transformers import AutoConfig
+
+    from kvtool.identity import model_fingerprint
+
+    return model_fingerprint(AutoConfig.from_pretrained(location, local_files_only=True))
 
 
 # -- the patches --------------------------------------------------------------------------------
