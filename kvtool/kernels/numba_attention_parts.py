@@ -11,9 +11,10 @@ and rotation ``R_p`` (the block's candidate), a key is ``k̂[ch_p] = ‖k_p‖ �
 mean[ch_p]`` with ``y_p`` the part's unit-domain values, so a score is ``Σ_p ‖k_p‖ · (R_p
 q[ch_p])·y_p + q·mean``: each query part is rotated once per block, and every score reads the
 values straight from the codes, a tile of tokens at a time, decoded transposed so that every
-loop runs over the tile's tokens (:func:`_tile_values`). Values are summed per block in each
-part's rotated domain and rotated back into their channels when the block ends (``n_p²``
-multiply-adds per query row and block). The tasks' partial softmax states are merged, and the
+loop runs over the tile's tokens (:func:`~kvtool.kernels.numba_quantizers.tile_values`, which
+the presets' decode shares). Values are summed per block in each part's rotated domain and
+rotated back into their channels when the block ends (``n_p²`` multiply-adds per query row and
+block). The tasks' partial softmax states are merged, and the
 exact tokens attended, by :func:`numba_attention.merge_exact`.
 """
 
@@ -34,10 +35,9 @@ from kvtool.kernels.numba_attention import (
     _softmax_step,
     merge_exact,
 )
-from kvtool.kernels.numba_quantizers import trellis_levels_tile, unpack_tile
+from kvtool.kernels.numba_quantizers import PAIR, QUANTIZERS, SCALAR, TRELLIS, tile_values
 from kvtool.kernels.numba_support import jit
-
-SCALAR, PAIR, TRELLIS = 0, 1, 2  # quantiser kinds
+from kvtool.kernels.numba_turbomix import decode_table, subset_masks
 
 
 class RoleCodes(NamedTuple):
@@ -63,35 +63,6 @@ class RoleCodes(NamedTuple):
     kind: int  # SCALAR, PAIR or TRELLIS
     bits0: int
     bits1: int
-
-
-@numba.njit(inline="always")
-def _tile_values(rows, count, n, bits, kind, table, subsets, packed, q, state, out):
-    """The part's unit-domain values of ``count`` packed code rows, transposed: value ``j`` of
-    row ``t`` into ``out[j, t]``.
-
-    ``packed``, ``q`` (uint8 ``[>= n, TILE]``) and ``state`` (uint32 ``[TILE]``) are scratch.
-    Every loop runs over the tile's rows, which the compiler vectorises: the codes are
-    unpacked a code at a time (:func:`~kvtool.kernels.numba_quantizers.unpack_tile`), then
-    looked up, or for the trellis picked from its codebook by their states
-    (:func:`~kvtool.kernels.numba_quantizers.trellis_levels_tile`).
-    """
-    unpack_tile(rows, count, bits, packed, q[:n])
-    if kind == SCALAR:
-        for j in range(n):
-            codes, values = q[j], out[j]
-            for t in range(count):
-                values[t] = table[codes[t]]
-    elif kind == PAIR:
-        for j in range(0, n, 2):
-            first, second = out[j], out[j + 1]
-            for t in range(count):
-                pair = np.uint32(2) * ((np.uint32(q[j, t]) << np.uint32(bits))
-                                       | np.uint32(q[j + 1, t]))
-                first[t] = table[pair]
-                second[t] = table[pair + np.uint32(1)]
-    else:
-        trellis_levels_tile(q, n, count, bits, table, subsets, state, out)
 
 
 @numba.njit(inline="always")
@@ -187,7 +158,7 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         acc1 = np.zeros((rows, vn1), np.float32)
         wsum = np.zeros(rows, np.float32)
         tmp = np.empty(dim, np.float32)
-        packed = np.empty((dim, TILE), np.uint8)  # scratch of _tile_values
+        packed = np.empty((dim, TILE), np.uint8)  # scratch of tile_values
         qt = np.empty((dim, TILE), np.uint8)
         state = np.empty(TILE, np.uint32)
         kt0 = np.empty((kn0, TILE), np.float32)  # the tile's values, transposed
@@ -200,10 +171,10 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         k_block = v_block = -1
         for t0 in range(lo, hi, TILE):
             n = min(TILE, hi - t0)
-            _tile_values(kr.codes0[bh, t0:t0 + n], n, kn0, kr.bits0, kr.kind, kr.table0,
+            tile_values(kr.codes0[bh, t0:t0 + n], n, kn0, kr.bits0, kr.kind, kr.table0,
                          kr.subsets, packed, qt, state, kt0)
             if kn1:
-                _tile_values(kr.codes1[bh, t0:t0 + n], n, kn1, kr.bits1, kr.kind, kr.table1,
+                tile_values(kr.codes1[bh, t0:t0 + n], n, kn1, kr.bits1, kr.kind, kr.table1,
                              kr.subsets, packed, qt, state, kt1)
             norm0 = kr.norms[0, bh, t0:t0 + n]
             norm1 = kr.norms[1, bh, t0:t0 + n]
@@ -242,10 +213,10 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     for d in range(vn1):
                         acc1[r, d] *= alpha
                     wsum[r] *= alpha
-            _tile_values(vr.codes0[bh, t0:t0 + n], n, vn0, vr.bits0, vr.kind, vr.table0,
+            tile_values(vr.codes0[bh, t0:t0 + n], n, vn0, vr.bits0, vr.kind, vr.table0,
                          vr.subsets, packed, qt, state, vt0)
             if vn1:
-                _tile_values(vr.codes1[bh, t0:t0 + n], n, vn1, vr.bits1, vr.kind, vr.table1,
+                tile_values(vr.codes1[bh, t0:t0 + n], n, vn1, vr.bits1, vr.kind, vr.table1,
                              vr.subsets, packed, qt, state, vt1)
             norm0 = vr.norms[0, bh, t0:t0 + n]
             norm1 = vr.norms[1, bh, t0:t0 + n]
@@ -339,7 +310,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
     n_hi = codec._split(dim)[0] if hasattr(codec, "_split") else 0
     blocks = tokens // block
     quantizer = getattr(codec, "quantizer", "scalar")
-    kind = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}[quantizer]
+    kind = QUANTIZERS[quantizer]
     groups = heads * blocks
     if n_hi:
         mask = np.unpackbits(arrays["outlier_mask"].reshape(groups, -1), axis=-1, count=dim,
@@ -358,7 +329,9 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         norms[p] = raw.reshape(heads, tokens)
     bits = (codec.bits, getattr(codec, "outlier_bits", 0) if n_hi else 0)
     seeds = _seeds(codec)
-    tables = [_table(quantizer, b, ch.shape[-1]) if ch.shape[-1] else np.zeros(1, np.float32)
+    # writable copies: one array type for numba (RoleCodes' arrays are all writable)
+    tables = [np.array(decode_table(quantizer, b, ch.shape[-1])) if ch.shape[-1]
+              else np.zeros(1, np.float32)
               for b, ch in zip(bits, channels, strict=True)]
     rots = [_rotations(ch.shape[-1], seeds) for ch in channels]
     choice = arrays["rotation"].reshape(heads, blocks) if "rotation" in arrays \
@@ -372,7 +345,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         norms, np.ascontiguousarray(channels[0], np.int32),
         np.ascontiguousarray(channels[1], np.int32), rots[0], rots[1],
         np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
-        _subsets(), kind, bits[0], max(bits[1], 1))
+        np.array(subset_masks()), kind, bits[0], max(bits[1], 1))
 
 
 def _seeds(codec: Any) -> tuple[int, ...]:
@@ -382,31 +355,6 @@ def _seeds(codec: Any) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=32)
-def _table(quantizer: str, bits: int, n: int) -> np.ndarray:
-    """The unit-domain values a part of width ``n`` decodes codes to (see :class:`RoleCodes`)."""
-    if quantizer == "scalar":
-        from kvtool.codecs.lloyd_max import sphere_marginal_codebook
-
-        values = sphere_marginal_codebook(n, 1 << bits).centroids
-    elif quantizer == "pair":
-        from kvtool.codecs.turbomix import _pair_points
-
-        values = _pair_points(bits, n).reshape(-1)
-    else:  # the sorted codebook: the kernel picks a level by its subset and code
-        from kvtool.kernels.numba_turbomix import quantizer_tables
-
-        values = quantizer_tables(n, bits, "trellis")[4]
-    return np.array(values, np.float32)  # a writable copy: one array type for numba
-
-
-@lru_cache(maxsize=1)
-def _subsets() -> np.ndarray:
-    """The trellis subsets as two uint32 masks (the same at every width and bit count)."""
-    from kvtool.kernels.numba_turbomix import quantizer_tables
-
-    return np.array(quantizer_tables(2, 2, "trellis")[6])  # writable, as the other arrays
-
-
 @lru_cache(maxsize=64)
 def _rotations(n: int, seeds: tuple[int, ...]) -> np.ndarray:
     """R [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""

@@ -16,6 +16,9 @@ from kvtool.kernels.numba_cpu import _fwht
 MEMORY = 5  # path bits in a trellis state (kvtool.codecs.trellis.MEMORY)
 STATES = 1 << MEMORY
 
+SCALAR, PAIR, TRELLIS = 0, 1, 2  # the quantiser kinds the kernels take
+QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
+
 
 @numba.njit(inline="always")
 def rotate(t, u, signs, dense, c, fwht):
@@ -244,6 +247,35 @@ def unpack_tile(codes, w, bits, packed, q):
                 out[v] = np.uint8((np.uint32(low[v]) >> shift) & mask)
 
 @numba.njit(inline="always")
+def tile_values(rows, count, n, bits, kind, table, subsets, packed, q, state, out):
+    """The part's unit-domain values of ``count`` packed code rows, transposed: value ``j`` of
+    row ``t`` into ``out[j, t]``.
+
+    ``packed``, ``q`` (uint8 ``[>= n, TILE]``) and ``state`` (uint32 ``[TILE]``) are scratch.
+    Every loop runs over the tile's rows, which the compiler vectorises: the codes are
+    unpacked a code at a time (:func:`~kvtool.kernels.numba_quantizers.unpack_tile`), then
+    looked up, or for the trellis picked from its codebook by their states
+    (:func:`trellis_levels_tile`). The presets' decode and their attention from codes both
+    read codes through it.
+    """
+    unpack_tile(rows, count, bits, packed, q[:n])
+    if kind == SCALAR:
+        for j in range(n):
+            codes, values = q[j], out[j]
+            for t in range(count):
+                values[t] = table[codes[t]]
+    elif kind == PAIR:
+        for j in range(0, n, 2):
+            qa, qb, first, second = q[j], q[j + 1], out[j], out[j + 1]
+            for t in range(count):
+                pair = ((np.int64(qa[t]) << bits) | np.int64(qb[t])) * 2
+                first[t] = table[pair]
+                second[t] = table[pair + 1]
+    else:
+        trellis_levels_tile(q, n, count, bits, table, subsets, state, out)
+
+
+@numba.njit(inline="always")
 def trellis_levels_tile(q, n, w, bits, levels, subsets, state, y):
     """``y[j, v]`` = the value of trellis code ``q[j, v]`` (an unpacked code tile) for
     ``j < n``, ``v < w``: ``levels`` is the sorted codebook, ``subsets`` the two masks of
@@ -323,4 +355,4 @@ def _pick32(at, levels):
 
 
 __all__ = ["MEMORY", "STATES", "pack_tile", "pair_codes", "rotate", "rotate_back",
-           "scalar_codes", "trellis_codes", "trellis_levels_tile", "unpack_tile"]
+           "scalar_codes", "tile_values", "trellis_codes", "trellis_levels_tile", "unpack_tile"]

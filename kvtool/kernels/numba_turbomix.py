@@ -36,15 +36,17 @@ from kvtool.codecs.rotation import hadamard_signs, is_power_of_two, rotation_mat
 from kvtool.errors import CodecError
 from kvtool.kernels.numba_cpu import from_f32, to_f32
 from kvtool.kernels.numba_quantizers import (
+    PAIR,
+    QUANTIZERS,
+    SCALAR,
     STATES,
     pack_tile,
     pair_codes,
     rotate,
     rotate_back,
     scalar_codes,
+    tile_values,
     trellis_codes,
-    trellis_levels_tile,
-    unpack_tile,
 )
 from kvtool.kernels.numba_support import (
     empty_like_backend,
@@ -56,8 +58,6 @@ from kvtool.kernels.numba_support import (
 )
 
 TILE = 64
-SCALAR, PAIR, TRELLIS = 0, 1, 2
-QUANTIZERS = {"scalar": SCALAR, "pair": PAIR, "trellis": TRELLIS}
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -172,9 +172,9 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
 
 @jit(parallel=True, nogil=True)
 def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dense, fwht,
-                       quantizer, bits, centroids, points, levels, subsets, out, threads):
+                       quantizer, bits, table, subsets, out, threads):
     """out[r, channels[g]] = norms[r] · R_cᵀ values(codes[r]) + mean[g], c = choice[g]
-    (choice of one entry: every group's), in out's dtype."""
+    (choice of one entry: every group's), in out's dtype; ``table``: :func:`decode_table`."""
     rows = codes.shape[0]
     n = channels.shape[1]
     groups = rows // tokens
@@ -183,7 +183,7 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
     nchunks = max(1, min(items, threads * 8))
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
     for chunk in prange(nchunks):
-        y = np.empty((n, TILE), np.float32)
+        y = np.zeros((n, TILE), np.float32)  # a tile's unused columns: rotated, never written
         u = np.empty((n, TILE), np.float32)
         q = np.empty((n, TILE), np.uint8)
         packed = np.empty((n, TILE), np.uint8)
@@ -194,22 +194,8 @@ def part_decode_kernel(codes, norms, choice, tokens, channels, mean, signs, dens
             w = min(TILE, (g + 1) * tokens - r0)
             c = choice[g if choice.shape[0] > 1 else 0]
             ch = channels[g if channels.shape[0] > 1 else 0]
-            unpack_tile(codes[r0:r0 + w], w, bits, packed, q)
-            for j in range(n):
-                for v in range(w, TILE):
-                    q[j, v] = 0
-            if quantizer == SCALAR:
-                for j in range(n):
-                    for v in range(TILE):
-                        y[j, v] = centroids[q[j, v]]
-            elif quantizer == PAIR:
-                for j in range(0, n, 2):
-                    for v in range(TILE):
-                        at = (np.int64(q[j, v]) << bits) | np.int64(q[j + 1, v])
-                        y[j, v] = points[at, 0]
-                        y[j + 1, v] = points[at, 1]
-            else:
-                trellis_levels_tile(q, n, TILE, bits, levels, subsets, state, y)
+            tile_values(codes[r0:r0 + w], w, n, bits, quantizer, table, subsets, packed, q,
+                        state, y)
             rotate_back(y, u, signs, dense, c, fwht)
             rows_out, row_norms = out[r0:r0 + w], norms[r0:r0 + w]  # slices: no index wrapping
             for j in range(n):
@@ -348,6 +334,26 @@ def check_norms(norms: np.ndarray, x: Any, who: str) -> None:
         raise CodecError(f"{who}: vector norm exceeds the fp16 range")
 
 
+@cache
+def decode_table(quantizer: str, bits: int, n: int) -> np.ndarray:
+    """The unit-domain values :func:`~kvtool.kernels.numba_quantizers.tile_values` decodes a
+    part of width ``n`` to: the scalar centroids, the pair points (flat ``[x0, y0, x1, ...]``)
+    or the trellis codebook's sorted levels (picked by subset and code)."""
+    tables = quantizer_tables(n, bits, quantizer)
+    values = {"scalar": tables[1], "pair": tables[2].reshape(-1), "trellis": tables[4]}
+    table = np.array(values[quantizer], np.float32)
+    table.setflags(write=False)
+    return table
+
+
+@cache
+def subset_masks() -> np.ndarray:
+    """The trellis subsets as two uint32 masks (the same at every width and bit count)."""
+    masks = np.array(quantizer_tables(2, 2, "trellis")[6])
+    masks.setflags(write=False)
+    return masks
+
+
 def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], like: Any,
            dtype: str, channel_sets: list[np.ndarray], norms: list[np.ndarray]) -> Any:
     """x̂ [shape] in ``dtype`` as an array of ``like``'s backend, from the codec's arrays
@@ -369,13 +375,13 @@ def decode(codec: Any, arrays: dict[str, np.ndarray], shape: tuple[int, ...], li
                                                   strict=False):
         n = channels.shape[1]
         signs, dense, fwht = rotation_tables(n, seeds)
-        _, centroids, points, _, levels, _, subsets = quantizer_tables(n, bits, codec.quantizer)
         codes = np.ascontiguousarray(arrays["codes" + suffix]).reshape(rows, -1)
         part_decode_kernel(codes, part_norms, choice, tokens, channels, mean, signs, dense,
-                           fwht, QUANTIZERS[codec.quantizer], bits, centroids, points, levels,
-                           subsets, out, threads)
+                           fwht, QUANTIZERS[codec.quantizer], bits,
+                           decode_table(codec.quantizer, bits, n), subset_masks(), out, threads)
     return result.reshape(shape)
 
 
-__all__ = ["QUANTIZERS", "TILE", "decode", "encode", "group_stats_kernel",
-           "part_decode_kernel", "part_encode_kernel", "quantizer_tables", "rotation_tables"]
+__all__ = ["QUANTIZERS", "TILE", "decode", "decode_table", "encode", "group_stats_kernel",
+           "part_decode_kernel", "part_encode_kernel", "quantizer_tables", "rotation_tables",
+           "subset_masks"]
