@@ -42,5 +42,13 @@ class RawCodec(Codec):
         return {"data": xp.copy(xp.astype(x, self.dtype))}
 
     def _decode(self, xp: Any, enc: Encoded) -> Any:
-        # stored dtype as-is: Codec.decode converts once, to the requested dtype only
+        # stored dtype as-is: _decode_as converts once, to the requested dtype only
         return xp.reshape(enc.arrays["data"], enc.shape)
+
+    def _decode_as(self, xp: Any, enc: Encoded, dtype: str) -> Any:
+        """A new array in every case: a view of the stored data would let a caller's in-place
+        write to its decoded cache change what is stored (and every later decode)."""
+        data = self._decode(xp, enc)
+        if xp.dtype_name(data) == dtype:
+            return xp.copy(data)
+        return xp.astype(data, dtype, saturate=True)

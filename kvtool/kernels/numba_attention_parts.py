@@ -354,7 +354,6 @@ def _seeds(codec: Any) -> tuple[int, ...]:
     return tuple(candidate_seed(codec.seed, c) for c in range(getattr(codec, "candidates", 1)))
 
 
-@lru_cache(maxsize=32)
 @lru_cache(maxsize=64)
 def _rotations(n: int, seeds: tuple[int, ...]) -> np.ndarray:
     """R [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""
