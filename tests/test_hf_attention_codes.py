@@ -391,3 +391,49 @@ def test_generate_uses_codes_and_matches_decode_then_attend(loaded):
         new[flag] = out[0, ids.shape[1]:].tolist()
         assert (STATS["codes"] > before) == (flag is None)
     assert new[None] == new[False]
+
+
+@needs_model
+def test_warm_up_compiles_the_kernels_a_real_model_calls(loaded, monkeypatch):
+    """``hf_attention_calls.warm_up`` (run by scripts/setup.sh) runs a tiny random-init Llama:
+    numba compiles per argument type, so every call the real model's decode steps make, serial
+    and parallel, must have a type signature the warm-up called too (else the first step of a
+    served model compiles for up to a minute)."""
+    import numba
+
+    from kvtool.engines.hf_attention_calls import warm_up
+    from kvtool.kernels import numba_attention, numba_attention_parts
+
+    calls: dict[str, set] = {}
+
+    def record(module, name):
+        kernel = getattr(module, name)
+
+        def call(*args):
+            calls.setdefault(f"{module.__name__}.{name}", set()).add(
+                tuple(numba.typeof(a) for a in args))
+            return kernel(*args)
+
+        monkeypatch.setattr(module, name, call)
+
+    for module in (numba_attention, numba_attention_parts):
+        for name in ("_serial", "_parallel"):
+            record(module, name)
+    assert warm_up(("quality", "balanced")) == 8  # a decode step and a chunk, 2 presets x 2
+    warmed = {name: set(types) for name, types in calls.items()}
+    assert len(warmed) == 4, sorted(warmed)
+    calls.clear()
+    threads = torch.get_num_threads()
+    ids = torch.randint(100, 20000, (1, 150), generator=torch.Generator().manual_seed(0))
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for preset in ("quality", "balanced"):
+                past = CompressedCache(CodecPolicy.from_options(preset=preset),
+                                       config=loaded.model.config, block_size=16)
+                _logits(loaded.model, ids, past, steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 4, sorted(calls)
+    for name, types in calls.items():
+        assert types <= warmed[name], (name, types - warmed[name])

@@ -110,4 +110,45 @@ def _numba_threads() -> int:
     return threads
 
 
-__all__ = ["on_cpu", "on_device", "role_codes"]
+def warm_up(presets: tuple[str, ...] = ("quality", "balanced", "small")) -> int:
+    """Compile (or load) the CPU attention-from-codes kernels ``presets`` use, serial and
+    parallel, so that a first decode step does not pay it (cold, ~80 s for the four kernels and
+    the presets' encode on 2 cores, the GIL held). A tiny random-init Llama runs the real path:
+    a prefill, a decode step and a chunk through ``CompressedCache``, whose argument types (not
+    shapes) numba compiles for. Returns how many attention calls read codes (0: no compiled
+    CPU kernels here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtool.engines import hf_attention
+    from kvtool.engines.hf_runtime import CompressedCache
+    from kvtool.policy import CodecPolicy
+
+    if hf_attention.kernels() is None:
+        return 0
+    import numba
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256)
+    torch_threads = torch.get_num_threads()
+    ids = torch.arange(40).reshape(1, -1) % 64
+    before = hf_attention.STATS["codes"]
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(config).eval()
+        for threads in (1, 2) if numba.config.NUMBA_NUM_THREADS > 1 else (1,):
+            torch.set_num_threads(threads)
+            for preset in presets:
+                past = CompressedCache(CodecPolicy.from_options(preset=preset, recent_tokens=8),
+                                       config=config, block_size=16, attention_from_codes=True)
+                with torch.inference_mode():
+                    model(ids, past_key_values=past, use_cache=True)
+                    model(ids[:, :1], past_key_values=past, use_cache=True)
+                    model(ids[:, :2], past_key_values=past, use_cache=True)
+    finally:
+        torch.set_num_threads(torch_threads)
+    return hf_attention.STATS["codes"] - before
+
+
+__all__ = ["on_cpu", "on_device", "role_codes", "warm_up"]
