@@ -212,3 +212,23 @@ def test_prompt_cache_of_a_sliding_window_model_saves_then_restores(model, ids, 
     assert runs[1]["prompt_cache"]["cached_tokens"] == len(prompt) - 1
     want = hf.recompute_generation(loaded, prompt, 4)
     assert [r["restore"]["new_token_ids"] for r in runs] == [want.new_token_ids] * 2
+
+
+def test_a_prompt_cache_holding_the_whole_prompt_past_its_window_is_captured_again(
+        model, ids, tmp_path, capsys):
+    """A file that holds every token of the prompt although its windows slid (what an older
+    kvtool wrote) cannot give its last token back: captured again, and said so, not called
+    "another prompt"; the next run restores the new file."""
+    from kvtool.cli.generate import _with_prompt_cache
+    from kvtool.formats import save
+
+    loaded, prompt, path = _loaded(model), ids[0, :20].tolist(), tmp_path / "pc.kvz"
+    save(hf.capture(model, loaded.tokenizer, token_ids=prompt, model_info=loaded.info), path)
+    capsys.readouterr()
+    runs = [_with_prompt_cache(loaded, str(path), prompt, 4, hf.GREEDY, False, None)
+            for _ in range(2)]
+    assert [r["prompt_cache"]["action"] for r in runs] == ["saved", "restored"]
+    said = capsys.readouterr().err
+    assert "a sliding window let go of its oldest tokens" in said and "another" not in said
+    want = hf.recompute_generation(loaded, prompt, 4)
+    assert [r["restore"]["new_token_ids"] for r in runs] == [want.new_token_ids] * 2

@@ -286,11 +286,14 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
                      device=_decode_device(loaded))
         hf.check_compatible(cache, loaded, force=force)
         cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
-        if cached is not None and 0 < len(cached) <= len(ids) and ids[:len(cached)] == cached \
-                and (len(cached) < len(ids) or hf.holds_every_token(cache)):
+        prefix = cached is not None and 0 < len(cached) <= len(ids) \
+            and ids[:len(cached)] == cached
+        if prefix and (len(cached) < len(ids) or hf.holds_every_token(cache)):
             action = "restored"
         else:
-            info(f"{path} holds another prompt: capturing this one into it")
+            info(f"{path} holds this whole prompt, but a sliding window let go of its oldest "
+                 "tokens, so its last token cannot be fed again: capturing it again" if prefix
+                 else f"{path} holds another prompt: capturing this one into it")
             cache = None
     if cache is None:
         # a sliding window lets go of its oldest tokens, so such a cache cannot give its last
