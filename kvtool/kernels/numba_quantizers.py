@@ -246,6 +246,7 @@ def unpack_tile(codes, w, bits, packed, q):
             for v in range(w):
                 out[v] = np.uint8((np.uint32(low[v]) >> shift) & mask)
 
+
 @numba.njit
 def tile_values(rows, count, n, bits, kind, table, subsets, packed, q, state, out):
     """The part's unit-domain values of ``count`` packed code rows, transposed: value ``j`` of

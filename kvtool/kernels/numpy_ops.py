@@ -37,9 +37,11 @@ def astype(x: np.ndarray, dtype: str, saturate: bool = False) -> np.ndarray:
     target = _DTYPES[dtype]
     if x.dtype == target:
         return x
+    if target != np.float16:
+        return x.astype(target)
     with np.errstate(over="ignore"):  # past fp16's range: ±inf, which the callers check for
         y = x.astype(target)
-    if not (saturate and target == np.float16):
+    if not saturate:
         return y
     # x is finite, so y holds no NaN: +inf (0x7C00) is the largest int16 and -inf (0xFC00) the
     # largest uint16 its bits can be; two reductions cost a fraction of a float32 clip
