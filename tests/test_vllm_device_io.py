@@ -27,7 +27,7 @@ from kvtool.engines.vllm import device_io  # noqa: E402
 from kvtool.engines.vllm.common import flush, policy_from_extra, stats  # noqa: E402
 from kvtool.engines.vllm.layout import LAYOUTS, detect_layout  # noqa: E402
 from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
-from kvtool.errors import FormatError  # noqa: E402
+from kvtool.errors import FormatError, KvtoolError  # noqa: E402
 from kvtool.formats import load  # noqa: E402
 
 L, H, D, BS, NB, CHUNK = 3, 2, 64, 4, 20, 16
@@ -243,6 +243,29 @@ def test_a_damaged_file_is_refused_as_the_host_path_refuses_it(tmp_path, damage,
         assert len(quarantined) == (1 if writable else 0)
         assert store.exists(chunk) != writable  # a read-only store leaves it in place
     assert stats()["invalid_files"] == before["invalid_files"] + 2
+
+
+@pytest.mark.parametrize("extra", [{}, {"codec": "raw"}], ids=["default", "raw"])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_wider_chunk_past_fp16s_range_is_refused_by_an_fp16_cache_and_kept(tmp_path, path,
+                                                                              extra):
+    """A bf16 server's chunk with a value float16 cannot hold, loaded by an fp16 server: not
+    attended as inf (host) or a silently clipped 65504 (device), but refused before any slot
+    is written, and left in the store for the servers that can use it."""
+    _, store = stores(tmp_path, extra)
+    saved = caches("split", "bfloat16")
+    saved[0][0][SAVE_BLOCKS[0], 1, 1, 7] = 1e5  # layer 0, head 1, token 1 (a sink: raw): a key
+    chunk = store.chunks(IDS)[0]
+    save_device(store, saved, chunk)
+    before = stats()
+    target = caches("split", "float16", fill=False)
+    with pytest.raises(KvtoolError, match="past float16's 65504"):
+        (load_device if path == "device" else load_host)(store, target, chunk, 0, CHUNK)
+    assert all(bool((kv == SENTINEL).all()) for kv, _ in target)
+    assert store.exists(chunk) and stats()["invalid_files"] == before["invalid_files"]
+    wide = caches("split", "float32", fill=False)
+    (load_device if path == "device" else load_host)(store, wide, chunk, 0, CHUNK)
+    assert float(wide[0][0].abs().max()) > 9e4  # the value, where a float32 cache has room
 
 
 def test_a_code_no_writer_stores_is_a_format_error_and_writes_nothing():

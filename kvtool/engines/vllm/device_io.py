@@ -258,6 +258,8 @@ def decode_into(kv: torch.Tensor, layout: PagedLayout, block_ids: Sequence[int],
     if a >= b:
         return
     dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype == "float16" and part.encoded.dtype != "float16":
+        dtype = "float32"  # not saturated: PagedLayout.write refuses what fp16 cannot hold
     try:
         x = part.codec.decode(encoded, dtype if dtype in FLOAT_DTYPES else None)
     except _DEVICE_ERRORS:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtool.errors import KvtoolError
+
 LAYOUTS = ("cpu", "split", "flash")
 
 
@@ -107,7 +109,9 @@ class PagedLayout:
     def write(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
               x: torch.Tensor) -> None:
         """Write one role's ``x`` ``[kv_heads, T, head_dim]`` (``role``: "key" or "value")
-        into tokens ``[start, start+T)`` of the blocks, cast to the cache's dtype and device."""
+        into tokens ``[start, start+T)`` of the blocks, cast to the cache's dtype and device;
+        :class:`KvtoolError` where the cast to float16 would make inf of a value, before any
+        slot is written."""
         self.check(kv)
         if role not in ("key", "value"):
             raise ValueError(f"role must be 'key' or 'value', got {role!r}")
@@ -120,6 +124,11 @@ class PagedLayout:
         blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device)
         kview, vview, k_transposed = self._views(kv)
         y = x.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
+        if kv.dtype == torch.float16 and x.dtype != torch.float16 and \
+                not bool(torch.isfinite(y).all()):  # the cast made inf of a number
+            raise KvtoolError(f"{role}s hold values past float16's 65504 (stored as "
+                              f"{str(x.dtype).removeprefix('torch.')}): a float16 cache "
+                              "cannot take them")
         if role == "key" and k_transposed:
             kview[blk, :, :, off] = y
         else:
