@@ -37,12 +37,12 @@ PRESETS: dict[str, tuple[str, str]] = {
 #: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
 #: ``benchmarks/codecs.py --vectors 262144 --repeats 5 --codecs NAME/k,NAME/v,...
 #: --backends numpy+numba`` (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels;
-#: 2026-11-29, its memory copy at 11.2 GB/s); ``kvtool codecs --presets --measure`` measures this
-#: machine
+#: 2026-11-29, after the encode's tiles went side by side, its memory copy at 21.1 GB/s);
+#: ``kvtool codecs --presets --measure`` measures this machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
-    "quality": {"encode": (364, 423), "decode": (1590, 1613)},
-    "balanced": {"encode": (212, 223), "decode": (774, 806)},
-    "small": {"encode": (61, 68), "decode": (815, 1359)},
+    "quality": {"encode": (640, 730), "decode": (1982, 1822)},
+    "balanced": {"encode": (336, 344), "decode": (1201, 1060)},
+    "small": {"encode": (94, 114), "decode": (1020, 2004)},
 }
 
 

@@ -85,6 +85,26 @@ def test_fused_encode_writes_the_reference_codes(spec):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", [OPTIONS[0], OPTIONS[2], OPTIONS[4], OPTIONS[9]],
+                         ids=["quality-k", "balanced-k", "small-k", "trellis-outliers"])
+def test_tiles_encoded_side_by_side_are_the_tiles_encoded_alone(spec):
+    """A thread encodes its tiles several at a time (the trellis runs over them side by side),
+    across groups and past a group's short last tile: every byte is what the group alone (one
+    tile at a time) gets."""
+    from kvtool.kernels.numba_support import num_threads
+    from kvtool.kernels.numba_turbomix import SPAN
+
+    x = keys(shape=(70, 150, 64), seed=5)
+    assert 70 * 3 >= num_threads() * 8 * SPAN  # every thread's chunk: SPAN tiles side by side
+    codec = get_codec(spec)
+    together = codec.encode(x)
+    alone = [codec.encode(x[g:g + 1]) for g in range(0, 70, 23)]
+    for g, enc in zip(range(0, 70, 23), alone, strict=True):
+        for name, a in enc.arrays.items():  # each array's leading axis: the groups
+            got = np.asarray(together.arrays[name])[g:g + 1]
+            np.testing.assert_array_equal(np.asarray(a), got, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_fused_kernels_take_every_dtype_and_cpu_tensors(dtype, backend):

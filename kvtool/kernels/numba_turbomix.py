@@ -29,6 +29,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -58,6 +59,7 @@ from kvtool.kernels.numba_support import (
 )
 
 TILE = 64
+SPAN = 4  # tiles side by side in one pass of the encode (a [128, 256] float32 pass: 128 KiB)
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -94,7 +96,12 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                        threads):
     """codes[c, r], err[c, r] per candidate rotation c, and norms[r] (float32), of the part of
     ``x[r]`` at ``channels[g]`` (row 0 for every group where it has one row) minus ``mean[g]``
-    (none where ``mean`` has no rows)."""
+    (none where ``mean`` has no rows).
+
+    A thread takes its tiles :data:`SPAN` at a time, and the trellis runs over them side by
+    side (``[n, span · TILE]``): rows are independent, and its 32-state steps cost less per row
+    over longer runs (2026-11-29, 2 threads: +15–25% for ``balanced`` and ``small`` on a layer
+    of 8 × 4,096 rows). A lone tile keeps the loop of constant width, faster for one tile."""
     rows = x.shape[0]
     n = channels.shape[1]
     ncand = codes.shape[0]
@@ -103,71 +110,133 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
     items = groups * per_group
     nchunks = max(1, min(items, threads * 8))
     scale = np.float32(1.0 / n) if fwht else np.float32(1.0)
+    spans = min(SPAN, (items + nchunks - 1) // nchunks)  # no more than a chunk takes
+    trellis = quantizer != SCALAR and quantizer != PAIR
+    wide = spans * TILE if trellis else 0
     for chunk in prange(nchunks):
-        t = np.empty((n, TILE), np.float32)
-        u = np.empty((n, TILE), np.float32)
-        y = np.empty((n, TILE), np.float32)
-        yhat = np.empty((n, TILE), np.float32)
-        q = np.empty((n, TILE), np.uint8)
-        inv = np.empty(TILE, np.float32)
+        t = np.empty((spans, n, TILE), np.float32)
+        u = np.empty((spans, n, TILE), np.float32)
+        y = np.empty((spans, n, TILE), np.float32)
+        yhat = np.empty((spans, n, TILE), np.float32)
+        q = np.empty((spans, n, TILE), np.uint8)
+        inv = np.empty((spans, TILE), np.float32)
         nrm = np.empty(TILE, np.float32)
-        n16 = np.empty(TILE, np.float32)
+        n16 = np.empty((spans, TILE), np.float32)
         best = np.empty(TILE, np.int64)
-        cost = np.empty((STATES, TILE), np.float32)
-        fresh = np.empty((STATES, TILE), np.float32)
-        decisions = np.empty((n, TILE), np.uint32)
-        found = np.empty((n, TILE), np.uint16)
-        dist = np.empty((4, TILE), np.float32)
-        state = np.empty(TILE, np.uint32)
-        k = np.empty(TILE, np.uint32)
-        decided = np.empty(TILE, np.uint32)
+        k = np.empty(max(wide, TILE), np.uint32)
         e = np.empty(TILE, np.float64)
         packed = np.empty((codes.shape[2], TILE), np.uint32)
-        for item in range(chunk * items // nchunks, (chunk + 1) * items // nchunks):
-            g = item // per_group
-            r0 = g * tokens + (item % per_group) * TILE
-            w = min(TILE, (g + 1) * tokens - r0)
-            ch = channels[g if channels.shape[0] > 1 else 0]
-            rows_in = x[r0:r0 + w]  # a slice and an unsigned channel: no index wrapping
-            for j in range(n):
-                d = np.uint32(ch[j])
-                m = mean[g, d] if mean.shape[0] else np.float32(0.0)
-                for v in range(w):
-                    t[j, v] = to_f32(rows_in[v, d]) - m
-                for v in range(w, TILE):
-                    t[j, v] = 0.0
-            for v in range(TILE):
-                nrm[v] = 0.0
-            for j in range(n):
+        # the trellis's: the span's tiles side by side
+        side = n * wide if spans > 1 else 0  # unused (a tile alone): not even allocated
+        y_all = np.empty(side, np.float32)
+        yhat_all = np.empty(side, np.float32)
+        q_all = np.empty(side, np.uint8)
+        cost = np.empty(STATES * wide, np.float32)
+        fresh = np.empty(STATES * wide, np.float32)
+        decisions = np.empty(n * wide, np.uint32)
+        found = np.empty(n * wide, np.uint16)
+        dist = np.empty(4 * wide, np.float32)
+        state = np.empty(wide, np.uint32)
+        decided = np.empty(wide, np.uint32)
+        first, stop = chunk * items // nchunks, (chunk + 1) * items // nchunks
+        for i0 in range(first, stop, spans):
+            span = min(spans, stop - i0)
+            for b in range(span):
+                g = (i0 + b) // per_group
+                r0, w = _tile_rows(i0 + b, per_group, tokens)
+                ch = channels[g if channels.shape[0] > 1 else 0]
+                rows_in = x[r0:r0 + w]  # a slice and an unsigned channel: no index wrapping
+                tb = t[b]
+                for j in range(n):
+                    d = np.uint32(ch[j])
+                    m = mean[g, d] if mean.shape[0] else np.float32(0.0)
+                    for v in range(w):
+                        tb[j, v] = to_f32(rows_in[v, d]) - m
+                    for v in range(w, TILE):
+                        tb[j, v] = 0.0
                 for v in range(TILE):
-                    nrm[v] += t[j, v] * t[j, v]
-            for v in range(TILE):
-                norm = np.float32(np.sqrt(nrm[v]))
-                nrm[v] = norm
-                n16[v] = f16_to_f32(f32_to_f16(norm))
-                inv[v] = np.float32(1.0) / (norm if norm > 0 else norm + np.float32(1.0))
-            norms[r0:r0 + w] = nrm[:w]
+                    nrm[v] = 0.0
+                for j in range(n):
+                    for v in range(TILE):
+                        nrm[v] += tb[j, v] * tb[j, v]
+                for v in range(TILE):
+                    norm = np.float32(np.sqrt(nrm[v]))
+                    nrm[v] = norm
+                    n16[b, v] = f16_to_f32(f32_to_f16(norm))
+                    inv[b, v] = np.float32(1.0) / (norm if norm > 0 else norm + np.float32(1.0))
+                norms[r0:r0 + w] = nrm[:w]
             for c in range(ncand):
-                rotate(t, u, signs, dense, c, fwht)
-                for j in range(n):
+                for b in range(span):
+                    rotate(t[b], u[b], signs, dense, c, fwht)
+                    ub, yb = u[b], y[b]
+                    for j in range(n):
+                        for v in range(TILE):
+                            ub[j, v] *= scale
+                            yb[j, v] = ub[j, v] * inv[b, v]
+                    if quantizer == SCALAR:
+                        scalar_codes(yb, bounds, centroids, q[b], yhat[b], k)
+                    elif quantizer == PAIR:
+                        pair_codes(yb, points, half_sq, bits, q[b], yhat[b], best)
+                if trellis and span == 1:  # a constant width: faster for a lone tile
+                    trellis_codes(y[0], levels, edges, subset_bits, bits, q[0], yhat[0],
+                                  cost[:STATES * TILE].reshape((STATES, TILE)),
+                                  fresh[:STATES * TILE].reshape((STATES, TILE)),
+                                  decisions[:n * TILE].reshape((n, TILE)),
+                                  found[:n * TILE].reshape((n, TILE)),
+                                  dist[:4 * TILE].reshape((4, TILE)), state, k, decided)
+                elif trellis:
+                    width = span * TILE
+                    ya = y_all[:n * width].reshape((n, width))
+                    qa = q_all[:n * width].reshape((n, width))
+                    yhata = yhat_all[:n * width].reshape((n, width))
+                    _side_by_side(y, span, ya)
+                    trellis_codes(ya, levels, edges, subset_bits, bits, qa, yhata,
+                                  cost[:STATES * width].reshape((STATES, width)),
+                                  fresh[:STATES * width].reshape((STATES, width)),
+                                  decisions[:n * width].reshape((n, width)),
+                                  found[:n * width].reshape((n, width)),
+                                  dist[:4 * width].reshape((4, width)), state, k, decided)
+                    _tile_by_tile(qa, span, q)
+                    _tile_by_tile(yhata, span, yhat)
+                for b in range(span):
+                    r0, w = _tile_rows(i0 + b, per_group, tokens)
+                    ub, yhatb = u[b], yhat[b]
                     for v in range(TILE):
-                        u[j, v] *= scale
-                        y[j, v] = u[j, v] * inv[v]
-                if quantizer == SCALAR:
-                    scalar_codes(y, bounds, centroids, q, yhat, k)
-                elif quantizer == PAIR:
-                    pair_codes(y, points, half_sq, bits, q, yhat, best)
-                else:
-                    trellis_codes(y, levels, edges, subset_bits, bits, q, yhat, cost, fresh,
-                                   decisions, found, dist, state, k, decided)
-                for v in range(TILE):
-                    e[v] = 0.0
-                for j in range(n):
-                    for v in range(TILE):
-                        diff = u[j, v] - n16[v] * yhat[j, v]
-                        e[v] += np.float64(diff) * np.float64(diff)
-                err[c, r0:r0 + w] = e[:w]
-                pack_tile(q, w, bits, packed, codes[c], r0)
+                        e[v] = 0.0
+                    for j in range(n):
+                        for v in range(TILE):
+                            diff = ub[j, v] - n16[b, v] * yhatb[j, v]
+                            e[v] += np.float64(diff) * np.float64(diff)
+                    err[c, r0:r0 + w] = e[:w]
+                    pack_tile(q[b], w, bits, packed, codes[c], r0)
+
+
+@numba.njit(inline="always")
+def _side_by_side(tiles, span, out):
+    """out[j, b·TILE + v] = tiles[b, j, v] for the first ``span`` tiles."""
+    for b in range(span):
+        tile = tiles[b]
+        for j in range(tile.shape[0]):
+            for v in range(TILE):
+                out[j, b * TILE + v] = tile[j, v]
+
+
+@numba.njit(inline="always")
+def _tile_by_tile(wide, span, tiles):
+    """The inverse of :func:`_side_by_side`."""
+    for b in range(span):
+        tile = tiles[b]
+        for j in range(tile.shape[0]):
+            for v in range(TILE):
+                tile[j, v] = wide[j, b * TILE + v]
+
+
+@numba.njit(inline="always")
+def _tile_rows(item, per_group, tokens):
+    """(first row, rows) of tile ``item``: tiles of :data:`TILE` rows within a group."""
+    g = item // per_group
+    r0 = g * tokens + (item % per_group) * TILE
+    return r0, min(TILE, (g + 1) * tokens - r0)
 
 
 @jit(parallel=True, nogil=True)
