@@ -122,6 +122,11 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "give kvtool serve --port" in refused("--", "--port=9")
     assert "--max-model-len instead" in refused("--", "--max_model_len", "999999")
     assert "give --store" in refused("--store-timeout", "2")
+    for fp8 in (["--kv-cache-dtype", "fp8"], ["--kv_cache_dtype=fp8_e5m2"],
+                ["--kv-cache-d", "fp8_e4m3"]):  # scaled codes: no store or pin can serve them
+        assert "fp8 paged cache" in refused("--store", store, "--", *fp8)
+    assert "--kv-cache-dtype" in dry_run(runner, "--", "--kv-cache-dtype", "fp8")["argv"]
+    assert dry_run(runner, "--store", store, "--", "--kv-cache-dtype", "auto")["store"] == store
     assert "8192 positions" in refused("--max-model-len", "8193")
     argv = dry_run(runner, "--max-model-len", "8192")["argv"]
     assert argv[argv.index("--max-model-len") + 1] == "8192"  # the model's own length

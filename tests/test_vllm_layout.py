@@ -158,3 +158,16 @@ def test_cpu_layout_matches_vllm_kernel(isa, block_size, dtype):
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot, isa)
     gk, gv = PagedLayout("cpu", dim).gather(kv, blocks, 0, tokens)
     assert torch.equal(gk, key.transpose(0, 1)) and torch.equal(gv, value.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float8_e4m3fn", "int8"])
+def test_a_cache_of_scaled_codes_is_refused_not_written(dtype):
+    """vLLM's fp8 caches (``--kv-cache-dtype fp8``) come as uint8: a cast into them writes
+    truncated integers where values belong."""
+    kv = torch.zeros(4, 2, 4, 16, dtype=getattr(torch, dtype))
+    with pytest.raises(UnsupportedLayoutError, match="fp8"):
+        detect_layout(kv, 8, "FLASH_ATTN")
+    layout = PagedLayout("split", 8)
+    with pytest.raises(UnsupportedLayoutError, match="fp8"):
+        layout.write(kv, [0], 0, "key", torch.ones(2, 3, 8))
+    assert not kv.float().any()

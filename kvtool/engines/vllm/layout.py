@@ -27,6 +27,7 @@ import torch
 from kvtool.errors import KvtoolError
 
 LAYOUTS = ("cpu", "split", "flash")
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the caches kvtool reads and writes
 
 
 class UnsupportedLayoutError(ValueError):
@@ -63,6 +64,11 @@ class PagedLayout:
         if not ok:
             raise UnsupportedLayoutError(f"a paged KV tensor of shape {tuple(kv.shape)} is not "
                                          f"the {self.name!r} layout with head_dim {d}")
+        if kv.dtype not in CACHE_DTYPES:  # fp8 caches come as uint8: bytes, not values
+            raise UnsupportedLayoutError(
+                f"a paged KV cache of {str(kv.dtype).removeprefix('torch.')} (an fp8 "
+                "--kv-cache-dtype?) holds scaled codes kvtool cannot read or write; the store "
+                "serves float16, bfloat16 and float32 caches")
 
     # -- the two views everything goes through ------------------------------------------------
     def _views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:

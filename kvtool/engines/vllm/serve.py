@@ -112,6 +112,19 @@ _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--host": "--hos
              "--kv-transfer-config": None}
 
 
+def _engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> str | None:
+    """The last value given to ``option`` among the engine's arguments (as argparse reads
+    it: ``--opt v``, ``--opt=v``, underscores for dashes, an abbreviation of at least
+    ``shortest`` characters), or None."""
+    value = None
+    for i, arg in enumerate(engine_args):
+        name, eq, given = arg.partition("=")
+        name = name.replace("_", "-")
+        if len(name) >= shortest and option.startswith(name):
+            value = given if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+    return value
+
+
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
                engine: str = "vLLM") -> None:
     """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets
@@ -148,6 +161,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.models import resolve_model
 
     refuse_own(engine_args)
+    if (store or pins) and (kv_dtype := _engine_value(engine_args, "--kv-cache-dtype", 12)) \
+            and kv_dtype.lower().startswith("fp8"):
+        raise KvtoolError(f"--kv-cache-dtype {kv_dtype}: an fp8 paged cache holds scaled codes "
+                          "kvtool cannot read or write, so --store and --pin cannot serve it; "
+                          "leave it out (auto), or serve without a store")
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
     if not host.strip():
