@@ -58,6 +58,11 @@ class NewerVersionError(FormatError):
     leaves it alone; it is not damaged."""
 
 
+class MissingCodecError(FormatError):
+    """A file names a codec that no installed codec (built in or plugin) implements: like a
+    newer version, a shared store skips it and leaves it alone for the servers that have it."""
+
+
 class ModelMismatchError(KvtoolError):
     """A cache belongs to a different model or tokenizer than the one in use."""
 

@@ -187,6 +187,53 @@ def test_newer_versions_skipped_and_left_alone(tmp_path, caplog):
     assert stats()["quarantined_files"] == before["quarantined_files"]
 
 
+def test_a_chunk_of_a_codec_this_server_lacks_is_skipped_and_left_alone(tmp_path, caplog):
+    """A server with a codec plugin wrote it; one without the plugin shares the store: a miss
+    for this one (said once), never quarantined, still served to the plugin's servers."""
+    from kvtool.codecs import register_codec
+    from kvtool.codecs.raw import RawCodec
+    from kvtool.codecs.registry import reset_registry
+    from kvtool.errors import MissingCodecError
+
+    class PluginRaw(RawCodec):
+        codec_id = "test-plugin-raw"
+
+    register_codec(PluginRaw)
+    try:
+        plugin = PrefixStore(tmp_path, MODEL, CHUNK,
+                             policy_from_extra({"codec": "test-plugin-raw"}))
+        c0, *_ = fill(plugin, 1)
+    finally:
+        reset_registry()  # this server: no plugin
+    snapshot = tree(tmp_path)
+    store = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        for _ in range(2):
+            with pytest.raises(MissingCodecError, match="test-plugin-raw"):
+                store.read(c0)
+        assert store.lookup(IDS) == []
+    assert tree(tmp_path) == snapshot and quarantined(tmp_path) == []
+    assert caplog.text.count("left alone for the servers that have the codec") == 1
+
+
+def test_an_error_of_this_process_leaves_the_chunk_usable(tmp_path, monkeypatch):
+    """The chunk's bytes are in memory when it is decoded: an OSError then (EMFILE, ENOMEM) is
+    this process's, so the chunk is neither quarantined nor remembered as bad."""
+    store = make(tmp_path)
+    c0, *_ = fill(store, 1)
+
+    def too_many_files(*args):
+        raise OSError(24, "Too many open files")
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "memfd_create", too_many_files)
+        with pytest.raises(OSError, match="Too many open files"):
+            store.read(c0)
+        with pytest.raises(OSError, match="Too many open files"):
+            store.read_into(c0, CHUNK, None, lambda f: None)
+    assert quarantined(tmp_path) == [] and store.lookup(IDS) == [c0]
+    assert store.read(c0).num_tokens == CHUNK
+
+
 # -- symlinks and special files --------------------------------------------------------------
 def test_symlinked_chunk_is_not_followed(tmp_path, caplog):
     store = make(tmp_path / "store")

@@ -26,6 +26,7 @@ from kvtool.errors import (
     CodecVersionError,
     FormatError,
     KvtoolError,
+    MissingCodecError,
     NewerVersionError,
     UnknownCodecError,
 )
@@ -172,10 +173,8 @@ class KvzFile:
         inspected; decoding its segments fails)."""
         try:
             return self._codec(config)
-        except FormatError as e:
-            if isinstance(e.__context__, UnknownCodecError):
-                return None
-            raise
+        except MissingCodecError:
+            return None
 
     def _codec(self, config: dict[str, Any]) -> Codec:
         key = repr(sorted(config.items()))
@@ -184,6 +183,8 @@ class KvzFile:
                 self._codecs[key] = get_codec(config)
             except CodecVersionError as e:
                 raise NewerVersionError(str(e)) from None
+            except UnknownCodecError as e:
+                raise MissingCodecError(str(e)) from None
             except CodecError as e:
                 raise FormatError(str(e)) from None
             except Exception as e:  # a plugin's constructor rejecting a corrupt config

@@ -244,8 +244,17 @@ class PrefixStore:
         ``<root>/quarantine/`` by a store that may write, so that the chunk is written anew,
         and only remembered as bad (until rewritten) by a read-only one; an unreadable file
         (``OSError``) is skipped. Other errors are not the file's fault: nothing happens."""
-        from kvtool.errors import FormatError, NewerVersionError
+        from kvtool.errors import FormatError, MissingCodecError, NewerVersionError
 
+        if isinstance(error, MissingCodecError):
+            _remember(chunk.path, stamp, False)
+            count("newer_files")  # with them: files this kvtool cannot read but must not touch
+            if chunk.path not in self._warned:
+                self._warned.add(chunk.path)
+                log.warning("kvtool store: skipping %s: %s; it is left alone for the servers "
+                            "that have the codec", chunk.path,
+                            str(error).replace(f"{chunk.path}: ", ""))
+            return
         if isinstance(error, NewerVersionError):
             _remember(chunk.path, stamp, False)
             count("newer_files")
@@ -319,6 +328,8 @@ class PrefixStore:
             with in_memory(fetched.data, chunk.path) as path:
                 cache = load(path, tokens=tokens, backend="torch")
             check_cache(cache, self.model, want)
+        except OSError:  # the bytes are in memory: this process's (EMFILE, ENOMEM), not the file's
+            raise
         except Exception as e:
             self.reject(chunk, e, fetched.stamp)
             raise
@@ -343,6 +354,8 @@ class PrefixStore:
                 check_file(f, self.model, tokens)
                 checked = True
                 consume(f)
+        except OSError:  # as in read: not the file's
+            raise
         except Exception as e:
             if not checked or isinstance(e, FormatError):
                 self.reject(chunk, e, fetched.stamp)
