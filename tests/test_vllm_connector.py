@@ -378,6 +378,21 @@ def test_request_kvz_confined_to_kvz_dirs(vm, kvz_dir, tmp_path, caplog):
     assert got == want and delta["tokens_loaded"] == len(ids) and delta["failures"] == 0
 
 
+def test_tokens_a_kvz_file_served_are_not_saved_as_computed(vm, kvz_dir):
+    """A request's pinned file serves its first 200 tokens: the store (lossless here) must not
+    take the chunk of tokens 0..128 from those blocks, which hold the file's values (lossy or
+    cast, for all the store knows), as computed and exact; a chunk the request computed is
+    saved."""
+    ids = ids_for(12, 200)
+    path = Path(kvz_dir) / "pinned.kvz"
+    save(E.capture(vm, token_ids=ids), path, codec="turbo3")  # lossy values
+    got, delta, _ = served(vm, ids + ids_for(13, 20), kvtool_kvz=str(path))
+    assert delta["tokens_loaded"] == 200 and delta["chunks_saved"] == 0
+    assert got == served(vm, ids + ids_for(13, 20), kvtool_kvz=str(path))[0]
+    longer = ids_for(14, 300)  # no file: its chunks 0..128 and 128..256 are computed, saved
+    assert served(vm, longer)[1]["chunks_saved"] == 2
+
+
 def test_consumer_never_modifies_the_store(vm, store):
     ids = ids_for(12, 300)
     want = baseline(vm, ids)

@@ -435,3 +435,4 @@ class ReqState:
     logged: bool = False  # its hit or miss has been logged
     match: tuple[int, list[Source]] | None = None  # its lookup's (tokens, sources), once
     stored: int = 0  # leading chunks the lookup found in the store (never saved again)
+    from_file: int = 0  # leading tokens a .kvz file serves: its values, not computed ones

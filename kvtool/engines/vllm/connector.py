@@ -254,6 +254,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             n = min(common_prefix(ids, req.prompt), limit)
             if n > best:
                 best, sources = n, [Source(path, 0, n)]
+                req.from_file = n
         return best, sources
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -320,8 +321,11 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             ready = [c for c in req.chunks[req.next_chunk:] if c.stop <= done]
             req.next_chunk += len(ready)
             # chunks the lookup found are stored; the writer skips any other that exists
-            # (no existence check here: on S3 it would be a request on the scheduler's path)
-            spec.chunks = [c for c in ready if c.stop > req.stored * self.chunk_tokens]
+            # (no existence check here: on S3 it would be a request on the scheduler's path).
+            # Tokens a .kvz file served hold its values (lossy, or cast): never stored as
+            # computed ones, which a lossless server would take as exact
+            spec.chunks = [c for c in ready if c.stop > req.stored * self.chunk_tokens
+                           and c.start >= req.from_file]
             if spec.chunks and self.guard.is_down:  # a store out of service: no save planned
                 count("saves_dropped", len(spec.chunks))
                 spec.chunks = []
