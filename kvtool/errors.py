@@ -33,6 +33,17 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+def not_the_files(error: BaseException) -> bool:
+    """Whether ``error``, raised while decoding a file's checked codes, is the process's or the
+    machine's (memory, the OS, a device, a kernel compiler) rather than the file's: readers
+    raise it as it is, not as a :class:`FormatError`, so a store never judges a file by it."""
+    if isinstance(error, (MemoryError, OSError)):
+        return True
+    kind = type(error)
+    return kind.__name__ in ("OutOfMemoryError", "AcceleratorError") \
+        or (kind.__module__ or "").split(".")[0] in ("numba", "triton")
+
+
 class CodecError(KvtoolError):
     """Unknown codec id, invalid codec config, or input a codec cannot encode."""
 

@@ -234,6 +234,36 @@ def test_an_error_of_this_process_leaves_the_chunk_usable(tmp_path, monkeypatch)
     assert store.read(c0).num_tokens == CHUNK
 
 
+@pytest.mark.parametrize("error", [MemoryError(), type("OutOfMemoryError", (RuntimeError,), {})(
+    "CUDA out of memory")], ids=["host memory", "device memory"])
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_decode_that_runs_out_of_memory_does_not_judge_the_chunk(tmp_path, monkeypatch, path,
+                                                                   error):
+    """Memory, the OS, a device or a kernel compiler failing mid-decode says nothing about the
+    file: the error is raised as it is, and the chunk is neither quarantined nor remembered."""
+    from kvtool.codecs.raw import RawCodec
+    from kvtool.engines.vllm import device_io
+    from kvtool.engines.vllm.layout import detect_layout
+
+    store = make(tmp_path)
+    c0, *_ = fill(store, 1)
+
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(RawCodec, "decode", fail)
+    kv = torch.zeros(4, 2, 4, 64)
+    target = [(kv, detect_layout(kv, 32, "FLASHINFER"), [0, 1, 2, 3])] * 3
+    with pytest.raises(type(error)):
+        if path == "host":
+            store.read(c0)
+        else:
+            store.read_into(c0, CHUNK, None,
+                            lambda f: device_io.load_file(f, target, 0, 0, CHUNK))
+    monkeypatch.undo()
+    assert quarantined(tmp_path) == [] and store.lookup(IDS) == [c0]
+    assert store.read(c0).num_tokens == CHUNK
+
+
 # -- symlinks and special files --------------------------------------------------------------
 def test_symlinked_chunk_is_not_followed(tmp_path, caplog):
     store = make(tmp_path / "store")

@@ -86,9 +86,9 @@ def test_triton_codes_through_the_device_path(tmp_path):
             want_t = torch.from_numpy(np.asarray(want_x, dtype=np.float32))
             step = 2.0 ** (torch.floor(torch.log2(want_t.abs().clamp_min(1e-30))) - 7)
             assert bool(((got.float() - want_t).abs() <= step).all())
-        untouched = torch.ones_like(kv, dtype=torch.bool)
-        layout.write(untouched, blocks, 2, "key", torch.zeros(H, CHUNK - 2, D, dtype=torch.bool))
-        layout.write(untouched, blocks, 2, "value", torch.zeros(H, CHUNK - 2, D,
-                                                                dtype=torch.bool))
+        mask = torch.ones_like(kv)  # 0 where the load wrote: the same writes, of zeros
+        layout.write(mask, blocks, 2, "key", torch.zeros(H, CHUNK - 2, D))
+        layout.write(mask, blocks, 2, "value", torch.zeros(H, CHUNK - 2, D))
+        untouched = mask.bool()
         assert bool((kv[untouched] == 3.0).all())
         assert int((~untouched).sum()) == 2 * H * (CHUNK - 2) * D

@@ -29,6 +29,7 @@ from kvtool.errors import (
     MissingCodecError,
     NewerVersionError,
     UnknownCodecError,
+    not_the_files,
 )
 from kvtool.fileio import check_input_file
 from kvtool.formats import constants as C
@@ -234,6 +235,8 @@ class KvzFile:
                     enc = enc.to_torch(device if on_device else None)
                 x = codec.decode(enc, decode_dtype)
             except Exception as e:
+                if not_the_files(e):
+                    raise
                 raise FormatError(f"{self.path}: layer {i} {role}: codec {codec.codec_id!r} "
                                   f"could not decode tokens {seg['start']}..{seg['stop']}: "
                                   f"{type(e).__name__}: {str(e)[:120]}") from None

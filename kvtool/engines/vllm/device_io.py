@@ -31,7 +31,7 @@ import torch
 
 from kvtool.codecs import Codec, Encoded
 from kvtool.engines.vllm.layout import PagedLayout
-from kvtool.errors import FormatError
+from kvtool.errors import FormatError, not_the_files
 from kvtool.formats.constants import ROLES
 from kvtool.kernels import FLOAT_DTYPES, to_torch
 from kvtool.policy import CodecPolicy, Segment
@@ -41,9 +41,6 @@ from kvtool.policy import CodecPolicy, Segment
 FORCE_ON_CPU = False
 _ALIGN = 16  # bytes: each array of a packed buffer starts at a multiple (for dtype views)
 _SIDE_STREAMS: dict[torch.device, Any] = {}
-#: errors of the device, not of a file: never a reason to refuse (quarantine) the file
-_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "OutOfMemoryError", None),
-                                   getattr(torch, "AcceleratorError", None)) if e is not None)
 
 
 def on_device(kv: torch.Tensor) -> bool:
@@ -262,9 +259,9 @@ def decode_into(kv: torch.Tensor, layout: PagedLayout, block_ids: Sequence[int],
         dtype = "float32"  # not saturated: PagedLayout.write refuses what fp16 cannot hold
     try:
         x = part.codec.decode(encoded, dtype if dtype in FLOAT_DTYPES else None)
-    except _DEVICE_ERRORS:
-        raise
     except Exception as e:
+        if not_the_files(e):
+            raise
         raise FormatError(f"{where}: layer {part.layer} {part.role}: codec "
                           f"{part.codec.codec_id!r} could not decode tokens {part.start}.."
                           f"{part.stop}: {type(e).__name__}: {str(e)[:120]}") from None
