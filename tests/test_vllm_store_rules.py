@@ -264,6 +264,38 @@ def test_a_decode_that_runs_out_of_memory_does_not_judge_the_chunk(tmp_path, mon
     assert store.read(c0).num_tokens == CHUNK
 
 
+def test_a_chunk_with_a_partial_window_is_never_served(tmp_path):
+    """A chunk whose sliding-window layer kept only its last tokens (no connector writes one):
+    scattered as a prefix, those tokens would land at positions 0.. and leave the rest of its
+    slots stale. Refused at lookup and at load, on both paths, before any slot is written."""
+    import numpy as np
+
+    from kvtool.cache import KVCache
+    from kvtool.engines.vllm import paged_io
+    from kvtool.engines.vllm.common import Source
+    from kvtool.engines.vllm.layout import detect_layout
+    from kvtool.formats import save
+
+    store = make(tmp_path)
+    c0, *_ = fill(store, 1)
+    keys, values = kv()
+    window = [{}, {"sliding_window": 4}, {}]
+    cache = KVCache([k if i != 1 else k[:, -4:] for i, k in enumerate(keys)],
+                    [v if i != 1 else v[:, -4:] for i, v in enumerate(values)],
+                    token_ids=np.asarray(IDS[:CHUNK]), model=MODEL, layer_info=window)
+    save(cache, c0.path, codec="raw")
+    assert not store.is_valid(c0, IDS)
+    guard = type("Guard", (), {"call": staticmethod(lambda name, fn, *a: fn(*a))})()
+    for on_device in (False, True):
+        save(cache, c0.path, codec="raw")
+        caches = [torch.full((4, 2, 4, 64), -1.0) for _ in range(3)]
+        layers = [(x, detect_layout(x, 32, "FLASHINFER"), 1) for x in caches]
+        with pytest.raises(ValueError, match="cannot be served as a prefix"):
+            paged_io.load_source(layers, [0, 1, 2, 3], Source(c0.path, 0, CHUNK, c0), 0, CHUNK,
+                                 store, guard, MODEL, on_device)
+        assert all(bool((x == -1.0).all()) for x in caches), on_device
+
+
 # -- symlinks and special files --------------------------------------------------------------
 def test_symlinked_chunk_is_not_followed(tmp_path, caplog):
     store = make(tmp_path / "store")

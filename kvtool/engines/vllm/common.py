@@ -346,11 +346,16 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
 
 def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
     """Raise ValueError unless a loaded cache is this model's (up to dtype: another dtype is
-    cast, logged once per process) and holds ``tokens`` tokens."""
+    cast, logged once per process), holds ``tokens`` tokens and can be served as a prefix
+    (:func:`unservable`: a sliding-window layer's partial window would land in the wrong
+    slots)."""
     from kvtool.identity import identity_dtype, log_cast, same_model
 
     if not same_model(cache.model, model):
         raise ValueError("the file belongs to another model")
+    why = unservable(cache)
+    if why is not None:
+        raise ValueError(f"it cannot be served as a prefix: {why}")
     log_cast(cache.model, identity_dtype(model) or "", log)
     if "num_layers" in model and cache.num_layers != model["num_layers"]:
         raise ValueError(f"{cache.num_layers} layers, the model has {model['num_layers']}")

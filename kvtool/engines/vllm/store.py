@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.engines.vllm.common import check_cache, count, log
+from kvtool.engines.vllm.common import check_cache, count, log, unservable
 from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
@@ -234,6 +234,9 @@ class PrefixStore:
             want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
             if ids is None or not np.array_equal(ids, want):
                 raise ValueError("it holds other token ids")
+            why = unservable(f)
+            if why is not None:  # its partial windows would land in the wrong slots
+                raise ValueError(f"it cannot be served as a prefix: {why}")
             return exact_dtype(f)
 
     def reject(self, chunk: Chunk, error: BaseException, stamp: Stamp | None = None) -> None:
@@ -435,8 +438,8 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
     :func:`~kvtool.engines.vllm.common.check_cache` refuse, without decoding anything."""
     if not 0 <= tokens <= f.num_tokens:
         raise ValueError(f"prefix of {tokens} tokens from a file of {f.num_tokens}")
-    check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens),
-                model, tokens)
+    check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
+                                token_ids=f.token_ids, layer_info=f.layer_info), model, tokens)
 
 
 def exact_dtype(f: Any) -> str | None:
