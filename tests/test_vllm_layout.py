@@ -127,6 +127,14 @@ def test_bad_ranges_and_shapes(kv_data):
         layout.scatter(empty("split"), [0, 1, 2], 0, k[:2], v[:2])
     with pytest.raises(ValueError):
         slots([0], BS, 3, 2)
+    for bad in ([0, -1], [0, NB]):  # torch takes -1 as the last block; NB is past the end
+        kv = empty("split")
+        with pytest.raises(ValueError, match=f"blocks 0..{NB - 1}"):
+            layout.scatter(kv, bad, 0, k[:, :2 * BS], v[:, :2 * BS])
+        with pytest.raises(ValueError, match=f"blocks 0..{NB - 1}"):
+            layout.gather(kv, bad, BS, 2 * BS)
+        assert not kv.any()
+    layout.gather(empty("split"), [0, NB], 0, BS)  # the tokens use block 0 alone
 
 
 def test_kernel_block_ids():

@@ -97,7 +97,8 @@ class PagedLayout:
                stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V ``[kv_heads, stop-start, head_dim]`` for tokens ``[start, stop)``."""
         self.check(kv)
-        blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device)
+        blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device,
+                         self.num_blocks(kv))
         kview, vview, k_transposed = self._views(kv)
         k = kview[blk, :, :, off] if k_transposed else kview[blk, off]  # [T, H, D]
         v = vview[blk, off]
@@ -127,7 +128,8 @@ class PagedLayout:
         if heads != self.num_heads(kv) or dim != self.head_dim:
             raise ValueError(f"cannot write {heads} heads × head_dim {dim} into a paged cache "
                              f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
-        blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device)
+        blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device,
+                         self.num_blocks(kv))
         kview, vview, k_transposed = self._views(kv)
         y = x.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
         if kv.dtype == torch.float16 and x.dtype != torch.float16 and \
@@ -142,13 +144,20 @@ class PagedLayout:
 
 
 def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,
-          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(block id, offset) index tensors of tokens ``[start, stop)``."""
+          device: torch.device | str = "cpu",
+          num_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block id, offset) index tensors of tokens ``[start, stop)``; ValueError where a block
+    they use is not one of the cache's ``num_blocks`` (torch would take -1 as the last block,
+    and a CUDA kernel past the end kills the engine)."""
     if not 0 <= start <= stop:
         raise ValueError(f"bad token range [{start}, {stop})")
     if stop > len(block_ids) * block_size:
         raise ValueError(f"tokens up to {stop} need {-(-stop // block_size)} blocks of "
                          f"{block_size}, the sequence has {len(block_ids)}")
+    used = block_ids[start // block_size:-(-stop // block_size)] if stop > start else []
+    if num_blocks is not None and used and not 0 <= min(used) <= max(used) < num_blocks:
+        raise ValueError(f"block ids {min(used)}..{max(used)} for tokens [{start}, {stop}): "
+                         f"the paged cache has blocks 0..{num_blocks - 1}")
     pos = torch.arange(start, stop)
     table = torch.as_tensor(list(block_ids), dtype=torch.long)
     return table[pos // block_size].to(device), (pos % block_size).to(device)
