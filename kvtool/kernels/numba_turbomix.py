@@ -143,8 +143,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
         for i0 in range(first, stop, spans):
             span = min(spans, stop - i0)
             for b in range(span):
-                g = (i0 + b) // per_group
-                r0, w = _tile_rows(i0 + b, per_group, tokens)
+                g, r0, w = _tile_rows(i0 + b, per_group, tokens)
                 ch = channels[g if channels.shape[0] > 1 else 0]
                 rows_in = x[r0:r0 + w]  # a slice and an unsigned channel: no index wrapping
                 tb = t[b]
@@ -200,7 +199,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                     _tile_by_tile(qa, span, q)
                     _tile_by_tile(yhata, span, yhat)
                 for b in range(span):
-                    r0, w = _tile_rows(i0 + b, per_group, tokens)
+                    _, r0, w = _tile_rows(i0 + b, per_group, tokens)
                     ub, yhatb = u[b], yhat[b]
                     for v in range(TILE):
                         e[v] = 0.0
@@ -234,10 +233,10 @@ def _tile_by_tile(wide, span, tiles):
 
 @numba.njit(inline="always")
 def _tile_rows(item, per_group, tokens):
-    """(first row, rows) of tile ``item``: tiles of :data:`TILE` rows within a group."""
+    """(group, first row, rows) of tile ``item``: tiles of :data:`TILE` rows within a group."""
     g = item // per_group
     r0 = g * tokens + (item % per_group) * TILE
-    return r0, min(TILE, (g + 1) * tokens - r0)
+    return g, r0, min(TILE, (g + 1) * tokens - r0)
 
 
 @jit(parallel=True, nogil=True)

@@ -285,6 +285,13 @@ def unservable(f: Any) -> str | None:
     return None
 
 
+def refuse_unservable(f: Any) -> None:
+    """ValueError where :func:`unservable` says why ``f`` cannot be served as a prefix."""
+    why = unservable(f)
+    if why is not None:
+        raise ValueError(f"it cannot be served as a prefix: {why}")
+
+
 def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
     """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
     file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`).
@@ -353,9 +360,7 @@ def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
 
     if not same_model(cache.model, model):
         raise ValueError("the file belongs to another model")
-    why = unservable(cache)
-    if why is not None:
-        raise ValueError(f"it cannot be served as a prefix: {why}")
+    refuse_unservable(cache)
     log_cast(cache.model, identity_dtype(model) or "", log)
     if "num_layers" in model and cache.num_layers != model["num_layers"]:
         raise ValueError(f"{cache.num_layers} layers, the model has {model['num_layers']}")

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.engines.vllm.common import check_cache, count, log, unservable
+from kvtool.engines.vllm.common import check_cache, count, log, refuse_unservable
 from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
@@ -234,9 +234,7 @@ class PrefixStore:
             want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
             if ids is None or not np.array_equal(ids, want):
                 raise ValueError("it holds other token ids")
-            why = unservable(f)
-            if why is not None:  # its partial windows would land in the wrong slots
-                raise ValueError(f"it cannot be served as a prefix: {why}")
+            refuse_unservable(f)  # its partial windows would land in the wrong slots
             return exact_dtype(f)
 
     def reject(self, chunk: Chunk, error: BaseException, stamp: Stamp | None = None) -> None:
