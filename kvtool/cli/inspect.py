@@ -44,8 +44,9 @@ def _policy(policy: dict[str, Any] | None) -> str:
 def print_info(info: dict[str, Any]) -> None:
     model = info["model"]
     ident = " ".join(str(model[k]) for k in ("name", "architecture") if model.get(k)) or "-"
-    if model.get("fingerprint"):
-        ident += f" (fingerprint {str(model['fingerprint'])[:16]})"
+    marks = [f"{k} {str(model[k])[:16]}" for k in ("fingerprint", "weights") if model.get(k)]
+    if marks:
+        ident += f" ({', '.join(marks)})"
     first = info["layers"][0] if info["layers"] else None
     shape = (f"{first['key']['shape'][0]} kv heads, head_dim {first['key']['shape'][2]}"
              if first else "-")

@@ -25,15 +25,20 @@ def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[s
     ``info``, ``fingerprints`` and ``name``).
 
     The model must be the same up to dtype (:func:`kvtool.identity.same_model`): a cache computed
-    in another dtype is accepted, cast, with a logged note (:func:`kvtool.identity.log_cast`).
+    in another dtype is accepted, cast, with a logged note (:func:`kvtool.identity.log_cast`);
+    one of the same layout but other weights (a fine-tune: its K/V differ) is not.
     Raises :class:`ModelMismatchError` naming the differences unless ``force``; returns them
     (empty when compatible) so a forced caller can warn.
     """
-    from kvtool.identity import identity_dtype, log_cast, same_model
+    from kvtool.identity import identity_dtype, log_cast, other_weights, same_model
 
     problems = []
     want = cache.model or {}
-    if not same_model(want, loaded.info):
+    weights = other_weights(want, loaded.info)
+    if weights:
+        problems.append(f"model weights differ{weights}: cache is from "
+                        f"{want.get('name', 'an unknown model')}, loaded is {loaded.name}")
+    elif not same_model(want, loaded.info):
         a, b = want.get("layout") or {}, loaded.info.get("layout") or {}
         keys = sorted(k for k in set(a) | set(b) if k != "dtype" and a.get(k) != b.get(k))
         detail = (" (" + ", ".join(f"{k}: {_short(a.get(k))} vs {_short(b.get(k))}"

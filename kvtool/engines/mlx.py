@@ -67,7 +67,7 @@ class MLXModel:
 def load_mlx(model_name: str = "default", dtype: str | None = "auto") -> MLXModel:
     """Load ``default`` or a local HF model directory with mlx-lm, weights cast to ``dtype``
     (``"auto"``/None: the model's own, :func:`kvtool.models.native_dtype`)."""
-    from kvtool.identity import model_identity, tokenizer_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
     from kvtool.models import resolve_dtype, resolve_model
 
     name, location = resolve_model(model_name)
@@ -89,7 +89,8 @@ def load_mlx(model_name: str = "default", dtype: str | None = "auto") -> MLXMode
     mx.eval(model.parameters())
     seconds = time.perf_counter() - start
     config = AutoConfig.from_pretrained(location, local_files_only=True)
-    info = model_identity(config, name=name, dtype=dtype)
+    info = model_identity(config, name=name, dtype=dtype,
+                          weights=weights_fingerprint(location))
     tokenizer = wrapper._tokenizer
     fps = {"model": info["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer)}
     return MLXModel(model, tokenizer, wrapper, name, str(location), dtype, info, fps, seconds)

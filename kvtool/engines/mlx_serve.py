@@ -138,7 +138,8 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
             if tuple(model)[:1] != (identity["path"],):
                 return  # another model a request named: the file would carry our identity
             data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
-                    "dtype": identity["dtype"], "policy": policy.to_json(),
+                    "weights": identity.get("weights"), "dtype": identity["dtype"],
+                    "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],
                     "cache_type": cache_type}
             digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -181,10 +182,11 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
                 except Exception as e:  # a damaged or foreign file: leave it, say so
                     log.warning("kvtool: skipping %s (not a stored prompt cache: %s)", path, e)
                     continue
-                if (data.get("version"), data.get("fingerprint"), data.get("dtype"),
-                        data.get("policy")) != (STORE_VERSION, identity["fingerprint"],
-                                                identity["dtype"], policy.to_json()):
-                    continue  # another model, dtype or policy: not ours to serve or delete
+                if (data.get("version"), data.get("fingerprint"), data.get("weights"),
+                        data.get("dtype"), data.get("policy")) != (
+                        STORE_VERSION, identity["fingerprint"], identity.get("weights"),
+                        identity["dtype"], policy.to_json()):
+                    continue  # another model (or checkpoint), dtype or policy: not ours
                 key = (identity["path"], *data["model_key"][1:])
                 super().insert_cache(key, data["tokens"], layers,
                                      cache_type=data.get("cache_type", "assistant"))
@@ -204,10 +206,12 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
 
     from kvtool.engines.mlx import MX_DTYPES, rope_config
     from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, make_kvtool_cache
-    from kvtool.identity import model_identity
+    from kvtool.identity import model_identity, weights_fingerprint
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    identity = dict(model_identity(config, dtype=dtype), path=model_path, dtype=dtype)
+    identity = dict(model_identity(config, dtype=dtype,
+                                   weights=weights_fingerprint(model_path)),
+                    path=model_path, dtype=dtype)
     original_load, original_init = server.load, server.ModelProvider.__init__
     original_load_model = server.ModelProvider._load
 

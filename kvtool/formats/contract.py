@@ -124,6 +124,10 @@ def check_identity(header: dict[str, Any]) -> None:
     from kvtool.identity import canonical_sha256
 
     model = header[C.H_MODEL]
+    weights = model.get("weights")
+    if weights is not None and not (isinstance(weights, str) and len(weights) == 64
+                                    and all(c in "0123456789abcdef" for c in weights)):
+        raise FormatError("kvz header: model.weights must be a sha256 hex digest or null")
     layout = model.get("layout")
     if isinstance(layout, dict) and "fingerprint" in model:
         if canonical_sha256(layout) != model["fingerprint"]:

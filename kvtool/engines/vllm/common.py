@@ -292,19 +292,19 @@ def refuse_unservable(f: Any) -> None:
         raise ValueError(f"it cannot be served as a prefix: {why}")
 
 
-def read_kvz_ids(path: str, fingerprint: str) -> tuple[str, np.ndarray]:
+def read_kvz_ids(path: str, model: dict[str, Any]) -> tuple[str, np.ndarray]:
     """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
     file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`).
-    ``fingerprint`` is the engine model's (dtype-free) one; a file of another dtype of the
-    same model is served, cast (:func:`check_cache` notes it)."""
+    ``model`` is the engine model's identity; a file of another dtype of the same model is
+    served, cast (:func:`check_cache` notes it), one of other weights is not."""
     from kvtool.errors import KvtoolError
     from kvtool.formats import open_kvz
-    from kvtool.identity import identity_key
+    from kvtool.identity import other_weights, same_model
 
     try:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
-            if identity_key(f.model) != fingerprint:
-                raise ValueError("it belongs to another model")
+            if not same_model(f.model, model):
+                raise ValueError(f"it belongs to another model{other_weights(f.model, model)}")
             why = unservable(f)
             if why:
                 raise ValueError(why)
@@ -336,7 +336,7 @@ def request_switch(params: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
-                fingerprint: str) -> tuple[str, np.ndarray]:
+                model: dict[str, Any]) -> tuple[str, np.ndarray]:
     """:func:`read_kvz_ids` of a request's ``kvtool_kvz`` if it resolves to a regular file under
     ``dirs`` or in ``files`` (real paths); otherwise refused, unopened, with a warning."""
     try:
@@ -348,7 +348,7 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
                     getattr(e, "strerror", None) or e)
         count("refused_files")
         return str(path), np.zeros(0, dtype=np.int64)
-    return read_kvz_ids(real, fingerprint)
+    return read_kvz_ids(real, model)
 
 
 def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
@@ -356,10 +356,10 @@ def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
     cast, logged once per process), holds ``tokens`` tokens and can be served as a prefix
     (:func:`unservable`: a sliding-window layer's partial window would land in the wrong
     slots)."""
-    from kvtool.identity import identity_dtype, log_cast, same_model
+    from kvtool.identity import identity_dtype, log_cast, other_weights, same_model
 
     if not same_model(cache.model, model):
-        raise ValueError("the file belongs to another model")
+        raise ValueError(f"the file belongs to another model{other_weights(cache.model, model)}")
     refuse_unservable(cache)
     log_cast(cache.model, identity_dtype(model) or "", log)
     if "num_layers" in model and cache.num_layers != model["num_layers"]:
@@ -373,7 +373,7 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     from pathlib import Path
 
     from kvtool.identity import model_identity
-    from kvtool.models import DEFAULT_MODEL_NAME
+    from kvtool.models import DEFAULT_MODEL_NAME, weights_of
 
     mc = vllm_config.model_config
     path = Path(str(mc.model))
@@ -382,7 +382,8 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
         name = DEFAULT_MODEL_NAME if converted and path.name.startswith(DEFAULT_MODEL_NAME) \
             else path.name
     dtype = str(mc.dtype).removeprefix("torch.")
-    return model_identity(mc.hf_config, name=name, dtype=dtype)
+    return model_identity(mc.hf_config, name=name, dtype=dtype,
+                          weights=weights_of(str(mc.model), getattr(mc, "revision", None)))
 
 
 def tokenizer_fingerprint_of(vllm_config: Any) -> str:

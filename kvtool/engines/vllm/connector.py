@@ -199,7 +199,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self._kvz_dirs = [os.path.realpath(d) for d in extra.get("kvz_dirs") or []]
         self._kvz_files = list(dict.fromkeys(os.path.realpath(p)
                                              for p in extra.get("kvz_files") or []))
-        self._files = [read_kvz_ids(p, self.model_info["fingerprint"])
+        self._files = [read_kvz_ids(p, self.model_info)
                        for p in self._kvz_files] if role == KVConnectorRole.SCHEDULER \
             else []
         # worker side
@@ -225,8 +225,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             load=request_switch(params, "kvtool_load", True) and self.load_enabled and keyed,
             save=request_switch(params, "kvtool_save", True) and keyed,
             capture=request_switch(params, "kvtool_capture", self.capture_all) and keyed,
-            files=[request_kvz(own, self._kvz_dirs, self._kvz_files,
-                               self.model_info["fingerprint"])] if own else [])
+            files=[request_kvz(own, self._kvz_dirs, self._kvz_files, self.model_info)]
+            if own else [])
 
     def _state(self, request: Request) -> ReqState:
         if request.request_id not in self._reqs:

@@ -81,7 +81,7 @@ def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int
     Local prefix caching is off by default so that every reuse measured is the connector's.
     ``dtype`` ``"auto"`` (or None) is the model's own (:func:`kvtool.models.native_dtype`).
     """
-    from kvtool.identity import model_identity, tokenizer_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
     from kvtool.models import resolve_dtype, resolve_model
 
     name, location = resolve_model(model)
@@ -96,7 +96,8 @@ def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int
 
     config = AutoConfig.from_pretrained(location, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=True)
-    info = model_identity(config, name=name, dtype=dtype)
+    info = model_identity(config, name=name, dtype=dtype,
+                          weights=weights_fingerprint(location))
     fps = {"model": info["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer)}
     if max_model_len is None:
         max_model_len = int(getattr(config.get_text_config(), "max_position_embeddings", 0)

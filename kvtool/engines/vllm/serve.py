@@ -47,7 +47,7 @@ def _cuda() -> bool:
         return False
 
 
-def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
+def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
               tokenizer: tuple[str, int] | None = None) -> tuple[str, str | None]:
     """The pin's real path, after checking that it is an intact .kvz of this model (any dtype)
     and ``tokenizer`` (its fingerprint and vocabulary size) that the connector serves
@@ -56,7 +56,7 @@ def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
     from kvtool.engines.vllm.common import unservable
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
-    from kvtool.identity import cast_note, identity_key
+    from kvtool.identity import cast_note, other_weights, same_model
 
     real = Path(path).resolve()
     if not real.exists():
@@ -64,8 +64,9 @@ def check_pin(path: str, fingerprint: str, dtype: str, max_model_len: int,
     if not real.is_file():
         raise KvtoolError(f"--pin {path}: not a regular file")
     with open_kvz(real) as f:
-        if identity_key(f.model) != fingerprint:
-            raise ModelMismatchError(f"--pin {path}: it belongs to another model")
+        if not same_model(f.model, model):
+            raise ModelMismatchError(f"--pin {path}: it belongs to another model"
+                                     f"{other_weights(f.model, model)}")
         why = unservable(f)
         if why:
             raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
@@ -157,7 +158,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     """The server's command line and summary (nothing is started)."""
     from transformers import AutoConfig
 
-    from kvtool.identity import model_identity
+    from kvtool.identity import model_identity, weights_fingerprint
     from kvtool.models import resolve_model
 
     refuse_own(engine_args)
@@ -179,7 +180,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     config = AutoConfig.from_pretrained(location, local_files_only=True)
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
-    info = model_identity(config, name=name, dtype=ident_dtype)
+    info = model_identity(config, name=name, dtype=ident_dtype,
+                          weights=weights_fingerprint(location))
     positions = getattr(config.get_text_config(), "max_position_embeddings", 0)
     longest = None if any(a.startswith(_CONTEXT_ARGS) for a in engine_args) or os.environ.get(
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true") \
@@ -220,7 +222,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
 
         tok = AutoTokenizer.from_pretrained(location, local_files_only=True)
         tokenizer = (tokenizer_fingerprint(tok), len(tok))
-    checked = [check_pin(p, info["fingerprint"], ident_dtype, max_model_len, tokenizer)
+    checked = [check_pin(p, info, ident_dtype, max_model_len, tokenizer)
                for p in pins]
     real_pins = [real for real, _ in checked]
     if real_pins:

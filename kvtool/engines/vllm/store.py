@@ -5,14 +5,17 @@ storage layer: :mod:`~kvtool.engines.vllm.store_backend`, :mod:`~kvtool.engines.
 with the same layout and rules on both.
 
 A prompt is cut into chunks of ``chunk_tokens`` tokens (a multiple of vLLM's block size). Chunk
-``i`` is keyed by a hash chain: ``h_0 = H(tag, model fingerprint, chunk_tokens)``,
+``i`` is keyed by a hash chain: ``h_0 = H(tag, model fingerprint, chunk_tokens[, weights])``,
 ``h_{i+1} = H(h_i, token ids of chunk i)``, so a key names the chunk *and every token before it*
-for one model. Each chunk is a small .kvz file (written through :mod:`kvtool.formats`, any
-codec policy) at ``<root>/<fingerprint[:16]>/<key[:2]>/<key>.kvz`` holding that chunk's K/V
-and token ids. The longest stored prefix of a prompt is the longest run of chunk files that
-exist from its start; two prompts that share a system prompt share its chunks. A GPU worker
-writes chunks it encoded on the device (:meth:`PrefixStore.write_encoded`: the same bytes) and
-decodes them there (:meth:`PrefixStore.read_into`; see :mod:`~kvtool.engines.vllm.device_io`).
+for one model. The weights fingerprint (:func:`~kvtool.identity.weights_fingerprint`, when the
+server knows it) keeps checkpoints of one layout (a base model and its fine-tunes) apart: they
+share the model's directory, never a key. Each chunk is a small .kvz file (written through
+:mod:`kvtool.formats`, any codec policy) at ``<root>/<fingerprint[:16]>/<key[:2]>/<key>.kvz``
+holding that chunk's K/V and token ids. The longest stored prefix of a prompt is the longest
+run of chunk files that exist from its start; two prompts that share a system prompt share
+its chunks. A GPU worker writes chunks it encoded on the device
+(:meth:`PrefixStore.write_encoded`: the same bytes) and decodes them there
+(:meth:`PrefixStore.read_into`; see :mod:`~kvtool.engines.vllm.device_io`).
 
 A chunk file is trusted only after its header says it belongs to this model and holds exactly
 the chunk's token ids (verdicts are cached per file inode, size and mtime; on S3 per ETag). A
@@ -52,7 +55,7 @@ from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
-from kvtool.identity import identity_dtype, identity_key, portable_identity
+from kvtool.identity import identity_dtype, identity_key, portable_identity, same_weights
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
@@ -126,8 +129,11 @@ class PrefixStore:
         """The full chunks of ``token_ids[:limit]``, in order, with their chain keys."""
         ids = np.asarray(token_ids, dtype="<i8").reshape(-1)
         n = len(ids) if limit is None else max(0, min(limit, len(ids)))
-        h = hashlib.sha256(HASH_TAG + b"\0" + self.fingerprint.encode() + b"\0"
-                           + str(self.chunk_tokens).encode()).digest()
+        seed = HASH_TAG + b"\0" + self.fingerprint.encode() + b"\0" \
+            + str(self.chunk_tokens).encode()
+        if self.model.get("weights"):
+            seed += b"\0" + str(self.model["weights"]).encode()
+        h = hashlib.sha256(seed).digest()
         out = []
         for start in range(0, n - self.chunk_tokens + 1, self.chunk_tokens):
             stop = start + self.chunk_tokens
@@ -225,7 +231,7 @@ class PrefixStore:
         from kvtool.formats import open_kvz
 
         with open_kvz(path) as f:
-            if identity_key(f.model) != self.fingerprint:
+            if identity_key(f.model) != self.fingerprint or not same_weights(f.model, self.model):
                 raise ValueError("it belongs to another model")
             if f.num_tokens != chunk.stop - chunk.start:
                 raise ValueError(f"it holds {f.num_tokens} tokens, not "
