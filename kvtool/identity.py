@@ -244,6 +244,13 @@ def same_weights(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return theirs is None or ours is None or theirs == ours
 
 
+def valid_weights(value: Any) -> bool:
+    """Whether ``value`` is a ``model.weights`` a writer gives: absent/None or a lower-case
+    sha256 hex digest (a reader compares it, so anything else is refused)."""
+    return value is None or (isinstance(value, str) and len(value) == 64
+                             and all(c in "0123456789abcdef" for c in value))
+
+
 def other_weights(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """A clause for a refusal message when two identities share their layout but not their
     weights (a base model and its fine-tune); '' otherwise."""

@@ -241,6 +241,10 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
     E.export_prompt_cache(bad, path)
     with pytest.raises(FormatError, match="fingerprint does not match its layout"):
         E.import_prompt_cache(path)
+    bad = dataclasses.replace(doc_cache, model={**doc_cache.model, "weights": "checkpoint-7"})
+    E.export_prompt_cache(bad, path)
+    with pytest.raises(FormatError, match="model.weights is not a sha256"):
+        E.import_prompt_cache(path)
     path = _stock_file(doc_cache, tmp_path / "off.safetensors")
     real_load = mlx_cache.load_prompt_cache
 

@@ -352,11 +352,13 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     except ValueError as e:
         raise FormatError(f"{path}: {e}") from None
     model = cache.model or {}
-    if isinstance(model.get("layout"), dict) and "fingerprint" in model:
-        from kvtool.identity import canonical_sha256
+    from kvtool.identity import canonical_sha256, valid_weights
 
+    if isinstance(model.get("layout"), dict) and "fingerprint" in model:
         if canonical_sha256(model["layout"]) != model["fingerprint"]:
             raise FormatError(f"{path}: its model fingerprint does not match its layout")
+    if not valid_weights(model.get("weights")):
+        raise FormatError(f"{path}: its model.weights is not a sha256 hex digest")
     if cache.token_ids is not None and len(cache.token_ids) != cache.num_tokens:
         raise FormatError(f"{path}: {len(cache.token_ids)} token ids for {cache.num_tokens} "
                           "cached tokens")

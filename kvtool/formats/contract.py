@@ -121,12 +121,10 @@ def _check_one_policy(header: dict[str, Any], key: str,
 def check_identity(header: dict[str, Any]) -> None:
     """The layers' shapes agree with the KV layout the model identity declares (when it does):
     a writer stores the arrays of the model it names."""
-    from kvtool.identity import canonical_sha256
+    from kvtool.identity import canonical_sha256, valid_weights
 
     model = header[C.H_MODEL]
-    weights = model.get("weights")
-    if weights is not None and not (isinstance(weights, str) and len(weights) == 64
-                                    and all(c in "0123456789abcdef" for c in weights)):
+    if not valid_weights(model.get("weights")):
         raise FormatError("kvz header: model.weights must be a sha256 hex digest or null")
     layout = model.get("layout")
     if isinstance(layout, dict) and "fingerprint" in model:
