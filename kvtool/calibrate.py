@@ -178,6 +178,7 @@ def _cache_key(loaded: Any, ids: Any, scored: int, sinks: int, menu: dict[str, s
     from kvtool import __version__
 
     data = {"model": loaded.fingerprints.get("model"), "dtype": loaded.dtype,
+            "weights": (getattr(loaded, "info", None) or {}).get("weights"),
             "tokenizer": loaded.fingerprints.get("tokenizer"), "ids": ids[0].tolist(),
             "scored": scored, "sinks": sinks, "menu": menu, "version": __version__}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

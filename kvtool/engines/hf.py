@@ -43,11 +43,11 @@ from kvtool.kernels import to_torch
 # -- capture ----------------------------------------------------------------------------------
 def _identity(model: Any, tokenizer: Any, model_info: dict | None) -> tuple[dict, str | None]:
     from kvtool.identity import model_identity, tokenizer_fingerprint
-    from kvtool.models import weights_of
 
-    info = model_info or model_identity(
-        model.config, dtype=_dtype_name(model.dtype), architecture=type(model).__name__,
-        weights=weights_of(getattr(model.config, "_name_or_path", None)))
+    # no model.weights: the weights in memory need not be the directory's it names (a merged
+    # LoRA, training steps, another Hub revision); kvtool's loaders pass ``model_info``
+    info = model_info or model_identity(model.config, dtype=_dtype_name(model.dtype),
+                                        architecture=type(model).__name__)
     return info, tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
 
 

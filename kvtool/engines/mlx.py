@@ -67,7 +67,8 @@ class MLXModel:
 def load_mlx(model_name: str = "default", dtype: str | None = "auto") -> MLXModel:
     """Load ``default`` or a local HF model directory with mlx-lm, weights cast to ``dtype``
     (``"auto"``/None: the model's own, :func:`kvtool.models.native_dtype`)."""
-    from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
+    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint
     from kvtool.models import resolve_dtype, resolve_model
 
     name, location = resolve_model(model_name)

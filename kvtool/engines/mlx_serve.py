@@ -204,9 +204,10 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     from mlx_lm import server
     from transformers import AutoConfig
 
+    from kvtool.checkpoint import weights_fingerprint
     from kvtool.engines.mlx import MX_DTYPES, rope_config
     from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, make_kvtool_cache
-    from kvtool.identity import model_identity, weights_fingerprint
+    from kvtool.identity import model_identity
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     identity = dict(model_identity(config, dtype=dtype,

@@ -383,7 +383,13 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
             else path.name
     dtype = str(mc.dtype).removeprefix("torch.")
     return model_identity(mc.hf_config, name=name, dtype=dtype,
-                          weights=weights_of(str(mc.model), getattr(mc, "revision", None)))
+                          weights=weights_of(str(mc.model), getattr(mc, "revision", None),
+                                             _download_dir(vllm_config)))
+
+
+def _download_dir(vllm_config: Any) -> str | None:
+    """vLLM's ``--download-dir`` (where it keeps Hub snapshots), when set."""
+    return getattr(getattr(vllm_config, "load_config", None), "download_dir", None) or None
 
 
 def tokenizer_fingerprint_of(vllm_config: Any) -> str:

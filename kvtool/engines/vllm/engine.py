@@ -81,7 +81,8 @@ def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int
     Local prefix caching is off by default so that every reuse measured is the connector's.
     ``dtype`` ``"auto"`` (or None) is the model's own (:func:`kvtool.models.native_dtype`).
     """
-    from kvtool.identity import model_identity, tokenizer_fingerprint, weights_fingerprint
+    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.identity import model_identity, tokenizer_fingerprint
     from kvtool.models import resolve_dtype, resolve_model
 
     name, location = resolve_model(model)

@@ -158,7 +158,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     """The server's command line and summary (nothing is started)."""
     from transformers import AutoConfig
 
-    from kvtool.identity import model_identity, weights_fingerprint
+    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.identity import model_identity
     from kvtool.models import resolve_model
 
     refuse_own(engine_args)

@@ -380,11 +380,13 @@ def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None
 
 def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
              policy_options: dict[str, Any] | None = None,
-             force: bool = False) -> tuple[int, int]:
+             force: bool = False, model: str | None = None) -> tuple[int, int]:
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
     them; (chunks pinned, chunks written). ``policy_options``: the connector's codec options
     new chunks are encoded with (default: none, its default policy); a lossy policy refuses
-    a file that is already lossy unless ``force``."""
+    a file that is already lossy unless ``force``. ``model``: the model the server runs (a
+    directory, a Hub id or ``default``), whose checkpoint keys the chunks
+    (:func:`served_identity`)."""
     from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
@@ -398,13 +400,14 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
+    identity = served_identity(path, cache.model, model)
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
     if not force:
         refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
     if not is_url(str(root)):
         os.makedirs(root, exist_ok=True)
     backend = backend_of(root)
-    store = PrefixStore(backend.location, cache.model, chunk_tokens,
+    store = PrefixStore(backend.location, identity, chunk_tokens,
                         policy,
                         tokenizer_fingerprint=cache.tokenizer_fingerprint, backend=backend)
     ids = [int(t) for t in cache.token_ids]
@@ -423,6 +426,39 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         pins[c.key] = {"file": source, "model": store.fingerprint[:16]}
     _write_pins(backend, pins)
     return len(chunks), written
+
+
+def served_identity(path: str, identity: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The identity a server of ``model`` keys a file's chunks by: the file's, with the
+    checkpoint (``model.weights``) the server knows. A server seeds its keys with its weights
+    when it knows them, so a file that names none (older, or captured from a model built in
+    memory) would be stored where no server looks: without ``model``, that is warned about.
+    A file of another model or checkpoint than ``model`` is refused."""
+    from kvtool.engines.vllm.common import log
+
+    if model is None:
+        if identity.get("weights") is None:
+            log.warning("kvtool store pin: %s names no checkpoint (model.weights): a server "
+                        "that knows its model's weights will not find these chunks; give "
+                        "--model, the model the server runs", path)
+        return identity
+    from transformers import AutoConfig
+
+    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.errors import ModelMismatchError
+    from kvtool.identity import model_identity, other_weights, same_model
+    from kvtool.models import resolve_model
+
+    _, location = resolve_model(model)
+    if not location.is_dir():
+        raise KvtoolError(f"--model {model}: the server runs a model directory, not {location}")
+    served = model_identity(AutoConfig.from_pretrained(location, local_files_only=True),
+                            weights=weights_fingerprint(location))
+    if not same_model(identity, served):
+        raise ModelMismatchError(f"{path}: it belongs to another model than {model}"
+                                 f"{other_weights(identity, served)}")
+    kept = {k: v for k, v in identity.items() if k != "weights"}
+    return kept | ({"weights": served["weights"]} if served.get("weights") else {})
 
 
 def unpin_file(root: str | os.PathLike, path: str) -> int:
