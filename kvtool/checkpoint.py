@@ -85,6 +85,16 @@ def weights_fingerprint(location: str | Path | None) -> str | None:
         return None
 
 
+def quantized_on_load(weights: str | None, method: str | None, config: Any) -> str | None:
+    """The fingerprint of the weights an engine computes with: ``weights`` (the checkpoint's),
+    or, when the engine quantizes an unquantized checkpoint as it loads it (vLLM's
+    ``--quantization fp8``: ``method``; ``config`` has no ``quantization_config``), sha256 of
+    both: its K/V are another model's, as a quantized copy's would be."""
+    if not weights or not method or getattr(config, "quantization_config", None) is not None:
+        return weights
+    return hashlib.sha256(f"{weights}\0{method}".encode()).hexdigest()
+
+
 def _open_regular(path: Path) -> Any:
     """``path`` opened for reading if it is a regular file (a FIFO would block the open)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))

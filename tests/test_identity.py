@@ -304,6 +304,29 @@ def test_other_weights_of_one_layout_are_another_model(tmp_path):
     assert stores[1].lookup(ids) == []
 
 
+def test_weights_quantized_on_load_are_other_weights(tmp_path):
+    """vLLM's ``--quantization fp8`` on an unquantized checkpoint computes other K/V than the
+    checkpoint's: the connector's identity says so; a checkpoint quantized on disk (its config
+    names a ``quantization_config``) already has its own weights fingerprint."""
+    from types import SimpleNamespace
+
+    from kvtool.engines.vllm.common import model_info
+
+    path = checkpoint(tmp_path / "m", weights())
+    plain = weights_fingerprint(path)
+
+    def info(method, config):
+        mc = SimpleNamespace(model=str(path), dtype="bfloat16", hf_config=config,
+                             quantization=method, revision=None)
+        return model_info(SimpleNamespace(model_config=mc, load_config=None))
+
+    assert info(None, llama())["weights"] == plain
+    fp8, awq = info("fp8", llama())["weights"], info("awq", llama())["weights"]
+    assert len({plain, fp8, awq}) == 3
+    on_disk = llama(quantization_config={"quant_method": "fp8"})
+    assert info("fp8", on_disk)["weights"] == plain
+
+
 def test_a_model_in_memory_names_no_checkpoint(tmp_path):
     """The weights of a model in memory need not be those of the directory it names (a merged
     LoRA, training steps, another revision): its captures carry no ``model.weights`` (unknown),

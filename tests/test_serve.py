@@ -161,6 +161,10 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "another tokenizer" in refused("--pin", other_tok)
     assert "token id 1000000000" in refused("--pin", big_id)
     assert "damaged" in refused("--pin", damaged)
+    # weights vLLM quantizes as it loads them are another model's: its K/V differ
+    assert cache.model["weights"]
+    for quantized in (["--quantization", "fp8"], ["-q", "fp8"], ["-qfp8"], ["--quant=fp8"]):
+        assert "other weights" in refused("--pin", pin, "--", *quantized), quantized
     notes = dry_run(runner, "--dtype", "float32", "--max-model-len", "16", "--pin", pin)["notes"]
     assert len(notes) == 1 and "reach --max-model-len 16" in notes[0], notes
 

@@ -372,6 +372,7 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     """The model identity kvtool's HF engine would write for the model vLLM runs."""
     from pathlib import Path
 
+    from kvtool.checkpoint import quantized_on_load
     from kvtool.identity import model_identity
     from kvtool.models import DEFAULT_MODEL_NAME, weights_of
 
@@ -382,9 +383,10 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
         name = DEFAULT_MODEL_NAME if converted and path.name.startswith(DEFAULT_MODEL_NAME) \
             else path.name
     dtype = str(mc.dtype).removeprefix("torch.")
-    return model_identity(mc.hf_config, name=name, dtype=dtype,
-                          weights=weights_of(str(mc.model), getattr(mc, "revision", None),
-                                             _download_dir(vllm_config)))
+    weights = weights_of(str(mc.model), getattr(mc, "revision", None),
+                         _download_dir(vllm_config))
+    weights = quantized_on_load(weights, getattr(mc, "quantization", None), mc.hf_config)
+    return model_identity(mc.hf_config, name=name, dtype=dtype, weights=weights)
 
 
 def _download_dir(vllm_config: Any) -> str | None:

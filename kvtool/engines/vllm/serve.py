@@ -126,6 +126,17 @@ def _engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> s
     return value
 
 
+def _quantization(engine_args: tuple[str, ...]) -> str | None:
+    """vLLM's ``--quantization`` (or ``-q``) among the engine's arguments, or None."""
+    value = _engine_value(engine_args, "--quantization", 7)
+    for i, arg in enumerate(engine_args):
+        if arg == "-q":
+            value = engine_args[i + 1] if i + 1 < len(engine_args) else ""
+        elif arg.startswith("-q") and not arg.startswith("--"):
+            value = arg[2:].removeprefix("=")
+    return value or None
+
+
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
                engine: str = "vLLM") -> None:
     """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets
@@ -158,7 +169,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     """The server's command line and summary (nothing is started)."""
     from transformers import AutoConfig
 
-    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.checkpoint import quantized_on_load, weights_fingerprint
     from kvtool.identity import model_identity
     from kvtool.models import resolve_model
 
@@ -181,8 +192,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     config = AutoConfig.from_pretrained(location, local_files_only=True)
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
-    info = model_identity(config, name=name, dtype=ident_dtype,
-                          weights=weights_fingerprint(location))
+    weights = quantized_on_load(weights_fingerprint(location), _quantization(engine_args), config)
+    info = model_identity(config, name=name, dtype=ident_dtype, weights=weights)
     positions = getattr(config.get_text_config(), "max_position_embeddings", 0)
     longest = None if any(a.startswith(_CONTEXT_ARGS) for a in engine_args) or os.environ.get(
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true") \
