@@ -421,3 +421,38 @@ def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, m
     for x, y in zip(dev_loaded, host_loaded, strict=True):
         assert torch.equal(x, y) and int((x != SENTINEL).sum()) == (2 * CHUNK - 5) * H * 2 * D
     assert dev_failed == host_failed == set(LOAD_BLOCKS[CHUNK // BS:])
+
+
+def test_a_request_whose_load_failed_saves_nothing_in_later_steps(tmp_path):
+    """Under async scheduling vLLM plans step N+1 before it hears that step N's load failed,
+    and N+1 computes more of the prompt on the failed blocks: those chunks are wrong, and
+    must not reach the store under their (right) keys. A request's load failure holds for
+    the rest of its life (until ``get_finished``), not one step."""
+    from kvtool.engines.vllm.common import SaveSpec
+    from kvtool.engines.vllm.connector import KvtoolMetadata
+
+    conn, names = connector(tmp_path / "store", "cpu")
+    conn.register_kv_caches({n: kv for n, (kv, _) in zip(names, caches("cpu", "bfloat16"),
+                                                         strict=True)})
+    chunks = conn.store.chunks(IDS)
+    conn.bind_connector_metadata(KvtoolMetadata(saves=[SaveSpec("r1", SAVE_BLOCKS, IDS,
+                                                                chunks[:1])]))
+    conn.wait_for_save()
+    assert flush(60) and file_of(conn.store, chunks[0]).exists()
+    file_of(conn.store, chunks[0]).write_bytes(b"damaged")
+    _, failed = connector_load(conn, names, "cpu", chunks[:1])  # request r2's load fails
+    assert failed
+
+    def step(req: str) -> bool:  # the next step: the request's second chunk is computed
+        conn.bind_connector_metadata(KvtoolMetadata(saves=[SaveSpec(req, SAVE_BLOCKS, IDS,
+                                                                    chunks[1:])]))
+        conn.start_load_kv(None)
+        conn.wait_for_save()
+        assert flush(60)
+        return file_of(conn.store, chunks[1]).exists()
+
+    assert not step("r2")  # computed on the failed blocks: not saved
+    assert conn.get_finished({"r2"}) == (None, None)
+    assert not conn._failed_reqs  # forgotten once finished
+    assert step("r3")  # another request's chunk is
+    conn.shutdown()

@@ -206,6 +206,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layers: list[tuple[torch.Tensor, PagedLayout, int]] | None = None
         self._failed_blocks: set[int] = set()
+        # requests whose load failed: none of their chunks is saved for the rest of their life.
+        # Under async scheduling the scheduler plans the next step before it hears of the
+        # failure, and that step computes more of the prompt on the failed blocks.
         self._failed_reqs: set[str] = set()
 
     @property
@@ -378,7 +381,6 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        self._failed_reqs = set()
         start = time.perf_counter()
         for spec in getattr(meta, "loads", ()):
             before, began = activity.totals(), time.perf_counter()
@@ -484,6 +486,10 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         if self._tokenizer_fp is None:
             self._tokenizer_fp = tokenizer_fingerprint_of(self._vllm_config)
         return self._tokenizer_fp or None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
+        self._failed_reqs -= finished_req_ids  # request ids are not reused
+        return None, None  # no transfer outlives its step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
