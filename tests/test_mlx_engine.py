@@ -161,6 +161,65 @@ def test_turbo4_stays_close_in_both_modes(lm, doc_cache, baseline):
     assert sum(c.nbytes for c in packed) < sum(c.nbytes for c in plain) / 2
 
 
+def test_the_mirror_returns_a_forwards_own_tokens_exactly():
+    """A forward attends its own tokens exactly in both modes: with the decoded mirror, the
+    tokens it encodes are written into a new array, not into the buffer mlx-lm's KVCache
+    handed out (itself, when full: at every multiple of 256 tokens)."""
+    keys = mx.array(np.random.default_rng(0).standard_normal((1, 3, 256, 64), np.float32))
+    codec = get_codec("turbo4")
+    for mirror in (False, True):
+        layer = KvtoolMLXCache(codec, codec, 0, 0, 64, mirror)
+        got_keys, got_values = layer.update_and_fetch(keys, 2 * keys)
+        mx.eval(got_keys, got_values)
+        assert mx.array_equal(got_keys, keys).item(), mirror
+        assert mx.array_equal(got_values, 2 * keys).item(), mirror
+        held = layer.materialize()[0]  # what later forwards see: the decoded codes
+        assert layer.streams[0].stored == 256 and not mx.array_equal(held, keys).item()
+
+
+@pytest.mark.parametrize("edit", ["block", "sink", "stored", "window", "lossless", "dim"])
+def test_a_crafted_layer_state_is_refused(tmp_path, edit):
+    """A saved KvtoolMLXCache whose config was edited (blocks of another size, sinks that were
+    never filled, tokens that are not there, a window that would have been encoded, codes in a
+    lossless stream, another head dim) is refused on load rather than decoded into the wrong
+    tokens or positions."""
+    import json as json_
+
+    from kvtool.engines.mlx_cache import CONFIG_KEY
+    from kvtool.errors import FormatError
+
+    rng = np.random.default_rng(0)
+    turbo = get_codec("turbo4")
+    layer = KvtoolMLXCache(turbo, turbo, sink_tokens=2, recent_tokens=4, block_size=4)
+    x = mx.array(rng.standard_normal((1, 2, 18, 64), np.float32))
+    layer.update_and_fetch(x, x)
+    assert layer.streams[0].stored == 12
+    path = str(tmp_path / "layer.safetensors")
+    mlx_cache.save_prompt_cache(path, [layer])
+    assert mlx_cache.load_prompt_cache(path)[0].offset == 18  # unedited: loads
+    arrays, meta = mx.load(path, return_metadata=True)
+    name = next(k for k in arrays if k.endswith(CONFIG_KEY))
+    config = json_.loads(bytes(np.array(arrays[name]).astype(np.uint8)).decode())
+    stream = config["streams"][0]
+    if edit == "block":
+        config["block_size"] = 2
+    elif edit == "sink":
+        config["sink_tokens"] = 5
+    elif edit == "stored":
+        stream["stored"] += 4
+        config["offset"] += 4
+    elif edit == "window":
+        config["recent_tokens"] = 0
+    elif edit == "lossless":
+        config["key"] = config["value"] = None
+    else:
+        stream["chunks"][0]["shape"][-1] = 32
+    arrays[name] = mx.array(np.frombuffer(json_.dumps(config).encode(), dtype=np.uint8))
+    mx.save_safetensors(path, arrays, meta)
+    with pytest.raises((FormatError, ValueError)):
+        mlx_cache.load_prompt_cache(path)
+
+
 def test_save_load_prompt_cache_round_trip(lm, doc_cache, full_ids, tmp_path):
     policy = CodecPolicy.from_options("turbo4", protect_layers=1, sink_tokens=2, recent_tokens=4)
     layers = E.to_prompt_cache(doc_cache, lm.model, policy, block_size=8)
@@ -212,8 +271,9 @@ def test_trim_and_protocol_methods(doc_cache):
 def test_export_import_round_trip(doc_cache, tmp_path):
     path = tmp_path / "doc.safetensors"
     E.export_prompt_cache(doc_cache, path)
-    stock = mlx_cache.load_prompt_cache(str(path))  # stock mlx-lm reads it: plain KVCache
+    stock, meta = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
     assert type(stock[0]) is mlx_cache.KVCache and stock[0].offset == doc_cache.num_tokens
+    assert json.loads(meta["tokenizer_config"]) == {}  # mlx_lm.generate reads it (KeyError)
     back = E.import_prompt_cache(path)
     assert back.token_ids.tolist() == doc_cache.token_ids.tolist()
     assert back.model == doc_cache.model
@@ -293,6 +353,32 @@ def test_cli_capture_and_generate(lm, baseline, monkeypatch, runner, tmp_path):
                               QUESTION, "--max-new-tokens", "1", "--no-compare",
                               "--runtime-codec", "turbo4"])
     assert res.exit_code == 0, res.output
+    # without a cache: generated into compressed layers, and said so (it was ignored)
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--prompt", DOC * 3,
+                              "--max-tokens", "2", "--runtime-codec", "turbo4", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)["runtime_codec"]
+    assert report["encoded_tokens"] >= 64 and report["tokens"] > report["encoded_tokens"]
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--prompt", "Hi", "--max-tokens",
+                              "1", "--runtime-codec", "turbo4", "--json"])
+    assert res.exit_code == 0 and "encoded none" in res.stderr, res.output
+
+
+def test_cli_generate_templates_a_prompt_with_one_bos(lm, monkeypatch, runner):
+    """A chat template writes its own special tokens: the templated prompt is tokenized
+    without adding them again (as the HF engine and mlx_lm.generate do). Simulated here with
+    a tokenizer that adds a BOS, as Llama 3's and Mistral's do (SmolLM2's adds none)."""
+    from kvtool.engines import common
+
+    real = common.encode_text
+    monkeypatch.setattr(common, "encode_text", lambda tok, text, special=True:
+                        [1] * special + real(tok, text, special=special))
+    monkeypatch.setattr(E, "load_mlx", lambda *a, **k: lm)
+    want = real(lm.tokenizer, common.chat_prompt(lm.tokenizer, QUESTION), special=False)
+    res = runner.invoke(cli, ["generate", "--engine", "mlx", "--prompt", QUESTION,
+                              "--max-tokens", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["recompute"]["prompt_tokens"] == len(want)
 
 
 def test_cli_import_export_mlx(doc_cache, runner, tmp_path):

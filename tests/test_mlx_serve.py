@@ -181,6 +181,12 @@ def test_store_keeps_only_the_served_models_caches(tmp_path):
     again.trim_to(n_bytes=again.nbytes - 1)
     assert len(again) == 1 and len(list(store.glob("*.safetensors"))) == 1
     assert len(_prompt_cache_class(policy, identity, str(store))()) == 1
+    # a second server (or a restart) with a smaller cache loads what fits and deletes nothing:
+    # another server on the store may hold the rest
+    again.insert_cache(("/models/served", None, None), [30, 31, 32, 33, 34, 35], layers())
+    assert len(list(store.glob("*.safetensors"))) == 2
+    small = _prompt_cache_class(policy, identity, str(store))(max_size=1)
+    assert len(small) == 1 and len(list(store.glob("*.safetensors"))) == 2
 
 
 def test_a_policy_file_calibrated_for_another_model_is_refused(runner, tmp_path):

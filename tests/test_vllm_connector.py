@@ -310,6 +310,14 @@ def test_cli_capture_and_generate_with_vllm(vm, monkeypatch, tmp_path):
     report = json.loads(res.output)
     assert report["restore"]["cached_tokens"] == captured["num_tokens"]
     assert report["same_text"] is True
+    # no cache: the prompt in the chat template, tokenized as the HF engine does it
+    from kvtool.engines.common import prompt_ids
+
+    res = runner.invoke(cli, ["generate", "--engine", "vllm", "--prompt", QUESTION,
+                              "--max-new-tokens", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    want = len(prompt_ids(vm.tokenizer, QUESTION))
+    assert json.loads(res.output)["recompute"]["prompt_tokens"] == want
 
 
 def test_foreign_kvz_refused(vm, tmp_path):

@@ -154,19 +154,19 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
             report = {"model": loaded.name, "text": result.text,
                       "recompute": result.to_json()}
             if past is not None:
-                report["runtime_codec"] = _runtime_report(past)
+                from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
+
+                report["runtime_codec"] = _runtime_report(
+                    past.get_seq_length(), past.encoded_tokens(), DEFAULT_BLOCK_SIZE)
     _output(report, as_json)
 
 
-def _runtime_report(past: Any) -> dict[str, int]:
+def _runtime_report(held: int, encoded: int, block: int) -> dict[str, int]:
     """What a ``--runtime-codec`` cache held; a warning when it encoded nothing (a cache
-    encodes whole blocks once they leave its exact sinks and recent window)."""
-    from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
-
-    held, encoded = past.get_seq_length(), past.encoded_tokens()
+    encodes whole ``block``-token blocks once they leave its exact sinks and recent window)."""
     if not encoded:
         click.echo(f"warning: --runtime-codec encoded none of the {held} tokens (it encodes "
-                   f"whole {DEFAULT_BLOCK_SIZE}-token blocks past the exact sinks and recent "
+                   f"whole {block}-token blocks past the exact sinks and recent "
                    "window): the cache stayed exact", err=True)
     return {"tokens": held, "encoded_tokens": encoded}
 
@@ -207,23 +207,29 @@ def _other_engine(engine: str, model_name: str, dtype: str, threads: int | None,
         from kvtool.engines.vllm import engine as vllm_engine
 
         loaded = vllm_engine.load_vllm(model_name, dtype, threads=threads)
-    if chat and cache_path is None:
-        from kvtool.engines.hf import chat_prompt
+    ids = None
+    if cache_path is None:  # the whole prompt, templated as the HF engine does (one BOS)
+        from kvtool.engines.common import prompt_ids
 
-        text = chat_prompt(loaded.tokenizer, text) or text
-    if cache_path is None:
-        count = len(loaded.tokenizer(text)["input_ids"])
-        check_context_length(count + max_tokens, context_limit(loaded), force, loaded.name,
-                             f"the prompt ({count} tokens) + --max-tokens {max_tokens}")
+        ids = prompt_ids(loaded.tokenizer, text, chat)
+        check_context_length(len(ids) + max_tokens, context_limit(loaded), force, loaded.name,
+                             f"the prompt ({len(ids)} tokens) + --max-tokens {max_tokens}")
     if engine == "mlx":
         report = mlx_engine.generate_report(loaded, cache_path, text, max_tokens, force=force,
                                             compare=not no_compare,
-                                            policy=runtime_policy(runtime_codec))
+                                            policy=runtime_policy(runtime_codec),
+                                            input_ids=ids)
     else:
         report = vllm_engine.generate_report(loaded, cache_path, text, max_tokens, force=force,
-                                             compare=not no_compare)
+                                             compare=not no_compare, input_ids=ids)
     for warning in report.pop("warnings", []):
         click.echo(f"warning: {warning}", err=True)
+    if "runtime_codec" in report:
+        from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE
+
+        held = report["runtime_codec"]
+        report["runtime_codec"] = _runtime_report(held["tokens"], held["encoded_tokens"],
+                                                  DEFAULT_BLOCK_SIZE)
     _output(report, as_json)
 
 

@@ -1,6 +1,7 @@
 """What every engine (HF, vLLM, mlx-lm) shares, without importing any of them or torch.
 
 * :func:`encode_text` — token ids as each engine's Hugging Face tokenizer gives them;
+  :func:`prompt_ids` — a whole prompt's, in the chat template (:func:`chat_prompt`);
 * :func:`check_compatible` — refuse a cache of another model or tokenizer;
 * :func:`full_ids_for` / :func:`recompute_ids` — the sequence a restore or a baseline continues;
 * :class:`GenerationResult` — what a restored or recomputed generation reports.
@@ -18,6 +19,24 @@ from kvtool.errors import KvtoolError, ModelMismatchError, PrefixMismatchError
 def encode_text(tokenizer: Any, text: str, *, special: bool = True) -> list[int]:
     """Token ids of ``text`` (``special``: the tokenizer's BOS etc., as for a fresh prompt)."""
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def chat_prompt(tokenizer: Any, text: str) -> str | None:
+    """``text`` as one user turn in the tokenizer's chat template, ready for the assistant's
+    answer (as ``mlx_lm.generate`` does); None when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
+    """Token ids of a whole prompt: in the chat template (when asked and the tokenizer has one;
+    the template writes its own special tokens), else tokenized fresh."""
+    templated = chat_prompt(tokenizer, text) if chat_template else None
+    if templated is None:
+        return encode_text(tokenizer, text)
+    return encode_text(tokenizer, templated, special=False)
 
 
 def check_compatible(cache: KVCache, loaded: Any, force: bool = False) -> list[str]:

@@ -31,9 +31,11 @@ import torch
 from kvtool.cache import KVCache
 from kvtool.engines.common import (  # noqa: F401 (kvtool.engines.hf.* names callers use)
     GenerationResult,
+    chat_prompt,
     check_compatible,
     encode_text,
     full_ids_for,
+    prompt_ids,
     recompute_ids,
 )
 from kvtool.errors import KvtoolError, ModelMismatchError
@@ -210,24 +212,6 @@ class Sampling:
 
 
 GREEDY = Sampling()
-
-
-def chat_prompt(tokenizer: Any, text: str) -> str | None:
-    """``text`` as one user turn in the tokenizer's chat template, ready for the assistant's
-    answer (as ``mlx_lm.generate`` does); None when the tokenizer has no template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
-def prompt_ids(tokenizer: Any, text: str, chat_template: bool = True) -> list[int]:
-    """Token ids of a whole prompt: in the chat template (when asked and the tokenizer has one;
-    the template writes its own special tokens), else tokenized fresh."""
-    templated = chat_prompt(tokenizer, text) if chat_template else None
-    if templated is None:
-        return encode_text(tokenizer, text)
-    return encode_text(tokenizer, templated, special=False)
 
 
 @torch.inference_mode()

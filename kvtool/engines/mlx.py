@@ -243,13 +243,15 @@ def continue_generation(loaded: MLXModel, cache: KVCache, prompt: str | None = N
 
 
 def recompute_generation(loaded: MLXModel, input_ids: Any = None, max_new_tokens: int = 32, *,
-                         prompt: str | None = None):
-    """Greedy generation from scratch with mlx-lm's own ``KVCache`` (the baseline)."""
+                         prompt: str | None = None, prompt_cache: list[Any] | None = None):
+    """Greedy generation from scratch with mlx-lm's own ``KVCache`` (the baseline), or into
+    ``prompt_cache`` (fresh :func:`make_kvtool_cache` layers: ``--runtime-codec``)."""
     from kvtool.engines.common import GenerationResult, recompute_ids
 
     ids = recompute_ids(loaded.tokenizer, input_ids, prompt)
     start = time.perf_counter()
-    layers = mlx_cache.make_prompt_cache(loaded.model)
+    layers = prompt_cache if prompt_cache is not None else mlx_cache.make_prompt_cache(
+        loaded.model)
     new, ttft, total, first = _greedy(loaded, ids, layers, max_new_tokens, start)
     return GenerationResult(_decode(loaded, new), new, len(ids), 0, 0.0, ttft, total, first)
 
@@ -260,14 +262,23 @@ def _decode(loaded: MLXModel, ids: list[int]) -> str:
 
 def generate_report(loaded: MLXModel, cache_path: str | None, prompt: str, max_new_tokens: int,
                     *, force: bool = False, compare: bool = True,
-                    policy: CodecPolicy | None = None) -> dict[str, Any]:
-    """What ``kvtool generate --engine mlx`` prints (the HF path's report, same keys)."""
+                    policy: CodecPolicy | None = None,
+                    input_ids: list[int] | None = None) -> dict[str, Any]:
+    """What ``kvtool generate --engine mlx`` prints (the HF path's report, same keys).
+    Without a cache, ``input_ids`` (else ``prompt`` tokenized fresh) is the whole prompt."""
     from kvtool.engines.common import check_compatible, full_ids_for
 
     report: dict[str, Any] = {"model": loaded.name, "engine": "mlx"}
     if cache_path is None:
-        result = recompute_generation(loaded, prompt=prompt, max_new_tokens=max_new_tokens)
-        return report | {"text": result.text, "recompute": result.to_json()}
+        layers = None if policy is None else make_kvtool_cache(loaded.model, policy)
+        result = recompute_generation(loaded, input_ids, max_new_tokens, prompt=prompt,
+                                      prompt_cache=layers)
+        report |= {"text": result.text, "recompute": result.to_json()}
+        if layers is not None:  # what the compressed layers held, as the HF engine reports
+            report["runtime_codec"] = {
+                "tokens": layers[0].offset,
+                "encoded_tokens": max((s.stored for c in layers for s in c.streams), default=0)}
+        return report
     from kvtool.formats import load
 
     start = time.perf_counter()
@@ -440,8 +451,10 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
             layer.update_and_fetch(k, v)
     data = {"model": cache.model or {}, "tokenizer_fingerprint": cache.tokenizer_fingerprint,
             "token_ids": None if cache.token_ids is None else [int(t) for t in cache.token_ids]}
+    # "model" and "tokenizer_config" as mlx_lm.cache_prompt writes them (mlx_lm.generate
+    # --prompt-cache-file reads both)
     metadata = {METADATA_KEY: json.dumps(data, sort_keys=True),
-                "model": str((cache.model or {}).get("name", ""))}
+                "model": str((cache.model or {}).get("name", "")), "tokenizer_config": "{}"}
 
     def write(f: Any) -> int:
         mlx_cache.save_prompt_cache(f, layers, metadata)

@@ -115,6 +115,14 @@ def _blocks(enc: Encoded, axis: int, start: int, stop: int) -> Encoded:
     return Encoded(arrays, (*enc.shape[:axis], stop - start, *enc.shape[axis + 1:]), enc.dtype)
 
 
+def _put(buffer: mx.array, x: mx.array, start: int) -> mx.array:
+    """``buffer`` with tokens ``start...`` replaced by ``x``, as a new array: mlx-lm's
+    ``KVCache`` hands out its buffer itself when it is full, and an in-place write would
+    change K/V the current forward already holds (its own tokens, exact) to decoded ones."""
+    return mx.slice_update(buffer, x.astype(buffer.dtype), mx.array([start]),
+                           axes=(buffer.ndim - 2,))
+
+
 def _cat(parts: list[mx.array]) -> mx.array | None:
     parts = [p for p in parts if p is not None and p.shape[-2]]
     if not parts:
@@ -251,6 +259,44 @@ class _Stream:
             arrays_np = {k: np.array(got[k]).view(_np_dtype(d)) for k, d in want["arrays"].items()}
             self.chunks.append(Encoded(arrays_np, tuple(want["shape"]), want["dtype"]))
         self.stored = int(meta["stored"])
+        self._check_loaded()
+
+    def _check_loaded(self) -> None:
+        """A FormatError unless the loaded stream is one :meth:`append`, :meth:`_flush` and
+        :meth:`trim` could have left: whole blocks of ``block`` tokens (``stored`` of them) in
+        the codec's own arrays, sinks filled before anything else, a window shorter than
+        ``recent_tokens`` + one block, and one shape of heads and dim throughout (a crafted
+        state would otherwise decode into the wrong tokens or positions)."""
+        def bad(why: str) -> FormatError:
+            return FormatError(f"KvtoolMLXCache state: {why}")
+
+        exact = [p for p in (self.sink, self.tail) if p is not None]
+        if self.codec is None and self.chunks:
+            raise bad("encoded chunks in a lossless stream")
+        lead = {(tuple(p.shape[:-2]), p.shape[-1]) for p in exact}
+        blocks = 0
+        for enc in self.chunks:
+            shape = tuple(int(n) for n in enc.shape)
+            if len(shape) < 3 or shape[-2] != self.block:
+                raise bad(f"an encoded chunk of shape {list(shape)} is not whole blocks of "
+                          f"{self.block} tokens")
+            lead.add((shape[:-3], shape[-1]))
+            blocks += shape[-3]
+            try:
+                self.codec.check_encoded(enc)
+            except KvtoolError as e:
+                raise bad(str(e)[:200]) from None
+        if len(lead) > 1 or len({p.dtype for p in exact}) > 1:
+            raise bad("its sinks, chunks and window differ in heads, dim or dtype")
+        if self.stored != blocks * self.block:
+            raise bad(f"stored says {self.stored} tokens, its chunks hold {blocks * self.block}")
+        sink = 0 if self.sink is None else self.sink.shape[-2]
+        if sink > self.sink_tokens or (sink < self.sink_tokens and (self.chunks or self.tail
+                                                                      is not None)):
+            raise bad(f"{sink} sink tokens of {self.sink_tokens} with tokens held after them")
+        tail = 0 if self.tail is None else self.tail.shape[-2]
+        if self.codec is not None and tail >= self.recent_tokens + self.block:
+            raise bad(f"a window of {tail} tokens, which would have been encoded")
 
 
 # -- the cache layer ---------------------------------------------------------------------------
@@ -338,11 +384,11 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
                 continue
             start, enc = flushed
             x = stream.decode(enc)
-            stop = start + x.shape[-2]
             if role is None or role == 0:
-                self._decoded.keys[..., start:stop, :] = x[0] if role is None else x
+                self._decoded.keys = _put(self._decoded.keys, x[0] if role is None else x, start)
             if role is None or role == 1:
-                self._decoded.values[..., start:stop, :] = x[1] if role is None else x
+                self._decoded.values = _put(self._decoded.values, x[1] if role is None else x,
+                                            start)
 
     def materialize(self) -> tuple[mx.array | None, mx.array | None]:
         """Every cached token's keys and values ``[B, heads, tokens, dim]`` as attention sees
@@ -407,6 +453,10 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
         self._configure(config)
         offset = int(config["offset"])
         if self._plain is not None:
+            if any(k.startswith("s") and k[1:].isdigit() for k in v) or (
+                    offset and "plain" not in v):
+                raise FormatError("KvtoolMLXCache state: a lossless layer (no codecs) holds "
+                                  "encoded streams, or not its plain K/V")
             if offset:
                 keys, values = v["plain"]
                 if keys.ndim != 4 or keys.shape[2] != offset or values.shape[:3] != keys.shape[:3]:

@@ -23,6 +23,7 @@ The vLLM launcher (:mod:`kvtool.engines.vllm.serve`) returns the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -158,13 +159,13 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
                 return
             self._files[(model, tuple(tokens))] = path
 
-        def _forget_evicted(self) -> None:
+        def _forget_evicted(self, delete: bool = True) -> None:
             live = self._live()
             for key in [k for k in self._files if k not in live]:
-                try:
-                    os.unlink(self._files.pop(key))
-                except OSError:
-                    pass
+                path = self._files.pop(key)
+                if delete:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
 
         def _load_store(self) -> None:
             import mlx.core as mx
@@ -192,7 +193,9 @@ def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None
                                      cache_type=data.get("cache_type", "assistant"))
                 self._files[(key, tuple(data["tokens"]))] = str(path)
                 loaded += 1
-            self._forget_evicted()
+            # what did not fit is left on disk: another server on this store may hold it, and
+            # this one never wrote it
+            self._forget_evicted(delete=False)
             log.info("kvtool: prompt-cache store %s: %d cached prompts loaded", store, loaded)
 
     return KvtoolPromptCache

@@ -219,14 +219,16 @@ def recompute_generation(vm: VllmModel, input_ids: Any = None, max_new_tokens: i
 
 
 def generate_report(vm: VllmModel, cache_path: str | None, prompt: str, max_new_tokens: int, *,
-                    force: bool = False, compare: bool = True) -> dict[str, Any]:
-    """What ``kvtool generate --engine vllm`` prints (the HF path's report, same keys)."""
+                    force: bool = False, compare: bool = True,
+                    input_ids: list[int] | None = None) -> dict[str, Any]:
+    """What ``kvtool generate --engine vllm`` prints (the HF path's report, same keys).
+    Without a cache, ``input_ids`` (else ``prompt`` tokenized fresh) is the whole prompt."""
     from kvtool.engines import hf
     from kvtool.engines.vllm import connector
 
     report: dict[str, Any] = {"model": vm.name, "engine": "vllm"}
     if cache_path is None:
-        result = recompute_generation(vm, prompt=prompt, max_new_tokens=max_new_tokens)
+        result = recompute_generation(vm, input_ids, max_new_tokens, prompt=prompt)
         return report | {"text": result.text, "recompute": result.to_json()}
     header = read_header(cache_path)
     report["warnings"] = [f"{p}; restoring anyway (--force)"
