@@ -88,11 +88,21 @@ def weights_fingerprint(location: str | Path | None) -> str | None:
 def quantized_on_load(weights: str | None, method: str | None, config: Any) -> str | None:
     """The fingerprint of the weights an engine computes with: ``weights`` (the checkpoint's),
     or, when the engine quantizes an unquantized checkpoint as it loads it (vLLM's
-    ``--quantization fp8``: ``method``; ``config`` has no ``quantization_config``), sha256 of
-    both: its K/V are another model's, as a quantized copy's would be."""
-    if not weights or not method or getattr(config, "quantization_config", None) is not None:
+    ``--quantization fp8``: ``method``), sha256 of both: its K/V are another model's, as a
+    quantized copy's would be. A checkpoint quantized on disk (:func:`quantized_on_disk`) is
+    loaded as it is stored: its own fingerprint already says so."""
+    if not weights or not method or quantized_on_disk(config):
         return weights
     return hashlib.sha256(f"{weights}\0{method}".encode()).hexdigest()
+
+
+def quantized_on_disk(config: Any) -> bool:
+    """Whether the model config declares a quantized checkpoint, where vLLM looks: a
+    ``quantization_config`` or (older compressed-tensors) ``compression_config``, at the top
+    or in the text config of a multimodal model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return any(getattr(part, key, None) is not None for part in (config, text)
+               if part is not None for key in ("quantization_config", "compression_config"))
 
 
 def _open_regular(path: Path) -> Any:

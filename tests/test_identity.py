@@ -310,6 +310,7 @@ def test_weights_quantized_on_load_are_other_weights(tmp_path):
     names a ``quantization_config``) already has its own weights fingerprint."""
     from types import SimpleNamespace
 
+    from kvtool.checkpoint import quantized_on_load
     from kvtool.engines.vllm.common import model_info
 
     path = checkpoint(tmp_path / "m", weights())
@@ -325,6 +326,12 @@ def test_weights_quantized_on_load_are_other_weights(tmp_path):
     assert len({plain, fp8, awq}) == 3
     on_disk = llama(quantization_config={"quant_method": "fp8"})
     assert info("fp8", on_disk)["weights"] == plain
+    older = llama(compression_config={"format": "int-quantized"})  # compressed-tensors
+    assert info("compressed-tensors", older)["weights"] == plain
+    inner = SimpleNamespace(quantization_config={"quant_method": "awq"})
+    multimodal = SimpleNamespace(get_text_config=lambda **_: inner)  # only its text config
+    assert quantized_on_load(plain, "awq", multimodal) == plain
+    assert quantized_on_load(plain, "awq", SimpleNamespace()) == awq
 
 
 def test_a_model_in_memory_names_no_checkpoint(tmp_path):
