@@ -617,7 +617,7 @@ def test_windows_and_identities_no_model_has_are_neither_written_nor_read(tmp_pa
 
 
 def test_a_weights_fingerprint_is_a_sha256_digest_or_absent(tmp_path):
-    """``model.weights`` names a checkpoint (:func:`kvtool.identity.weights_fingerprint`): a
+    """``model.weights`` names a checkpoint (:func:`kvtool.checkpoint.weights_fingerprint`): a
     reader compares it, so a value no writer gives (a number, a short or upper-case hex) is
     neither written nor read, while null and a digest are."""
     base = synthetic_cache().model

@@ -7,7 +7,7 @@ with the same layout and rules on both.
 A prompt is cut into chunks of ``chunk_tokens`` tokens (a multiple of vLLM's block size). Chunk
 ``i`` is keyed by a hash chain: ``h_0 = H(tag, model fingerprint, chunk_tokens[, weights])``,
 ``h_{i+1} = H(h_i, token ids of chunk i)``, so a key names the chunk *and every token before it*
-for one model. The weights fingerprint (:func:`~kvtool.identity.weights_fingerprint`, when the
+for one model. The weights fingerprint (:func:`~kvtool.checkpoint.weights_fingerprint`, when the
 server knows it) keeps checkpoints of one layout (a base model and its fine-tunes) apart: they
 share the model's directory, never a key. Each chunk is a small .kvz file (written through
 :mod:`kvtool.formats`, any codec policy) at ``<root>/<fingerprint[:16]>/<key[:2]>/<key>.kvz``
@@ -55,7 +55,7 @@ from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
-from kvtool.identity import identity_dtype, identity_key, portable_identity, same_weights
+from kvtool.identity import identity_dtype, portable_identity, same_model
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
@@ -231,7 +231,7 @@ class PrefixStore:
         from kvtool.formats import open_kvz
 
         with open_kvz(path) as f:
-            if identity_key(f.model) != self.fingerprint or not same_weights(f.model, self.model):
+            if not same_model(f.model, self.model):
                 raise ValueError("it belongs to another model")
             if f.num_tokens != chunk.stop - chunk.start:
                 raise ValueError(f"it holds {f.num_tokens} tokens, not "
