@@ -228,6 +228,34 @@ def test_damaged_chunk_is_recomputed_with_warning(vm, store, caplog):
     assert bytes(data) in [q.read_bytes() for q in quarantine(store)]  # moved, not deleted
 
 
+def test_a_failed_load_is_recomputed_then_stored_and_captured(vm, store):
+    """vLLM recomputes a damaged chunk's tokens; the request then stores the recomputed chunk
+    in its place and writes the capture it asked for (both were withheld, for the rest of
+    the request, when its load failed)."""
+    from kvtool.formats import load
+
+    ids = ids_for(8, 300)
+    want = baseline(vm, ids)
+    served(vm, ids)
+    second = _chunks(vm, store, ids)[1].path
+    data = bytearray(open(second, "rb").read())
+    data[-5000:-4000] = bytes(1000)
+    open(second, "wb").write(bytes(data))
+    capture = Path(vm.capture_dir) / f"{C.capture_name(ids)}.kvz"
+    got, delta, _ = served(vm, ids, kvtool_capture=True)
+    assert got == want and delta["load_failures"] == 1 and delta["tokens_loaded"] == 128
+    assert delta["chunks_saved"] == 1 and open(second, "rb").read() != bytes(data)
+    captured = load(capture)
+    capture.unlink()
+    clean = E.capture(vm, token_ids=ids)
+    assert list(captured.token_ids) == ids
+    for a, b in zip(captured.keys + captured.values, clean.keys + clean.values, strict=True):
+        a = torch.as_tensor(a)
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()  # recomputed, not the damage
+    got, delta, _ = served(vm, ids, kvtool_save=False)  # the store serves it whole again
+    assert got == want and delta["tokens_loaded"] == 256 and delta["load_failures"] == 0
+
+
 def test_garbage_and_foreign_files_are_skipped(vm, store, caplog):
     ids = ids_for(7, 300)
     want = baseline(vm, ids)

@@ -423,11 +423,13 @@ def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, m
     assert dev_failed == host_failed == set(LOAD_BLOCKS[CHUNK // BS:])
 
 
-def test_a_request_whose_load_failed_saves_nothing_in_later_steps(tmp_path):
+def test_saves_computed_over_a_failed_load_are_withheld_until_vllm_recomputes(tmp_path):
     """Under async scheduling vLLM plans step N+1 before it hears that step N's load failed,
-    and N+1 computes more of the prompt on the failed blocks: those chunks are wrong, and
-    must not reach the store under their (right) keys. A request's load failure holds for
-    the rest of its life (until ``get_finished``), not one step."""
+    and N+1 computes more of the prompt on the failed blocks; another request may read them
+    through vLLM's prefix cache. Those chunks are wrong and must not reach the store under
+    their (right) keys: a request's saves are withheld until the scheduler says vLLM rolled it
+    back (``recomputed``), and a request that read another's failed blocks for the rest of
+    its life."""
     from kvtool.engines.vllm.common import SaveSpec
     from kvtool.engines.vllm.connector import KvtoolMetadata
 
@@ -441,18 +443,27 @@ def test_a_request_whose_load_failed_saves_nothing_in_later_steps(tmp_path):
     assert flush(60) and file_of(conn.store, chunks[0]).exists()
     file_of(conn.store, chunks[0]).write_bytes(b"damaged")
     _, failed = connector_load(conn, names, "cpu", chunks[:1])  # request r2's load fails
-    assert failed
+    assert failed and set(failed) <= set(LOAD_BLOCKS)
+    other = [b for b in range(NB) if b not in LOAD_BLOCKS][:len(SAVE_BLOCKS)]
 
-    def step(req: str) -> bool:  # the next step: the request's second chunk is computed
-        conn.bind_connector_metadata(KvtoolMetadata(saves=[SaveSpec(req, SAVE_BLOCKS, IDS,
-                                                                    chunks[1:])]))
+    def step(req: str, blocks: list[int] = LOAD_BLOCKS, recomputed: tuple = ()) -> bool:
+        """The next step: ``req``'s second chunk is computed; whether it was stored."""
+        path = file_of(conn.store, chunks[1])
+        path.unlink(missing_ok=True)
+        conn.bind_connector_metadata(KvtoolMetadata(
+            saves=[SaveSpec(req, blocks, IDS, chunks[1:])], recomputed=list(recomputed)))
         conn.start_load_kv(None)
         conn.wait_for_save()
         assert flush(60)
-        return file_of(conn.store, chunks[1]).exists()
+        return path.exists()
 
     assert not step("r2")  # computed on the failed blocks: not saved
-    assert conn.get_finished({"r2"}) == (None, None)
-    assert not conn._failed_reqs  # forgotten once finished
-    assert step("r3")  # another request's chunk is
+    assert not step("r2")  # nor in the step after
+    assert not step("r3")  # another request reading them: not saved either
+    assert step("r4", other)  # a request elsewhere in the cache is
+    assert step("r2", recomputed=["r2"])  # rolled back and recomputed: saved again
+    assert not step("r3", other)  # r3 went on from wrong K/V: withheld for its life
+    assert conn.get_finished({"r2", "r3"}) == (None, None)
+    assert not conn._withheld  # forgotten once finished
+    assert step("r3", LOAD_BLOCKS)
     conn.shutdown()

@@ -445,3 +445,30 @@ def test_stale_temps_counted_and_collected(tmp_path):
     leftover = os.path.join(os.path.dirname(c2.path), os.path.basename(leftover))
     open(leftover, "wb").write(b"y" * 3000)
     assert store.write(c2, *kv(), IDS) > 0 and not os.path.exists(leftover)
+
+
+def test_the_scheduler_plans_again_what_a_failed_load_withheld(caplog):
+    """After vLLM hears of a failed load (``invalid_block_ids``): a request it rolled back
+    plans its chunks from the first recomputed one and its capture again; one it did not
+    (it read the failed blocks through the prefix cache and went on) stores nothing more."""
+    from kvtool.engines.vllm.common import ReqState
+    from kvtool.engines.vllm.load_failures import after_failure, mark_failed
+
+    prompt = list(range(600))
+    owner = ReqState(prompt, block_ids=list(range(10, 48)), next_chunk=2, stored=2,
+                     from_file=0, captured=True, capture=True, planned=600)
+    reader = ReqState(prompt, block_ids=[18, 19, 90], next_chunk=2, capture=True,
+                      planned=600)
+    bystander = ReqState(prompt, block_ids=[91, 92], planned=600)
+    mark_failed({"a": owner, "b": reader, "c": bystander}, {18, 19})
+    assert owner.load_failed and reader.load_failed and not bystander.load_failed
+    assert after_failure("a", owner, 128, chunk_tokens=256)  # rolled back to token 128
+    assert (owner.next_chunk, owner.stored, owner.captured, owner.load_failed) == \
+        (0, 0, False, False)
+    assert owner.save and owner.capture
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert not after_failure("b", reader, 600, chunk_tokens=256)  # not rolled back
+    assert not reader.save and not reader.capture and "request b" in caplog.text
+    filed = ReqState(prompt, from_file=512, stored=0, next_chunk=2, planned=520)
+    assert after_failure("f", filed, 256, chunk_tokens=256)  # a .kvz file's load failed
+    assert (filed.from_file, filed.next_chunk) == (256, 1)  # tokens 256.. are computed now

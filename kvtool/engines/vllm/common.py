@@ -455,3 +455,5 @@ class ReqState:
     match: tuple[int, list[Source]] | None = None  # its lookup's (tokens, sources), once
     stored: int = 0  # leading chunks the lookup found in the store (never saved again)
     from_file: int = 0  # leading tokens a .kvz file serves: its values, not computed ones
+    planned: int = 0  # tokens computed once the last step planned for it has run
+    load_failed: bool = False  # a block it holds failed to load (see load_failures)

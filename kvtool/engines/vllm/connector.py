@@ -61,7 +61,8 @@ this request only) and ``kvtool_capture`` (true: capture its prompt).
 
 A damaged or foreign file, or a failed write (full disk), never stops the engine: the file is
 skipped (or its blocks reported to vLLM as failed, so the prefix is recomputed) with a warning,
-and :func:`stats` counts it. No file is ever deleted on a load error: a damaged chunk is moved
+and :func:`stats` counts it. The recomputed chunks are stored in its place; nothing computed over
+the failed blocks is (:mod:`~kvtool.engines.vllm.load_failures`). No file is ever deleted on a load error: a damaged chunk is moved
 to the store's quarantine folder by a role that writes, only skipped by ``kv_consumer``;
 chunks of a newer kvtool are left alone; symlinks in the store are not followed (see
 :mod:`~kvtool.engines.vllm.store`). A writing scheduler removes stale temp files of killed
@@ -124,6 +125,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
 )
 from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
+from kvtool.engines.vllm.load_failures import WithheldSaves, after_failure, mark_failed
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.stats_files import stats_writer
@@ -140,6 +142,7 @@ if TYPE_CHECKING:
 class KvtoolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)  # rolled back past a failed load
 
 
 # -- the connector -------------------------------------------------------------------------------
@@ -205,11 +208,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layers: list[tuple[torch.Tensor, PagedLayout, int]] | None = None
-        self._failed_blocks: set[int] = set()
-        # requests whose load failed: none of their chunks is saved for the rest of their life.
-        # Under async scheduling the scheduler plans the next step before it hears of the
-        # failure, and that step computes more of the prompt on the failed blocks.
-        self._failed_reqs: set[str] = set()
+        self._failed_blocks: set[int] = set()  # reported to vLLM after this step
+        self._withheld = WithheldSaves()  # saves computed over failed loads
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -311,6 +311,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
     def _plan(self, meta: KvtoolMetadata, req_id: str, req: ReqState, computed: int,
               after: int) -> None:
         """Add this step's load (if one is pending) and saves of chunks it completes."""
+        if req.load_failed and after_failure(req_id, req, computed, self.chunk_tokens):
+            meta.recomputed.append(req_id)
+        req.planned = after
         pending = self._pending.pop(req_id, None)
         if pending is not None:
             ext, sources = pending
@@ -341,6 +344,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             last = len(req.prompt) if spec.capture_path else spec.chunks[-1].stop
             spec.token_ids = req.prompt[:last]
             meta.saves.append(spec)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        mark_failed(self._reqs, getattr(connector_output, "invalid_block_ids", None) or ())
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -381,6 +387,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        self._withheld.recomputed(getattr(meta, "recomputed", ()))
         start = time.perf_counter()
         for spec in getattr(meta, "loads", ()):
             before, began = activity.totals(), time.perf_counter()
@@ -418,7 +425,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             count("load_failures")
             first, last = covered // self.block_size, -(-spec.stop // self.block_size)
             self._failed_blocks.update(spec.block_ids[first:last])
-            self._failed_reqs.add(spec.req_id)
+            self._withheld.load_failed(spec.req_id, spec.block_ids[first:last])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer synchronously
@@ -433,7 +440,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         start = time.perf_counter()
         for spec in getattr(meta, "saves", ()):
-            if spec.req_id not in self._failed_reqs:
+            if not self._withheld.withheld(spec.req_id, spec.block_ids):
                 self._save(spec)
         add_time("save_seconds", time.perf_counter() - start)
 
@@ -488,7 +495,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         return self._tokenizer_fp or None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        self._failed_reqs -= finished_req_ids  # request ids are not reused
+        self._withheld.finished(finished_req_ids)
         return None, None  # no transfer outlives its step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
