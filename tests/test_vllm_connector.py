@@ -234,7 +234,7 @@ def test_a_failed_load_is_recomputed_then_stored_and_captured(vm, store):
     the request, when its load failed)."""
     from kvtool.formats import load
 
-    ids = ids_for(8, 300)
+    ids = ids_for(40, 300)
     want = baseline(vm, ids)
     served(vm, ids)
     second = _chunks(vm, store, ids)[1].path
