@@ -351,6 +351,7 @@ def test_store_pin_keys_chunks_by_the_served_checkpoint(tmp_path, runner, caplog
     that names no checkpoint (older, or from a model built in memory) is found by the server
     only through ``--model`` (without it: a warning), and one of another checkpoint is
     refused."""
+    from kvtool.checkpoint import quantized_on_load
     from kvtool.cli.main import cli
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.store import PrefixStore
@@ -383,6 +384,18 @@ def test_store_pin_keys_chunks_by_the_served_checkpoint(tmp_path, runner, caplog
     out = pin("c", "tuned.kvz", "--model", str(served))
     assert out.exit_code != 0 and "another model than" in out.output
     assert "other weights" in out.output and "Traceback" not in out.output
+    # a file captured by a server that quantizes the checkpoint as it loads (vLLM -q fp8)
+    fp8 = {**unknown, "weights": quantized_on_load(server_model["weights"], "fp8", llama())}
+    save(KVCache(k, k, token_ids=ids, model=fp8), tmp_path / "fp8.kvz")
+    out = pin("d", "fp8.kvz", "--model", str(served))
+    assert out.exit_code != 0 and "other weights" in out.output
+    out = pin("d", "fp8.kvz", "--model", str(served), "--quantization", "fp8")
+    assert out.exit_code == 0 and "pinned 2 chunks" in out.output, out.output
+    fp8_server = PrefixStore(tmp_path / "d", {**server_model, "weights": fp8["weights"]}, 16,
+                             policy_from_extra({"codec": "raw"}))
+    assert len(fp8_server.lookup(ids)) == 2
+    out = pin("e", "unknown.kvz", "--quantization", "fp8")
+    assert out.exit_code != 0 and "give both" in out.output
 
 
 # -- the prefix store (no vLLM needed) ---------------------------------------------------------

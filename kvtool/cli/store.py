@@ -293,9 +293,12 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
 @click.option("--model", "model", default=None, metavar="MODEL",
               help="The model the server runs (a directory, a Hub id or 'default'): its "
                    "checkpoint keys the chunks. Needed for a FILE that names none.")
+@click.option("--quantization", default=None, metavar="METHOD",
+              help="The server's vLLM --quantization (e.g. fp8), with --model: a checkpoint "
+                   "quantized as it loads computes other K/V, so its chunks have other keys.")
 @handle_errors
 def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str | None,
-                **codec_opts: Any) -> None:
+                quantization: str | None, **codec_opts: Any) -> None:
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
     remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
     (without any: its default policy)."""
@@ -303,7 +306,8 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
 
     pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
                                            policy_options=connector_options(codec_opts),
-                                           force=force, model=model)
+                                           force=force, model=model,
+                                           quantization=quantization)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 

@@ -61,9 +61,10 @@ this request only) and ``kvtool_capture`` (true: capture its prompt).
 
 A damaged or foreign file, or a failed write (full disk), never stops the engine: the file is
 skipped (or its blocks reported to vLLM as failed, so the prefix is recomputed) with a warning,
-and :func:`stats` counts it. The recomputed chunks are stored in its place; nothing computed over
-the failed blocks is (:mod:`~kvtool.engines.vllm.load_failures`). No file is ever deleted on a load error: a damaged chunk is moved
-to the store's quarantine folder by a role that writes, only skipped by ``kv_consumer``;
+and :func:`stats` counts it. The recomputed chunks are stored in its place; nothing computed
+over the failed blocks is (:mod:`~kvtool.engines.vllm.load_failures`). No file is ever deleted
+on a load error: a damaged chunk is moved to the store's quarantine folder by a role that
+writes, only skipped by ``kv_consumer``;
 chunks of a newer kvtool are left alone; symlinks in the store are not followed (see
 :mod:`~kvtool.engines.vllm.store`). A writing scheduler removes stale temp files of killed
 writers on start-up (on the saver thread).

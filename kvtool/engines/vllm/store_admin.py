@@ -380,13 +380,14 @@ def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None
 
 def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
              policy_options: dict[str, Any] | None = None,
-             force: bool = False, model: str | None = None) -> tuple[int, int]:
+             force: bool = False, model: str | None = None,
+             quantization: str | None = None) -> tuple[int, int]:
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
     them; (chunks pinned, chunks written). ``policy_options``: the connector's codec options
     new chunks are encoded with (default: none, its default policy); a lossy policy refuses
     a file that is already lossy unless ``force``. ``model``: the model the server runs (a
-    directory, a Hub id or ``default``), whose checkpoint keys the chunks
-    (:func:`served_identity`)."""
+    directory, a Hub id or ``default``), whose checkpoint keys the chunks, as loaded with
+    vLLM's ``quantization`` (:func:`served_identity`)."""
     from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
@@ -400,7 +401,7 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
-    identity = served_identity(path, cache.model, model)
+    identity = served_identity(path, cache.model, model, quantization)
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
     if not force:
         refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
@@ -428,15 +429,20 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     return len(chunks), written
 
 
-def served_identity(path: str, identity: dict[str, Any], model: str | None) -> dict[str, Any]:
+def served_identity(path: str, identity: dict[str, Any], model: str | None,
+                    quantization: str | None = None) -> dict[str, Any]:
     """The identity a server of ``model`` keys a file's chunks by: the file's, with the
     checkpoint (``model.weights``) the server knows. A server seeds its keys with its weights
     when it knows them, so a file that names none (older, or captured from a model built in
     memory) would be stored where no server looks: without ``model``, that is warned about.
-    A file of another model or checkpoint than ``model`` is refused."""
+    A file of another model or checkpoint than ``model`` is refused. ``quantization``: the
+    server's vLLM ``--quantization``, which makes an unquantized checkpoint another model
+    (:func:`~kvtool.checkpoint.quantized_on_load`)."""
     from kvtool.engines.vllm.common import log
 
     if model is None:
+        if quantization:
+            raise KvtoolError("--quantization names how the server loads --model: give both")
         if identity.get("weights") is None:
             log.warning("kvtool store pin: %s names no checkpoint (model.weights): a server "
                         "that knows its model's weights will not find these chunks; give "
@@ -444,7 +450,7 @@ def served_identity(path: str, identity: dict[str, Any], model: str | None) -> d
         return identity
     from transformers import AutoConfig
 
-    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.checkpoint import quantized_on_load, weights_fingerprint
     from kvtool.errors import ModelMismatchError
     from kvtool.identity import model_identity, other_weights, same_model
     from kvtool.models import resolve_model
@@ -452,10 +458,12 @@ def served_identity(path: str, identity: dict[str, Any], model: str | None) -> d
     _, location = resolve_model(model)
     if not location.is_dir():
         raise KvtoolError(f"--model {model}: the server runs a model directory, not {location}")
-    served = model_identity(AutoConfig.from_pretrained(location, local_files_only=True),
-                            weights=weights_fingerprint(location))
+    config = AutoConfig.from_pretrained(location, local_files_only=True)
+    weights = quantized_on_load(weights_fingerprint(location), quantization, config)
+    served = model_identity(config, weights=weights)
     if not same_model(identity, served):
-        raise ModelMismatchError(f"{path}: it belongs to another model than {model}"
+        loaded = f" loaded with --quantization {quantization}" if quantization else ""
+        raise ModelMismatchError(f"{path}: it belongs to another model than {model}{loaded}"
                                  f"{other_weights(identity, served)}")
     kept = {k: v for k, v in identity.items() if k != "weights"}
     return kept | ({"weights": served["weights"]} if served.get("weights") else {})
