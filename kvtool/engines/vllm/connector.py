@@ -64,10 +64,9 @@ skipped (or its blocks reported to vLLM as failed, so the prefix is recomputed) 
 and :func:`stats` counts it. The recomputed chunks are stored in its place; nothing computed
 over the failed blocks is (:mod:`~kvtool.engines.vllm.load_failures`). No file is ever deleted
 on a load error: a damaged chunk is moved to the store's quarantine folder by a role that
-writes, only skipped by ``kv_consumer``;
-chunks of a newer kvtool are left alone; symlinks in the store are not followed (see
-:mod:`~kvtool.engines.vllm.store`). A writing scheduler removes stale temp files of killed
-writers on start-up (on the saver thread).
+writes, only skipped by ``kv_consumer``; chunks of a newer kvtool are left alone; symlinks in
+the store are not followed (see :mod:`~kvtool.engines.vllm.store`). A writing scheduler removes
+stale temp files of killed writers on start-up (on the saver thread).
 
 The scheduler-side half finds the longest stored prefix and plans loads and saves into
 :class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
