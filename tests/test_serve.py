@@ -167,6 +167,18 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
         assert "other weights" in refused("--pin", pin, "--", *quantized), quantized
     notes = dry_run(runner, "--dtype", "float32", "--max-model-len", "16", "--pin", pin)["notes"]
     assert len(notes) == 1 and "reach --max-model-len 16" in notes[0], notes
+    # the config vLLM runs, with --hf-overrides: another RoPE is another model for a pin
+    yarn = json.dumps({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 8192}})
+    assert "another model" in refused("--pin", pin, "--", "--hf-overrides", yarn)
+    assert "another model" in refused("--pin", pin, "--", f"--hf-overrides={yarn}")
+    same = json.dumps({"max_position_embeddings": 8192})
+    assert dry_run(runner, "--pin", pin, "--", "--hf-overrides", same)["pins"]
+    argv = dry_run(runner, "--", "--hf-overrides", json.dumps({"num_key_value_heads": 1}))["argv"]
+    budget = int(argv[argv.index("--kv-cache-memory-bytes") + 1])
+    base = dry_run(runner)["argv"]
+    assert int(base[base.index("--kv-cache-memory-bytes") + 1]) - (64 << 20) == \
+        3 * (budget - (64 << 20))  # the default model's 3 KV heads, overridden to 1
 
 
 # -- metrics without a server ---------------------------------------------------------------------

@@ -137,6 +137,32 @@ def _quantization(engine_args: tuple[str, ...]) -> str | None:
     return value or None
 
 
+def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
+    """The model config vLLM runs: the directory's, or, when ``--hf-overrides`` or
+    ``--hf-config-path`` change it, vLLM's own reading (its ``ModelConfig``: how overrides
+    apply to nested and RoPE fields is vLLM's to say). If vLLM cannot read it, it will say so
+    as it starts; the plan then warns and checks pins against the directory's config."""
+    from transformers import AutoConfig
+
+    raw = _engine_value(engine_args, "--hf-overrides", 6)
+    path = _engine_value(engine_args, "--hf-config-path", 6)
+    if raw is None and path is None:
+        return AutoConfig.from_pretrained(location, local_files_only=True)
+    try:
+        from vllm.config import ModelConfig
+
+        overrides = json.loads(raw) if raw else {}
+        return ModelConfig(model=str(location), hf_config_path=path or None,
+                           hf_overrides=overrides).hf_config
+    except Exception as e:  # noqa: BLE001  (vLLM's own error, at its start)
+        from kvtool.engines.vllm.common import log
+
+        log.warning("kvtool serve: cannot read the model config as vLLM will with %s (%s: %s); "
+                    "pins are checked against %s/config.json", "--hf-overrides" if raw else
+                    "--hf-config-path", type(e).__name__, str(e)[:200], location)
+        return AutoConfig.from_pretrained(location, local_files_only=True)
+
+
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
                engine: str = "vLLM") -> None:
     """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets
@@ -167,8 +193,6 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          store_timeout: float | None = None,
          pins: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> ServePlan:
     """The server's command line and summary (nothing is started)."""
-    from transformers import AutoConfig
-
     from kvtool.checkpoint import quantized_on_load, weights_fingerprint
     from kvtool.identity import model_identity
     from kvtool.models import resolve_model
@@ -189,7 +213,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
                           f"({location}); use --model default or a converted directory")
     cuda = _cuda()
     dtype = dtype or ("auto" if cuda else "bfloat16")
-    config = AutoConfig.from_pretrained(location, local_files_only=True)
+    config = _engine_config(location, engine_args)
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
     weights = quantized_on_load(weights_fingerprint(location), _quantization(engine_args), config)
