@@ -7,8 +7,10 @@ generations 2-3 tokens, and the mlx model is loaded once per module.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -292,8 +294,6 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
                                                               monkeypatch):
     """A fingerprint that is not its layout's (the .kvz written from it would not load), and a
     layer whose offset is not its arrays' length (tokens dropped or made up), are refused."""
-    import dataclasses
-
     from kvtool.errors import FormatError
 
     bad = dataclasses.replace(doc_cache, model={**doc_cache.model, "fingerprint": "0" * 64})
@@ -392,6 +392,45 @@ def test_cli_import_export_mlx(doc_cache, runner, tmp_path):
     got = load(back)
     assert got.token_ids.tolist() == doc_cache.token_ids.tolist() and got.model == doc_cache.model
     assert np.array_equal(got.keys[11], doc_cache.keys[11])
+
+
+def test_an_export_runs_in_stock_mlx_lm_generate(doc_cache, runner, tmp_path):
+    """``mlx_lm.generate --prompt-cache-file`` loads the model the file names, and refuses a
+    ``--model`` that is not that same string: an export names the model's directory (the
+    default model's, or ``--model``'s, checked against the file), not kvtool's name for it."""
+    import subprocess
+    import sys
+
+    from kvtool.models import resolve_model
+
+    kvz, st = tmp_path / "a.kvz", tmp_path / "a.safetensors"
+    save(doc_cache, kvz)
+    location = str(resolve_model("default")[1])
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st)])
+    assert res.exit_code == 0 and f"of model {location}" in res.output, res.output
+    _, meta = mlx_cache.load_prompt_cache(str(st), return_metadata=True)
+    assert meta["model"] == location
+    run = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--prompt-cache-file",
+                          str(st), "--model", location, "--prompt", QUESTION, "--max-tokens",
+                          "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Generation:" in run.stdout, run.stderr[-2000:]
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st), "--model",
+                              location, "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["model"] == location, res.output
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**json.loads(
+        (Path(location) / "config.json").read_text()), "num_key_value_heads": 1}))
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st), "--model",
+                              str(other)])
+    assert res.exit_code != 0 and "another model" in res.output, res.output
+    res = runner.invoke(cli, ["decompress", str(kvz), "-o", str(tmp_path / "b.kvz"),
+                              "--model", location])
+    assert res.exit_code == 2 and "--to mlx only" in res.output
+    renamed = dataclasses.replace(doc_cache, model={**doc_cache.model, "name": "my-llama"})
+    save(renamed, kvz)  # a model kvtool cannot place: its name is written, with a note
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st)])
+    assert res.exit_code == 0 and "give --model DIR" in res.stderr, res.output
 
 
 def test_cli_refuses_bad_mlx_files(lm, doc_cache, monkeypatch, runner, tmp_path):

@@ -7,6 +7,7 @@ same two commands: ``compress --from mlx`` imports one into a .kvz (any policy),
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -141,11 +142,16 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
               "*.safetensors; no zstd).")
 @click.option("--dtype", type=DTYPE, default=None,
               help="Store in this dtype (default: the dtype the cache was saved from).")
+@click.option("--model", "model", default=None, metavar="MODEL",
+              help="--to mlx: the model mlx_lm.generate --prompt-cache-file loads (a directory, "
+                   "a Hub id or 'default'), checked against IN (default: IN's model where kvtool "
+                   "knows its directory, else its name).")
 @_with_zstd_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def decompress_command(src: str, output: str, dst_format: str, dtype: str | None, zstd: bool,
-                       zstd_level: int | None, as_json: bool) -> None:
+def decompress_command(src: str, output: str, dst_format: str, dtype: str | None,
+                       model: str | None, zstd: bool, zstd_level: int | None,
+                       as_json: bool) -> None:
     """Decode the .kvz file IN and store it lossless (raw codec, or an mlx-lm prompt cache)."""
     _check_paths(src, output)
     if dst_format == "mlx":
@@ -155,7 +161,7 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
         from kvtool.formats import load
 
         cache = load(src, dtype=dtype, progress=progress_enabled())
-        report = mlx_engine.export_prompt_cache(cache, output)
+        report = mlx_engine.export_prompt_cache(cache, output, model=model)
         if as_json:
             echo_json(report)
         else:
@@ -163,10 +169,23 @@ def decompress_command(src: str, output: str, dst_format: str, dtype: str | None
 
             click.echo(f"wrote {report['path']}: {human_bytes(report['file_bytes'])}, mlx-lm "
                        f"prompt cache ({report['num_layers']} layers, {report['num_tokens']} "
-                       "tokens)")
+                       f"tokens) of model {report['model']}")
+        if not _loadable(report["model"]):
+            click.echo(f"note: mlx_lm.generate --prompt-cache-file loads model "
+                       f"{report['model']!r}, which is neither a directory nor a Hub id: give "
+                       "--model DIR", err=True)
         return
+    if model is not None:
+        raise click.UsageError("--model applies to --to mlx only")
     from kvtool.formats import transcode
 
     report = transcode(src, output, policy_from_options({}, "raw"), dtype=dtype,
                        zstd=_zstd(zstd, zstd_level), progress=progress_enabled())
     _report(report, as_json)
+
+
+def _loadable(model: str) -> bool:
+    """Whether mlx-lm can load ``model``: a directory, or a Hub id."""
+    from kvtool.models import HUB_ID
+
+    return os.path.isdir(model) or bool(HUB_ID.match(model))

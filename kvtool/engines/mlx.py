@@ -13,7 +13,8 @@
   :func:`continue_generation` feeds only the tokens after the cached prefix to
   ``mlx_lm.generate_step`` and generates greedily; :func:`recompute_generation` is the baseline.
 * :func:`import_prompt_cache` / :func:`export_prompt_cache` convert mlx-lm prompt-cache
-  ``.safetensors`` files (``save_prompt_cache``) to and from a KVCache.
+  ``.safetensors`` files (``save_prompt_cache``) to and from a KVCache
+  (:mod:`~kvtool.engines.mlx_files`).
 
 Importing this module registers ``KvtoolMLXCache`` with mlx-lm's ``load_prompt_cache``. The
 model/prefix checks and the result type are every engine's (:mod:`kvtool.engines.common`): this
@@ -41,12 +42,17 @@ from kvtool.engines.mlx_cache import (
     make_kvtool_cache,
     to_numpy,
 )
-from kvtool.errors import FormatError, KvtoolError, ModelMismatchError, ModelNotFoundError
+from kvtool.engines.mlx_files import (  # noqa: F401  (METADATA_KEY re-exported)
+    METADATA_KEY,
+    export_prompt_cache,
+    import_prompt_cache,
+    prompt_cache_codecs,
+)
+from kvtool.errors import KvtoolError, ModelMismatchError, ModelNotFoundError
 from kvtool.policy import CodecPolicy
 
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PREFILL_STEP = 2048  # tokens per prefill forward, as mlx_lm.generate_step
-METADATA_KEY = "kvtool"  # the user-metadata entry of an exported prompt cache
 
 
 @dataclass
@@ -297,173 +303,6 @@ def generate_report(loaded: MLXModel, cache_path: str | None, prompt: str, max_n
         report["recompute"] = baseline.to_json()
         report["same_text"] = baseline.new_token_ids == restored.new_token_ids
     return report
-
-
-# -- mlx-lm prompt-cache files ------------------------------------------------------------------
-def _read_header(path: str) -> dict[str, str]:
-    """The safetensors metadata of ``path``; a FormatError unless it is an mlx-lm prompt cache
-    whose layers kvtool can read."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="numpy") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types for a damaged header
-        raise FormatError(f"{path}: not an mlx-lm prompt cache (unreadable safetensors: "
-                          f"{e})") from None
-    classes = [meta[k] for k in sorted((k for k in meta if k.startswith("1.")),
-                                       key=lambda k: int(k[2:]) if k[2:].isdigit() else -1)]
-    if not classes or meta.get("2.0") != "":
-        raise FormatError(f"{path}: not an mlx-lm prompt cache (its metadata names no cache "
-                          "classes the way mlx-lm's save_prompt_cache writes them)")
-    for i, name in enumerate(classes):
-        if name not in ("KVCache", "KvtoolMLXCache"):
-            raise FormatError(f"{path}: layer {i} is a {name}; kvtool reads KVCache and "
-                              "KvtoolMLXCache layers only")
-    return meta
-
-
-def import_prompt_cache(path: str | os.PathLike) -> KVCache:
-    """The KVCache in an mlx-lm prompt-cache file (``mlx_lm``'s ``save_prompt_cache``).
-
-    Model identity, tokenizer fingerprint and token ids come from the ``kvtool`` metadata that
-    :func:`export_prompt_cache` writes; a file from mlx-lm itself has none (its ``model``
-    metadata becomes the identity's name), so kvtool cannot check what it continues.
-    """
-    from kvtool.fileio import check_input_file
-
-    path = os.fspath(path)
-    check_input_file(path)
-    meta = _read_header(path)
-    if not path.endswith(".safetensors"):
-        raise FormatError(f"{path}: mlx-lm reads prompt caches named *.safetensors only")
-    try:
-        layers, user = mlx_cache.load_prompt_cache(path, return_metadata=True)
-    except KvtoolError:
-        raise
-    except Exception as e:
-        raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
-                          f"{e})") from None
-    keys, values = [], []
-    for i, layer in enumerate(layers):
-        k, v = (layer.materialize() if isinstance(layer, KvtoolMLXCache)
-                else (None, None) if layer.empty() else layer.keys_and_values())
-        if k is None or k.shape[2] == 0:
-            raise FormatError(f"{path}: layer {i} holds no tokens")
-        if k.shape[0] != 1:
-            raise FormatError(f"{path}: layer {i} holds a batch of {k.shape[0]} (kvtool reads "
-                              "batch 1)")
-        if k.shape[2] != layer.offset:
-            raise FormatError(f"{path}: layer {i} holds {k.shape[2]} tokens, its offset says "
-                              f"{layer.offset}")
-        keys.append(to_numpy(k[0]))
-        values.append(to_numpy(v[0]))
-    extra = _kvtool_metadata(path, user or {}, meta)
-    try:
-        cache = KVCache(keys, values, **extra)
-    except ValueError as e:
-        raise FormatError(f"{path}: {e}") from None
-    model = cache.model or {}
-    from kvtool.identity import canonical_sha256, valid_weights
-
-    if isinstance(model.get("layout"), dict) and "fingerprint" in model:
-        if canonical_sha256(model["layout"]) != model["fingerprint"]:
-            raise FormatError(f"{path}: its model fingerprint does not match its layout")
-    if not valid_weights(model.get("weights")):
-        raise FormatError(f"{path}: its model.weights is not a sha256 hex digest")
-    if cache.token_ids is not None and len(cache.token_ids) != cache.num_tokens:
-        raise FormatError(f"{path}: {len(cache.token_ids)} token ids for {cache.num_tokens} "
-                          "cached tokens")
-    return cache
-
-
-def prompt_cache_codecs(path: str | os.PathLike) -> list[str]:
-    """The codec ids that the ``KvtoolMLXCache`` layers of an mlx-lm prompt-cache file hold
-    (sorted; ``KVCache`` layers and lossless roles hold none): what ``compress --from mlx``
-    would quantize a second time. Read from each layer's config array, nothing decoded."""
-    from safetensors import safe_open
-
-    from kvtool.engines.mlx_cache import CONFIG_KEY, _read_config
-
-    path = os.fspath(path)
-    meta = _read_header(path)
-    layers = [int(k[2:]) for k, v in meta.items()
-              if k.startswith("1.") and k[2:].isdigit() and v == "KvtoolMLXCache"]
-    ids: set[str] = set()
-    try:
-        with safe_open(path, framework="numpy") as f:
-            for i in layers:
-                config = _read_config({CONFIG_KEY: f.get_tensor(f"{i}.{CONFIG_KEY}")})
-                ids.update(str(c["id"]) for c in (config.get("key"), config.get("value"))
-                           if isinstance(c, dict) and "id" in c)
-    except KvtoolError:
-        raise
-    except Exception as e:  # a missing config tensor, a damaged file
-        raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
-                          f"{e})") from None
-    return sorted(ids)
-
-
-def _kvtool_metadata(path: str, user: dict[str, Any], meta: dict[str, str]) -> dict[str, Any]:
-    """KVCache fields from an exported file's ``kvtool`` metadata entry."""
-    text = user.get(METADATA_KEY)
-    if text is None:
-        name = user.get("model")
-        return {"model": {"name": name} if name else {}}
-    try:
-        data = json.loads(text)
-        return {"model": dict(data["model"]), "token_ids": data.get("token_ids"),
-                "tokenizer_fingerprint": data.get("tokenizer_fingerprint")}
-    except (TypeError, ValueError, KeyError) as e:
-        raise FormatError(f"{path}: unreadable kvtool metadata ({e})") from None
-
-
-def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
-                        policy: CodecPolicy | None = None,
-                        block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
-    """Write ``cache`` as an mlx-lm prompt-cache file (atomically: temp file, then rename).
-
-    Layers are ``KVCache`` (stock mlx-lm loads them); with ``policy``, ``KvtoolMLXCache`` layers
-    holding the codes (loading needs kvtool imported). The identity, tokenizer fingerprint and
-    token ids go into the ``kvtool`` metadata entry (``model`` holds the model's name, as
-    ``mlx_lm.cache_prompt`` writes). Returns a short report.
-    """
-    from kvtool.fileio import atomic_write
-
-    if not os.fspath(path).endswith(".safetensors"):
-        raise KvtoolError(f"{os.fspath(path)}: name an mlx-lm prompt cache *.safetensors "
-                          "(mlx-lm picks the file format by that extension)")
-    if cache.layer_info and any(cache.layer_info):
-        raise KvtoolError("mlx-lm prompt caches of sliding-window layers are not supported")
-    n, total = cache.num_layers, cache.num_tokens
-    if policy is not None:
-        layers: list[Any] = [KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size)
-                             for i in range(n)]
-    else:
-        layers = [mlx_cache.KVCache() for _ in range(n)]
-    for i, layer in enumerate(layers):
-        k, v = (_to_mx(a) for a in cache.layer(i))
-        if k.shape[2] != total:
-            raise KvtoolError(f"layer {i} holds {k.shape[2]} of {total} tokens")
-        if policy is None:
-            layer.state = (k, v, total)  # exactly the tokens (update_and_fetch pads to 256)
-        else:
-            layer.update_and_fetch(k, v)
-    data = {"model": cache.model or {}, "tokenizer_fingerprint": cache.tokenizer_fingerprint,
-            "token_ids": None if cache.token_ids is None else [int(t) for t in cache.token_ids]}
-    # "model" and "tokenizer_config" as mlx_lm.cache_prompt writes them (mlx_lm.generate
-    # --prompt-cache-file reads both)
-    metadata = {METADATA_KEY: json.dumps(data, sort_keys=True),
-                "model": str((cache.model or {}).get("name", "")), "tokenizer_config": "{}"}
-
-    def write(f: Any) -> int:
-        mlx_cache.save_prompt_cache(f, layers, metadata)
-        return f.tell()
-
-    file_bytes = atomic_write(path, write)
-    return {"path": os.fspath(path), "file_bytes": file_bytes, "num_layers": n,
-            "num_tokens": total, "format": "mlx-lm prompt cache",
-            "policy": policy.describe() if policy is not None else "KVCache (lossless)"}
 
 
 __all__ = ["MLXModel", "KvtoolMLXCache", "capture", "continue_generation", "export_prompt_cache",

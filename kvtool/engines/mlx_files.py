@@ -1,0 +1,230 @@
+"""mlx-lm prompt-cache files (``mlx_lm``'s ``save_prompt_cache``) to and from a KVCache.
+
+:func:`export_prompt_cache` writes ``KVCache`` layers (stock mlx-lm loads them) or
+:class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones holding codes, with kvtool's identity,
+tokenizer fingerprint and token ids in a ``kvtool`` metadata entry, and the ``model`` and
+``tokenizer_config`` entries ``mlx_lm.generate --prompt-cache-file`` reads (:func:`mlx_model`:
+what it loads the model from). :func:`import_prompt_cache` reads either kind back, refusing
+what no writer makes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from mlx_lm.models import cache as mlx_cache
+
+from kvtool.cache import KVCache
+from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
+from kvtool.errors import FormatError, KvtoolError
+from kvtool.policy import CodecPolicy
+
+METADATA_KEY = "kvtool"  # the user-metadata entry of an exported prompt cache
+
+
+def _read_header(path: str) -> dict[str, str]:
+    """The safetensors metadata of ``path``; a FormatError unless it is an mlx-lm prompt cache
+    whose layers kvtool can read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise FormatError(f"{path}: not an mlx-lm prompt cache (unreadable safetensors: "
+                          f"{e})") from None
+    classes = [meta[k] for k in sorted((k for k in meta if k.startswith("1.")),
+                                       key=lambda k: int(k[2:]) if k[2:].isdigit() else -1)]
+    if not classes or meta.get("2.0") != "":
+        raise FormatError(f"{path}: not an mlx-lm prompt cache (its metadata names no cache "
+                          "classes the way mlx-lm's save_prompt_cache writes them)")
+    for i, name in enumerate(classes):
+        if name not in ("KVCache", "KvtoolMLXCache"):
+            raise FormatError(f"{path}: layer {i} is a {name}; kvtool reads KVCache and "
+                              "KvtoolMLXCache layers only")
+    return meta
+
+
+def import_prompt_cache(path: str | os.PathLike) -> KVCache:
+    """The KVCache in an mlx-lm prompt-cache file (``mlx_lm``'s ``save_prompt_cache``).
+
+    Model identity, tokenizer fingerprint and token ids come from the ``kvtool`` metadata that
+    :func:`export_prompt_cache` writes; a file from mlx-lm itself has none (its ``model``
+    metadata becomes the identity's name), so kvtool cannot check what it continues.
+    """
+    from kvtool.fileio import check_input_file
+
+    path = os.fspath(path)
+    check_input_file(path)
+    meta = _read_header(path)
+    if not path.endswith(".safetensors"):
+        raise FormatError(f"{path}: mlx-lm reads prompt caches named *.safetensors only")
+    try:
+        layers, user = mlx_cache.load_prompt_cache(path, return_metadata=True)
+    except KvtoolError:
+        raise
+    except Exception as e:
+        raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
+                          f"{e})") from None
+    keys, values = [], []
+    for i, layer in enumerate(layers):
+        k, v = (layer.materialize() if isinstance(layer, KvtoolMLXCache)
+                else (None, None) if layer.empty() else layer.keys_and_values())
+        if k is None or k.shape[2] == 0:
+            raise FormatError(f"{path}: layer {i} holds no tokens")
+        if k.shape[0] != 1:
+            raise FormatError(f"{path}: layer {i} holds a batch of {k.shape[0]} (kvtool reads "
+                              "batch 1)")
+        if k.shape[2] != layer.offset:
+            raise FormatError(f"{path}: layer {i} holds {k.shape[2]} tokens, its offset says "
+                              f"{layer.offset}")
+        keys.append(to_numpy(k[0]))
+        values.append(to_numpy(v[0]))
+    extra = _kvtool_metadata(path, user or {}, meta)
+    try:
+        cache = KVCache(keys, values, **extra)
+    except ValueError as e:
+        raise FormatError(f"{path}: {e}") from None
+    model = cache.model or {}
+    from kvtool.identity import canonical_sha256, valid_weights
+
+    if isinstance(model.get("layout"), dict) and "fingerprint" in model:
+        if canonical_sha256(model["layout"]) != model["fingerprint"]:
+            raise FormatError(f"{path}: its model fingerprint does not match its layout")
+    if not valid_weights(model.get("weights")):
+        raise FormatError(f"{path}: its model.weights is not a sha256 hex digest")
+    if cache.token_ids is not None and len(cache.token_ids) != cache.num_tokens:
+        raise FormatError(f"{path}: {len(cache.token_ids)} token ids for {cache.num_tokens} "
+                          "cached tokens")
+    return cache
+
+
+def prompt_cache_codecs(path: str | os.PathLike) -> list[str]:
+    """The codec ids that the ``KvtoolMLXCache`` layers of an mlx-lm prompt-cache file hold
+    (sorted; ``KVCache`` layers and lossless roles hold none): what ``compress --from mlx``
+    would quantize a second time. Read from each layer's config array, nothing decoded."""
+    from safetensors import safe_open
+
+    from kvtool.engines.mlx_cache import CONFIG_KEY, _read_config
+
+    path = os.fspath(path)
+    meta = _read_header(path)
+    layers = [int(k[2:]) for k, v in meta.items()
+              if k.startswith("1.") and k[2:].isdigit() and v == "KvtoolMLXCache"]
+    ids: set[str] = set()
+    try:
+        with safe_open(path, framework="numpy") as f:
+            for i in layers:
+                config = _read_config({CONFIG_KEY: f.get_tensor(f"{i}.{CONFIG_KEY}")})
+                ids.update(str(c["id"]) for c in (config.get("key"), config.get("value"))
+                           if isinstance(c, dict) and "id" in c)
+    except KvtoolError:
+        raise
+    except Exception as e:  # a missing config tensor, a damaged file
+        raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
+                          f"{e})") from None
+    return sorted(ids)
+
+
+def _kvtool_metadata(path: str, user: dict[str, Any], meta: dict[str, str]) -> dict[str, Any]:
+    """KVCache fields from an exported file's ``kvtool`` metadata entry."""
+    text = user.get(METADATA_KEY)
+    if text is None:
+        name = user.get("model")
+        return {"model": {"name": name} if name else {}}
+    try:
+        data = json.loads(text)
+        return {"model": dict(data["model"]), "token_ids": data.get("token_ids"),
+                "tokenizer_fingerprint": data.get("tokenizer_fingerprint")}
+    except (TypeError, ValueError, KeyError) as e:
+        raise FormatError(f"{path}: unreadable kvtool metadata ({e})") from None
+
+
+def mlx_model(cache: KVCache, model: str | None = None) -> str:
+    """What ``mlx_lm.generate --prompt-cache-file`` loads the model from: the file's ``model``
+    entry, which a ``--model`` given there must also equal. ``model`` (a directory, a Hub id
+    or ``default``), refused unless ``cache`` is of it, as the Hub id or the directory's path;
+    without it, the embedded default model's directory for a cache of that model, else the
+    cache's model name (a Hub id where kvtool loaded one)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from kvtool.checkpoint import weights_fingerprint
+    from kvtool.errors import ModelMismatchError
+    from kvtool.identity import model_identity, other_weights, same_model
+    from kvtool.models import DEFAULT_MODEL_NAME, HUB_ID, resolve_model
+
+    name = str((cache.model or {}).get("name", ""))
+    given = model is not None
+    if not given:
+        if name != DEFAULT_MODEL_NAME:
+            return name
+        model = "default"
+    _, location = resolve_model(model)
+    if not location.is_dir():
+        raise KvtoolError(f"--model {model}: mlx-lm loads a model directory or a Hub id, not "
+                          f"{location}")
+    identity = model_identity(AutoConfig.from_pretrained(location, local_files_only=True),
+                              weights=weights_fingerprint(location))
+    if (cache.model or {}).get("fingerprint") and not same_model(cache.model, identity):
+        if not given:
+            return name
+        raise ModelMismatchError(f"--model {model}: the cache belongs to another model"
+                                 f"{other_weights(cache.model, identity)}")
+    hub = given and HUB_ID.match(model) and not Path(model).expanduser().exists()
+    return model if hub else str(location)
+
+
+def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
+                        policy: CodecPolicy | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                        model: str | None = None) -> dict[str, Any]:
+    """Write ``cache`` as an mlx-lm prompt-cache file (atomically: temp file, then rename).
+
+    Layers are ``KVCache`` (stock mlx-lm loads them); with ``policy``, ``KvtoolMLXCache`` layers
+    holding the codes (loading needs kvtool imported). The identity, tokenizer fingerprint and
+    token ids go into the ``kvtool`` metadata entry; where mlx-lm loads the model from (see
+    :func:`mlx_model`, of ``model``) into mlx-lm's own ``model`` entry, as
+    ``mlx_lm.cache_prompt`` writes its ``--model``. Returns a short report.
+    """
+    from kvtool.fileio import atomic_write
+    from kvtool.kernels import to_mlx
+
+    if not os.fspath(path).endswith(".safetensors"):
+        raise KvtoolError(f"{os.fspath(path)}: name an mlx-lm prompt cache *.safetensors "
+                          "(mlx-lm picks the file format by that extension)")
+    if cache.layer_info and any(cache.layer_info):
+        raise KvtoolError("mlx-lm prompt caches of sliding-window layers are not supported")
+    loads_from = mlx_model(cache, model)
+    n, total = cache.num_layers, cache.num_tokens
+    if policy is not None:
+        layers: list[Any] = [KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size)
+                             for i in range(n)]
+    else:
+        layers = [mlx_cache.KVCache() for _ in range(n)]
+    for i, layer in enumerate(layers):
+        k, v = (to_mlx(a)[None] for a in cache.layer(i))
+        if k.shape[2] != total:
+            raise KvtoolError(f"layer {i} holds {k.shape[2]} of {total} tokens")
+        if policy is None:
+            layer.state = (k, v, total)  # exactly the tokens (update_and_fetch pads to 256)
+        else:
+            layer.update_and_fetch(k, v)
+    data = {"model": cache.model or {}, "tokenizer_fingerprint": cache.tokenizer_fingerprint,
+            "token_ids": None if cache.token_ids is None else [int(t) for t in cache.token_ids]}
+    # "model" and "tokenizer_config" as mlx_lm.cache_prompt writes them (mlx_lm.generate
+    # --prompt-cache-file reads both)
+    metadata = {METADATA_KEY: json.dumps(data, sort_keys=True),
+                "model": loads_from, "tokenizer_config": "{}"}
+
+    def write(f: Any) -> int:
+        mlx_cache.save_prompt_cache(f, layers, metadata)
+        return f.tell()
+
+    file_bytes = atomic_write(path, write)
+    return {"path": os.fspath(path), "file_bytes": file_bytes, "num_layers": n,
+            "model": metadata["model"],
+            "num_tokens": total, "format": "mlx-lm prompt cache",
+            "policy": policy.describe() if policy is not None else "KVCache (lossless)"}
