@@ -305,9 +305,7 @@ def read_kvz_ids(path: str, model: dict[str, Any]) -> tuple[str, np.ndarray]:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
             if not same_model(f.model, model):
                 raise ValueError(f"it belongs to another model{other_weights(f.model, model)}")
-            why = unservable(f)
-            if why:
-                raise ValueError(why)
+            refuse_unservable(f)
             return path, f.token_ids
     except (KvtoolError, OSError, ValueError) as e:
         log.warning("kvtool: not serving %s: %s", path, e)
