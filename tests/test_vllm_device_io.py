@@ -423,13 +423,13 @@ def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, m
     assert dev_failed == host_failed == set(LOAD_BLOCKS[CHUNK // BS:])
 
 
-def test_saves_computed_over_a_failed_load_are_withheld_until_vllm_recomputes(tmp_path):
+def test_saves_planned_before_the_scheduler_hears_of_a_failed_load_are_withheld(tmp_path):
     """Under async scheduling vLLM plans step N+1 before it hears that step N's load failed,
     and N+1 computes more of the prompt on the failed blocks; another request may read them
     through vLLM's prefix cache. Those chunks are wrong and must not reach the store under
-    their (right) keys: a request's saves are withheld until the scheduler says vLLM rolled it
-    back (``recomputed``), and a request that read another's failed blocks for the rest of
-    its life."""
+    their (right) keys: the worker withholds the saves of the failing request, and of any
+    holding a failed block, until a step's metadata says the scheduler heard of the failure
+    (``heard_failed``; from then on the scheduler plans knowing of it)."""
     from kvtool.engines.vllm.common import SaveSpec
     from kvtool.engines.vllm.connector import KvtoolMetadata
 
@@ -446,24 +446,22 @@ def test_saves_computed_over_a_failed_load_are_withheld_until_vllm_recomputes(tm
     assert failed and set(failed) <= set(LOAD_BLOCKS)
     other = [b for b in range(NB) if b not in LOAD_BLOCKS][:len(SAVE_BLOCKS)]
 
-    def step(req: str, blocks: list[int] = LOAD_BLOCKS, recomputed: tuple = ()) -> bool:
+    def step(req: str, blocks: list[int] = LOAD_BLOCKS, heard: tuple = ()) -> bool:
         """The next step: ``req``'s second chunk is computed; whether it was stored."""
         path = file_of(conn.store, chunks[1])
         path.unlink(missing_ok=True)
         conn.bind_connector_metadata(KvtoolMetadata(
-            saves=[SaveSpec(req, blocks, IDS, chunks[1:])], recomputed=list(recomputed)))
+            saves=[SaveSpec(req, blocks, IDS, chunks[1:])], heard_failed=list(heard)))
         conn.start_load_kv(None)
         conn.wait_for_save()
         assert flush(60)
         return path.exists()
 
     assert not step("r2")  # computed on the failed blocks: not saved
-    assert not step("r2")  # nor in the step after
+    assert not step("r2", heard=sorted(failed)[:1])  # nor while the scheduler heard of part
     assert not step("r3")  # another request reading them: not saved either
-    assert step("r4", other)  # a request elsewhere in the cache is
-    assert step("r2", recomputed=["r2"])  # rolled back and recomputed: saved again
-    assert not step("r3", other)  # r3 went on from wrong K/V: withheld for its life
-    assert conn.get_finished({"r2", "r3"}) == (None, None)
-    assert not conn._withheld  # forgotten once finished
-    assert step("r3", LOAD_BLOCKS)
+    assert not step("r3", other)  # it read them: withheld while the scheduler does not know
+    assert step("r4", other)  # a request elsewhere in the cache is saved
+    assert step("r2", heard=sorted(failed))  # planned knowing of the failure: saved
+    assert step("r3", other) and not conn._withheld
     conn.shutdown()

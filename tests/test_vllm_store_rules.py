@@ -447,28 +447,53 @@ def test_stale_temps_counted_and_collected(tmp_path):
     assert store.write(c2, *kv(), IDS) > 0 and not os.path.exists(leftover)
 
 
-def test_the_scheduler_plans_again_what_a_failed_load_withheld(caplog):
-    """After vLLM hears of a failed load (``invalid_block_ids``): a request it rolled back
-    plans its chunks from the first recomputed one and its capture again; one it did not
-    (it read the failed blocks through the prefix cache and went on) stores nothing more."""
+def test_the_scheduler_follows_what_a_failed_load_left_wrong(caplog):
+    """After vLLM hears of a failed load (``invalid_block_ids``), the scheduler half tracks the
+    blocks it left wrong (the failed ones and those computed over them): a request vLLM rolled
+    back to its first failed block plans its chunks and capture again; one that reads a wrong
+    block (shared through vLLM's prefix cache, or its own after a preemption) stores nothing
+    more, and what it computes is wrong too; a block written again from its first token is
+    clean, and a request that only writes a freed one is not touched."""
     from kvtool.engines.vllm.common import ReqState
-    from kvtool.engines.vllm.load_failures import after_failure, mark_failed
+    from kvtool.engines.vllm.load_failures import PoisonedBlocks
 
-    prompt = list(range(600))
-    owner = ReqState(prompt, block_ids=list(range(10, 48)), next_chunk=2, stored=2,
-                     from_file=0, captured=True, capture=True, planned=600)
-    reader = ReqState(prompt, block_ids=[18, 19, 90], next_chunk=2, capture=True,
-                      planned=600)
-    bystander = ReqState(prompt, block_ids=[91, 92], planned=600)
-    mark_failed({"a": owner, "b": reader, "c": bystander}, {18, 19})
-    assert owner.load_failed and reader.load_failed and not bystander.load_failed
-    assert after_failure("a", owner, 128, chunk_tokens=256)  # rolled back to token 128
-    assert (owner.next_chunk, owner.stored, owner.captured, owner.load_failed) == \
-        (0, 0, False, False)
-    assert owner.save and owner.capture
-    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
-        assert not after_failure("b", reader, 600, chunk_tokens=256)  # not rolled back
-    assert not reader.save and not reader.capture and "request b" in caplog.text
-    filed = ReqState(prompt, from_file=512, stored=0, next_chunk=2, planned=520)
-    assert after_failure("f", filed, 256, chunk_tokens=256)  # a .kvz file's load failed
-    assert (filed.from_file, filed.next_chunk) == (256, 1)  # tokens 256.. are computed now
+    bs, chunk = 16, 64
+    prompt = list(range(640))
+    poison = PoisonedBlocks(bs)
+
+    def step(*plans):  # (id, state, first token written, computed, after) of one step
+        poison.step(plans, chunk)
+
+    # A loaded tokens 0..512 into blocks 100..131 and computed up to 600; B (a prefix hit on
+    # A's blocks 100..115) computed its own 256..300
+    a = ReqState(prompt, block_ids=list(range(100, 140)), next_chunk=9, stored=8,
+                 captured=True, capture=True, planned=600)
+    b = ReqState(prompt, block_ids=[*range(100, 116), 200, 201, 202], next_chunk=4, planned=300)
+    c = ReqState(prompt, block_ids=[300, 301], planned=20)  # elsewhere in the cache
+    reqs = {"a": a, "b": b, "c": c}
+    poison.heard(reqs, {108, 109})  # tokens 128..160 failed to load
+    assert a.load_failed and a.failed_at == 128 and b.load_failed and not c.load_failed
+    assert set(range(108, 138)) <= poison.blocks and {200, 201, 202} <= poison.blocks
+    # vLLM rolls A back to 128 and recomputes 128..200; B is not rolled back past its prefix
+    step(("a", a, 128, 128, 200), ("b", b, 300, 300, 310), ("c", c, 20, 20, 40))
+    assert (a.next_chunk, a.stored, a.captured, a.save, a.tainted) == (2, 2, False, True, False)
+    assert b.tainted and not b.save and not b.capture and "request b" in caplog.text
+    assert not c.tainted
+    assert not {108, 109, 110, 111} & poison.blocks and 112 in poison.blocks  # 192..200: part
+    # D hits A's blocks 100..119 through the prefix cache while A rewrites 112..115 (read
+    # fresh in the same forward); 116..119 are still wrong
+    d = ReqState(prompt, block_ids=[*range(100, 120), 400], planned=0)
+    step(("a", a, 200, 200, 256), ("d", d, 320, 320, 336))
+    assert d.tainted and 400 in poison.blocks  # what D computes over them is wrong too
+    assert not {112, 113, 114, 115} & poison.blocks and 116 in poison.blocks
+    e = ReqState(prompt, block_ids=list(range(100, 116)), planned=0)  # a later hit: clean now
+    step(("e", e, 256, 256, 260))
+    assert not e.tainted and e.save
+    # A is preempted and resumes with a prefix hit on its own blocks up to 512, where 120..131
+    # were never written again: it goes on from the failed load's K/V
+    step(("a", a, 512, 512, 520))
+    assert a.tainted and not a.save
+    # F is given block 130 (freed, then evicted) and writes it from its first token
+    f = ReqState(prompt, block_ids=[500, 130], planned=0)
+    step(("f", f, 0, 0, 32))
+    assert not f.tainted and 130 not in poison.blocks

@@ -455,3 +455,5 @@ class ReqState:
     from_file: int = 0  # leading tokens a .kvz file serves: its values, not computed ones
     planned: int = 0  # tokens computed once the last step planned for it has run
     load_failed: bool = False  # a block it holds failed to load (see load_failures)
+    failed_at: int = 0  # then: its first token in a failed block
+    tainted: bool = False  # it reads K/V computed from a failed load: nothing more is saved

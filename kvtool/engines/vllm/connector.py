@@ -125,7 +125,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
 )
 from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
-from kvtool.engines.vllm.load_failures import WithheldSaves, after_failure, mark_failed
+from kvtool.engines.vllm.load_failures import PoisonedBlocks, WithheldSaves
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.stats_files import stats_writer
@@ -142,7 +142,7 @@ if TYPE_CHECKING:
 class KvtoolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    recomputed: list[str] = field(default_factory=list)  # rolled back past a failed load
+    heard_failed: list[int] = field(default_factory=list)  # failed blocks the scheduler knows
 
 
 # -- the connector -------------------------------------------------------------------------------
@@ -199,6 +199,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, ReqState] = {}
         self._pending: dict[str, tuple[int, list[Source]]] = {}
+        self._poisoned = PoisonedBlocks(self.block_size)  # what failed loads left wrong
+        self._heard: list[int] = []  # failed blocks heard of since the last step's metadata
         self._kvz_dirs = [os.path.realpath(d) for d in extra.get("kvz_dirs") or []]
         self._kvz_files = list(dict.fromkeys(os.path.realpath(p)
                                              for p in extra.get("kvz_files") or []))
@@ -287,13 +289,14 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                  request.request_id, num_external_tokens, len(req.prompt))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvtoolMetadata()
+        meta = KvtoolMetadata(heard_failed=self._heard)
+        self._heard = []
         scheduled = scheduler_output.num_scheduled_tokens
+        steps = []  # (id, state, first token written, computed, after) of each request
         for new in scheduler_output.scheduled_new_reqs:
             req = self._reqs.setdefault(new.req_id, ReqState(list(new.prompt_token_ids or [])))
             req.block_ids = list(new.block_ids[0])
-            self._plan(meta, new.req_id, req, new.num_computed_tokens,
-                       new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            steps.append((new.req_id, req, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self._reqs.get(req_id)
@@ -304,16 +307,17 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
                 req.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 req.block_ids.extend(new_blocks[0])
-            computed = cached.num_computed_tokens[i]
-            self._plan(meta, req_id, req, computed, computed + scheduled.get(req_id, 0))
+            steps.append((req_id, req, cached.num_computed_tokens[i]))
+        steps = [(req_id, req, computed - self._pending.get(req_id, (0,))[0], computed,
+                  computed + scheduled.get(req_id, 0)) for req_id, req, computed in steps]
+        self._poisoned.step(steps, self.chunk_tokens)
+        for req_id, req, _, computed, after in steps:
+            self._plan(meta, req_id, req, computed, after)
         return meta
 
     def _plan(self, meta: KvtoolMetadata, req_id: str, req: ReqState, computed: int,
               after: int) -> None:
         """Add this step's load (if one is pending) and saves of chunks it completes."""
-        if req.load_failed and after_failure(req_id, req, computed, self.chunk_tokens):
-            meta.recomputed.append(req_id)
-        req.planned = after
         pending = self._pending.pop(req_id, None)
         if pending is not None:
             ext, sources = pending
@@ -346,7 +350,10 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
             meta.saves.append(spec)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        mark_failed(self._reqs, getattr(connector_output, "invalid_block_ids", None) or ())
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._poisoned.heard(self._reqs, invalid)
+            self._heard.extend(invalid)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -387,7 +394,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        self._withheld.recomputed(getattr(meta, "recomputed", ()))
+        self._withheld.reported()  # the last step's failures, if vLLM did not ask for them
+        self._withheld.heard(getattr(meta, "heard_failed", ()))
         start = time.perf_counter()
         for spec in getattr(meta, "loads", ()):
             before, began = activity.totals(), time.perf_counter()
@@ -495,9 +503,9 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         return self._tokenizer_fp or None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        self._withheld.finished(finished_req_ids)
         return None, None  # no transfer outlives its step
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
+        self._withheld.reported()
         return failed

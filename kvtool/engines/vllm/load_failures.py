@@ -1,90 +1,158 @@
-"""What a failed load leaves wrong in vLLM's paged cache, and when it is right again.
+"""What a failed load leaves wrong in vLLM's paged cache, and who may read it.
 
 A load that fails (a damaged chunk, a store that stops answering) reports its blocks to vLLM,
 which rolls the request back to the first of them and recomputes from there
-(``kv_load_failure_policy="recompute"``). Until then those blocks hold nothing valid, and so
-does everything computed over them:
+(``kv_load_failure_policy="recompute"``). Until they are written again those blocks hold
+nothing valid, and neither does anything computed over them:
 
-- the failing request's later chunks, computed in the same step and (under async scheduling,
+- the failing request's later blocks, computed in the same step and (under async scheduling,
   where vLLM plans step N+1 before it hears of step N's failure) in the next one;
-- another request's, where it reads the same blocks (vLLM's prefix cache shares them).
+- another request's, where it reads them: vLLM keeps the failed blocks in its prefix cache.
 
-Nothing computed over a failed block may reach the store under its (right) key. The worker
-half withholds those saves (:class:`WithheldSaves`) until the scheduler half, which hears of
-the failure through ``update_connector_output``, says the request is recomputed from a point
-before the blocks (:func:`after_failure`); the scheduler then plans its chunks, and its
-capture, again. A request that vLLM did not roll back goes on from wrong K/V: nothing of it
-is stored.
+Nothing computed over a failed block may reach the store under its (right) key, nor a capture.
+The scheduler half hears of a failure through ``update_connector_output``
+(:meth:`PoisonedBlocks.heard`) and from then on tracks the blocks it left wrong: a block is
+clean again once a request writes it from its first token, and a request that reads a wrong
+block (its computed tokens reach into one) is *tainted*: nothing more of it is saved, and the
+blocks it computes are wrong too. A request that vLLM rolled back to its first failed block is
+not: its chunks from there on, and its capture, are planned again (:func:`after_failure`).
+
+The worker half covers the steps planned before the scheduler heard: it withholds the saves of
+a request whose load failed, or that holds one of the failed blocks, until a step's metadata
+says the scheduler has heard of that failure (:class:`WithheldSaves`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvtool.engines.vllm.common import ReqState, log
 
 
-def mark_failed(reqs: dict[str, ReqState], invalid_block_ids: Iterable[int]) -> None:
-    """Scheduler side: flag every request that holds a block whose load failed."""
-    invalid = set(invalid_block_ids)
-    if not invalid:
-        return
-    for req in reqs.values():
-        if not invalid.isdisjoint(req.block_ids):
+class PoisonedBlocks:
+    """Scheduler side: the blocks that hold K/V computed from a failed load."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def heard(self, reqs: dict[str, ReqState], invalid_block_ids: Iterable[int]) -> None:
+        """A step's failed loads: every request holding one of the blocks is flagged
+        (``load_failed``, ``failed_at`` its first failed token), and its blocks from there to
+        what it has been planned to compute are wrong."""
+        invalid = set(invalid_block_ids)
+        if not invalid:
+            return
+        for req in reqs.values():
+            first = next((i for i, b in enumerate(req.block_ids) if b in invalid), None)
+            if first is None:
+                continue
             req.load_failed = True
+            req.failed_at = first * self.block_size
+            self._spread(req, first, req.planned)
+
+    def written(self, req: ReqState, start: int, stop: int) -> None:
+        """``req`` writes tokens ``[start, stop)`` this step: the blocks it completes are clean
+        again (their first tokens it wrote itself, or read clean), unless ``req`` computes
+        over wrong K/V. A block it leaves part-written keeps what it was: vLLM's prefix cache
+        may hold it whole."""
+        blocks = req.block_ids[start // self.block_size:stop // self.block_size]
+        if req.tainted:
+            self.blocks.update(blocks)
+        else:
+            self.blocks.difference_update(blocks)
+
+    def read(self, req_id: str, req: ReqState, computed: int, after: int) -> None:
+        """Taint ``req`` if the whole blocks of its first ``computed`` tokens include a wrong
+        one (a block it is part-way through writing is its own)."""
+        held = req.block_ids[:computed // self.block_size]
+        first = next((i for i, b in enumerate(held) if b in self.blocks), None)
+        if first is not None:
+            taint(req_id, req)
+            self._spread(req, first, max(after, req.planned))
+
+    def step(self, steps: Sequence[tuple[str, ReqState, int, int, int]],
+             chunk_tokens: int) -> None:
+        """Before a step's saves are planned. ``steps``: each scheduled request's id, state,
+        first token written this step (a load's included), tokens computed before it, and
+        after it. A request whose load failed is rolled back or tainted
+        (:func:`after_failure`); one that reads a wrong block is tainted."""
+        for _, req, start, _, after in steps:
+            if self.blocks or req.tainted:
+                self.written(req, start, after)
+        for req_id, req, _, computed, after in steps:
+            if req.load_failed:
+                after_failure(req_id, req, computed, chunk_tokens)
+            if self.blocks and not req.tainted:
+                self.read(req_id, req, computed, after)
+            req.planned = after
+
+    def _spread(self, req: ReqState, first: int, stop: int) -> None:
+        self.blocks.update(req.block_ids[first:max(first + 1, -(-stop // self.block_size))])
 
 
-def after_failure(req_id: str, req: ReqState, computed: int, chunk_tokens: int) -> bool:
-    """Scheduler side, on the first step planned after ``req``'s load failed: true when vLLM
-    recomputes it from ``computed`` (rolled back), and its saves and capture from there on
-    are planned again; false when it goes on from K/V computed over the failed blocks, and
-    nothing more of it is saved or captured."""
+def taint(req_id: str, req: ReqState) -> None:
+    """``req`` goes on from K/V computed over a failed load: nothing more of it is stored."""
+    if not req.tainted and (req.save or req.capture):
+        log.warning("kvtool: request %s reads K/V computed from a failed load that vLLM did not "
+                    "recompute for it; none of its prompt is stored", req_id)
+    req.tainted = True
+    req.save = req.capture = False
+
+
+def after_failure(req_id: str, req: ReqState, computed: int, chunk_tokens: int) -> None:
+    """On the first step planned after ``req``'s load failed: if vLLM recomputes it from its
+    first failed token (or before), its chunks from there on and its capture are planned
+    again; else it is tainted."""
     req.load_failed = False
-    if computed >= req.planned:
-        log.warning("kvtool: request %s read blocks whose load failed and vLLM did not "
-                    "recompute it; none of its prompt is stored", req_id)
-        req.save = req.capture = False
-        return False
+    if computed > req.failed_at:
+        taint(req_id, req)
+        return
     first = computed // chunk_tokens  # the chunk that holds the first recomputed token
     req.next_chunk = min(req.next_chunk, first)
     req.stored = min(req.stored, first)
     req.from_file = min(req.from_file, computed)  # tokens from here on are computed
     req.captured = req.captured and computed >= len(req.prompt)
-    return True
 
 
 class WithheldSaves:
-    """Worker side: the requests whose saves are withheld, and the blocks that make them so."""
+    """Worker side: saves withheld until the scheduler has heard of the failure behind them.
+
+    Each entry is one step's failed blocks and the requests withheld for them: the failing
+    ones, and any whose save holds one of the blocks. It is dropped once a step's metadata
+    lists the blocks among those the scheduler heard of (``heard_failed``): saves planned from
+    then on are planned knowing of it."""
 
     def __init__(self) -> None:
-        self._reqs: set[str] = set()
-        self._blocks: dict[str, set[int]] = {}  # a failed load's blocks, by request
-
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._reqs
+        self._entries: list[tuple[set[int], set[str]]] = []
+        self._step: tuple[set[int], set[str]] = (set(), set())
 
     def __bool__(self) -> bool:
-        return bool(self._reqs or self._blocks)
+        return bool(self._entries or self._step[0])
 
     def load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
-        self._reqs.add(req_id)
-        self._blocks.setdefault(req_id, set()).update(block_ids)
+        self._step[0].update(block_ids)
+        self._step[1].add(req_id)
 
-    def recomputed(self, req_ids: Iterable[str]) -> None:
-        """The scheduler rolled these requests back before their failed blocks."""
-        for req_id in req_ids:
-            self._reqs.discard(req_id)
-            self._blocks.pop(req_id, None)
+    def reported(self) -> None:
+        """This step's failed blocks went to vLLM (``get_block_ids_with_load_errors``)."""
+        if self._step[0]:
+            self._entries.append(self._step)
+        self._step = (set(), set())
 
-    def finished(self, req_ids: Iterable[str]) -> None:
-        self.recomputed(req_ids)  # their blocks are freed; request ids are not reused
+    def heard(self, block_ids: Iterable[int]) -> None:
+        """The scheduler heard of these failed blocks before it planned this step."""
+        heard = set(block_ids)
+        if heard:
+            self._entries = [e for e in self._entries if not e[0] <= heard]
 
-    def withheld(self, req_id: str, block_ids: Iterable[int]) -> bool:
-        """Whether a save of ``req_id`` (holding ``block_ids``) is withheld: its own load
-        failed, or it reads another request's failed blocks (then withheld from now on)."""
-        if req_id not in self._reqs and self._blocks:
-            held = set(block_ids)
-            if any(owner != req_id and not held.isdisjoint(bad)
-                   for owner, bad in self._blocks.items()):
-                self._reqs.add(req_id)
-        return req_id in self._reqs
+    def withheld(self, req_id: str, block_ids: Sequence[int]) -> bool:
+        withheld = False
+        for blocks, reqs in (*self._entries, self._step):
+            if req_id in reqs or not blocks.isdisjoint(block_ids):
+                reqs.add(req_id)
+                withheld = True
+        return withheld
