@@ -179,6 +179,14 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     base = dry_run(runner)["argv"]
     assert int(base[base.index("--kv-cache-memory-bytes") + 1]) - (64 << 20) == \
         3 * (budget - (64 << 20))  # the default model's 3 KV heads, overridden to 1
+    for dotted in (["--hf-overrides.num_key_value_heads", "1"],
+                   ["--hf_overrides.num_key_value_heads=1"]):  # vLLM's dotted form
+        argv = dry_run(runner, "--", *dotted)["argv"]
+        assert int(argv[argv.index("--kv-cache-memory-bytes") + 1]) == budget, dotted
+    assert "another model" in refused("--pin", pin, "--", "--hf-overrides.rope_scaling.rope_type",
+                                      "yarn", "--hf-overrides.rope_scaling.factor", "4.0",
+                                      "--hf-overrides.rope_scaling.original_max_position_"
+                                      "embeddings", "8192")
 
 
 # -- metrics without a server ---------------------------------------------------------------------

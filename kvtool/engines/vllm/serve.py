@@ -145,22 +145,51 @@ def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
     from transformers import AutoConfig
 
     raw = _engine_value(engine_args, "--hf-overrides", 6)
+    dotted = _dotted_overrides(engine_args)
     path = _engine_value(engine_args, "--hf-config-path", 6)
-    if raw is None and path is None:
+    if raw is None and dotted is None and path is None:
         return AutoConfig.from_pretrained(location, local_files_only=True)
     try:
         from vllm.config import ModelConfig
 
-        overrides = json.loads(raw) if raw else {}
+        # vLLM passes the dotted form on as one JSON value after the others: it wins
+        overrides = dotted if dotted is not None else json.loads(raw) if raw else {}
         return ModelConfig(model=str(location), hf_config_path=path or None,
                            hf_overrides=overrides).hf_config
     except Exception as e:  # noqa: BLE001  (vLLM's own error, at its start)
         from kvtool.engines.vllm.common import log
 
         log.warning("kvtool serve: cannot read the model config as vLLM will with %s (%s: %s); "
-                    "pins are checked against %s/config.json", "--hf-overrides" if raw else
-                    "--hf-config-path", type(e).__name__, str(e)[:200], location)
+                    "pins are checked against %s/config.json",
+                    "--hf-config-path" if path else "--hf-overrides", type(e).__name__,
+                    " ".join(str(e).split())[:200], location)
         return AutoConfig.from_pretrained(location, local_files_only=True)
+
+
+def _dotted_overrides(engine_args: tuple[str, ...]) -> dict[str, Any] | None:
+    """``--hf-overrides.key.sub VALUE`` (or ``=VALUE``) arguments merged into one nested
+    dict, each value JSON where it parses, else a string, as vLLM's argument parser reads
+    them; None without any."""
+    merged: dict[str, Any] | None = None
+    for i, arg in enumerate(engine_args):
+        name, eq, value = arg.partition("=")
+        head, dot, path = name.partition(".")
+        if not dot or head.replace("_", "-") != "--hf-overrides":
+            continue
+        if not eq:
+            value = engine_args[i + 1] if i + 1 < len(engine_args) else ""
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        *parents, last = path.split(".")
+        node = merged = merged if merged is not None else {}
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[last] = parsed
+    return merged
 
 
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
