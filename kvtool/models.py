@@ -317,6 +317,16 @@ def _is_complete(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
+def converted_default() -> Path | None:
+    """The default model's converted directory if it is there; None where the package is
+    missing or it is not converted yet (nothing is converted here)."""
+    try:
+        location = converted_dir(default_gguf_path())
+    except (KvtoolError, OSError):
+        return None
+    return location if _is_complete(location) else None
+
+
 def ensure_default_converted() -> Path:
     """The converted default model directory, converting the GGUF on first use."""
     return ensure_converted(default_gguf_path())

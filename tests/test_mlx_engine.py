@@ -394,7 +394,7 @@ def test_cli_import_export_mlx(doc_cache, runner, tmp_path):
     assert np.array_equal(got.keys[11], doc_cache.keys[11])
 
 
-def test_an_export_runs_in_stock_mlx_lm_generate(doc_cache, runner, tmp_path):
+def test_an_export_runs_in_stock_mlx_lm_generate(doc_cache, runner, tmp_path, monkeypatch):
     """``mlx_lm.generate --prompt-cache-file`` loads the model the file names, and refuses a
     ``--model`` that is not that same string: an export names the model's directory (the
     default model's, or ``--model``'s, checked against the file), not kvtool's name for it."""
@@ -431,6 +431,18 @@ def test_an_export_runs_in_stock_mlx_lm_generate(doc_cache, runner, tmp_path):
     save(renamed, kvz)  # a model kvtool cannot place: its name is written, with a note
     res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st)])
     assert res.exit_code == 0 and "give --model DIR" in res.stderr, res.output
+    # the default model not installed (or not converted): nothing is converted, its name kept
+    save(doc_cache, kvz)
+    monkeypatch.setattr("kvtool.models.converted_default", lambda: None)
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st)])
+    assert res.exit_code == 0 and "give --model DIR" in res.stderr, res.output
+    # a cache that names no model is checked by its shape
+    tiny = KVCache([np.zeros((3, 5, 8), np.float32)] * 2, [np.zeros((3, 5, 8), np.float32)] * 2)
+    save(tiny, kvz)
+    res = runner.invoke(cli, ["decompress", str(kvz), "--to", "mlx", "-o", str(st), "--model",
+                              location])
+    assert res.exit_code != 0 and "2 layers of 3 KV heads × 8" in res.output, res.output
+    assert "Traceback" not in res.output
 
 
 def test_cli_refuses_bad_mlx_files(lm, doc_cache, monkeypatch, runner, tmp_path):

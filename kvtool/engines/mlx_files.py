@@ -146,36 +146,47 @@ def mlx_model(cache: KVCache, model: str | None = None) -> str:
     """What ``mlx_lm.generate --prompt-cache-file`` loads the model from: the file's ``model``
     entry, which a ``--model`` given there must also equal. ``model`` (a directory, a Hub id
     or ``default``), refused unless ``cache`` is of it, as the Hub id or the directory's path;
-    without it, the embedded default model's directory for a cache of that model, else the
-    cache's model name (a Hub id where kvtool loaded one)."""
+    without it, the embedded default model's directory for a cache of that model (where it is
+    converted already), else the cache's model name (a Hub id where kvtool loaded one). A
+    cache that names no model is checked by its shape."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
     from kvtool.checkpoint import weights_fingerprint
     from kvtool.errors import ModelMismatchError
-    from kvtool.identity import model_identity, other_weights, same_model
-    from kvtool.models import DEFAULT_MODEL_NAME, HUB_ID, resolve_model
+    from kvtool.identity import kv_layout, model_identity, other_weights, same_model
+    from kvtool.models import DEFAULT_MODEL_NAME, HUB_ID, converted_default, resolve_model
 
     name = str((cache.model or {}).get("name", ""))
-    given = model is not None
-    if not given:
-        if name != DEFAULT_MODEL_NAME:
+    if model is None:
+        location = converted_default() if name == DEFAULT_MODEL_NAME else None
+        if location is None:
             return name
-        model = "default"
-    _, location = resolve_model(model)
-    if not location.is_dir():
-        raise KvtoolError(f"--model {model}: mlx-lm loads a model directory or a Hub id, not "
-                          f"{location}")
-    identity = model_identity(AutoConfig.from_pretrained(location, local_files_only=True),
-                              weights=weights_fingerprint(location))
-    if (cache.model or {}).get("fingerprint") and not same_model(cache.model, identity):
-        if not given:
+    else:
+        _, location = resolve_model(model)
+        if not location.is_dir():
+            raise KvtoolError(f"--model {model}: mlx-lm loads a model directory or a Hub id, "
+                              f"not {location}")
+    config = AutoConfig.from_pretrained(location, local_files_only=True)
+    identity = model_identity(config, weights=weights_fingerprint(location))
+    layout = kv_layout(config)
+    k = cache.keys[0]
+    shape = (cache.num_layers, int(k.shape[0]), int(k.shape[-1]))
+    if (cache.model or {}).get("fingerprint"):
+        other = not same_model(cache.model, identity)
+    else:  # a cache that names no model: its shape at least
+        other = shape != (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"])
+    if other:
+        if model is None:
             return name
-        raise ModelMismatchError(f"--model {model}: the cache belongs to another model"
-                                 f"{other_weights(cache.model, identity)}")
-    hub = given and HUB_ID.match(model) and not Path(model).expanduser().exists()
+        why = other_weights(cache.model or {}, identity) or (
+            f" ({shape[0]} layers of {shape[1]} KV heads × {shape[2]}, the model "
+            f"{layout['num_layers']} of {layout['num_kv_heads']} × {layout['head_dim']})")
+        raise ModelMismatchError(f"--model {model}: the cache belongs to another model{why}")
+    hub = model is not None and HUB_ID.match(model) and not Path(model).expanduser().exists()
     return model if hub else str(location)
+
 
 
 def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
