@@ -396,6 +396,8 @@ def test_store_pin_keys_chunks_by_the_served_checkpoint(tmp_path, runner, caplog
     assert len(fp8_server.lookup(ids)) == 2
     out = pin("e", "unknown.kvz", "--quantization", "fp8")
     assert out.exit_code != 0 and "give both" in out.output
+    out = pin("e", "unknown.kvz", "--model", str(served), "--quantization", "fp8")
+    assert out.exit_code != 0 and "names no checkpoint" in out.output  # computed unquantized?
 
 
 # -- the prefix store (no vLLM needed) ---------------------------------------------------------

@@ -458,6 +458,10 @@ def served_identity(path: str, identity: dict[str, Any], model: str | None,
     _, location = resolve_model(model)
     if not location.is_dir():
         raise KvtoolError(f"--model {model}: the server runs a model directory, not {location}")
+    if quantization and identity.get("weights") is None:
+        raise KvtoolError(f"{path} names no checkpoint (model.weights), so nothing says its K/V "
+                          f"were computed with --quantization {quantization}; capture it again "
+                          "with vLLM running so")
     config = AutoConfig.from_pretrained(location, local_files_only=True)
     weights = quantized_on_load(weights_fingerprint(location), quantization, config)
     served = model_identity(config, weights=weights)
