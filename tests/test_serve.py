@@ -424,3 +424,29 @@ def test_connector_options_are_checked_and_presets_honoured():
     check_extra({"store_path": "/x", "preset": "small", "max_bytes": "1G"})
     with pytest.raises(KvtoolError, match="'codek'; did you mean 'codec'"):
         check_extra({"codek": "turbo3"})
+
+
+def test_the_plan_keys_online_quantization_as_the_connector_does():
+    """``--quantization-config`` (JSON or dotted) makes vLLM quantize other layers or another
+    way: other K/V, so another ``model.weights``. The plan computes it from the engine's
+    arguments exactly as the connector does from vLLM's parsed and resolved config; the plain
+    ``--quantization`` method keeps its earlier identity."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from kvtool.engines.vllm.common import quantization_method
+    from kvtool.engines.vllm.serve import _quantization_method
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ignore = json.dumps({"ignore": ["lm_head"]})
+    methods = {}
+    for args in (["-q", "fp8"], ["--quantization", "fp8", "--quantization-config", ignore],
+                 ["-q", "fp8", "--quantization-config.ignore", '["lm_head"]'],
+                 ["-q", "fp8", f"--quantization_config={ignore}"],
+                 ["-q", "fp8", "--quantization-config", json.dumps({"linear": "fp8_per_block"})]):
+        engine = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *args]))
+        want = quantization_method(engine.quantization, engine.quantization_config)
+        assert _quantization_method(tuple(args)) == want, args
+        methods[" ".join(args)] = want
+    assert methods["-q fp8"] == "fp8"
+    assert len(set(methods.values())) == 3  # plain; ignoring lm_head (three spellings); per-block

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import errno
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -383,8 +384,30 @@ def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     dtype = str(mc.dtype).removeprefix("torch.")
     weights = weights_of(str(mc.model), getattr(mc, "revision", None),
                          _download_dir(vllm_config))
-    weights = quantized_on_load(weights, getattr(mc, "quantization", None), mc.hf_config)
+    method = quantization_method(getattr(mc, "quantization", None),
+                                 getattr(mc, "quantization_config", None))
+    weights = quantized_on_load(weights, method, mc.hf_config)
     return model_identity(mc.hf_config, name=name, dtype=dtype, weights=weights)
+
+
+def quantization_method(quantization: str | None, config: Any) -> str | None:
+    """How vLLM quantizes the weights as it loads them: ``--quantization``, and where
+    ``--quantization-config`` makes vLLM's resolved config (``config``) other than the
+    method's own, that config as canonical JSON after it (other layers quantized, another
+    format: other K/V)."""
+    if config is None:
+        return quantization
+    import dataclasses
+
+    from vllm.config.quantization import resolve_quantization_config
+
+    if config == resolve_quantization_config(quantization, None):
+        return quantization
+    from kvtool.identity import canonical_sha256
+
+    data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    digest = canonical_sha256(json.loads(json.dumps(data, default=str)))
+    return f"{quantization or ''}+config:{digest}"
 
 
 def _download_dir(vllm_config: Any) -> str | None:

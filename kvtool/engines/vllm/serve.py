@@ -145,7 +145,7 @@ def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
     from transformers import AutoConfig
 
     raw = _engine_value(engine_args, "--hf-overrides", 6)
-    dotted = _dotted_overrides(engine_args)
+    dotted = _dotted(engine_args, "--hf-overrides")
     path = _engine_value(engine_args, "--hf-config-path", 6)
     if raw is None and dotted is None and path is None:
         return AutoConfig.from_pretrained(location, local_files_only=True)
@@ -166,15 +166,15 @@ def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
         return AutoConfig.from_pretrained(location, local_files_only=True)
 
 
-def _dotted_overrides(engine_args: tuple[str, ...]) -> dict[str, Any] | None:
-    """``--hf-overrides.key.sub VALUE`` (or ``=VALUE``) arguments merged into one nested
-    dict, each value JSON where it parses, else a string, as vLLM's argument parser reads
-    them; None without any."""
+def _dotted(engine_args: tuple[str, ...], option: str) -> dict[str, Any] | None:
+    """``option.key.sub VALUE`` (or ``=VALUE``) arguments merged into one nested dict, each
+    value JSON where it parses, else a string, as vLLM's argument parser reads them; None
+    without any."""
     merged: dict[str, Any] | None = None
     for i, arg in enumerate(engine_args):
         name, eq, value = arg.partition("=")
         head, dot, path = name.partition(".")
-        if not dot or head.replace("_", "-") != "--hf-overrides":
+        if not dot or head.replace("_", "-") != option:
             continue
         if not eq:
             value = engine_args[i + 1] if i + 1 < len(engine_args) else ""
@@ -190,6 +190,26 @@ def _dotted_overrides(engine_args: tuple[str, ...]) -> dict[str, Any] | None:
             node = node[key]
         node[last] = parsed
     return merged
+
+
+def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
+    """:func:`~kvtool.engines.vllm.common.quantization_method` of the engine's arguments, as
+    the connector computes it inside vLLM (``--quantization-config`` resolved by vLLM; one it
+    cannot resolve is vLLM's to refuse, and left out here)."""
+    from kvtool.engines.vllm.common import quantization_method
+
+    method = _quantization(engine_args)
+    raw = _engine_value(engine_args, "--quantization-config", 16)
+    dotted = _dotted(engine_args, "--quantization-config")
+    if raw is None and dotted is None:
+        return method
+    try:
+        from vllm.config.quantization import resolve_quantization_config
+
+        given = dotted if dotted is not None else json.loads(raw or "null")
+        return quantization_method(method, resolve_quantization_config(method, given))
+    except Exception:  # noqa: BLE001  (vLLM's own error, at its start)
+        return method
 
 
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
@@ -245,7 +265,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     config = _engine_config(location, engine_args)
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
-    weights = quantized_on_load(weights_fingerprint(location), _quantization(engine_args), config)
+    weights = quantized_on_load(weights_fingerprint(location), _quantization_method(engine_args),
+                                config)
     info = model_identity(config, name=name, dtype=ident_dtype, weights=weights)
     positions = getattr(config.get_text_config(), "max_position_embeddings", 0)
     longest = None if any(a.startswith(_CONTEXT_ARGS) for a in engine_args) or os.environ.get(
