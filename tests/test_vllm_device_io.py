@@ -342,8 +342,9 @@ def test_cuda_load_decodes_into_the_blocks(tmp_path, kind, device):
 
 
 # -- the connector ------------------------------------------------------------------------------
-def connector(store: Path, kind: str):
-    """A worker-side KvtoolConnector of an L-layer model whose paged caches are ``kind``."""
+def connector(store: Path, kind: str, role: str = "worker", **parallel: int):
+    """A KvtoolConnector (``role``: worker or scheduler side) of an L-layer model whose paged
+    caches are ``kind`` (``parallel``: vLLM's parallel config, e.g. tensor_parallel_size)."""
     pytest.importorskip("vllm")
     from transformers import LlamaConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -362,8 +363,9 @@ def connector(store: Path, kind: str):
                                            kv_load_failure_policy="fail"),
         cache_config=SimpleNamespace(block_size=BS),
         model_config=SimpleNamespace(model=str(store), dtype=torch.bfloat16, hf_config=hf),
-        compilation_config=SimpleNamespace(static_forward_context=dict.fromkeys(names, layer)))
-    return KvtoolConnector(config, KVConnectorRole.WORKER), names
+        compilation_config=SimpleNamespace(static_forward_context=dict.fromkeys(names, layer)),
+        parallel_config=SimpleNamespace(**parallel))
+    return KvtoolConnector(config, getattr(KVConnectorRole, role.upper())), names
 
 
 def connector_load(conn, names: list[str], kind: str, chunks: list) -> tuple[list, set]:
@@ -444,6 +446,8 @@ def test_saves_planned_before_the_scheduler_hears_of_a_failed_load_are_withheld(
     file_of(conn.store, chunks[0]).write_bytes(b"damaged")
     _, failed = connector_load(conn, names, "cpu", chunks[:1])  # request r2's load fails
     assert failed and set(failed) <= set(LOAD_BLOCKS)
+    told = conn.build_connector_worker_meta()  # the step the failure came from, for vLLM
+    assert told.failed_steps == {0} and conn.build_connector_worker_meta() is None
     other = [b for b in range(NB) if b not in LOAD_BLOCKS][:len(SAVE_BLOCKS)]
 
     def step(req: str, blocks: list[int] = LOAD_BLOCKS, heard: tuple = ()) -> bool:
@@ -465,3 +469,79 @@ def test_saves_planned_before_the_scheduler_hears_of_a_failed_load_are_withheld(
     assert step("r2", heard=sorted(failed))  # planned knowing of the failure: saved
     assert step("r3", other) and not conn._withheld
     conn.shutdown()
+
+
+def test_the_scheduler_half_plans_no_save_over_a_failed_load(tmp_path):
+    """Through the connector's scheduler hooks (async scheduling: step 2 is planned before
+    vLLM reports step 1's failed block): the request vLLM rolled back plans its chunks again
+    from the failed block and gets its capture; one that went on past it, one that hits
+    blocks computed over it (also of a request that finished before the report) store
+    nothing; a clean prefix hit stores; a failed block written again from its first token
+    (p's, preempted and freed) is clean."""
+    from kvtool.engines.vllm.common import ReqState
+    from kvtool.engines.vllm.connector import KvtoolWorkerMetadata
+    from kvtool.engines.vllm.load_failures import PoisonedBlocks
+
+    conn, _ = connector(tmp_path / "store", "cpu", role="scheduler")
+    conn.capture_dir = str(tmp_path)
+    prompt = list(range(1000, 1064))  # 4 chunks of 16 tokens, 16 blocks of 4
+
+    def new(req_id, blocks, computed):
+        return SimpleNamespace(req_id=req_id, prompt_token_ids=prompt, block_ids=(blocks,),
+                               num_computed_tokens=computed)
+
+    def step(scheduled, new_reqs=(), cached=(), preempted=()):
+        """cached: (id, computed, new blocks); the step's saves: {id: ([chunk starts], capture)}"""
+        out = SimpleNamespace(
+            num_scheduled_tokens=scheduled, scheduled_new_reqs=list(new_reqs),
+            preempted_req_ids=set(preempted),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                new_block_ids=[(c[2],) if c[2] else None for c in cached],
+                resumed_req_ids=set()))
+        meta = conn.build_connector_meta(out)
+        return meta, {s.req_id: ([c.start for c in s.chunks], s.capture_path is not None)
+                      for s in meta.saves}
+
+    a_blocks = list(range(16))
+    conn._reqs["z"] = ReqState(prompt, block_ids=[2, 70], planned=8)  # gone before step 1
+    conn.request_finished(SimpleNamespace(request_id="z"), [])
+    conn._reqs["a"] = ReqState(prompt, capture=True)
+    _, saves = step({"a": 64, "b": 16, "c": 4, "p": 8},
+                    [new("a", a_blocks, 0), new("b", [0, 1, 2, 3, *range(20, 28)], 16),
+                     new("c", [0, 1, 2, 3, 30, 31], 16), new("p", [40, 41], 0)])
+    assert saves["a"] == ([0, 16, 32, 48], True) and saves["b"] == ([0, 16], False)
+    _, saves = step({"a": 1, "b": 16}, cached=[("a", 64, []), ("b", 32, [])],
+                    preempted=["p"])
+    assert conn._reqs["p"].block_ids == []
+    conn.request_finished(SimpleNamespace(request_id="c"), [])  # before the report
+    conn.update_connector_output(SimpleNamespace(
+        invalid_block_ids={2, 41}, kv_connector_worker_meta=KvtoolWorkerMetadata({1})))
+    meta, saves = step({"a": 16, "b": 4}, cached=[("a", 8, []), ("b", 48, [])])
+    assert sorted(meta.heard_failed) == [2, 41]
+    assert saves["a"] == ([0], False)  # recomputed from token 8: its chunks planned again
+    assert "b" not in saves  # not rolled back: it went on over the failed block
+    assert conn._reqs["b"].tainted and not conn._reqs["b"].save
+    poisoned: PoisonedBlocks = conn._poisoned
+    assert 30 in poisoned.blocks  # c's block after the failed one (c finished since step 1)
+    assert 70 not in poisoned.blocks  # z's: z had finished, block 2 was a's in step 1
+    assert not {2, 3, 4, 5} & poisoned.blocks and 6 in poisoned.blocks  # a rewrote 8..24
+    assert 41 in poisoned.blocks
+    _, saves = step({"a": 40, "d": 4, "e": 4, "f": 8},
+                    [new("d", [0, 1, 2, 3, 30, 50], 20), new("e", [*a_blocks[:4], 60], 16),
+                     new("f", [40, 41], 0)], cached=[("a", 24, [])])
+    assert saves["a"] == ([16, 32, 48], True)  # and its capture, once the prompt is done
+    assert conn._reqs["d"].tainted and "d" not in saves  # it read c's block 30
+    assert not conn._reqs["e"].tainted  # a clean prefix hit
+    assert not conn._reqs["f"].tainted and 41 not in poisoned.blocks  # written from token 0
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
+                                      {"pipeline_parallel_size": 4}])
+def test_tensor_and_pipeline_parallel_engines_are_refused(tmp_path, parallel):
+    """Each worker of a TP or PP engine holds some heads or layers of a chunk and computes
+    over the others' loads: the connector refuses to start rather than store half chunks."""
+    for role in ("worker", "scheduler"):
+        with pytest.raises(ValueError, match="one worker per engine.*parallel size [24]"):
+            connector(tmp_path / "store", "cpu", role, **parallel)
+    connector(tmp_path / "store", "cpu", tensor_parallel_size=1, pipeline_parallel_size=1)

@@ -367,6 +367,20 @@ def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
         raise ValueError(f"{cache.num_tokens} tokens where {tokens} were due")
 
 
+def refuse_parallel(vllm_config: Any) -> None:
+    """ValueError for tensor or pipeline parallelism: each worker then holds some heads or
+    layers of a chunk, and computes over the others' loads; the store keeps whole chunks
+    written and read by one worker."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    sizes = {name: int(getattr(parallel, f"{name}_parallel_size", 1) or 1)
+             for name in ("tensor", "pipeline")}
+    if any(size > 1 for size in sizes.values()):
+        raise ValueError("KvtoolConnector serves one worker per engine; this engine runs "
+                         + ", ".join(f"{name} parallel size {size}"
+                                     for name, size in sizes.items() if size > 1)
+                         + " (run one engine per GPU, e.g. vLLM's --data-parallel-size)")
+
+
 def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     """The model identity kvtool's HF engine would write for the model vLLM runs."""
     from pathlib import Path
@@ -478,5 +492,4 @@ class ReqState:
     from_file: int = 0  # leading tokens a .kvz file serves: its values, not computed ones
     planned: int = 0  # tokens computed once the last step planned for it has run
     load_failed: bool = False  # a block it holds failed to load (see load_failures)
-    failed_at: int = 0  # then: its first token in a failed block
     tainted: bool = False  # it reads K/V computed from a failed load: nothing more is saved

@@ -69,16 +69,15 @@ the store are not followed (see :mod:`~kvtool.engines.vllm.store`). A writing sc
 stale temp files of killed writers on start-up (on the saver thread).
 
 The scheduler-side half finds the longest stored prefix and plans loads and saves into
-:class:`KvtoolMetadata`; the worker-side half decodes files into the paged cache before the
-forward pass (``start_load_kv``) and gathers newly computed chunks after it (``wait_for_save``)
-through :mod:`~kvtool.engines.vllm.paged_io` and :mod:`~kvtool.engines.vllm.layout`. On CUDA
-caches both happen on the GPU, and only codes cross to and from the host
-(:mod:`~kvtool.engines.vllm.device_io`).
+:class:`KvtoolMetadata`; the worker-side half (:mod:`~kvtool.engines.vllm.connector_worker`)
+decodes files into the paged cache before the forward pass (``start_load_kv``) and gathers newly
+computed chunks after it (``wait_for_save``) through :mod:`~kvtool.engines.vllm.paged_io` and
+:mod:`~kvtool.engines.vllm.layout`. On CUDA caches both happen on the GPU, and only codes cross
+to and from the host (:mod:`~kvtool.engines.vllm.device_io`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -92,7 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtool.engines.vllm import activity, device_io, paged_io
+from kvtool.engines.vllm import activity
 from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     DEFAULT_ZSTD,
     MIN_CHUNK_TOKENS,
@@ -114,6 +113,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     model_info,
     policy_from_extra,
     read_kvz_ids,
+    refuse_parallel,
     request_kvz,
     request_switch,
     reset_stats,
@@ -123,11 +123,11 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     submit,
     tokenizer_fingerprint_of,
 )
+from kvtool.engines.vllm.connector_worker import KvtoolWorkerMetadata, WorkerHalf  # noqa: F401
 from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.load_failures import PoisonedBlocks, WithheldSaves
 from kvtool.engines.vllm.metrics import MetricsMixin
-from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.stats_files import stats_writer
 from kvtool.engines.vllm.store import open_store
 
@@ -143,10 +143,11 @@ class KvtoolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     heard_failed: list[int] = field(default_factory=list)  # failed blocks the scheduler knows
+    step: int = 0  # this step's number, which a failure report names
 
 
 # -- the connector -------------------------------------------------------------------------------
-class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
+class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
     """See the module docstring."""
 
     _cache_hit_source = CacheHitSource.DISK
@@ -156,6 +157,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         check_extra(extra)
+        refuse_parallel(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         chunk = int(extra.get("chunk_tokens") or MIN_CHUNK_TOKENS)
         self.chunk_tokens = -(-chunk // self.block_size) * self.block_size
@@ -212,6 +214,8 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         self._layers: list[tuple[torch.Tensor, PagedLayout, int]] | None = None
         self._failed_blocks: set[int] = set()  # reported to vLLM after this step
         self._withheld = WithheldSaves()  # saves computed over failed loads
+        self._step = 0  # the number of the step being run
+        self._failed_steps: set[int] = set()  # steps whose loads failed, for the scheduler
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -291,6 +295,10 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvtoolMetadata(heard_failed=self._heard)
         self._heard = []
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if req_id in self._reqs:  # its blocks are freed (resumed: it gets new ones)
+                self._poisoned.gone(self._reqs[req_id])
+                self._reqs[req_id].block_ids = []
         scheduled = scheduler_output.num_scheduled_tokens
         steps = []  # (id, state, first token written, computed, after) of each request
         for new in scheduler_output.scheduled_new_reqs:
@@ -311,6 +319,7 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
         steps = [(req_id, req, computed - self._pending.get(req_id, (0,))[0], computed,
                   computed + scheduled.get(req_id, 0)) for req_id, req, computed in steps]
         self._poisoned.step(steps, self.chunk_tokens)
+        meta.step = self._poisoned.steps
         for req_id, req, _, computed, after in steps:
             self._plan(meta, req_id, req, computed, after)
         return meta
@@ -352,160 +361,14 @@ class KvtoolConnector(MetricsMixin, KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            self._poisoned.heard(self._reqs, invalid)
+            worker = getattr(connector_output, "kv_connector_worker_meta", None)
+            self._poisoned.heard(self._reqs, invalid, getattr(worker, "failed_steps", ()))
             self._heard.extend(invalid)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        req = self._reqs.pop(request.request_id, None)
+        if req is not None:
+            self._poisoned.gone(req)
         self._pending.pop(request.request_id, None)
         return False, None
-
-    # ==== worker side =============================================================================
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = dict(kv_caches)
-        self._layers = None
-        if self.store is not None:
-            # before the engine serves: a warm-up beside the first loads held the GIL for
-            # seconds while they waited (a 4.7 s load after a restart)
-            from kvtool.kernels import warm_up
-            warm_up(self.policy.codecs(), self.model_info["dtype"])
-            if self._on_device():  # GPU kernels autotuned at a chunk's shape, too
-                with contextlib.suppress(Exception):  # the first load or save reports it
-                    kv, layout, _ = self._layer_table()[0]
-                    device_io.warm_up(self.policy, kv, layout, self.chunk_tokens)
-
-    def _on_device(self) -> bool:
-        """Whether this worker's paged caches are saved and loaded on their device (CUDA:
-        codes, never raw K/V, cross to the host; see :mod:`~kvtool.engines.vllm.device_io`)."""
-        return bool(self._kv_caches) and device_io.on_device(next(iter(self._kv_caches.values())))
-
-    def _layer_table(self) -> list[tuple[torch.Tensor, PagedLayout, int]]:
-        """The caches as :data:`paged_io.Layers`: (cache, layout, kernel blocks per scheduler
-        block), in model layer order; made once per :meth:`register_kv_caches`."""
-        if self._layers is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            self._layers = paged_io.layer_table(
-                self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
-                int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
-                extract_layer_index)
-        return self._layers
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        self._withheld.reported()  # the last step's failures, if vLLM did not ask for them
-        self._withheld.heard(getattr(meta, "heard_failed", ()))
-        start = time.perf_counter()
-        for spec in getattr(meta, "loads", ()):
-            before, began = activity.totals(), time.perf_counter()
-            self._load(spec)
-            seconds, after = time.perf_counter() - began, activity.totals()
-            activity.observe("load", seconds)
-            log.info("kvtool store: loaded %d tokens (%d bytes) for request %s in %.0f ms (%s)",
-                     after["tokens_loaded"] - before["tokens_loaded"],
-                     after["bytes_loaded"] - before["bytes_loaded"], spec.req_id, seconds * 1e3,
-                     activity.summary())
-        add_time("load_seconds", time.perf_counter() - start)
-
-    def _load(self, spec: LoadSpec) -> None:
-        """Scatter the sources' tokens ``[spec.start, spec.stop)`` into the request's blocks;
-        on any failure, report the blocks from there on so that vLLM recomputes them."""
-        covered = spec.start
-        for src in spec.sources:
-            a, b = max(covered, src.start), min(spec.stop, src.stop)
-            if a >= b:
-                continue
-            try:
-                if src.start > covered:
-                    raise ValueError(f"no source for tokens {covered}..{src.start}")
-                paged_io.load_source(self._layer_table(), spec.block_ids, src, a, b, self.store,
-                                     self.guard, self.model_info, self._on_device())
-            except Exception as e:  # any damage: recompute from here on
-                log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
-                            src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
-                break
-            count("tokens_loaded", b - a)
-            count("files_loaded")
-            activity.record("bytes_loaded", activity.file_bytes(src.path))
-            covered = b
-        if covered < spec.stop:
-            count("load_failures")
-            first, last = covered // self.block_size, -(-spec.stop // self.block_size)
-            self._failed_blocks.update(spec.block_ids[first:last])
-            self._withheld.load_failed(spec.req_id, spec.block_ids[first:last])
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer synchronously
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        return  # wait_for_save gathers finished chunks from the registered caches
-
-    def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        start = time.perf_counter()
-        for spec in getattr(meta, "saves", ()):
-            if not self._withheld.withheld(spec.req_id, spec.block_ids):
-                self._save(spec)
-        add_time("save_seconds", time.perf_counter() - start)
-
-    def _save(self, spec: SaveSpec) -> None:
-        """Copy the chunks out of the paged cache now (their blocks may be reused after this
-        step); encode and write them on the saver thread unless ``save_mode`` is ``sync``. On
-        a GPU the chunks are encoded now, on the device, and only their codes are copied out
-        (:func:`paged_io.copy_out`)."""
-        if spec.chunks and self.store.tokenizer_fingerprint is None:
-            self.store.tokenizer_fingerprint = self._tokenizer_fingerprint()
-        chunks = spec.chunks
-        if chunks and (self.guard.is_down or (self.async_save and saves_full())):
-            count("saves_dropped", len(chunks))  # a stalled store: a future miss, not a pile-up
-            chunks = []
-        copies = []
-        for chunk in chunks:
-            try:
-                copies.append((chunk, *paged_io.copy_out(
-                    self._layer_table(), spec.block_ids, chunk, self.store, self._on_device())))
-            except Exception as e:
-                save_failed(chunk, e)
-                break
-        if copies:
-            ids = spec.token_ids[:copies[-1][0].stop]
-            if not self.async_save:
-                self._write(copies, ids)
-            elif submit(self._write, copies, ids, bounded=True,
-                        nbytes=sum(held_bytes(data) for _, *data in copies)) is None:
-                count("saves_dropped", len(copies))
-        if spec.capture_path:
-            self._capture(spec)
-
-    def _write(self, copies: list, token_ids: list[int]) -> None:
-        write_chunks(self.store, self.budget, copies, token_ids, self.guard)
-
-    def shutdown(self) -> None:
-        flush()
-        if self.guard is not None:
-            self.guard.shutdown()
-        if self._stats_file is not None:
-            self._stats_file.write()
-
-    def _capture(self, spec: SaveSpec) -> None:
-        gather = lambda: paged_io.gather(  # noqa: E731
-            self._layer_table(), spec.block_ids, 0, len(spec.token_ids))
-        write_capture(spec.capture_path, gather, spec.token_ids, self.model_info,
-                      self._tokenizer_fingerprint())
-
-    def _tokenizer_fingerprint(self) -> str | None:
-        if self._tokenizer_fp is None:
-            self._tokenizer_fp = tokenizer_fingerprint_of(self._vllm_config)
-        return self._tokenizer_fp or None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
-        return None, None  # no transfer outlives its step
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        self._withheld.reported()
-        return failed

@@ -28,6 +28,10 @@ from collections.abc import Iterable, Sequence
 
 from kvtool.engines.vllm.common import ReqState, log
 
+#: steps a finished or preempted request's blocks are remembered for failure reports still
+#: on their way (async scheduling has two steps in flight)
+GONE_STEPS = 4
+
 
 class PoisonedBlocks:
     """Scheduler side: the blocks that hold K/V computed from a failed load."""
@@ -35,24 +39,39 @@ class PoisonedBlocks:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.blocks: set[int] = set()
+        self.steps = 0  # steps planned: each step's metadata carries its number
+        self._gone: list[tuple[int, list[int], int]] = []  # (step, blocks, planned)
 
     def __bool__(self) -> bool:
         return bool(self.blocks)
 
-    def heard(self, reqs: dict[str, ReqState], invalid_block_ids: Iterable[int]) -> None:
-        """A step's failed loads: every request holding one of the blocks is flagged
-        (``load_failed``, ``failed_at`` its first failed token), and its blocks from there to
-        what it has been planned to compute are wrong."""
+    def heard(self, reqs: dict[str, ReqState], invalid_block_ids: Iterable[int],
+              steps: Iterable[int] = ()) -> None:
+        """Failed loads of the steps numbered ``steps`` (none: unknown, any in flight): the
+        blocks are wrong, and so are those computed over them: every request holding one is
+        flagged (``load_failed``), and its blocks from there to what it was planned to
+        compute are wrong too; so are those of a request that held one then and has finished
+        or been preempted since (vLLM's prefix cache keeps its blocks)."""
         invalid = set(invalid_block_ids)
         if not invalid:
             return
+        self.blocks |= invalid
         for req in reqs.values():
             first = next((i for i, b in enumerate(req.block_ids) if b in invalid), None)
-            if first is None:
-                continue
-            req.load_failed = True
-            req.failed_at = first * self.block_size
-            self._spread(req, first, req.planned)
+            if first is not None:
+                req.load_failed = True
+                self._spread(req.block_ids, first, req.planned)
+        since = min(steps, default=self.steps - GONE_STEPS)
+        for gone, blocks, planned in self._gone:
+            first = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            if gone >= since and first is not None:
+                self._spread(blocks, first, planned)
+
+    def gone(self, req: ReqState) -> None:
+        """``req`` finished or was preempted after the last step planned: its blocks go back
+        to vLLM, but a failure of a step in flight may name them."""
+        if req.block_ids:
+            self._gone.append((self.steps, list(req.block_ids), req.planned))
 
     def written(self, req: ReqState, start: int, stop: int) -> None:
         """``req`` writes tokens ``[start, stop)`` this step: the blocks it completes are clean
@@ -72,26 +91,30 @@ class PoisonedBlocks:
         first = next((i for i, b in enumerate(held) if b in self.blocks), None)
         if first is not None:
             taint(req_id, req)
-            self._spread(req, first, max(after, req.planned))
+            self._spread(req.block_ids, first, max(after, req.planned))
 
     def step(self, steps: Sequence[tuple[str, ReqState, int, int, int]],
              chunk_tokens: int) -> None:
         """Before a step's saves are planned. ``steps``: each scheduled request's id, state,
         first token written this step (a load's included), tokens computed before it, and
-        after it. A request whose load failed is rolled back or tainted
-        (:func:`after_failure`); one that reads a wrong block is tainted."""
+        after it. A request whose load failed is planned again or tainted
+        (:func:`after_failure`), then its writes count; one that reads a wrong block is
+        tainted."""
+        self.steps += 1
+        self._gone = [g for g in self._gone if g[0] > self.steps - GONE_STEPS]
+        for req_id, req, _, computed, _ in steps:
+            if req.load_failed:
+                after_failure(req_id, req, computed, chunk_tokens)
         for _, req, start, _, after in steps:
             if self.blocks or req.tainted:
                 self.written(req, start, after)
         for req_id, req, _, computed, after in steps:
-            if req.load_failed:
-                after_failure(req_id, req, computed, chunk_tokens)
             if self.blocks and not req.tainted:
                 self.read(req_id, req, computed, after)
             req.planned = after
 
-    def _spread(self, req: ReqState, first: int, stop: int) -> None:
-        self.blocks.update(req.block_ids[first:max(first + 1, -(-stop // self.block_size))])
+    def _spread(self, blocks: list[int], first: int, stop: int) -> None:
+        self.blocks.update(blocks[first:max(first + 1, -(-stop // self.block_size))])
 
 
 def taint(req_id: str, req: ReqState) -> None:
@@ -104,11 +127,12 @@ def taint(req_id: str, req: ReqState) -> None:
 
 
 def after_failure(req_id: str, req: ReqState, computed: int, chunk_tokens: int) -> None:
-    """On the first step planned after ``req``'s load failed: if vLLM recomputes it from its
-    first failed token (or before), its chunks from there on and its capture are planned
-    again; else it is tainted."""
+    """On the first step planned after ``req`` held a failed block: if vLLM rolled it back,
+    its chunks from ``computed`` on and its capture are planned again (whether what it keeps
+    is clean is :meth:`PoisonedBlocks.read`'s to say); if not, it goes on from wrong K/V and
+    is tainted."""
     req.load_failed = False
-    if computed > req.failed_at:
+    if computed >= req.planned:
         taint(req_id, req)
         return
     first = computed // chunk_tokens  # the chunk that holds the first recomputed token
