@@ -126,15 +126,36 @@ def _engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> s
     return value
 
 
+def _short_or_long(engine_args: tuple[str, ...], option: str, shortest: int,
+                   short: str) -> str | None:
+    """:func:`_engine_value` of ``option`` or its ``short`` form (``-q fp8``, ``-q=fp8``,
+    ``-qfp8``), the last given; None if neither is."""
+    value = None
+    for i, arg in enumerate(engine_args):
+        following = engine_args[i + 1] if i + 1 < len(engine_args) else ""
+        if arg == short:
+            value = following
+        elif arg.startswith(short) and not arg.startswith("--"):
+            value = arg[len(short):].removeprefix("=")
+        elif arg.startswith("--"):
+            value = _engine_value((arg, following), option, shortest) or value
+    return value
+
+
 def _quantization(engine_args: tuple[str, ...]) -> str | None:
     """vLLM's ``--quantization`` (or ``-q``) among the engine's arguments, or None."""
-    value = _engine_value(engine_args, "--quantization", 7)
-    for i, arg in enumerate(engine_args):
-        if arg == "-q":
-            value = engine_args[i + 1] if i + 1 < len(engine_args) else ""
-        elif arg.startswith("-q") and not arg.startswith("--"):
-            value = arg[2:].removeprefix("=")
-    return value or None
+    return _short_or_long(engine_args, "--quantization", 7, "-q") or None
+
+
+def refuse_parallel_engine(engine_args: tuple[str, ...]) -> None:
+    """A :class:`KvtoolError` for a tensor- or pipeline-parallel engine, which the connector
+    refuses as it starts (:func:`~kvtool.engines.vllm.common.refuse_parallel`)."""
+    for option, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = _short_or_long(engine_args, option, len(option) - 5, short)
+        if value and value.strip() not in ("1", ""):
+            raise KvtoolError(f"{option} {value}: kvtool's store serves one worker per engine "
+                              "(each of a parallel engine's workers holds part of a chunk); "
+                              "run one server per GPU, or serve without --store and --pin")
 
 
 def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
@@ -247,6 +268,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.models import resolve_model
 
     refuse_own(engine_args)
+    if store or pins:
+        refuse_parallel_engine(engine_args)
     if (store or pins) and (kv_dtype := _engine_value(engine_args, "--kv-cache-dtype", 12)) \
             and kv_dtype.lower().startswith("fp8"):
         raise KvtoolError(f"--kv-cache-dtype {kv_dtype}: an fp8 paged cache holds scaled codes "
