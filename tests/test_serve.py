@@ -127,7 +127,8 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
         assert "fp8 paged cache" in refused("--store", store, "--", *fp8)
     assert "--kv-cache-dtype" in dry_run(runner, "--", "--kv-cache-dtype", "fp8")["argv"]
     for parallel in (["-tp", "2"], ["--tensor-parallel-size=4"], ["-pp", "2"],
-                     ["--pipeline_parallel_size", "2"]):  # each worker would hold part of a chunk
+                     ["--pipeline_parallel_size", "2"], ["-pcp", "2"],
+                     ["--decode-context-parallel-size", "2"]):  # each worker: part of a chunk
         assert "one worker per engine" in refused("--store", store, "--", *parallel), parallel
     assert "-tp" in dry_run(runner, "--", "-tp", "2")["argv"]  # no store: vLLM's business
     assert dry_run(runner, "--store", store, "--", "-tp", "1")["store"] == store

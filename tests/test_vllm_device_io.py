@@ -537,11 +537,13 @@ def test_the_scheduler_half_plans_no_save_over_a_failed_load(tmp_path):
 
 
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2},
-                                      {"pipeline_parallel_size": 4}])
+                                      {"pipeline_parallel_size": 4},
+                                      {"prefill_context_parallel_size": 2, "world_size": 2},
+                                      {"world_size": 4}])
 def test_tensor_and_pipeline_parallel_engines_are_refused(tmp_path, parallel):
     """Each worker of a TP or PP engine holds some heads or layers of a chunk and computes
     over the others' loads: the connector refuses to start rather than store half chunks."""
     for role in ("worker", "scheduler"):
-        with pytest.raises(ValueError, match="one worker per engine.*parallel size [24]"):
+        with pytest.raises(ValueError, match="one worker per engine.*(parallel|world) size [24]"):
             connector(tmp_path / "store", "cpu", role, **parallel)
     connector(tmp_path / "store", "cpu", tensor_parallel_size=1, pipeline_parallel_size=1)

@@ -368,15 +368,19 @@ def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
 
 
 def refuse_parallel(vllm_config: Any) -> None:
-    """ValueError for tensor or pipeline parallelism: each worker then holds some heads or
-    layers of a chunk, and computes over the others' loads; the store keeps whole chunks
-    written and read by one worker."""
+    """ValueError for an engine split over workers (tensor, pipeline or context parallel):
+    each then holds some heads, layers or tokens of a chunk, and computes over the others'
+    loads; the store keeps whole chunks written and read by one worker."""
     parallel = getattr(vllm_config, "parallel_config", None)
-    sizes = {name: int(getattr(parallel, f"{name}_parallel_size", 1) or 1)
-             for name in ("tensor", "pipeline")}
+    sizes = {f"{name.replace('_', ' ')} parallel": int(getattr(parallel, f"{name}_parallel_size",
+                                                                 1) or 1)
+             for name in ("tensor", "pipeline", "prefill_context", "decode_context")}
+    world = int(getattr(parallel, "world_size", 1) or 1)
+    if world > 1 and all(size == 1 for size in sizes.values()):
+        sizes["world"] = world  # another way of splitting an engine over workers
     if any(size > 1 for size in sizes.values()):
         raise ValueError("KvtoolConnector serves one worker per engine; this engine runs "
-                         + ", ".join(f"{name} parallel size {size}"
+                         + ", ".join(f"{name} size {size}"
                                      for name, size in sizes.items() if size > 1)
                          + " (run one engine per GPU, e.g. vLLM's --data-parallel-size)")
 

@@ -150,7 +150,9 @@ def _quantization(engine_args: tuple[str, ...]) -> str | None:
 def refuse_parallel_engine(engine_args: tuple[str, ...]) -> None:
     """A :class:`KvtoolError` for a tensor- or pipeline-parallel engine, which the connector
     refuses as it starts (:func:`~kvtool.engines.vllm.common.refuse_parallel`)."""
-    for option, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+    for option, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                          ("--prefill-context-parallel-size", "-pcp"),
+                          ("--decode-context-parallel-size", "-dcp")):
         value = _short_or_long(engine_args, option, len(option) - 5, short)
         if value and value.strip() not in ("1", ""):
             raise KvtoolError(f"{option} {value}: kvtool's store serves one worker per engine "
