@@ -131,6 +131,11 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
                      ["--decode-context-parallel-size", "2"]):  # each worker: part of a chunk
         assert "one worker per engine" in refused("--store", store, "--", *parallel), parallel
     assert "-tp" in dry_run(runner, "--", "-tp", "2")["argv"]  # no store: vLLM's business
+    yaml_file = tmp_path / "engine.yaml"  # vLLM's --config: its arguments count too
+    yaml_file.write_text("tensor-parallel-size: 2\nmax-num-seqs: 4\n")
+    assert "one worker per engine" in refused("--store", store, "--", "--config", str(yaml_file))
+    argv = dry_run(runner, "--store", store, "--", "--config", str(yaml_file), "-tp", "1")["argv"]
+    assert argv[-4:] == ["--config", str(yaml_file), "-tp", "1"]  # passed on as given
     assert dry_run(runner, "--store", store, "--", "-tp", "1")["store"] == store
     assert dry_run(runner, "--store", store, "--", "--kv-cache-dtype", "auto")["store"] == store
     assert "8192 positions" in refused("--max-model-len", "8193")
@@ -178,6 +183,8 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
                                         "original_max_position_embeddings": 8192}})
     assert "another model" in refused("--pin", pin, "--", "--hf-overrides", yarn)
     assert "another model" in refused("--pin", pin, "--", f"--hf-overrides={yarn}")
+    (tmp_path / "yarn.yaml").write_text("hf-overrides: " + yarn + "\n")
+    assert "another model" in refused("--pin", pin, "--", "--config", str(tmp_path / "yarn.yaml"))
     same = json.dumps({"max_position_embeddings": 8192})
     assert dry_run(runner, "--pin", pin, "--", "--hf-overrides", same)["pins"]
     argv = dry_run(runner, "--", "--hf-overrides", json.dumps({"num_key_value_heads": 1}))["argv"]

@@ -235,6 +235,22 @@ def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
         return method
 
 
+def _with_config_file(engine_args: tuple[str, ...]) -> tuple[str, ...]:
+    """The engine's arguments as vLLM reads them with ``--config FILE.yaml``: the file's
+    first, so that those given on the command line win. A file vLLM cannot read is vLLM's
+    to refuse as it starts; here it is left out."""
+    if "--config" not in engine_args:
+        return engine_args
+    i = engine_args.index("--config")
+    rest = engine_args[:i] + engine_args[i + 2:]
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        return (*FlexibleArgumentParser().load_config_file(engine_args[i + 1]), *rest)
+    except Exception:  # noqa: BLE001
+        return rest
+
+
 def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_ARGS,
                engine: str = "vLLM") -> None:
     """A :class:`KvtoolError` for an engine argument that would replace one kvtool sets
@@ -270,6 +286,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.models import resolve_model
 
     refuse_own(engine_args)
+    engine_args, given_args = _with_config_file(engine_args), engine_args
     if store or pins:
         refuse_parallel_engine(engine_args)
     if (store or pins) and (kv_dtype := _engine_value(engine_args, "--kv-cache-dtype", 12)) \
@@ -359,7 +376,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
             per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] \
                 * DTYPE_BYTES.get(ident_dtype, 2)
             argv += ["--kv-cache-memory-bytes", str(per_token * 4 * max_model_len + (64 << 20))]
-    argv += list(engine_args)
+    argv += list(given_args)
     from kvtool.engines.vllm.common import policy_from_extra
 
     policy = policy_from_extra(connector, info["fingerprint"])  # as the connector resolves it
