@@ -301,10 +301,16 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
                 self._reqs[req_id].block_ids = []
         scheduled = scheduler_output.num_scheduled_tokens
         steps = []  # (id, state, first token written, computed, after) of each request
+
+        def add(req_id: str, req: ReqState, computed: int) -> None:
+            loaded = self._pending.get(req_id, (0,))[0]  # written this step by a load
+            steps.append((req_id, req, computed - loaded, computed,
+                          computed + scheduled.get(req_id, 0)))
+
         for new in scheduler_output.scheduled_new_reqs:
             req = self._reqs.setdefault(new.req_id, ReqState(list(new.prompt_token_ids or [])))
             req.block_ids = list(new.block_ids[0])
-            steps.append((new.req_id, req, new.num_computed_tokens))
+            add(new.req_id, req, new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self._reqs.get(req_id)
@@ -315,9 +321,7 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
                 req.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 req.block_ids.extend(new_blocks[0])
-            steps.append((req_id, req, cached.num_computed_tokens[i]))
-        steps = [(req_id, req, computed - self._pending.get(req_id, (0,))[0], computed,
-                  computed + scheduled.get(req_id, 0)) for req_id, req, computed in steps]
+            add(req_id, req, cached.num_computed_tokens[i])
         self._poisoned.step(steps, self.chunk_tokens)
         meta.step = self._poisoned.steps
         for req_id, req, _, computed, after in steps:

@@ -42,9 +42,6 @@ class PoisonedBlocks:
         self.steps = 0  # steps planned: each step's metadata carries its number
         self._gone: list[tuple[int, list[int], int]] = []  # (step, blocks, planned)
 
-    def __bool__(self) -> bool:
-        return bool(self.blocks)
-
     def heard(self, reqs: dict[str, ReqState], invalid_block_ids: Iterable[int],
               steps: Iterable[int] = ()) -> None:
         """Failed loads of the steps numbered ``steps`` (none: unknown, any in flight): the
@@ -57,13 +54,13 @@ class PoisonedBlocks:
             return
         self.blocks |= invalid
         for req in reqs.values():
-            first = next((i for i, b in enumerate(req.block_ids) if b in invalid), None)
+            first = _first_in(req.block_ids, invalid)
             if first is not None:
                 req.load_failed = True
                 self._spread(req.block_ids, first, req.planned)
         since = min(steps, default=self.steps - GONE_STEPS)
         for gone, blocks, planned in self._gone:
-            first = next((i for i, b in enumerate(blocks) if b in invalid), None)
+            first = _first_in(blocks, invalid)
             if gone >= since and first is not None:
                 self._spread(blocks, first, planned)
 
@@ -87,8 +84,7 @@ class PoisonedBlocks:
     def read(self, req_id: str, req: ReqState, computed: int, after: int) -> None:
         """Taint ``req`` if the whole blocks of its first ``computed`` tokens include a wrong
         one (a block it is part-way through writing is its own)."""
-        held = req.block_ids[:computed // self.block_size]
-        first = next((i for i, b in enumerate(held) if b in self.blocks), None)
+        first = _first_in(req.block_ids[:computed // self.block_size], self.blocks)
         if first is not None:
             taint(req_id, req)
             self._spread(req.block_ids, first, max(after, req.planned))
@@ -115,6 +111,11 @@ class PoisonedBlocks:
 
     def _spread(self, blocks: list[int], first: int, stop: int) -> None:
         self.blocks.update(blocks[first:max(first + 1, -(-stop // self.block_size))])
+
+
+def _first_in(blocks: list[int], among: set[int]) -> int | None:
+    """The index of the first of ``blocks`` in ``among``, or None."""
+    return next((i for i, b in enumerate(blocks) if b in among), None)
 
 
 def taint(req_id: str, req: ReqState) -> None:
