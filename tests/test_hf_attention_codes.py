@@ -28,8 +28,8 @@ PREFIX = 100  # 4 sinks, 80 encoded (block 8), 16 in the window
 QUALITY = "turbomix:bits=4,center=true,candidates=4/turbomix:candidates=4"  # the preset's
 BALANCED = ("turbomix:outliers=16,center=true,trellis=true,norm_bits=8/"  # the preset's
             "turbomix:bits=2,outliers=48,outlier_bits=3,trellis=true,norm_bits=8")
-SMALL = ("turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true/"
-         "turbomix:bits=2,candidates=4,trellis=true")
+SMALL = ("turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,select=scalar,"
+         "trellis=true/turbomix:bits=2,candidates=4,select=scalar,trellis=true")  # the preset's
 #: read by numba_attention_parts: pair codes, outliers at 8 bits, centered values, mixed kernels
 PARTS = [BALANCED, SMALL, "turbomix:vq=2,outliers=8,center=true,candidates=2",
          "turbo3/turbomix:outliers=6,outlier_bits=8,center=true,norm_bits=8",

@@ -41,7 +41,9 @@ PRESET_CODECS = [
     "turbomix:candidates=4",
     "turbomix:outliers=16,center=true,trellis=true,norm_bits=8",  # balanced
     "turbomix:bits=2,outliers=48,outlier_bits=3,trellis=true,norm_bits=8",
-    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,trellis=true",  # small
+    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,select=scalar,"
+    "trellis=true",  # small
+    "turbomix:bits=2,candidates=4,select=scalar,trellis=true",
     "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",  # 8-bit outliers
 ]
 
@@ -125,6 +127,14 @@ def test_mlx_encode_writes_the_reference_codes(case):
 @pytest.mark.parametrize("spec", PRESET_CODECS)
 def test_preset_codecs_write_the_reference_codes(spec):
     check(spec, keys(shape=(2, 2, 120, 128), seed=1))
+
+
+def test_select_scalar_groups_shuffled_by_rotation_and_back():
+    spec = "turbomix:bits=3,candidates=4,select=scalar,vq=2,norm_bits=8"
+    x = keys(shape=(3, 5, 40, 64), seed=3)
+    check(spec, x)
+    rotation = np.array(mlx_encode(spec, x).arrays["rotation"]).reshape(-1).astype(int)
+    assert len(set(rotation)) > 1 and (np.diff(rotation) < 0).any()
 
 
 @pytest.mark.parametrize("shape", [(64,), (5, 64), (2, 1, 64), (2, 65, 32), (1, 200, 128)])

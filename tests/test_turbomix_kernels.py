@@ -28,6 +28,10 @@ OPTIONS = [
     "turbomix:vq=2,bits=2,norm_bits=8",
     "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",
     "turbomix:bits=4,trellis=true,outliers=6,outlier_bits=2",
+    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,candidates=4,"
+    "select=scalar,trellis=true",  # small since 2026-11-30
+    "turbomix:bits=2,candidates=4,select=scalar,trellis=true",
+    "turbomix:vq=2,candidates=3,select=scalar,norm_bits=8",
 ]
 
 
@@ -103,6 +107,91 @@ def test_tiles_encoded_side_by_side_are_the_tiles_encoded_alone(spec):
         for name, a in enc.arrays.items():  # each array's leading axis: the groups
             got = np.asarray(together.arrays[name])[g:g + 1]
             np.testing.assert_array_equal(np.asarray(a), got, err_msg=name)
+
+
+SELECTED = ["turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,center=true,"
+            "candidates=4,select=scalar,trellis=true,norm_bits=8",
+            "turbomix:bits=3,candidates=3,select=scalar,vq=2"]
+
+
+def scalar_probe(spec: str) -> str:
+    """``spec`` with the scalar codebook: the encode ``select=scalar`` picks rotations by."""
+    for option in (",select=scalar", ",trellis=true", ",vq=2", ",norm_bits=8"):
+        spec = spec.replace(option, "")
+    return spec
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("spec", SELECTED)
+def test_select_scalar_quantises_the_rotation_the_scalar_codebook_picks(spec, fused):
+    """Each group's rotation is the scalar codebook's best (a cheap encode of every candidate),
+    and its codes are what that one rotation alone writes; the groups are shuffled by their
+    rotation and back, so a wrong order would put one group's codes in another's place."""
+    from kvtool.codecs.turbomix import candidate_seed
+
+    x = keys(shape=(3, 5, 40, 64), seed=7)
+    codec = get_codec(spec) if fused else reference(spec)
+    enc = codec.encode(x)
+    probe = (get_codec if fused else reference)(scalar_probe(spec)).encode(x)
+    rotation = np.asarray(enc.arrays["rotation"])
+    np.testing.assert_array_equal(rotation, np.asarray(probe.arrays["rotation"]))
+    order = np.diff(rotation.reshape(-1).astype(int))
+    assert len(np.unique(rotation)) > 1 and (order < 0).any()  # groups shuffled and back
+    config = {k: v for k, v in codec.get_config().items() if k != "select"}
+    for g in np.ndindex(x.shape[:-2]):
+        c = int(rotation[g].item())
+        alone = get_codec({**config, "candidates": 1, "seed": candidate_seed(codec.seed, c)})
+        for name, a in alone.encode(x[g]).arrays.items():
+            np.testing.assert_array_equal(np.asarray(enc.arrays[name][g]).reshape(a.shape),
+                                          np.asarray(a), err_msg=f"{name} {g}")
+    assert codec.get_config()["select"] == "scalar"
+    np.testing.assert_allclose(get_codec(spec).decode(enc, "float32"),
+                               reference(spec).decode(enc, "float32"), rtol=1e-4, atol=1e-4)
+
+
+def test_select_scalar_keeps_a_subclass_and_its_backend_choice():
+    from kvtool.codecs.turbomix import TurboMixCodec
+
+    class Counted(TurboMixCodec):
+        parts = 0
+
+        @staticmethod
+        def _encode_part(*args, **kwargs):
+            Counted.parts += 1
+            return TurboMixCodec._encode_part(*args, **kwargs)
+
+    codec = Counted(bits=2, candidates=4, select="scalar", trellis=True)
+    codec._fused = lambda like: None  # the reference, for every step
+    x = keys(shape=(3, 20, 64), seed=4)
+    enc = codec.encode(x)
+    assert Counted.parts >= 4 + 1  # the scalar pass's four candidates, then the chosen ones
+    agree(enc, reference("turbomix:bits=2,candidates=4,select=scalar,trellis=true").encode(x))
+
+
+def test_select_scalar_on_cpu_tensors_and_bf16():
+    torch = pytest.importorskip("torch")
+    spec = SELECTED[0]
+    x = keys(shape=(4, 70, 64), seed=8, dtype=np.float32)
+    given = torch.from_numpy(x).to(torch.bfloat16)
+    fused, ref = get_codec(spec).encode(given), reference(spec).encode(given)
+    assert all(isinstance(a, torch.Tensor) for a in fused.arrays.values())
+    agree(fused, ref)
+    assert get_codec(spec).decode(fused).dtype == torch.bfloat16
+
+
+def test_select_is_checked_and_named_only_when_set():
+    assert "select" not in get_codec("turbomix:candidates=4,trellis=true").get_config()
+    with pytest.raises(CodecError, match="select must be one of exact, scalar"):
+        get_codec("turbomix:candidates=4,select=trellis")
+    # with the scalar codebook (or one rotation) there is nothing to choose apart: the same
+    # codes, and the same config (older readers take it)
+    x = keys(shape=(2, 30, 64))
+    for spec in ("turbomix:candidates=4", "turbomix:trellis=true"):
+        assert get_codec(spec + ",select=scalar") == get_codec(spec)
+        a, b = get_codec(spec).encode(x), get_codec(spec + ",select=scalar").encode(x)
+        assert a.arrays.keys() == b.arrays.keys()
+        for name in a.arrays:
+            np.testing.assert_array_equal(np.asarray(a.arrays[name]), np.asarray(b.arrays[name]))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

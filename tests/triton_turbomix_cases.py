@@ -200,6 +200,20 @@ def test_encode_decode_match_the_reference(spec, dim):
     check_roundtrip(spec, keys((2, 16, dim), seed=dim))
 
 
+@pytest.mark.parametrize("spec", [
+    "turbomix:bits=2,outliers=16,outlier_bits=3,center=true,candidates=4,select=scalar,"
+    "trellis=true,norm_bits=8",  # the small preset's key codec, uint8 norms
+    "turbomix:bits=3,candidates=3,select=scalar,vq=2"])
+def test_select_scalar_matches_the_reference(spec):
+    """``select=scalar`` (the ``small`` preset): each group quantised with the rotation the
+    scalar codebook picks (the kernel reads it per group), as the reference (which encodes the
+    groups sorted by rotation, and puts them back)."""
+    x = keys((5, 12, 64), seed=5)
+    check_roundtrip(spec, x)
+    rotation = _np(tm.encode(get_codec(spec), _dev(x))["rotation"]).reshape(-1).astype(int)
+    assert len(set(rotation)) > 1 and (np.diff(rotation) < 0).any()  # shuffled and back
+
+
 @pytest.mark.parametrize("spec,shape", [
     ("turbomix:bits=3,outliers=6,outlier_bits=5,center=true,candidates=3", (2, 24, 64)),
     ("turbomix:trellis=true,bits=3,outliers=4,outlier_bits=2,candidates=3", (1, 20, 32)),

@@ -146,4 +146,39 @@ def pair_codebook(bits: int) -> np.ndarray:
     return points
 
 
-__all__ = ["pair_codebook"]
+_PAIR_CHUNK = 1 << 15  # pairs per block of scores: 32K × 256 points of float32
+
+
+def _pair_points(bits: int, dim: int) -> np.ndarray:
+    """The 2-D codebook at the scale of a unit vector's coordinates in R^dim."""
+    return pair_codebook(bits) / np.float32(np.sqrt(dim))
+
+
+def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [..., dim] of rotated unit vectors [..., dim] quantised in coordinate pairs: the
+    nearest point of the 2-D codebook (ties: the lowest index), its index ``hi·2**bits + lo``
+    written as ``hi`` at coordinate 2j and ``lo`` at 2j+1. The nearest point maximises
+    ``x·c − |c|²/2``, computed with elementwise float32 products (no BLAS, so every machine
+    picks the same point)."""
+    points = _pair_points(bits, unit.shape[-1])
+    half_sq = (points ** 2).sum(axis=1) * np.float32(0.5)
+    pairs = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1, 2)
+    index = np.empty(len(pairs), dtype=np.int64)
+    for at in range(0, len(pairs), _PAIR_CHUNK):
+        x = pairs[at:at + _PAIR_CHUNK]
+        score = x[:, :1] * points[None, :, 0]
+        score += x[:, 1:] * points[None, :, 1]
+        score -= half_sq
+        index[at:at + _PAIR_CHUNK] = score.argmax(axis=1)
+    codes = np.stack([index >> bits, index & ((1 << bits) - 1)], axis=-1)
+    return codes.reshape(unit.shape).astype(np.uint8)
+
+
+def pair_values(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The unit-vector coordinates [..., dim] of pair codes [..., dim]."""
+    index = codes.reshape(*codes.shape[:-1], -1, 2).astype(np.int64)
+    points = _pair_points(bits, codes.shape[-1])
+    return points[(index[..., 0] << bits) + index[..., 1]].reshape(codes.shape)
+
+
+__all__ = ["pair_codebook", "pair_codes", "pair_values"]

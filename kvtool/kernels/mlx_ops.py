@@ -268,6 +268,15 @@ def pad_axis(x: mx.array, axis: int, pad: int) -> mx.array:
     return mx.pad(x, width, mode="edge")
 
 
+def take_rows(x: mx.array, idx: np.ndarray) -> mx.array:
+    """``x[idx]`` along the first axis (``idx``: a numpy integer array)."""
+    return mx.take(x, mx.array(idx.astype(np.int32)), axis=0)
+
+
+def concat_rows(parts) -> mx.array:
+    return mx.concatenate(list(parts), axis=0)
+
+
 def reshape(x: mx.array, shape) -> mx.array:
     return mx.reshape(x, tuple(shape))
 

@@ -28,11 +28,12 @@ import mlx.core as mx
 import numpy as np
 
 from kvtool.codecs.lloyd_max import sphere_marginal_codebook
+from kvtool.codecs.norm_grid import _NORM_STEPS
 from kvtool.codecs.rotation import hadamard_signs, is_power_of_two, rotation_matrix
 from kvtool.codecs.trellis import MEMORY, STATES, state_values, subset_table
 from kvtool.codecs.trellis_tables import trellis_levels
 from kvtool.codecs.turbo import FP16_MAX
-from kvtool.codecs.turbomix import _NORM_STEPS, candidate_seed
+from kvtool.codecs.turbomix import candidate_seed
 from kvtool.codecs.vq_tables import pair_codebook
 from kvtool.errors import CodecError
 from kvtool.kernels import check_finite, mlx_ops, to_mlx
@@ -256,6 +257,8 @@ def _check_norms(norms: mx.array, x: mx.array, who: str) -> None:
 def encode(codec: Any, x: mx.array) -> dict[str, mx.array]:
     """``turbomix`` arrays (mx, numba_turbomix.encode's shapes: [groups, tokens, ...]) of
     ``x[..., tokens, dim]``."""
+    if codec._selects_by_scalar():
+        return codec._encode_selected(mlx_ops, x, encode)
     shape, dim = tuple(x.shape), x.shape[-1]
     tokens = shape[-2] if len(shape) > 1 else 1
     n_hi, n_lo = codec._split(dim)

@@ -13,7 +13,9 @@ vectorises:
   candidate rotation: the rotation (Walsh–Hadamard butterflies at a power-of-two width, else the
   dense seeded matrix), the quantiser (scalar Lloyd–Max, the 2-D ``vq=2`` codebook, or the
   32-state trellis by the Viterbi algorithm, its 32 path decisions per coordinate one uint32),
-  the packing, and each row's squared reconstruction error;
+  the packing, and each row's squared reconstruction error (``select=scalar``: every candidate
+  with the scalar codebook first, then the trellis or pair quantiser once, each group with its
+  chosen rotation);
 - :func:`part_decode_kernel`: unpack, look up (scalar, pair or trellis tables), rotate back
   with the group's candidate, scale by the norm, add the mean and write the part's channels of
   the output in its dtype.
@@ -92,11 +94,12 @@ def group_stats_kernel(x, tokens, center, energy_wanted, mean, energy, threads):
 
 @jit(parallel=True, nogil=True)
 def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer, bits, bounds,
-                       centroids, points, half_sq, levels, edges, subset_bits, codes, norms, err,
-                       threads):
+                       centroids, points, half_sq, levels, edges, subset_bits, choice, codes,
+                       norms, err, threads):
     """codes[c, r], err[c, r] per candidate rotation c, and norms[r] (float32), of the part of
     ``x[r]`` at ``channels[g]`` (row 0 for every group where it has one row) minus ``mean[g]``
-    (none where ``mean`` has no rows).
+    (none where ``mean`` has no rows); where ``choice`` has rows, only group g's candidate
+    ``choice[g]``, as c = 0 (``select=scalar``).
 
     A thread takes its tiles :data:`SPAN` at a time, and the trellis runs over them side by
     side (``[n, span · TILE]``): rows are independent, and its 32-state steps cost less per row
@@ -167,7 +170,9 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                 norms[r0:r0 + w] = nrm[:w]
             for c in range(ncand):
                 for b in range(span):
-                    rotate(t[b], u[b], signs, dense, c, fwht)
+                    chosen = c if choice.shape[0] == 0 else \
+                        choice[_tile_rows(i0 + b, per_group, tokens)[0]]
+                    rotate(t[b], u[b], signs, dense, chosen, fwht)
                     ub, yb = u[b], y[b]
                     for j in range(n):
                         for v in range(TILE):
@@ -360,27 +365,21 @@ def encode(codec: Any, x: Any) -> dict[str, np.ndarray]:
         lo = np.nonzero(~mask)[1].reshape(groups, n_lo)
         parts = [(lo.astype(np.int32), codec.bits), (hi.astype(np.int32), codec.outlier_bits)]
     seeds = tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates))
-    err = np.zeros((len(seeds), rows), np.float64)
-    encoded = []
-    for channels, bits in parts:
-        n = channels.shape[1]
-        signs, dense, fwht = rotation_tables(n, seeds)
-        codes = np.empty((len(seeds), rows, (n * bits + 7) // 8), np.uint8)
-        norms = np.empty(rows, np.float32)
-        part_err = np.empty((len(seeds), rows), np.float64)
-        part_encode_kernel(view, tokens, channels, mean, signs, dense, fwht,
-                           QUANTIZERS[codec.quantizer], bits,
-                           *quantizer_tables(n, bits, codec.quantizer), codes, norms,
-                           part_err, threads)
-        err += part_err
-        encoded.append((codes, norms))
-    choice = np.zeros(groups, np.int64)
-    if len(seeds) > 1:  # the least error per group; ties: the lowest candidate
-        choice = err.reshape(len(seeds), groups, tokens).sum(axis=2).argmin(axis=0)
+    no_choice = np.zeros(0, np.int64)
+    if codec._selects_by_scalar():  # each group's rotation by the scalar codebook: only it runs
+        errors = _encode_parts(view, tokens, mean, parts, seeds, "scalar", no_choice, threads)[1]
+        choice = _least(errors, groups, tokens)
+        encoded = _encode_parts(view, tokens, mean, parts, seeds, codec.quantizer, choice,
+                                threads)[0]
+    else:
+        encoded, errors = _encode_parts(view, tokens, mean, parts, seeds, codec.quantizer,
+                                        no_choice, threads)
+        choice = _least(errors, groups, tokens)
+    if len(seeds) > 1:
         out["rotation"] = choice.astype(np.uint8)[:, None]
     for (codes, norms), suffix in zip(encoded, ("", "_hi"), strict=False):
-        codes = codes.reshape(len(seeds), groups, tokens, -1)
-        out["codes" + suffix] = codes[choice, np.arange(groups)] if len(seeds) > 1 else codes[0]
+        codes = codes.reshape(len(codes), groups, tokens, -1)
+        out["codes" + suffix] = codes[choice, np.arange(groups)] if len(codes) > 1 else codes[0]
         norms = norms.reshape(groups, tokens)
         check_norms(norms, x, codec.codec_id)
         if codec.norm_bits == 8:
@@ -389,6 +388,36 @@ def encode(codec: Any, x: Any) -> dict[str, np.ndarray]:
         else:
             out["norms" + suffix] = norms.astype(np.float16)
     return out
+
+
+def _encode_parts(view: np.ndarray, tokens: int, mean: np.ndarray,
+                  parts: list[tuple[np.ndarray, int]], seeds: tuple[int, ...], quantizer: str,
+                  choice: np.ndarray, threads: int) -> tuple[list[tuple[Any, Any]], np.ndarray]:
+    """([(codes [C, R, nbytes], norms [R])] of each part, summed errors [C, R]): every
+    candidate, or (``choice`` with rows) each group's own, as C = 1."""
+    kept = 1 if choice.size else len(seeds)
+    rows = view.shape[0]
+    err = np.zeros((kept, rows), np.float64)
+    encoded = []
+    for channels, bits in parts:
+        n = channels.shape[1]
+        signs, dense, fwht = rotation_tables(n, seeds)
+        codes = np.empty((kept, rows, (n * bits + 7) // 8), np.uint8)
+        norms = np.empty(rows, np.float32)
+        part_err = np.empty((kept, rows), np.float64)
+        part_encode_kernel(view, tokens, channels, mean, signs, dense, fwht,
+                           QUANTIZERS[quantizer], bits, *quantizer_tables(n, bits, quantizer),
+                           choice, codes, norms, part_err, threads)
+        err += part_err
+        encoded.append((codes, norms))
+    return encoded, err
+
+
+def _least(errors: np.ndarray, groups: int, tokens: int) -> np.ndarray:
+    """Each group's candidate of least summed error (ties: the lowest)."""
+    if len(errors) == 1:
+        return np.zeros(groups, np.int64)
+    return errors.reshape(len(errors), groups, tokens).sum(axis=2).argmin(axis=0)
 
 
 def check_norms(norms: np.ndarray, x: Any, who: str) -> None:

@@ -165,6 +165,15 @@ def pad_axis(x: np.ndarray, axis: int, pad: int) -> np.ndarray:
     return np.pad(x, width, mode="edge")
 
 
+def take_rows(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``x[idx]`` along the first axis (``idx``: a numpy integer array)."""
+    return x[idx]
+
+
+def concat_rows(parts) -> np.ndarray:
+    return np.concatenate(parts, axis=0)
+
+
 def reshape(x: np.ndarray, shape) -> np.ndarray:
     return x.reshape(shape)
 

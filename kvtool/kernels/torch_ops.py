@@ -206,6 +206,15 @@ def pad_axis(x, axis: int, pad: int):
     return torch.cat([x, edge.repeat(reps)], dim=axis)
 
 
+def take_rows(x, idx: np.ndarray):
+    """``x[idx]`` along the first axis (``idx``: a numpy integer array), on ``x``'s device."""
+    return x.index_select(0, torch.as_tensor(idx, dtype=torch.int64, device=x.device))
+
+
+def concat_rows(parts):
+    return torch.cat(list(parts), dim=0)
+
+
 def reshape(x, shape):
     return x.reshape(shape)
 

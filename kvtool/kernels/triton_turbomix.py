@@ -17,7 +17,9 @@ the host and cached per device):
   trellis: a Viterbi pass over ``[BLOCK_M, 32]`` path costs with one uint32 of decisions per
   row and coordinate, then a traceback per row), LSB-first packing and each row's squared
   error; a program per group then keeps its least-error candidate (ties: the lowest), with
-  its codes and norms (:mod:`kvtool.kernels.triton_turbomix_select`);
+  its codes and norms (:mod:`kvtool.kernels.triton_turbomix_select`). ``select=scalar``: the
+  candidates are scored with the scalar codebook first, and the trellis or pair quantiser then
+  runs once, each group with its chosen rotation (``HAS_CHOICE``): no host round trip;
 - :func:`_decode_kernel`: unpack, look up, rotate back with the group's candidate, scale by the
   norm, add the mean and store the part's channels in the output dtype.
 
@@ -145,14 +147,15 @@ def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.c
 
 @partial(_tuned, configs=_CONFIGS + _ROW_CONFIGS)
 def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr, pts_ptr,
-                   hsq_ptr, lvl_ptr, edge_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
+                   hsq_ptr, lvl_ptr, edge_ptr, choice_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
                    dec_scr, q_scr, rows, tokens, groups, C, tok_class,
                    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, NB: tl.constexpr,
                    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
                    QUANT: tl.constexpr, PER: tl.constexpr, RP: tl.constexpr,
-                   HAS_MEAN: tl.constexpr, ALL_CH: tl.constexpr, BM: tl.constexpr,
-                   BK: tl.constexpr):
-    """codes[c, r], err[c, r] per candidate c and norms[r] of one part, for items (token
+                   HAS_MEAN: tl.constexpr, ALL_CH: tl.constexpr, HAS_CHOICE: tl.constexpr,
+                   BM: tl.constexpr, BK: tl.constexpr):
+    """codes[c, r], err[c, r] per candidate c and norms[r] of one part (``HAS_CHOICE``: only
+    group g's candidate ``choice[g]``, as c = 0: ``select=scalar``), for items (token
     blocks of one group) pid, pid + programs, ...; the scalar and pair quantisers rotate the
     part gathered once for its norm, in one dot per piece (sm_90: half the loads of gathering
     it again per candidate); the trellis sums the rotation over BK-wide chunks of the part
@@ -175,6 +178,10 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
         n16 = nrm.to(tl.float16).to(tl.float32)
         inv = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.where(nrm > 0, nrm, nrm + 1))
         for c in range(C):
+            if HAS_CHOICE:
+                rot = rt_ptr + tl.load(choice_ptr + g).to(tl.int64) * (RP * NP * NP)
+            else:
+                rot = rt_ptr + c * (RP * NP * NP)
             out = codes_ptr + (c * rows + r) * NB
             if QUANT == 2:  # u to the scratch a column chunk at a time: few live registers
                 # (loops, not unrolled: (NP/BK)² chunk products took sm_90's compile 190-245 s
@@ -184,7 +191,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                     for k0 in range(0, NP, BK):
                         tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, BK), N,
                                    D, HAS_MEAN, ALL_CH)
-                        u = _rot(u, tk, rt_ptr + c * (RP * NP * NP), k0, N, NP, BK, RP, True, n0)
+                        u = _rot(u, tk, rot, k0, N, NP, BK, RP, True, n0)
                     tl.store(u_scr + scr + (n0 + tl.arange(0, BK))[None, :] * BM
                              + lanes[:, None], u)
                 err = _trellis(u_scr + scr, dec_scr + scr, q_scr + scr, inv, n16, lvl_ptr,
@@ -193,8 +200,7 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
             else:
-                u = _rot(tl.zeros([BM, NP], tl.float32), t, rt_ptr + c * (RP * NP * NP), 0, N, NP,
-                         NP, RP)
+                u = _rot(tl.zeros([BM, NP], tl.float32), t, rot, 0, N, NP, NP, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
                     q, v = _scalar(y, bnd_ptr, cent_ptr, BITS)
@@ -290,17 +296,19 @@ def _unused(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Tensor,
-                 mean: torch.Tensor | None, bits: int) -> tuple[Any, Any, Any]:
-    """(codes [C, R, nbytes] uint8, norms [R] fp32, errors [C, R] fp32) of one part."""
+                 mean: torch.Tensor | None, bits: int, quantizer: str,
+                 choice: torch.Tensor | None = None) -> tuple[Any, Any, Any]:
+    """(codes [C, R, nbytes] uint8, norms [R] fp32, errors [C, R] fp32) of one part: every
+    candidate, or (``choice`` [G]) each group's own, as C = 1."""
     from kvtool.kernels.bitpack import group_shape
 
     n, device = channels.shape[1], rows.device
     (nrows, dim), width, nb = rows.shape, _width(n), (n * bits + 7) // 8
     seeds = _seeds(codec)
     rt, _, pieces = _rotations(n, seeds, device)
-    tab = _tables(n, bits, codec.quantizer, device)
+    tab = _tables(n, bits, quantizer, device)
     groups, sms = nrows // tokens, _sm_count(device)
-    trellis = codec.quantizer == "trellis"
+    trellis = quantizer == "trellis"
     # other quantisers need no scratch: a program per item, which the GPU schedules as their
     # registers allow (a fixed 4 per SM outnumbered the 2-3 of quality's configs that fit on
     # sm_90, so the rest ran in a second wave)
@@ -314,19 +322,21 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
                         for t in (torch.float32, torch.int32, torch.int8))
     else:
         scratch = _unused(device)
-    codes = torch.empty((len(seeds), nrows, nb), dtype=torch.uint8, device=device)
+    kept = len(seeds) if choice is None else 1
+    codes = torch.empty((kept, nrows, nb), dtype=torch.uint8, device=device)
     norms = torch.empty(nrows, dtype=torch.float32, device=device)
-    err = torch.empty((len(seeds), nrows), dtype=torch.float32, device=device)
+    err = torch.empty((kept, nrows), dtype=torch.float32, device=device)
     cpg, bpg = group_shape(bits)
     launch(_encode_kernel, grid, (
         rows, mean if mean is not None else norms, channels,
         channels.shape[1] if channels.shape[0] > 1 else 0, rt, tab["bnd"], tab["cent"],
-        tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], codes, norms, err,
-        *scratch, nrows, tokens, groups, len(seeds), tok_class),
+        tab["pts"], tab["hsq"], tab["lvl"], tab["edge"], codes if choice is None else choice,
+        codes, norms, err, *scratch, nrows, tokens, groups, kept, tok_class),
         {"D": dim, "N": n, "NP": width, "NB": nb, "BITS": bits, "CPG": cpg, "BPG": bpg,
-         "QUANT": QUANTIZERS[codec.quantizer], "PER": 1 << (bits - 1), "RP": pieces,
+         "QUANT": QUANTIZERS[quantizer], "PER": 1 << (bits - 1), "RP": pieces,
          "HAS_MEAN": mean is not None, "ALL_CH": channels.shape[1] == dim,
-         "BK": min(width, 32), "enable_fp_fusion": False, **meta}, (tok_class,))
+         "HAS_CHOICE": choice is not None, "BK": min(width, 32), "enable_fp_fusion": False,
+         **meta}, (tok_class,))
     return codes, norms, err
 
 
@@ -354,10 +364,18 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     if n_hi:
         out["outlier_mask"], lo, top = outlier_channels(energy, n_hi)
         parts = [(lo, codec.bits), (top, codec.outlier_bits)]
-    encoded = [_encode_part(codec, rows, tokens, ch, mean if codec.center else None, bits)
+    centered = mean if codec.center else None
+    choice = None
+    if codec._selects_by_scalar():  # each group's rotation by the scalar codebook: only it runs
+        probe = [_encode_part(codec, rows, tokens, ch, centered, bits, "scalar")
+                 for ch, bits in parts]
+        choice = choose(probe, groups, tokens, 16)[0]["rotation"]
+    encoded = [_encode_part(codec, rows, tokens, ch, centered, bits, codec.quantizer, choice)
                for ch, bits in parts]
     chosen, ok = choose(encoded, groups, tokens, codec.norm_bits)
     out.update(chosen)
+    if choice is not None:
+        out["rotation"] = choice
 
     def fail() -> NoReturn:  # NaN/Inf input, or a norm past fp16's range
         from kvtool.kernels import check_finite, torch_ops

@@ -1,8 +1,8 @@
 """``turbomix``'s uint8 norms on the device (``norm_bits=8``), one launch each way.
 
-:func:`kvtool.codecs.turbomix.norm_codes` keeps per group the least and the greatest nonzero
+:func:`kvtool.codecs.norm_grid.norm_codes` keeps per group the least and the greatest nonzero
 fp16 norm and each norm's nearest point of a 255-step log-spaced grid between them;
-:func:`~kvtool.codecs.turbomix.norm_values` reads the grid back. As torch ops these were ~40
+:func:`~kvtool.codecs.norm_grid.norm_values` reads the grid back. As torch ops these were ~40
 launches per part and encode (about half of a ``balanced`` encode's host work, paid by every
 layer at every flush of a ``CompressedCache``) and ~10 per part at each rebuild of the store's
 attention views. Here a program per group does either in float64, the reference's arithmetic
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.codecs.turbomix import _NORM_STEPS
+from kvtool.codecs.norm_grid import _NORM_STEPS
 from kvtool.errors import CodecError
 from kvtool.kernels.triton_support import _jit, launch, next_power_of_2
 
@@ -91,7 +91,7 @@ def _block(tokens: int) -> int:
 
 
 def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvtool.codecs.turbomix.norm_codes` on the device: fp16 norms [G, T] → (uint8
+    """:func:`kvtool.codecs.norm_grid.norm_codes` on the device: fp16 norms [G, T] → (uint8
     codes [G, T], fp16 ranges [G, 1, 2])."""
     groups, tokens = norms.shape
     norms = norms.to(torch.float16).contiguous()
@@ -106,7 +106,7 @@ def norm_codes(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def norm_values(codes: torch.Tensor, ranges: torch.Tensor, check: bool = True) -> torch.Tensor:
-    """:func:`kvtool.codecs.turbomix.norm_values` on the device: float32 [G, T] of uint8 codes
+    """:func:`kvtool.codecs.norm_grid.norm_values` on the device: float32 [G, T] of uint8 codes
     [G, T] and fp16 ranges [G, 2]; ``check=False`` skips the range check (a host sync) for
     arrays this process encoded."""
     groups, tokens = codes.shape

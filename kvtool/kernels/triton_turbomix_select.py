@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.codecs.norm_grid import _NORM_STEPS
 from kvtool.codecs.turbo import FP16_MAX
-from kvtool.codecs.turbomix import _NORM_STEPS
 from kvtool.kernels.triton_support import _jit, launch, next_power_of_2
 from kvtool.kernels.triton_turbomix_norms import _block, _group_norm_codes
 
