@@ -400,6 +400,42 @@ def test_store_pin_keys_chunks_by_the_served_checkpoint(tmp_path, runner, caplog
     assert out.exit_code != 0 and "names no checkpoint" in out.output  # computed unquantized?
 
 
+def test_store_pin_keys_a_quantization_config_as_the_server_does(tmp_path, runner):
+    """``--quantization-config`` makes vLLM quantize other layers (here: all but lm_head), so a
+    file captured so has other K/V: ``store pin`` reads the JSON as the connector does (vLLM
+    resolves it) and keys the chunks where that server looks; bad JSON, or a config vLLM
+    refuses, is one line."""
+    pytest.importorskip("vllm")
+    from kvtool.checkpoint import quantized_on_load
+    from kvtool.cli.main import cli
+    from kvtool.engines.vllm.common import policy_from_extra, resolved_quantization
+    from kvtool.engines.vllm.store import PrefixStore
+
+    served = checkpoint(tmp_path / "served", weights(0))
+    llama().save_pretrained(served)
+    base = model_identity(llama(), dtype="float32", weights=weights_fingerprint(served))
+    method = resolved_quantization("fp8", {"ignore": ["lm_head"]})
+    assert method not in (None, "fp8")
+    quantized = {**base, "weights": quantized_on_load(base["weights"], method, llama())}
+    ids, k = list(range(32)), [torch.randn(2, 32, 16) for _ in range(3)]
+    save(KVCache(k, k, token_ids=ids, model=quantized), tmp_path / "q.kvz")
+
+    def pin(*extra: str):
+        return runner.invoke(cli, ["store", "pin", str(tmp_path / "s"), str(tmp_path / "q.kvz"),
+                                   "--chunk-tokens", "16", "--codec", "raw", "--model",
+                                   str(served), "--quantization", "fp8", *extra])
+
+    out = pin()  # the plain fp8 server's K/V are other K/V
+    assert out.exit_code != 0 and "other weights" in out.output
+    for bad, message in (("{not json", "not JSON"), ('{"no_such_field": 1}', "vLLM refuses")):
+        out = pin("--quantization-config", bad)
+        assert out.exit_code != 0 and message in out.output and "Traceback" not in out.output
+    out = pin("--quantization-config", json.dumps({"ignore": ["lm_head"]}))
+    assert out.exit_code == 0 and "pinned 2 chunks" in out.output, out.output
+    server = PrefixStore(tmp_path / "s", quantized, 16, policy_from_extra({"codec": "raw"}))
+    assert len(server.lookup(ids)) == 2
+
+
 # -- the prefix store (no vLLM needed) ---------------------------------------------------------
 def test_store_chunks_are_shared_across_dtypes(tmp_path, caplog):
     from kvtool.engines.vllm.common import policy_from_extra

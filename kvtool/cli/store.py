@@ -296,9 +296,12 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
 @click.option("--quantization", default=None, metavar="METHOD",
               help="The server's vLLM --quantization (e.g. fp8), with --model: a checkpoint "
                    "quantized as it loads computes other K/V, so its chunks have other keys.")
+@click.option("--quantization-config", default=None, metavar="JSON",
+              help="The server's vLLM --quantization-config (JSON), with --model.")
 @handle_errors
 def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str | None,
-                quantization: str | None, **codec_opts: Any) -> None:
+                quantization: str | None, quantization_config: str | None,
+                **codec_opts: Any) -> None:
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
     remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
     (without any: its default policy)."""
@@ -307,7 +310,8 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
     pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
                                            policy_options=connector_options(codec_opts),
                                            force=force, model=model,
-                                           quantization=quantization)
+                                           quantization=quantization,
+                                           quantization_config=quantization_config)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 

@@ -428,6 +428,14 @@ def quantization_method(quantization: str | None, config: Any) -> str | None:
     return f"{quantization or ''}+config:{digest}"
 
 
+def resolved_quantization(quantization: str | None, given: Any) -> str | None:
+    """:func:`quantization_method` of ``--quantization`` and a ``--quantization-config``
+    value (decoded JSON, or the dotted form's dict) as vLLM resolves them (needs vLLM)."""
+    from vllm.config.quantization import resolve_quantization_config
+
+    return quantization_method(quantization, resolve_quantization_config(quantization, given))
+
+
 def _download_dir(vllm_config: Any) -> str | None:
     """vLLM's ``--download-dir`` (where it keeps Hub snapshots), when set."""
     return getattr(getattr(vllm_config, "load_config", None), "download_dir", None) or None

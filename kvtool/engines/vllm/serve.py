@@ -219,7 +219,7 @@ def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
     """:func:`~kvtool.engines.vllm.common.quantization_method` of the engine's arguments, as
     the connector computes it inside vLLM (``--quantization-config`` resolved by vLLM; one it
     cannot resolve is vLLM's to refuse, and left out here)."""
-    from kvtool.engines.vllm.common import quantization_method
+    from kvtool.engines.vllm.common import resolved_quantization
 
     method = _quantization(engine_args)
     raw = _engine_value(engine_args, "--quantization-config", 16)
@@ -227,10 +227,8 @@ def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
     if raw is None and dotted is None:
         return method
     try:
-        from vllm.config.quantization import resolve_quantization_config
-
-        given = dotted if dotted is not None else json.loads(raw or "null")
-        return quantization_method(method, resolve_quantization_config(method, given))
+        return resolved_quantization(method, dotted if dotted is not None
+                                     else json.loads(raw or "null"))
     except Exception:  # noqa: BLE001  (vLLM's own error, at its start)
         return method
 

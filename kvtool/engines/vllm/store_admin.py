@@ -29,6 +29,7 @@ days by default); then least recently hit chunks go, pinned chunks never.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import time
@@ -381,13 +382,14 @@ def _write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None
 def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
              policy_options: dict[str, Any] | None = None,
              force: bool = False, model: str | None = None,
-             quantization: str | None = None) -> tuple[int, int]:
+             quantization: str | None = None,
+             quantization_config: str | None = None) -> tuple[int, int]:
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
     them; (chunks pinned, chunks written). ``policy_options``: the connector's codec options
     new chunks are encoded with (default: none, its default policy); a lossy policy refuses
     a file that is already lossy unless ``force``. ``model``: the model the server runs (a
     directory, a Hub id or ``default``), whose checkpoint keys the chunks, as loaded with
-    vLLM's ``quantization`` (:func:`served_identity`)."""
+    vLLM's ``quantization`` and ``quantization_config`` (JSON; :func:`served_identity`)."""
     from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load
@@ -401,7 +403,8 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
         raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):
         raise KvtoolError(f"{path}: names no model fingerprint")
-    identity = served_identity(path, cache.model, model, quantization)
+    identity = served_identity(path, cache.model, model,
+                               served_quantization(quantization, quantization_config))
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
     if not force:
         refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
@@ -429,6 +432,27 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     return len(chunks), written
 
 
+def served_quantization(quantization: str | None, config: str | None) -> str | None:
+    """How the server quantizes its checkpoint as it loads it: vLLM's ``--quantization``, and
+    its ``--quantization-config`` (JSON), resolved by vLLM as the connector resolves them."""
+    if config is None:
+        return quantization
+    from kvtool.engines.vllm.common import resolved_quantization
+
+    try:
+        given = json.loads(config)
+    except ValueError as e:
+        raise KvtoolError(f"--quantization-config: not JSON ({e})") from None
+    try:
+        return resolved_quantization(quantization, given)
+    except ImportError:
+        raise KvtoolError("--quantization-config needs vLLM installed: it is read as the "
+                          "server reads it") from None
+    except Exception as e:  # noqa: BLE001  (vLLM's own refusal, as the server would give it)
+        raise KvtoolError(f"--quantization-config: vLLM refuses it: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
 def served_identity(path: str, identity: dict[str, Any], model: str | None,
                     quantization: str | None = None) -> dict[str, Any]:
     """The identity a server of ``model`` keys a file's chunks by: the file's, with the
@@ -442,7 +466,8 @@ def served_identity(path: str, identity: dict[str, Any], model: str | None,
 
     if model is None:
         if quantization:
-            raise KvtoolError("--quantization names how the server loads --model: give both")
+            raise KvtoolError("--quantization (or --quantization-config) names how the server "
+                              "loads --model: give both")
         if identity.get("weights") is None:
             log.warning("kvtool store pin: %s names no checkpoint (model.weights): a server "
                         "that knows its model's weights will not find these chunks; give "
