@@ -46,13 +46,16 @@ BITS_STEP = 1 / 64  # the knapsack's grid of bits/element
 LOSSLESS = "lossless"
 
 #: option name → codec label; ``{outliers}`` becomes OUTLIER_FRACTION × head_dim channels.
-#: Keys get ``center=true`` (turbomix), as in the presets.
+#: Keys get ``center=true`` (turbomix), as in the presets. The trellis options pick their
+#: rotation by the scalar codebook (``select=scalar``: one trellis search, not four; SmolLM2,
+#: 3 seeds × 2 texts, KL at 3 bits with 16 outliers 0.00254 against 0.00277 for ``exact``).
 DEFAULT_MENU: dict[str, str] = {
-    "2b": "turbomix:bits=2,candidates=4,trellis=true,norm_bits=8",
-    "2b+out": "turbomix:bits=2,outliers={outliers},outlier_bits=3,candidates=4,trellis=true,"
-              "norm_bits=8",
+    "2b": "turbomix:bits=2,candidates=4,select=scalar,trellis=true,norm_bits=8",
+    "2b+out": "turbomix:bits=2,outliers={outliers},outlier_bits=3,candidates=4,select=scalar,"
+              "trellis=true,norm_bits=8",
     "3b": "turbomix:bits=3,candidates=4",
-    "3b+out": "turbomix:bits=3,outliers={outliers},candidates=4,trellis=true,norm_bits=8",
+    "3b+out": "turbomix:bits=3,outliers={outliers},candidates=4,select=scalar,trellis=true,"
+              "norm_bits=8",
     "4b": "turbomix:bits=4,candidates=4",
     LOSSLESS: "raw",
 }

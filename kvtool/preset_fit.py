@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -63,9 +64,11 @@ MENUS: dict[str, tuple[str, ...]] = {
     "balanced": (
         PRESETS["balanced"][0],
         # 8 key outliers per 64 channels, 3-bit values: SmolLM2 3.28 b, KL 0.0031 (with one
-        # rotation 0.0037, where the preset's policy loses 4%: so it keeps four candidates)
-        "k=turbomix:outliers=8,outliers_per=64,center=true,candidates=4,trellis=true,"
-        "norm_bits=8 v=turbomix:candidates=4,trellis=true,norm_bits=8 sink=4",
+        # rotation 0.0037, where the preset's policy loses 4%: so it keeps four candidates,
+        # picked by the scalar codebook since 2026-11-30: one trellis search, not four)
+        "k=turbomix:outliers=8,outliers_per=64,center=true,candidates=4,select=scalar,"
+        "trellis=true,norm_bits=8 v=turbomix:candidates=4,select=scalar,trellis=true,"
+        "norm_bits=8 sink=4",
     ),
     "small": (
         PRESETS["small"][0],
@@ -224,13 +227,22 @@ def fitted_label(name: str, fingerprint: str | None) -> str | None:
                 continue
             if data.get("fingerprint") != fingerprint or entry.get("fingerprint") != fingerprint:
                 raise ValueError("it was fitted to another model")
-            menu = {CodecPolicy.from_label(label).describe() for label in MENUS[name]}
-            if entry.get("label") not in menu:
+            menu = {_picked_alike(label): CodecPolicy.from_label(label).describe()
+                    for label in MENUS[name]}
+            picked = _picked_alike(str(entry.get("label")))
+            if picked not in menu:
                 raise ValueError(f"its {name} policy is not on the preset's menu")
-            return str(entry["label"])
+            return menu[picked]
         except (OSError, ValueError, TypeError, AttributeError, KvtoolError) as e:
             log.warning("kvtool: ignoring the preset fits in %s (%s)", path, str(e)[:120])
     return None
+
+
+def _picked_alike(label: str) -> str:
+    """A menu policy's label up to how its rotations are picked (``select``): a fit made before
+    a menu policy took ``select=scalar`` (2026-11-30) means today's, whose files are the same
+    kind and whose quality was measured alike."""
+    return re.sub(r",select=[a-z]+", "", CodecPolicy.from_label(label).describe())
 
 
 def format_fit(fit: Fit) -> list[str]:

@@ -83,6 +83,19 @@ def test_a_fit_changes_the_preset_for_its_model_only(fits):
     assert fitted_label("balanced", "fp-a") and fitted_label("small", "fp-a")
 
 
+def test_a_fit_made_before_select_scalar_means_todays_menu_policy(fits, caplog):
+    """Fits written before the trellis menu policies picked their rotations by the scalar
+    codebook name them with ``select=exact``: they keep working, as today's policy (the same
+    kind of file, measured alike), without a warning."""
+    for name in ("balanced", "small"):
+        today = MENUS[name][0 if name == "small" else 1]
+        assert "select=scalar" in today
+        save_fit(_fit(name, today.replace(",select=scalar", ""), "fp-old"))
+        with caplog.at_level("WARNING", logger="kvtool"):
+            assert fitted_label(name, "fp-old") == CodecPolicy.from_label(today).describe()
+    assert "ignoring" not in caplog.text
+
+
 @pytest.mark.parametrize("damage", ["not json", "label", "fingerprint", "version"])
 def test_a_crafted_or_damaged_fit_is_ignored(fits, damage, caplog):
     save_fit(_fit("balanced", MENUS["balanced"][1], "fp-a"))
