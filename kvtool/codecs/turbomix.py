@@ -256,7 +256,7 @@ class TurboMixCodec(Codec):
                                                .shape), x) for name, a in out.items()}
 
     def _selects_by_scalar(self) -> bool:
-        return self.select == "scalar" and self.candidates > 1 and self.quantizer != "scalar"
+        return self.select == "scalar"  # only where there is a choice: __init__ sees to it
 
     def _encode_selected(self, xp: Any, x: Any, encode: Any) -> dict[str, Any]:
         """``select=scalar``: each group's rotation is the candidate whose scalar-codebook encode
@@ -265,15 +265,14 @@ class TurboMixCodec(Codec):
         candidate. Each step is ``encode(codec, x)``, a backend's encode (the reference's and
         mlx's), so they write what the numba and Triton kernels write in one pass each (they
         take each group's rotation)."""
-        shape, dim = tuple(x.shape), x.shape[-1]
-        groups = int(np.prod(shape[:-2], dtype=np.int64)) if len(shape) > 1 else 1
-        tokens = shape[-2] if len(shape) > 1 else 1
+        shape = tuple(x.shape)
         probe = self._variant(trellis=False, vq=1, norm_bits=16)
         rotation = encode(probe, x)["rotation"]
-        choice = np.asarray(to_numpy(rotation)).reshape(groups)
+        choice = np.asarray(to_numpy(rotation)).reshape(-1)  # one per group
+        groups = len(choice)
         order = np.argsort(choice, kind="stable")
         shuffled = bool((order != np.arange(groups)).any())
-        rows = xp.reshape(x, (groups, tokens, dim))
+        rows = xp.reshape(x, (groups, -1, shape[-1]))  # not empty: the tokens are known
         if shuffled:
             rows = xp.take_rows(rows, order)
         pieces, start = [], 0
