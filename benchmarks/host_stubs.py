@@ -95,6 +95,7 @@ def stub_kernels(record: list[Launch] | None = None) -> None:
             (tt, "_decode_kernel", zero(["out_ptr"], 0)),
             (ts, "_outliers_kernel", {"mask_ptr": _first_outliers, "lo_ptr": _other_channels,
                                       "hi_ptr": _outlier_channels}),
+            (ts, "_rotation_kernel", zero(["rot_ptr"], 0)),
             (ts, "_choose_kernel", {**zero(["out_ptr", "out2_ptr", "n16_ptr", "n16b_ptr",
                                             "n8_ptr", "n8b_ptr", "range_ptr", "range2_ptr",
                                             "rot_ptr"], 0), "ok_ptr": 1}),

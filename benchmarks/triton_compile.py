@@ -15,6 +15,7 @@ memory.
     python benchmarks/triton_compile.py                     # sm_90, one config per launch
     python benchmarks/triton_compile.py --arch 80 --all-configs
     python benchmarks/triton_compile.py --quick             # what the tests run (~1 minute)
+    python benchmarks/triton_compile.py --menus --dims 256  # every fit's codecs (Gemma's D)
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dims", default="64,128", help="head dims of the cache runs")
     p.add_argument("--quick", action="store_true",
                    help="the default preset and balanced (every kernel) at D=128, bf16 only")
+    p.add_argument("--menus", action="store_true",
+                   help="instead: the encode and decode calls (bf16) of the codecs of every "
+                        "policy on the presets' menus (what a fit picks among) at --dims")
     p.add_argument("--json", help="write the rows here")
     return p.parse_args(argv)
 
@@ -98,6 +102,30 @@ def record_launches(policies: list[str], dims: list[int], quick: bool = False) -
                         arrays = tt.encode(codec, x)
                         tt.decode(codec, arrays, tuple(x.shape),
                                   str(dtype).removeprefix("torch."))
+    return launches
+
+
+def record_menu_launches(dims: list[int]) -> list[Launch]:
+    """The launches of the ``turbomix`` encode and decode of every preset menu policy's codecs
+    (:data:`kvtool.preset_fit.MENUS`) on bf16 ``[4, 64, dim]`` inputs."""
+    import torch
+    from decode_host import _cuda_path_on_cpu
+
+    from kvtool.kernels import triton_turbomix as tt
+    from kvtool.policy import CodecPolicy
+    from kvtool.preset_fit import MENUS
+
+    launches: list[Launch] = []
+    _cuda_path_on_cpu(record=launches)
+    torch.manual_seed(0)
+    labels = dict.fromkeys(label for menu in MENUS.values() for label in menu)
+    codecs = {json.dumps(c.get_config(), sort_keys=True): c for label in labels
+              for c in (CodecPolicy.from_label(label).key, CodecPolicy.from_label(label).value)}
+    with torch.inference_mode():
+        for dim in dims:
+            x = torch.randn(4, 64, dim, dtype=torch.bfloat16)
+            for codec in codecs.values():
+                tt.decode(codec, tt.encode(codec, x), tuple(x.shape), "bfloat16")
     return launches
 
 
@@ -160,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.quick:
         args.policies, args.dims = "quality,balanced", "128"
-    launches = record_launches(args.policies.split(","), [int(d) for d in args.dims.split(",")],
-                               args.quick)
+    dims = [int(d) for d in args.dims.split(",")]
+    launches = record_menu_launches(dims) if args.menus \
+        else record_launches(args.policies.split(","), dims, args.quick)
     distinct: dict[tuple[Any, ...], Launch] = {}
     for kernel, a, kw in launches:
         distinct.setdefault(_identity(kernel, a, kw), (kernel, a, kw))
@@ -199,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         failed += row["error"] is not None
         what = ", ".join(f"{k}={v}" for k, v in shown.items())
-        status = row["error"] or what
+        status = f"{row['error']}: {what}" if row["error"] else what
         print(f"{name:>40} | {len(built):>7} | {row['regs']:>4} | {row['spill_bytes']:>5} | "
               f"{row['shared_bytes'] / 1024:>7.0f} | {seconds:>5.1f} | {status}", flush=True)
     print(f"{len(rows) - failed} of {len(rows)} launches compiled "

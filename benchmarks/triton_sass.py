@@ -143,6 +143,19 @@ def configs(kernel, dim: int) -> list[tuple[int, int, int, int]]:
              c.num_stages) for c in kept]
 
 
+def _passes(kernel: str, policy) -> list[tuple[str, object, str, bool]]:
+    """(role, codec, quantiser, one chosen candidate per group) of each launch of ``kernel``
+    per part: ``select=scalar`` encodes twice (a probe that scores every candidate with the
+    scalar codebook and writes no codes, then its quantiser with each group's pick)."""
+    out = []
+    for role, codec in (("key", policy.key), ("value", policy.value)):
+        if kernel == "encode" and codec._selects_by_scalar():
+            out += [(f"{role} probe", codec, "scalar", False), (role, codec, codec.quantizer, True)]
+        else:
+            out.append((role, codec, codec.quantizer, False))
+    return out
+
+
 def preset_main(args: argparse.Namespace) -> None:
     """The ``turbomix`` encode and decode kernels (:mod:`kvtool.kernels.triton_turbomix`) of
     each part of a preset's key and value codecs at ``--dims`` (bf16 in, fp16 out), per autotune
@@ -162,7 +175,8 @@ def preset_main(args: argparse.Namespace) -> None:
         "encode": dict(x_ptr="*bf16", mean_ptr="*fp32", ch_ptr="*i32", ch_stride="i32",
                        rt_ptr="*bf16", bnd_ptr="*fp32", cent_ptr="*fp32", pts_ptr="*fp32",
                        hsq_ptr="*fp32", lvl_ptr="*fp32", edge_ptr="*fp32",
-                       codes_ptr="*u8", norms_ptr="*fp32", err_ptr="*fp32", u_scr="*fp32",
+                       choice_ptr="*u8", codes_ptr="*u8", norms_ptr="*fp32", err_ptr="*fp32",
+                       u_scr="*fp32",
                        dec_scr="*i32", q_scr="*i8", rows="i32", tokens="i32", groups="i32",
                        C="i32", tok_class="i32"),
         "decode": dict(codes_ptr="*u8", norms_ptr="*fp16", choice_ptr="*i32", ch_ptr="*i32",
@@ -172,20 +186,20 @@ def preset_main(args: argparse.Namespace) -> None:
     policy = preset_policy(args.preset)
     print(f"sm_{args.arch}: {args.preset}'s turbomix kernels, bf16 in, fp16 out, tokens per "
           "group 64")
-    print(f"{'kernel':>6} | {'D':>3} | {'role':>5} | {'part':>9} | {'BM':>3} | {'warps':>5} | "
+    print(f"{'kernel':>6} | {'D':>3} | {'role':>11} | {'part':>9} | {'BM':>3} | {'warps':>5} | "
           f"{'regs':>4} | {'spill':>5} | {'smem KB':>7} | {'instr/row':>9} | {'LDG':>4} | "
           f"{'STG':>4}")
     for name, dim in ((k, int(d)) for k in args.kernels.split(",")
                       for d in args.dims.split(",")):
         fn = getattr(tt, f"_{name}_kernel")
-        for role, codec in (("key", policy.key), ("value", policy.value)):
+        for role, codec, quantizer, chosen in _passes(name, policy):
             n_hi, n_lo = codec._split(dim)
             parts = [(n_lo, codec.bits)] + ([(n_hi, codec.outlier_bits)] if n_hi else [])
             signature = dict(signatures[name])
             if name == "decode" and codec.norm_bits == 8:
                 signature["norms_ptr"] = "*fp32"  # the uint8 norms' values
             for n, bits in parts:
-                width, quant = _width(n), tt.QUANTIZERS[codec.quantizer]
+                width, quant = _width(n), tt.QUANTIZERS[quantizer]
                 cpg, bpg = group_shape(bits)
                 pieces = _rotations(n, _seeds(codec), torch.device("cpu"))[2]
                 kept = tt._prune(fn.configs, {"tok_class": 64}, NP=width, QUANT=quant)
@@ -196,14 +210,15 @@ def preset_main(args: argparse.Namespace) -> None:
                                      BM=bm, BK=min(width, 32))
                     constants["ALL_CH"] = int(n == dim)
                     if name == "encode":
-                        constants.update(CPG=cpg, BPG=bpg, PER=1 << (bits - 1))
+                        constants.update(CPG=cpg, BPG=bpg, PER=1 << (bits - 1),
+                                         HAS_CHOICE=int(chosen), CODES=int(role[-5:] != "probe"))
                     else:
                         constants["HAS_CHOICE"] = int(codec.candidates > 1)
                     kernel = compile_kernel(fn, signature, constants, warps, 1, args.arch,
                                             fp_fusion=False)  # as turbomix launches
                     regs, spill, ops = sass_profile(kernel)
                     per = sum(ops.values()) * warps / bm
-                    print(f"{name:>6} | {dim:>3} | {role:>5} | {f'{n}x{bits}b':>9} | {bm:>3} | "
+                    print(f"{name:>6} | {dim:>3} | {role:>11} | {f'{n}x{bits}b':>9} | {bm:>3} | "
                           f"{warps:>5} | {regs:>4} | {spill:>5} | "
                           f"{kernel.metadata.shared / 1024:>7.0f} | {per:>9.0f} | "
                           f"{ops['LDG']:>4} | {ops['STG']:>4}", flush=True)

@@ -81,7 +81,8 @@ def test_autotune_table_lists_every_config_by_its_named_key(tmp_path, capsys):
            (128, 3, 1, 1, "torch.float16", "torch.float16", "torch.float32", "torch.uint8"),
            {a: [0.5, 0.4, 0.6], b: [0.25, 0.2, 0.3], c: [float("inf")] * 3})
     m = tt._encode_kernel.configs[0]
-    _write(tmp_path, "_encode_kernel", (128, 128, 4, 0, 1, 64, "torch.bfloat16"), {m: 1.5})
+    _write(tmp_path, "_encode_kernel", (128, 128, 4, 0, 1, 64, False, True, "torch.bfloat16"),
+           {m: 1.5})
     out = tmp_path / "table.json"
     assert autotune_table.main(["--cache", str(tmp_path), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -94,7 +95,8 @@ def test_autotune_table_lists_every_config_by_its_named_key(tmp_path, capsys):
     assert turbo["configs"][0]["config"] == autotune_table.describe(b.__dict__)
     assert f"BLOCK_M={b.kwargs['BLOCK_M']} w{b.num_warps} s{b.num_stages}" \
         in printed and "failed" in printed
-    assert mix["key"] == "N=128 NP=128 BITS=4 QUANT=0 RP=1 tok_class=64 dtypes=bfloat16"
+    assert mix["key"] == ("N=128 NP=128 BITS=4 QUANT=0 RP=1 tok_class=64 HAS_CHOICE=False "
+                          "CODES=True dtypes=bfloat16")
     assert mix["configs"] == [{"config": autotune_table.describe(m.__dict__), "ms": 1.5,
                                "ratio": 1.0}]
 

@@ -46,6 +46,39 @@ def test_every_launch_of_the_default_and_balanced_paths_compiles_for_hopper(tmp_
                and r["constexprs"].get("QUANT") == "2" for r in rows)
 
 
+WIDE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton_compile import SHARED, _configs, compile_launch, record_menu_launches
+from kvtool.kernels import triton_turbomix as tt
+rows = []
+for kernel, args, kw in record_menu_launches([256]):
+    if kernel is tt._encode_kernel and kw["QUANT"] != tt.TRELLIS and kw["NP"] == 256:
+        key = (kw["N"], kw["QUANT"], kw["CODES"], kw["RP"])
+        if key not in [r[0] for r in rows]:
+            built = compile_launch(kernel, args, kw, _configs(kernel, args, kw)[0], 90)
+            rows.append((key, kw["KR"], built.metadata.shared <= SHARED[90]))
+print(json.dumps(rows))
+"""
+
+
+def test_wide_scalar_and_pair_encodes_fit_hoppers_shared_memory():
+    """The scalar and pair encodes of the 192- and 256-wide parts the presets' menus run at
+    D=256 (Gemma's fitted ``quality`` keys, ``small``'s probe and its ``vq=2`` alternative)
+    compile for sm_90 within its shared memory: a whole 3-piece rotation per dot took 432 KB
+    and no config fit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", WIDE, str(BENCH)], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {(n, quant, pieces) for (n, quant, _, pieces), _, _ in rows} >= {
+        (192, 0, 3), (192, 1, 3), (256, 0, 1)}  # scalar and pair at 192, scalar at 256
+    assert any(not codes for (_, _, codes, _), _, _ in rows)  # small's probe
+    assert all(fits for _, _, fits in rows), rows
+    assert all(kr == (32 if pieces == 3 else 256) for (_, _, _, pieces), kr, _ in rows), rows
+
+
 @triton.jit
 def _fits(x_ptr, N: triton.language.constexpr):
     i = triton.language.arange(0, N)

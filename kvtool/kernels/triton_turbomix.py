@@ -52,7 +52,7 @@ from kvtool.kernels.triton_support import (
     next_power_of_2,
 )
 from kvtool.kernels.triton_turbomix_norms import norm_codes, norm_values
-from kvtool.kernels.triton_turbomix_select import choose, outlier_channels
+from kvtool.kernels.triton_turbomix_select import choose, choose_rotation, outlier_channels
 from kvtool.kernels.triton_turbomix_steps import (
     _pack,
     _pairs,
@@ -62,7 +62,13 @@ from kvtool.kernels.triton_turbomix_steps import (
     _trellis,
     _values,
 )
-from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _tables, _width
+from kvtool.kernels.triton_turbomix_tables import (
+    _rotation_rows,
+    _rotations,
+    _seeds,
+    _tables,
+    _width,
+)
 
 try:
     import triton
@@ -85,7 +91,11 @@ _ROW_CONFIGS = ((16, 1), (32, 1), (64, 2))
 _MOST_ROWS = max(m for m, _ in _CONFIGS + _ROW_CONFIGS)  # a program's rows, at most
 
 
-def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS) -> Any:
+_KEY = ("N", "NP", "BITS", "QUANT", "RP", "tok_class")
+
+
+def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS,
+           key: tuple[str, ...] = _KEY) -> Any:
     """Autotune rows per program (``BM``) and warps on GPUs (fixed under the interpreter; the
     results persist across processes where Triton can); the ``tok_class`` argument (tokens per
     group, capped at 64) keeps short groups apart (tuned apart, compiled once: it is not
@@ -94,7 +104,7 @@ def _tuned(fn: Any, configs: tuple[tuple[int, int], ...] = _CONFIGS) -> Any:
         return _jit(fn)
     return triton.autotune([triton.Config({"BM": m}, num_warps=w, num_stages=1)
                             for m, w in configs],
-                           key=["N", "NP", "BITS", "QUANT", "RP", "tok_class"],
+                           key=list(key),
                            prune_configs_by={"early_config_prune": _prune},
                            **_persisted())(triton.jit(fn, do_not_specialize=["tok_class"]))
 
@@ -145,7 +155,9 @@ def _stats_kernel(x_ptr, mean_ptr, energy_ptr, tokens, D: tl.constexpr, BD: tl.c
         tl.store(energy_ptr + g * D + cols, acc2, mask=cmask)
 
 
-@partial(_tuned, configs=_CONFIGS + _ROW_CONFIGS)
+#: the encode's work per row differs C-fold between one chosen candidate and all of them, and
+#: by the packing a probe skips: each tunes its own tile
+@partial(_tuned, configs=_CONFIGS + _ROW_CONFIGS, key=_KEY + ("HAS_CHOICE", "CODES"))
 def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr, pts_ptr,
                    hsq_ptr, lvl_ptr, edge_ptr, choice_ptr, codes_ptr, norms_ptr, err_ptr, u_scr,
                    dec_scr, q_scr, rows, tokens, groups, C, tok_class,
@@ -153,14 +165,17 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                    BITS: tl.constexpr, CPG: tl.constexpr, BPG: tl.constexpr,
                    QUANT: tl.constexpr, PER: tl.constexpr, RP: tl.constexpr,
                    HAS_MEAN: tl.constexpr, ALL_CH: tl.constexpr, HAS_CHOICE: tl.constexpr,
-                   BM: tl.constexpr, BK: tl.constexpr):
+                   CODES: tl.constexpr, KR: tl.constexpr, BM: tl.constexpr,
+                   BK: tl.constexpr):
     """codes[c, r], err[c, r] per candidate c and norms[r] of one part (``HAS_CHOICE``: only
-    group g's candidate ``choice[g]``, as c = 0: ``select=scalar``), for items (token
+    group g's candidate ``choice[g]``, as c = 0: ``select=scalar``; not ``CODES``: the
+    errors and norms alone, ``select=scalar``'s probe), for items (token
     blocks of one group) pid, pid + programs, ...; the scalar and pair quantisers rotate the
     part gathered once for its norm, in one dot per piece (sm_90: half the loads of gathering
-    it again per candidate); the trellis sums the rotation over BK-wide chunks of the part
-    (reloaded: few registers beside its path costs), and its state goes through this
-    program's scratch (stored [NP, BM]: a coordinate's rows are contiguous)."""
+    it again per candidate), or (``KR`` < ``NP``: :func:`_rotation_rows`) ``KR`` rows of the
+    rotation per dot, the part's columns reloaded; the trellis sums the rotation over BK-wide
+    chunks of the part (reloaded: few registers beside its path costs), and its state goes
+    through this program's scratch (stored [NP, BM]: a coordinate's rows are contiguous)."""
     pid = tl.program_id(0)
     lanes = tl.arange(0, BM)
     jp = tl.arange(0, NP)
@@ -200,7 +215,14 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                             mask=(jp < N)[None, :], other=0).to(tl.int32)
                 tl.debug_barrier()
             else:
-                u = _rot(tl.zeros([BM, NP], tl.float32), t, rot, 0, N, NP, NP, RP)
+                if KR == NP:
+                    u = _rot(tl.zeros([BM, NP], tl.float32), t, rot, 0, N, NP, NP, RP)
+                else:  # KR rows of the rotation per dot, the part's columns reloaded
+                    u = tl.zeros([BM, NP], tl.float32)
+                    for k0 in range(0, NP, KR):
+                        tk = _part(x_ptr, mean_ptr, chg, g, r, rmask, k0 + tl.arange(0, KR), N,
+                                   D, HAS_MEAN, ALL_CH)
+                        u = _rot(u, tk, rot, k0, N, NP, KR, RP)
                 y = u * inv[:, None]
                 if QUANT == 0:
                     q, v = _scalar(y, bnd_ptr, cent_ptr, BITS)
@@ -209,7 +231,8 @@ def _encode_kernel(x_ptr, mean_ptr, ch_ptr, ch_stride, rt_ptr, bnd_ptr, cent_ptr
                 d = tl.where((jp < N)[None, :], u - n16[:, None] * v, 0.0)
                 err = tl.sum(d * d, axis=1)
                 q = tl.where((jp < N)[None, :], q, 0)
-            _pack(q, out, rmask, NB, BM, NP, BITS, CPG, BPG)
+            if CODES:
+                _pack(q, out, rmask, NB, BM, NP, BITS, CPG, BPG)
             tl.store(err_ptr + c * rows + r, err, mask=rmask)
 
 
@@ -297,9 +320,11 @@ def _unused(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Tensor,
                  mean: torch.Tensor | None, bits: int, quantizer: str,
-                 choice: torch.Tensor | None = None) -> tuple[Any, Any, Any]:
+                 choice: torch.Tensor | None = None, probe: bool = False
+                 ) -> tuple[Any, Any, Any]:
     """(codes [C, R, nbytes] uint8, norms [R] fp32, errors [C, R] fp32) of one part: every
-    candidate, or (``choice`` [G]) each group's own, as C = 1."""
+    candidate, or (``choice`` [G]) each group's own, as C = 1; a ``probe`` writes no codes
+    (an empty [C, R, 0])."""
     from kvtool.kernels.bitpack import group_shape
 
     n, device = channels.shape[1], rows.device
@@ -323,7 +348,7 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
     else:
         scratch = _unused(device)
     kept = len(seeds) if choice is None else 1
-    codes = torch.empty((kept, nrows, nb), dtype=torch.uint8, device=device)
+    codes = torch.empty((kept, nrows, 0 if probe else nb), dtype=torch.uint8, device=device)
     norms = torch.empty(nrows, dtype=torch.float32, device=device)
     err = torch.empty((kept, nrows), dtype=torch.float32, device=device)
     cpg, bpg = group_shape(bits)
@@ -335,8 +360,9 @@ def _encode_part(codec: Any, rows: torch.Tensor, tokens: int, channels: torch.Te
         {"D": dim, "N": n, "NP": width, "NB": nb, "BITS": bits, "CPG": cpg, "BPG": bpg,
          "QUANT": QUANTIZERS[quantizer], "PER": 1 << (bits - 1), "RP": pieces,
          "HAS_MEAN": mean is not None, "ALL_CH": channels.shape[1] == dim,
-         "HAS_CHOICE": choice is not None, "BK": min(width, 32), "enable_fp_fusion": False,
-         **meta}, (tok_class,))
+         "HAS_CHOICE": choice is not None, "CODES": not probe,
+         "KR": _rotation_rows(width, pieces), "BK": min(width, 32),
+         "enable_fp_fusion": False, **meta}, (tok_class,))
     return codes, norms, err
 
 
@@ -367,9 +393,9 @@ def encode(codec: Any, x: torch.Tensor) -> dict[str, torch.Tensor]:
     centered = mean if codec.center else None
     choice = None
     if codec._selects_by_scalar():  # each group's rotation by the scalar codebook: only it runs
-        probe = [_encode_part(codec, rows, tokens, ch, centered, bits, "scalar")
+        probe = [_encode_part(codec, rows, tokens, ch, centered, bits, "scalar", probe=True)
                  for ch, bits in parts]
-        choice = choose(probe, groups, tokens, 16)[0]["rotation"]
+        choice = choose_rotation(probe, groups, tokens)
     encoded = [_encode_part(codec, rows, tokens, ch, centered, bits, codec.quantizer, choice)
                for ch, bits in parts]
     chosen, ok = choose(encoded, groups, tokens, codec.norm_bits)

@@ -9,7 +9,9 @@ encodes every layer's keys and values at each block flush and in the prefill.
 - :func:`_choose_kernel`: each group's candidate of least summed squared error over its tokens
   and parts (float64; ties: the lowest), its codes copied out, the norms rounded to fp16 (or
   coded to uint8, :mod:`kvtool.kernels.triton_turbomix_norms`), and whether every norm is
-  finite and within fp16's range (the encode refuses the input otherwise).
+  finite and within fp16's range (the encode refuses the input otherwise);
+- :func:`_rotation_kernel`: the choice alone, for ``select=scalar``'s probe (it writes no
+  codes).
 """
 
 from __future__ import annotations
@@ -78,6 +80,35 @@ def _copy_codes(codes_ptr, out_ptr, src, dst, ok, NB: tl.constexpr, BB: tl.const
 
 
 @_jit
+def _least_error(err_ptr, err2_ptr, base, rows, tokens, C, TWO: tl.constexpr, BT: tl.constexpr):
+    """The candidate of least summed squared error over the group's tokens from ``base`` and
+    its parts (float64; ties: the lowest)."""
+    best = tl.program_id(0) * 0
+    least = tl.full([], float("inf"), tl.float64)
+    for c in range(C):
+        acc = tl.zeros([BT], tl.float64)
+        for t0 in range(0, tokens, BT):
+            t = t0 + tl.arange(0, BT)
+            at = base + t + c * rows
+            acc += tl.load(err_ptr + at, mask=t < tokens, other=0.0).to(tl.float64)
+            if TWO:
+                acc += tl.load(err2_ptr + at, mask=t < tokens, other=0.0).to(tl.float64)
+        total = tl.sum(acc, axis=0)
+        best = tl.where(total < least, c, best)
+        least = tl.minimum(total, least)
+    return best
+
+
+@_jit
+def _rotation_kernel(err_ptr, err2_ptr, rot_ptr, rows, tokens, C, TWO: tl.constexpr,
+                     BT: tl.constexpr):
+    """rot[g]: group g's candidate of least error (``select=scalar``'s probe: no codes)."""
+    g = tl.program_id(0).to(tl.int64)
+    tl.store(rot_ptr + g, _least_error(err_ptr, err2_ptr, g * tokens, rows, tokens, C, TWO,
+                                       BT).to(tl.uint8))
+
+
+@_jit
 def _choose_kernel(err_ptr, err2_ptr, codes_ptr, codes2_ptr, norms_ptr, norms2_ptr, out_ptr,
                    out2_ptr, n16_ptr, n16b_ptr, n8_ptr, n8b_ptr, range_ptr, range2_ptr, rot_ptr,
                    ok_ptr, rows, tokens, C, NB: tl.constexpr, NB2: tl.constexpr,
@@ -90,18 +121,7 @@ def _choose_kernel(err_ptr, err2_ptr, codes_ptr, codes2_ptr, norms_ptr, norms2_p
     base = g * tokens
     best = tl.program_id(0) * 0
     if CHOOSE:
-        least = tl.full([], float("inf"), tl.float64)
-        for c in range(C):
-            acc = tl.zeros([BT], tl.float64)
-            for t0 in range(0, tokens, BT):
-                t = t0 + tl.arange(0, BT)
-                at = base + t + c * rows
-                acc += tl.load(err_ptr + at, mask=t < tokens, other=0.0).to(tl.float64)
-                if TWO:
-                    acc += tl.load(err2_ptr + at, mask=t < tokens, other=0.0).to(tl.float64)
-            total = tl.sum(acc, axis=0)
-            best = tl.where(total < least, c, best)
-            least = tl.minimum(total, least)
+        best = _least_error(err_ptr, err2_ptr, base, rows, tokens, C, TWO, BT)
         tl.store(rot_ptr + g, best.to(tl.uint8))
     bad = tl.program_id(0) * 0
     for t0 in range(0, tokens, BT):
@@ -184,4 +204,17 @@ def choose(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups:
     return out, ok
 
 
-__all__ = ["choose", "outlier_channels"]
+def choose_rotation(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups: int,
+                    tokens: int) -> torch.Tensor:
+    """uint8 [G, 1]: each group's candidate of least error over its parts' errors [C, R] (as
+    :func:`choose` picks it), for a probe that wrote no codes."""
+    err, second = parts[0][2], parts[-1][2]
+    rotation = torch.empty((groups, 1), dtype=torch.uint8, device=err.device)
+    if groups:
+        launch(_rotation_kernel, (groups,), (err, second, rotation, err.shape[1], tokens,
+                                             err.shape[0]),
+               {"TWO": len(parts) == 2, "BT": _block(tokens)})
+    return rotation
+
+
+__all__ = ["choose", "choose_rotation", "outlier_channels"]

@@ -19,6 +19,18 @@ def _width(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+#: bytes of a rotation's bf16 pieces one dot of the scalar and pair encode may take whole
+_WHOLE_ROTATION = 128 * 1024
+
+
+def _rotation_rows(width: int, pieces: int) -> int:
+    """Rows of the rotation per dot in the scalar and pair encode: all of them, unless its
+    pieces pass :data:`_WHOLE_ROTATION` (a 192-wide part at D=256 — the ``small`` key's probe,
+    Gemma's fitted ``quality`` keys — is 3 pieces of 256²: 432 KB of shared memory on sm_90,
+    which has 227), then 32 at a time."""
+    return width if pieces * width * width * 2 <= _WHOLE_ROTATION else min(width, 32)
+
+
 @lru_cache(maxsize=64)
 def _rotations(n: int, seeds: tuple[int, ...], device: torch.device) -> tuple[Any, Any, int]:
     """(Rᵀ pieces, R pieces) [C, RP, NP, NP] bf16, zero-padded, and RP: 1 where every entry is
