@@ -99,7 +99,8 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
     """codes[c, r], err[c, r] per candidate rotation c, and norms[r] (float32), of the part of
     ``x[r]`` at ``channels[g]`` (row 0 for every group where it has one row) minus ``mean[g]``
     (none where ``mean`` has no rows); where ``choice`` has rows, only group g's candidate
-    ``choice[g]``, as c = 0 (``select=scalar``).
+    ``choice[g]``, as c = 0 (``select=scalar``); ``codes`` of no bytes: errors and norms only
+    (``select=scalar``'s probe).
 
     A thread takes its tiles :data:`SPAN` at a time, and the trellis runs over them side by
     side (``[n, span · TILE]``): rows are independent, and its 32-state steps cost less per row
@@ -213,7 +214,8 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                             diff = ub[j, v] - n16[b, v] * yhatb[j, v]
                             e[v] += np.float64(diff) * np.float64(diff)
                     err[c, r0:r0 + w] = e[:w]
-                    pack_tile(q[b], w, bits, packed, codes[c], r0)
+                    if codes.shape[2]:  # none kept by select=scalar's probe
+                        pack_tile(q[b], w, bits, packed, codes[c], r0)
 
 
 @numba.njit(inline="always")
@@ -367,7 +369,8 @@ def encode(codec: Any, x: Any) -> dict[str, np.ndarray]:
     seeds = tuple(candidate_seed(codec.seed, c) for c in range(codec.candidates))
     no_choice = np.zeros(0, np.int64)
     if codec._selects_by_scalar():  # each group's rotation by the scalar codebook: only it runs
-        errors = _encode_parts(view, tokens, mean, parts, seeds, "scalar", no_choice, threads)[1]
+        errors = _encode_parts(view, tokens, mean, parts, seeds, "scalar", no_choice, threads,
+                               probe=True)[1]
         choice = _least(errors, groups, tokens)
         encoded = _encode_parts(view, tokens, mean, parts, seeds, codec.quantizer, choice,
                                 threads)[0]
@@ -392,9 +395,11 @@ def encode(codec: Any, x: Any) -> dict[str, np.ndarray]:
 
 def _encode_parts(view: np.ndarray, tokens: int, mean: np.ndarray,
                   parts: list[tuple[np.ndarray, int]], seeds: tuple[int, ...], quantizer: str,
-                  choice: np.ndarray, threads: int) -> tuple[list[tuple[Any, Any]], np.ndarray]:
+                  choice: np.ndarray, threads: int, probe: bool = False
+                  ) -> tuple[list[tuple[Any, Any]], np.ndarray]:
     """([(codes [C, R, nbytes], norms [R])] of each part, summed errors [C, R]): every
-    candidate, or (``choice`` with rows) each group's own, as C = 1."""
+    candidate, or (``choice`` with rows) each group's own, as C = 1; a ``probe`` packs no
+    codes (nbytes 0)."""
     kept = 1 if choice.size else len(seeds)
     rows = view.shape[0]
     err = np.zeros((kept, rows), np.float64)
@@ -402,7 +407,7 @@ def _encode_parts(view: np.ndarray, tokens: int, mean: np.ndarray,
     for channels, bits in parts:
         n = channels.shape[1]
         signs, dense, fwht = rotation_tables(n, seeds)
-        codes = np.empty((kept, rows, (n * bits + 7) // 8), np.uint8)
+        codes = np.empty((kept, rows, 0 if probe else (n * bits + 7) // 8), np.uint8)
         norms = np.empty(rows, np.float32)
         part_err = np.empty((kept, rows), np.float64)
         part_encode_kernel(view, tokens, channels, mean, signs, dense, fwht,
