@@ -168,7 +168,12 @@ def preset_main(args: argparse.Namespace) -> None:
 
     from kvtool.kernels import triton_turbomix as tt
     from kvtool.kernels.bitpack import group_shape
-    from kvtool.kernels.triton_turbomix_tables import _rotations, _seeds, _width
+    from kvtool.kernels.triton_turbomix_tables import (
+        _rotation_rows,
+        _rotations,
+        _seeds,
+        _width,
+    )
     from kvtool.presets import preset_policy
 
     signatures = {
@@ -211,7 +216,8 @@ def preset_main(args: argparse.Namespace) -> None:
                     constants["ALL_CH"] = int(n == dim)
                     if name == "encode":
                         constants.update(CPG=cpg, BPG=bpg, PER=1 << (bits - 1),
-                                         HAS_CHOICE=int(chosen), CODES=int(role[-5:] != "probe"))
+                                         HAS_CHOICE=int(chosen), CODES=int(role[-5:] != "probe"),
+                                         KR=_rotation_rows(width, pieces))
                     else:
                         constants["HAS_CHOICE"] = int(codec.candidates > 1)
                     kernel = compile_kernel(fn, signature, constants, warps, 1, args.arch,

@@ -79,6 +79,24 @@ def test_wide_scalar_and_pair_encodes_fit_hoppers_shared_memory():
     assert all(kr == (32 if pieces == 3 else 256) for (_, _, _, pieces), kr, _ in rows), rows
 
 
+def test_the_sass_profile_of_a_presets_kernels_compiles_every_pass():
+    """``benchmarks/triton_sass.py --preset`` builds each launch's signature by hand: a kernel
+    argument it does not know fails the compile (it broke twice, unnoticed). ``small``'s encode
+    shows both of ``select=scalar``'s passes (the probe writes no codes)."""
+    run = subprocess.run([sys.executable, str(BENCH / "triton_sass.py"), "--preset", "small",
+                          "--dims", "64"], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")] for line in run.stdout.splitlines()
+            if line.lstrip().startswith(("encode", "decode"))]
+    assert {(r[0], r[2]) for r in rows} == {
+        ("encode", "key probe"), ("encode", "key"), ("encode", "value probe"),
+        ("encode", "value"), ("decode", "key"), ("decode", "value")}
+    probes = [r for r in rows if r[2].endswith("probe")]
+    assert probes and all(int(r[-1]) <= 2 for r in probes)  # the norms and errors alone
+    assert all(int(r[6]) > 0 for r in rows)  # registers of a compiled kernel
+
+
 @triton.jit
 def _fits(x_ptr, N: triton.language.constexpr):
     i = triton.language.arange(0, N)

@@ -227,19 +227,21 @@ def test_odd_widths_and_shapes(spec, shape):
     check_roundtrip(spec, keys(shape, seed=len(shape)))
 
 
-@pytest.mark.parametrize("spec", [
-    "turbomix:bits=2,outliers=64,outlier_bits=3,center=true,candidates=2",
-    "turbomix:vq=2,bits=3,outliers=64,outlier_bits=4"])
-def test_wide_rotations_a_chunk_of_rows_per_dot(spec):
-    """A 192-wide part at D=256 (the ``small`` key's probe, Gemma's fitted ``quality`` keys):
-    its rotation's three 256² bf16 pieces pass what one dot may take on sm_90 (they failed to
-    compile), so the scalar and pair encodes take 32 rows of it per dot; the other part's
-    rotation (64 wide, exact) stays whole."""
+@pytest.mark.parametrize("spec,dim", [
+    ("turbomix:bits=2,outliers=64,outlier_bits=3,center=true,candidates=2", 256),
+    ("turbomix:vq=2,bits=3,outliers=64,outlier_bits=4,candidates=2,select=scalar", 256),
+    ("turbomix:bits=3,center=true,candidates=2", 192)])
+def test_wide_rotations_a_chunk_of_rows_per_dot(spec, dim):
+    """A 192-wide part (at D=256 beside 64 outliers: the ``small`` key's probe, Gemma's fitted
+    ``quality`` keys; or every channel of D=192): its rotation's three 256² bf16 pieces pass
+    what one dot may take on sm_90 (they failed to compile), so the scalar and pair encodes,
+    and ``select=scalar``'s probe, take 32 rows of it per dot; a 64-wide exact rotation stays
+    whole."""
     from kvtool.kernels.triton_turbomix_tables import _rotation_rows
 
     assert _rotation_rows(256, 3) == 32 and _rotation_rows(256, 1) == 256
     assert _rotation_rows(64, 1) == 64 and _rotation_rows(128, 3) == 128
-    check_roundtrip(spec, keys((2, 16, 256), seed=11))
+    check_roundtrip(spec, keys((2, 16, dim), seed=11))
 
 
 def test_groups_longer_than_a_selection_step():

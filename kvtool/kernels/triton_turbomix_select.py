@@ -206,8 +206,9 @@ def choose(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups:
 
 def choose_rotation(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups: int,
                     tokens: int) -> torch.Tensor:
-    """uint8 [G, 1]: each group's candidate of least error over its parts' errors [C, R] (as
-    :func:`choose` picks it), for a probe that wrote no codes."""
+    """uint8 [G, 1]: each group's candidate of least summed error over its parts' errors
+    [C, R] (float64, ties: the lowest, as :func:`choose`; its sums run in steps of up to 1024
+    tokens, :func:`choose`'s in steps its code tiles fit), for a probe that wrote no codes."""
     err, second = parts[0][2], parts[-1][2]
     rotation = torch.empty((groups, 1), dtype=torch.uint8, device=err.device)
     if groups:
