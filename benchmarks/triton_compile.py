@@ -119,8 +119,8 @@ def record_menu_launches(dims: list[int]) -> list[Launch]:
     _cuda_path_on_cpu(record=launches)
     torch.manual_seed(0)
     labels = dict.fromkeys(label for menu in MENUS.values() for label in menu)
-    codecs = {json.dumps(c.get_config(), sort_keys=True): c for label in labels
-              for c in (CodecPolicy.from_label(label).key, CodecPolicy.from_label(label).value)}
+    codecs = {json.dumps(c.get_config(), sort_keys=True): c
+              for policy in map(CodecPolicy.from_label, labels) for c in (policy.key, policy.value)}
     with torch.inference_mode():
         for dim in dims:
             x = torch.randn(4, 64, dim, dtype=torch.bfloat16)

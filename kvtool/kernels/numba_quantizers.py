@@ -68,15 +68,10 @@ def _dense(t, u, m, back):
     output sums its products in the order of one row at a time, so the result is the same."""
     n, width = t.shape
     whole = n - n % 4
-    for i in range(0, n, 4):
-        rows = min(4, n - i)
-        for k in range(rows):
+    for i in range(0, whole, 4):
+        for k in range(4):
             for v in range(width):
                 u[i + k, v] = 0.0
-        if rows < 4:  # the last outputs of an n not divisible by 4, one at a time
-            for k in range(rows):
-                _dense_row(t, u, m, back, i + k, whole)
-            continue
         for j in range(0, whole, 4):
             a0, a1, a2, a3 = _coeffs(m, back, i, j)
             b0, b1, b2, b3 = _coeffs(m, back, i + 1, j)
@@ -89,10 +84,16 @@ def _dense(t, u, m, back):
                 u[i + 2, v] += (c0 * t0 + c1 * t1) + (c2 * t2 + c3 * t3)
                 u[i + 3, v] += (d0 * t0 + d1 * t1) + (d2 * t2 + d3 * t3)
         for k in range(4):
-            for j in range(whole, n):
-                r = m[j, i + k] if back else m[i + k, j]
-                for v in range(width):
-                    u[i + k, v] += r * t[j, v]
+            _dense_tail(t, u, m, back, i + k, whole)
+    for i in range(whole, n):  # the last outputs of an n not divisible by 4, one at a time
+        for v in range(width):
+            u[i, v] = 0.0
+        for j in range(0, whole, 4):
+            r0, r1, r2, r3 = _coeffs(m, back, i, j)
+            for v in range(width):
+                u[i, v] += (r0 * t[j, v] + r1 * t[j + 1, v]) \
+                    + (r2 * t[j + 2, v] + r3 * t[j + 3, v])
+        _dense_tail(t, u, m, back, i, whole)
 
 
 @numba.njit(inline="always")
@@ -104,13 +105,10 @@ def _coeffs(m, back, i, j):
 
 
 @numba.njit(inline="always")
-def _dense_row(t, u, m, back, i, whole):
-    """Output row i of :func:`_dense` alone (its products in the same order)."""
+def _dense_tail(t, u, m, back, i, whole):
+    """Output row i of :func:`_dense` plus the products of its inputs past ``whole``, one at a
+    time."""
     n, width = t.shape
-    for j in range(0, whole, 4):
-        r0, r1, r2, r3 = _coeffs(m, back, i, j)
-        for v in range(width):
-            u[i, v] += (r0 * t[j, v] + r1 * t[j + 1, v]) + (r2 * t[j + 2, v] + r3 * t[j + 3, v])
     for j in range(whole, n):
         r = m[j, i] if back else m[i, j]
         for v in range(width):
