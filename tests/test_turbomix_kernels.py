@@ -301,3 +301,27 @@ def test_arrays_no_encode_writes_are_refused_before_any_kernel_reads_them(fused)
         arrays[name] = bad(np.asarray(arrays[name]))
         with pytest.raises(CodecError, match="no writer stores|not what it writes"):
             codec.decode(type(enc)(arrays, enc.shape, enc.dtype))
+
+
+def test_dense_products_of_any_output_count():
+    """``numba_quantizers._dense`` (the CPU rotations, and the attention kernel's rotations of
+    a block's query rows and value sums: fewer or more outputs than inputs) is M @ t, through
+    both its four-output and its one-output loops and both orientations of M."""
+    import numba
+
+    from kvtool.kernels.numba_quantizers import _dense
+
+    @numba.njit
+    def product(t, u, m, back):
+        _dense(t, u, m, back)
+
+    rng = np.random.default_rng(0)
+    for outputs, inputs, width in [(1, 64, 64), (3, 48, 48), (4, 8, 7), (5, 61, 64),
+                                   (11, 3, 1), (48, 16, 16), (7, 130, 5)]:
+        t = rng.standard_normal((inputs, width)).astype(np.float32)
+        m = rng.standard_normal((outputs, inputs)).astype(np.float32)
+        want = m.astype(np.float64) @ t
+        for back, given in ((False, m), (True, np.ascontiguousarray(m.T))):
+            u = np.full((outputs, width), np.nan, np.float32)
+            product(t, u, given, back)
+            np.testing.assert_allclose(u, want, rtol=1e-4, atol=1e-4 * np.sqrt(inputs))

@@ -35,7 +35,14 @@ from kvtool.kernels.numba_attention import (
     _softmax_step,
     merge_exact,
 )
-from kvtool.kernels.numba_quantizers import PAIR, QUANTIZERS, SCALAR, TRELLIS, tile_values
+from kvtool.kernels.numba_quantizers import (
+    PAIR,
+    QUANTIZERS,
+    SCALAR,
+    TRELLIS,
+    _dense,
+    tile_values,
+)
 from kvtool.kernels.numba_support import jit
 from kvtool.kernels.numba_turbomix import decode_table, subset_masks
 
@@ -51,6 +58,8 @@ class RoleCodes(NamedTuple):
     channels1: np.ndarray  # int32 [BH, blocks, n1]
     rot0: np.ndarray  # float32 [C, n0, n0]: R of each candidate rotation
     rot1: np.ndarray  # float32 [C, n1, n1]
+    rot0_t: np.ndarray  # float32 [C, n0, n0]: Rᵀ (the query's rotation reads its rows)
+    rot1_t: np.ndarray  # float32 [C, n1, n1]
     choice: np.ndarray  # uint8 [BH, blocks]: each block's candidate
     mean: np.ndarray  # float32 [BH, blocks, D], or [0, 0, 0]: uncentered
     #: float32: scalar centroids, pair points (flat [x0, y0, ...]), or the trellis codebook's
@@ -95,32 +104,24 @@ def _weigh(weights, values, a, b, acc):
 
 
 @numba.njit(inline="always")
-def _rotate_query(qs, channels, rot, part, out):
-    """out[r] = R q_s[r, channels] for every query row (``part``: a scratch of the gathered
-    query part, so that the products run over contiguous rows of R)."""
-    n = channels.shape[0]
+def _rotate_query(qs, channels, rot_t, part, out):
+    """out[r] = R q_s[r, channels] for every query row (``rot_t``: Rᵀ; ``part``: a scratch
+    shaped as ``out`` of the gathered query parts, so that the products run over rows of Rᵀ)."""
     for r in range(qs.shape[0]):
-        for j in range(n):
-            part[j] = qs[r, channels[j]]
-        for i in range(n):
-            out[r, i] = _dot(rot[i], part[:n])
+        for j in range(channels.shape[0]):
+            part[r, j] = qs[r, channels[j]]
+    _dense(rot_t, out, part, False)
 
 
 @numba.njit(inline="always")
 def _flush(acc, channels, rot, o, tmp):
-    """o[r, channels] += acc[r] @ R, then acc = 0: a block's value sum back in its channels."""
-    n = channels.shape[0]
+    """o[r, channels] += acc[r] @ R, then acc = 0: a block's value sum back in its channels
+    (``tmp``: a scratch shaped as ``acc``)."""
+    _dense(rot, tmp, acc, False)
     for r in range(acc.shape[0]):
-        for e in range(n):
-            tmp[e] = 0.0
-        for i in range(n):
-            x = acc[r, i]
-            if x != 0.0:
-                for e in range(n):
-                    tmp[e] += x * rot[i, e]
-            acc[r, i] = 0.0
-        for e in range(n):
-            o[r, channels[e]] += tmp[e]
+        for e in range(channels.shape[0]):
+            o[r, channels[e]] += tmp[r, e]
+            acc[r, e] = 0.0
 
 
 def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out):
@@ -157,7 +158,8 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         acc0 = np.zeros((rows, vn0), np.float32)
         acc1 = np.zeros((rows, vn1), np.float32)
         wsum = np.zeros(rows, np.float32)
-        tmp = np.empty(dim, np.float32)
+        pq0, pq1 = np.empty_like(q0), np.empty_like(q1)  # scratch of the rotations
+        pv0, pv1 = np.empty_like(acc0), np.empty_like(acc1)
         packed = np.empty((dim, TILE), np.uint8)  # scratch of tile_values
         qt = np.empty((dim, TILE), np.uint8)
         state = np.empty(TILE, np.uint32)
@@ -185,9 +187,9 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                 if blk != k_block:
                     k_block = blk
                     c = kr.choice[bh, blk]
-                    _rotate_query(qs, kr.channels0[bh, blk], kr.rot0[c], tmp, q0)
+                    _rotate_query(qs, kr.channels0[bh, blk], kr.rot0_t[c], pq0, q0)
                     if kn1:
-                        _rotate_query(qs, kr.channels1[bh, blk], kr.rot1[c], tmp, q1)
+                        _rotate_query(qs, kr.channels1[bh, blk], kr.rot1_t[c], pq1, q1)
                     if k_centered:
                         for r in range(rows):
                             qm[r] = _dot(qs[r], kr.mean[bh, blk])
@@ -226,7 +228,7 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                 z = min(n, (blk + 1) * block - t0)
                 if blk != v_block:
                     if v_block >= 0:
-                        _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
+                        _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, pv0, pv1, v_centered)
                     v_block = blk
                 n0, n1, x0, x1 = norm0[a:z], norm1[a:z], s0[a:z], s1[a:z]
                 for r in range(rows):
@@ -243,7 +245,7 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                         _weigh(s1, vt1, a, z, acc1[r])
                 a = z
         if v_block >= 0:
-            _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, tmp, v_centered)
+            _flush_block(vr, bh, v_block, acc0, acc1, wsum, o, pv0, pv1, v_centered)
         pm[task] = m
         pl[task] = ls
         pacc[task, 0] = o
@@ -254,12 +256,12 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
 
 
 @numba.njit(inline="always")
-def _flush_block(vr, bh, blk, acc0, acc1, wsum, o, tmp, centered):
+def _flush_block(vr, bh, blk, acc0, acc1, wsum, o, pv0, pv1, centered):
     """A block's value sums (each part's, and the weights' for its mean) into ``o``."""
     c = vr.choice[bh, blk]
-    _flush(acc0, vr.channels0[bh, blk], vr.rot0[c], o, tmp)
+    _flush(acc0, vr.channels0[bh, blk], vr.rot0[c], o, pv0)
     if acc1.shape[1]:
-        _flush(acc1, vr.channels1[bh, blk], vr.rot1[c], o, tmp)
+        _flush(acc1, vr.channels1[bh, blk], vr.rot1[c], o, pv1)
     if centered:
         mean = vr.mean[bh, blk]
         for r in range(o.shape[0]):
@@ -343,7 +345,7 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         np.ascontiguousarray(arrays["codes_hi"].reshape(heads, tokens, -1)) if n_hi
         else np.zeros((heads, tokens, 1), np.uint8),
         norms, np.ascontiguousarray(channels[0], np.int32),
-        np.ascontiguousarray(channels[1], np.int32), rots[0], rots[1],
+        np.ascontiguousarray(channels[1], np.int32), *(r for r, _ in rots), *(t for _, t in rots),
         np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
         np.array(subset_masks()), kind, bits[0], max(bits[1], 1))
 
@@ -355,12 +357,13 @@ def _seeds(codec: Any) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=64)
-def _rotations(n: int, seeds: tuple[int, ...]) -> np.ndarray:
-    """R [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""
+def _rotations(n: int, seeds: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """R and Rᵀ [C, n, n] of each candidate's seed (float32; [C, 0, 0] for an empty part)."""
     from kvtool.codecs.rotation import rotation_matrix
 
-    return np.ascontiguousarray(np.stack([rotation_matrix(n, s) for s in seeds]) if n
-                                else np.zeros((len(seeds), 0, 0)), np.float32)
+    rot = np.ascontiguousarray(np.stack([rotation_matrix(n, s) for s in seeds]) if n
+                               else np.zeros((len(seeds), 0, 0)), np.float32)
+    return rot, np.ascontiguousarray(rot.transpose(0, 2, 1))
 
 
 __all__ = ["PAIR", "SCALAR", "TRELLIS", "RoleCodes", "attend", "role_codes"]
