@@ -50,13 +50,13 @@ def _policy(spec: str, **kw) -> CodecPolicy:
 
 
 def _pair(spec: str, dim: int, seed: int = 0, prefix: int = PREFIX,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, block: int = 8):
     """(codes cache, decode-then-attend cache) holding the same random prefix."""
     gen = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(1, KV_HEADS, prefix, dim, generator=gen).to(dtype) for _ in range(2))
     caches = []
     for flag in (True, False):
-        past = CompressedCache(_policy(spec), num_layers=1, block_size=8,
+        past = CompressedCache(_policy(spec), num_layers=1, block_size=block,
                                attention_from_codes=flag)
         past.update(k.clone(), v.clone(), 0)  # an empty store: exact states, no tag
         caches.append(past)
@@ -64,9 +64,9 @@ def _pair(spec: str, dim: int, seed: int = 0, prefix: int = PREFIX,
 
 
 def _step(past: CompressedCache, new: int, dim: int, seed: int = 1,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, groups: int = GROUPS):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, KV_HEADS * GROUPS, new, dim, generator=gen).to(dtype)
+    q = torch.randn(1, KV_HEADS * groups, new, dim, generator=gen).to(dtype)
     k, v = (torch.randn(1, KV_HEADS, new, dim, generator=gen).to(dtype) for _ in range(2))
     keys, values = past.update(k, v, 0)
     return q, keys, values
@@ -77,9 +77,9 @@ def _causal(nq: int, total: int) -> torch.Tensor:
     return torch.ones(nq, total, dtype=torch.bool).tril(total - nq)[None, None]
 
 
-def _reference(q, keys, values, nq):
+def _reference(q, keys, values, nq, groups: int = GROUPS):
     mask = None if nq == 1 else _causal(nq, keys.shape[-2])
-    out, _ = sdpa_attention_forward(_module(), q, keys, values, mask, scaling=0.125)
+    out, _ = sdpa_attention_forward(_module(groups), q, keys, values, mask, scaling=0.125)
     return out
 
 
@@ -105,6 +105,25 @@ def test_codes_path_matches_decode_then_attend(spec, dim, nq, masked):
     assert STATS["codes"] == before["codes"] + 1 and STATS["fallback"] == before["fallback"]
     assert weights is None and out.shape == (1, nq, KV_HEADS * GROUPS, dim)
     want = _reference(q2, full_k, full_v, nq)
+    assert (out - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("spec", [BALANCED, SMALL, PARTS[2]])  # trellis and pair codes
+@pytest.mark.parametrize("groups,nq", [(3, 1), (4, 1), (3, 5)])
+def test_default_blocks_of_whole_tiles_match_decode_then_attend(spec, groups, nq):
+    """Blocks of 64 tokens (the default) fill the kernel's tiles: the parts kernel scores a
+    whole tile for every query row at once (one, four and fifteen rows)."""
+    prefix = 4 + 3 * 64 + 16
+    codes, decoded = _pair(spec, 64, prefix=prefix, block=64)
+    q, keys, values = _step(codes, nq, 64, groups=groups)
+    view = getattr(keys, ATTR).view
+    assert view.roles is not None and view.tokens == 3 * 64 and view.block == 64
+    q2, full_k, full_v = _step(decoded, nq, 64, groups=groups)
+    before = dict(STATS)
+    out, _ = kvtool_attention(_module(groups), q, keys, values,
+                              _causal(nq, prefix + nq) if nq > 1 else None, scaling=0.125)
+    assert STATS["codes"] == before["codes"] + 1
+    want = _reference(q2, full_k, full_v, nq, groups)
     assert (out - want).abs().max().item() <= 1e-4
 
 

@@ -170,6 +170,8 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
         s = np.empty((rows, TILE), np.float32)
         s0 = np.empty(TILE, np.float32)
         s1 = np.empty(TILE, np.float32)
+        sc0 = np.empty((rows, TILE), np.float32)  # each part's scores
+        sc1 = np.empty((rows, TILE), np.float32)
         k_block = v_block = -1
         for t0 in range(lo, hi, TILE):
             n = min(TILE, hi - t0)
@@ -193,12 +195,19 @@ def _attend_impl(q, kr, vr, eye, ke, ve, bias, causal, scale, splits, block, out
                     if k_centered:
                         for r in range(rows):
                             qm[r] = _dot(qs[r], kr.mean[bh, blk])
-                n0, n1, x0, x1 = norm0[a:z], norm1[a:z], s0[a:z], s1[a:z]
-                for r in range(rows):
-                    sr, bias_r = s[r, a:z], qm[r]
-                    _scores(q0[r], kt0, a, z, s0)
+                n0, n1 = norm0[a:z], norm1[a:z]
+                if z - a == TILE:  # the whole tile: contiguous, every row at once
+                    _dense(kt0, sc0, q0, False)
                     if kn1:
-                        _scores(q1[r], kt1, a, z, s1)
+                        _dense(kt1, sc1, q1, False)
+                else:
+                    for r in range(rows):
+                        _scores(q0[r], kt0, a, z, sc0[r])
+                        if kn1:
+                            _scores(q1[r], kt1, a, z, sc1[r])
+                for r in range(rows):
+                    sr, bias_r, x0, x1 = s[r, a:z], qm[r], sc0[r, a:z], sc1[r, a:z]
+                    if kn1:
                         for t in range(z - a):
                             sr[t] = n0[t] * x0[t] + n1[t] * x1[t] + bias_r
                     else:
