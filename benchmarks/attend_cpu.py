@@ -82,7 +82,8 @@ def captured_call(policy: str, tokens: int, groups: int, args: argparse.Namespac
     return (lambda: kernel(*a)), torch.from_numpy(a[0])
 
 
-def best(fn: Callable[[], object], calls: int) -> float:
+def per_call(fn: Callable[[], object], calls: int) -> float:
+    """Seconds a call of ``fn``, averaged over ``calls`` calls in a row."""
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
 
                 codes_s, sdpa_s = [], []
                 for _ in range(args.repeats):  # interleaved: a busy machine slows both alike
-                    codes_s.append(best(call, args.calls))
-                    sdpa_s.append(best(sdpa, args.calls))
+                    codes_s.append(per_call(call, args.calls))
+                    sdpa_s.append(per_call(sdpa, args.calls))
                 c, s = min(codes_s), min(sdpa_s)
                 print(f"| {tokens} | {groups} | {policy} | {c * 1e6:.0f} | {s * 1e6:.0f} | "
                       f"{c / s:.2f} |")

@@ -354,7 +354,8 @@ def role_codes(codec: Any, arrays: dict[str, np.ndarray], heads: int, tokens: in
         np.ascontiguousarray(arrays["codes_hi"].reshape(heads, tokens, -1)) if n_hi
         else np.zeros((heads, tokens, 1), np.uint8),
         norms, np.ascontiguousarray(channels[0], np.int32),
-        np.ascontiguousarray(channels[1], np.int32), *(r for r, _ in rots), *(t for _, t in rots),
+        np.ascontiguousarray(channels[1], np.int32), rots[0][0], rots[1][0], rots[0][1],
+        rots[1][1],
         np.ascontiguousarray(choice, np.uint8), np.ascontiguousarray(mean), tables[0], tables[1],
         np.array(subset_masks()), kind, bits[0], max(bits[1], 1))
 
