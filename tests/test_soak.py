@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,39 @@ def check(result: dict) -> None:
     assert result["samples"] >= 20 and result["prune_runs"] >= 2
 
 
+def load_harness():
+    spec = importlib.util.spec_from_file_location("soak_harness", SOAK)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return harness
+
+
+def test_store_size_is_what_was_there_at_one_instant(monkeypatch, tmp_path):
+    """A chunk evicted while the size is taken, and another written meanwhile, are one
+    chunk's bytes at any instant: one walk counted both (a CI run once read 1.14x max_bytes
+    from a tmpfs that could not hold that much), two walks that must both see a file do not."""
+    storage = load_harness().Storage(argparse.Namespace(s3=False, no_tmpfs=True, disk_mb=1),
+                                     tmp_path)
+    store = Path(storage.location)
+    (store / "later").mkdir(parents=True)
+    (store / "evicted.kvz").write_bytes(b"x" * 1000)
+    walk, churned = os.walk, []
+
+    def churning_walk(top, *args, **kwargs):
+        for entry in walk(top, *args, **kwargs):
+            yield entry
+            if not churned:  # the first directory was listed: a write, then an eviction
+                (store / "later" / "written.kvz").write_bytes(b"y" * 1000)
+                (store / "evicted.kvz").unlink()
+                churned.append(True)
+
+    monkeypatch.setattr(os, "walk", churning_walk)
+    assert storage.size() == 1000 and churned
+    churned.clear()
+    (store / "later" / "written.kvz").rename(store / "evicted.kvz")
+    assert sum(storage._files().values()) == 2000  # what one walk alone read
+
+
 def test_servers_log_what_the_harness_reads(monkeypatch, tmp_path):
     """An in-process vLLM engine earlier in this worker quietens vLLM and kvtool's logs through
     the environment; the harness's servers must not inherit that: it counts the store hits
@@ -46,10 +80,8 @@ def test_servers_log_what_the_harness_reads(monkeypatch, tmp_path):
     for name, value in zip(QUIETENED_ENV, ("0", "WARNING", "ERROR"), strict=True):
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("KVTOOL_SOAK_KEPT", "1")
-    spec = importlib.util.spec_from_file_location("soak_harness", SOAK)
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
-    storage = harness.Storage(argparse.Namespace(s3=False, no_tmpfs=True, disk_mb=1), tmp_path)
+    storage = load_harness().Storage(argparse.Namespace(s3=False, no_tmpfs=True, disk_mb=1),
+                                     tmp_path)
     for env in (storage.env, server_env()):
         assert not set(QUIETENED_ENV) & set(env) and env["KVTOOL_SOAK_KEPT"] == "1"
 
