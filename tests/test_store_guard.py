@@ -42,7 +42,7 @@ def test_a_hung_lookup_is_a_partial_hit_within_its_deadline_then_skipped():
     assert stats()["lookup_timeouts"] == before["lookup_timeouts"] + 1
     t0 = time.monotonic()  # while down: at once, counted as unavailable, nothing submitted
     assert guard.lookup(store.lookup, [1], 1) == []
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.2  # not its 0.3 s deadline
     assert stats()["store_unavailable"] == before["store_unavailable"] + 1
     store.release.set()
     time.sleep(0.6)  # past the backoff: the next call probes the store and it answers
@@ -85,7 +85,7 @@ def test_reads_time_out_and_an_unreachable_store_opens_the_breaker():
 
 
 def test_every_thread_stuck_means_skip_not_queue():
-    guard = StoreGuard("s3://b", timeout=0.1, backoff=0.01, threads=2)
+    guard = StoreGuard("s3://b", timeout=0.4, backoff=0.01, threads=2)
     release = threading.Event()
     for _ in range(2):
         with pytest.raises(StoreUnavailable):
@@ -94,7 +94,7 @@ def test_every_thread_stuck_means_skip_not_queue():
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable, match="every store thread"):
         guard.call("load", lambda: 1)
-    assert time.monotonic() - t0 < 0.05
+    assert time.monotonic() - t0 < 0.2  # not its 0.4 s timeout
     release.set()
     time.sleep(0.1)
     assert guard.call("load", lambda: 1) == 1
