@@ -40,12 +40,12 @@ PRESETS: dict[str, tuple[str, str]] = {
 #: each preset's key/value codec speed in MB/s of fp16 input, encode and decode, measured with
 #: ``benchmarks/codecs.py --vectors 262144 --repeats 5 --codecs NAME/k,NAME/v,...
 #: --backends numpy+numba`` (head_dim 128, 2 threads of a 2-core AMD EPYC, compiled CPU kernels;
-#: 2026-11-30, after the dense rotations went four output rows a pass, memory copy at
-#: 20.0-22.7 GB/s); ``kvtool codecs --presets --measure`` measures this machine
+#: 2026-11-30, after the code tiles went 2-D; the median of three runs, memory copy at
+#: 22.0-23.6 GB/s); ``kvtool codecs --presets --measure`` measures this machine
 PRESET_SPEEDS: dict[str, dict[str, tuple[int, int]]] = {
-    "quality": {"encode": (612, 737), "decode": (2011, 2059)},
-    "balanced": {"encode": (367, 390), "decode": (1378, 1430)},
-    "small": {"encode": (223, 287), "decode": (1516, 2080)},
+    "quality": {"encode": (469, 711), "decode": (2396, 2335)},
+    "balanced": {"encode": (353, 358), "decode": (1491, 1592)},
+    "small": {"encode": (218, 283), "decode": (1672, 2482)},
 }
 
 
