@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtool.cli.main import cli  # noqa: E402
-from kvtool.engines.vllm import store_admin  # noqa: E402
+from kvtool.engines.vllm import store_admin, store_pins  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
 from kvtool.engines.vllm.store_budget import StoreBudget  # noqa: E402
@@ -314,7 +314,7 @@ def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, 
         assert out.exit_code != 0 and "pins.json is damaged" in out.output, out.output
         assert len(out.output.strip().splitlines()) == 1, out.output
     with pytest.raises(KvtoolError, match="pins.json is damaged"):
-        store_admin.pin_file(root, str(root / "x.kvz"))
+        store_pins.pin_file(root, str(root / "x.kvz"))
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
 
 

@@ -305,13 +305,13 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
     remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
     (without any: its default policy)."""
-    from kvtool.engines.vllm import store_admin
+    from kvtool.engines.vllm import store_pins
 
-    pinned, written = store_admin.pin_file(root, file, chunk_tokens=chunk_tokens,
-                                           policy_options=connector_options(codec_opts),
-                                           force=force, model=model,
-                                           quantization=quantization,
-                                           quantization_config=quantization_config)
+    pinned, written = store_pins.pin_file(root, file, chunk_tokens=chunk_tokens,
+                                          policy_options=connector_options(codec_opts),
+                                          force=force, model=model,
+                                          quantization=quantization,
+                                          quantization_config=quantization_config)
     click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
                f"{pinned - written} already stored)")
 
@@ -322,6 +322,6 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
 @handle_errors
 def unpin_command(root: str, file: str) -> None:
     """Unpin the chunks pinned from FILE.kvz (they stay stored, and become prunable)."""
-    from kvtool.engines.vllm import store_admin
+    from kvtool.engines.vllm import store_pins
 
-    click.echo(f"unpinned {store_admin.unpin_file(root, file)} chunks")
+    click.echo(f"unpinned {store_pins.unpin_file(root, file)} chunks")
