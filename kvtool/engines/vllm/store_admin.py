@@ -1,7 +1,6 @@
-"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``; pinning:
-:mod:`~kvtool.engines.vllm.store_pins`), with the
-tools that the connector's byte budget (:class:`~kvtool.engines.vllm.store_budget.StoreBudget`,
-re-exported here) applies.
+"""A prefix store at rest: list, measure, verify and prune it (``kvtool store``; pinning is
+:mod:`~kvtool.engines.vllm.store_pins`), with the tools that the connector's byte budget
+(:class:`~kvtool.engines.vllm.store_budget.StoreBudget`, re-exported here) applies.
 
 Works on the layout of :mod:`~kvtool.engines.vllm.store` (``<root>/<fingerprint[:16]>/<key[:2]>/
 <key>.kvz``, ``<root>/quarantine/``) for every model in the store, without vLLM, on a directory
@@ -375,5 +374,4 @@ def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
 def write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None:
     """Replace the store's pins file with ``pins`` (atomically: a temp file and a rename in a
     directory, one PUT on S3)."""
-
     backend_of(root).write_small(PINS_FILE, json.dumps(pins, indent=1, sort_keys=True).encode())
