@@ -311,7 +311,7 @@ def test_weights_quantized_on_load_are_other_weights(tmp_path):
     from types import SimpleNamespace
 
     from kvtool.checkpoint import quantized_on_load
-    from kvtool.engines.vllm.common import model_info
+    from kvtool.engines.vllm.served_model import model_info
 
     path = checkpoint(tmp_path / "m", weights())
     plain = weights_fingerprint(path)
@@ -408,7 +408,8 @@ def test_store_pin_keys_a_quantization_config_as_the_server_does(tmp_path, runne
     pytest.importorskip("vllm")
     from kvtool.checkpoint import quantized_on_load
     from kvtool.cli.main import cli
-    from kvtool.engines.vllm.common import policy_from_extra, resolved_quantization
+    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.served_model import resolved_quantization
     from kvtool.engines.vllm.store import PrefixStore
 
     served = checkpoint(tmp_path / "served", weights(0))

@@ -447,8 +447,8 @@ def test_the_plan_keys_online_quantization_as_the_connector_does():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from kvtool.engines.vllm.common import quantization_method
     from kvtool.engines.vllm.serve import _quantization_method
+    from kvtool.engines.vllm.served_model import quantization_method
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     ignore = json.dumps({"ignore": ["lm_head"]})

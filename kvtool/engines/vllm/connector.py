@@ -110,10 +110,8 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     ensure_visible_logs,
     flush,
     log,
-    model_info,
     policy_from_extra,
     read_kvz_ids,
-    refuse_parallel,
     request_kvz,
     request_switch,
     reset_stats,
@@ -121,13 +119,13 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     stats,
     store_timeout,
     submit,
-    tokenizer_fingerprint_of,
 )
 from kvtool.engines.vllm.connector_worker import KvtoolWorkerMetadata, WorkerHalf  # noqa: F401
 from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.load_failures import PoisonedBlocks, WithheldSaves
 from kvtool.engines.vllm.metrics import MetricsMixin
+from kvtool.engines.vllm.served_model import model_info, refuse_parallel
 from kvtool.engines.vllm.stats_files import stats_writer
 from kvtool.engines.vllm.store import open_store
 

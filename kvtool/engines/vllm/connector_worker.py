@@ -22,10 +22,10 @@ from kvtool.engines.vllm.common import (
     log,
     saves_full,
     submit,
-    tokenizer_fingerprint_of,
 )
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
+from kvtool.engines.vllm.served_model import tokenizer_fingerprint_of
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata

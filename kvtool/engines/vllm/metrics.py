@@ -135,7 +135,7 @@ def _unregister(name: str) -> None:
 def _fingerprint(vllm_config: Any) -> str | None:
     """The model's fingerprint, which picks a preset fitted to it (the connector resolves its
     policy the same way); None where the config cannot give one: the label is informational."""
-    from kvtool.engines.vllm.common import model_info
+    from kvtool.engines.vllm.served_model import model_info
 
     try:
         return model_info(vllm_config).get("fingerprint")

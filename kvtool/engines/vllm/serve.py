@@ -149,7 +149,7 @@ def _quantization(engine_args: tuple[str, ...]) -> str | None:
 
 def refuse_parallel_engine(engine_args: tuple[str, ...]) -> None:
     """A :class:`KvtoolError` for a tensor- or pipeline-parallel engine, which the connector
-    refuses as it starts (:func:`~kvtool.engines.vllm.common.refuse_parallel`)."""
+    refuses as it starts (:func:`~kvtool.engines.vllm.served_model.refuse_parallel`)."""
     for option, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
                           ("--prefill-context-parallel-size", "-pcp"),
                           ("--decode-context-parallel-size", "-dcp")):
@@ -216,10 +216,10 @@ def _dotted(engine_args: tuple[str, ...], option: str) -> dict[str, Any] | None:
 
 
 def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
-    """:func:`~kvtool.engines.vllm.common.quantization_method` of the engine's arguments, as
+    """:func:`~kvtool.engines.vllm.served_model.quantization_method` of the engine's arguments, as
     the connector computes it inside vLLM (``--quantization-config`` resolved by vLLM; one it
     cannot resolve is vLLM's to refuse, and left out here)."""
-    from kvtool.engines.vllm.common import resolved_quantization
+    from kvtool.engines.vllm.served_model import resolved_quantization
 
     method = _quantization(engine_args)
     raw = _engine_value(engine_args, "--quantization-config", 16)

@@ -71,7 +71,7 @@ def served_quantization(quantization: str | None, config: str | None) -> str | N
     its ``--quantization-config`` (JSON), resolved by vLLM as the connector resolves them."""
     if config is None:
         return quantization
-    from kvtool.engines.vllm.common import resolved_quantization
+    from kvtool.engines.vllm.served_model import resolved_quantization
 
     try:
         given = json.loads(config)
