@@ -39,25 +39,31 @@ SENTINEL = -77.0  # what the slots a load must not touch hold (exact in every fl
 CUDA = torch.cuda.is_available()
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
-#: every paged tensor vLLM hands the connector: (attention backend name, shape maker)
+AMX_BS = 16  # the AMX packing takes blocks of 16 tokens at least (vLLM: 32 and up)
+#: every paged tensor vLLM hands the connector: (attention backend name, shape maker, the
+#: permutation viewing it, the CPU ISA that wrote it)
 PAGED = {
-    "cpu": ("CPU_ATTN", lambda: (NB, H, BS, 2 * D), None),
-    "split": ("FLASH_ATTN", lambda: (NB, BS, H, 2 * D), (0, 2, 1, 3)),  # NHD memory, HND view
-    "split-hnd": ("FLASHINFER", lambda: (NB, H, BS, 2 * D), None),
-    "flash": ("FLASH_ATTN", lambda: (2, NB, BS, H, D), None),
+    "cpu": ("CPU_ATTN", lambda: (NB, H, BS, 2 * D), None, "vec"),
+    "cpu-amx": ("CPU_ATTN", lambda: (NB, H, AMX_BS, 2 * D), None, "amx"),
+    "split": ("FLASH_ATTN", lambda: (NB, BS, H, 2 * D), (0, 2, 1, 3), None),  # NHD memory
+    "split-hnd": ("FLASHINFER", lambda: (NB, H, BS, 2 * D), None, None),
+    "flash": ("FLASH_ATTN", lambda: (2, NB, BS, H, D), None, None),
 }
+#: (kind, dtype) pairs a vLLM engine makes: the AMX packing is of 16-bit caches only
+KIND_DTYPES = [(kind, dtype) for kind in PAGED for dtype in ("bfloat16", "float16", "float32")
+               if not (kind == "cpu-amx" and dtype == "float32")]
 
 
 def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):
     """(paged tensor, its detected layout): random values, or :data:`SENTINEL` (seed None)."""
-    backend, shape, perm = PAGED[kind]
+    backend, shape, perm, isa = PAGED[kind]
     if seed is None:
         base = torch.full(shape(), SENTINEL)
     else:
         base = torch.randn(shape(), generator=torch.Generator().manual_seed(seed)) + 0.2
     kv = base.to(device=device, dtype=getattr(torch, dtype))
     kv = kv.permute(perm) if perm else kv
-    return kv, detect_layout(kv, D, backend, "vec" if kind == "cpu" else None)
+    return kv, detect_layout(kv, D, backend, isa)
 
 
 def caches(kind: str, dtype: str, fill: bool = True, device: str = "cpu") -> list:
@@ -104,12 +110,11 @@ def load_host(store: PrefixStore, layers: list, chunk, a: int, b: int) -> None:
 
 
 def test_every_known_layout_is_covered():
-    assert {paged(kind, "float32")[1].name for kind in PAGED} == set(LAYOUTS)
+    assert {paged(kind, "bfloat16")[1].name for kind in PAGED} == set(LAYOUTS)
 
 
 # -- save ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("kind", PAGED)
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
 def test_the_device_path_writes_the_host_paths_files(tmp_path, kind, dtype):
     host, dev = stores(tmp_path)
     layers = caches(kind, dtype)
@@ -185,8 +190,7 @@ def test_packed_copies_keep_every_array():
 
 
 # -- load ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("kind", PAGED)
+@pytest.mark.parametrize("kind,dtype", KIND_DTYPES)
 def test_a_device_load_writes_exactly_what_the_host_load_writes(tmp_path, kind, dtype):
     """Tokens 5..27 of two chunks (a partial start, a partial last chunk) into other shuffled
     blocks: the same values in the same slots, in the cache's dtype, nothing else touched."""
@@ -354,18 +358,22 @@ def connector(store: Path, kind: str, role: str = "worker", **parallel: int):
     hf = LlamaConfig(num_hidden_layers=L, num_attention_heads=2 * H, num_key_value_heads=H,
                      hidden_size=2 * H * D, head_dim=D, intermediate_size=64, vocab_size=1000)
     layer = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: PAGED[kind][0]),
-                            head_size=D, isa="vec" if kind == "cpu" else None)
+                            head_size=D, isa=PAGED[kind][3])
     names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
     extra = {"store_path": str(store), "chunk_tokens": CHUNK, "model_name": "tiny",
              "tokenizer_fingerprint": "tok", "stats_interval": 0}
     config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role="kv_both",
                                            kv_load_failure_policy="fail"),
-        cache_config=SimpleNamespace(block_size=BS),
+        cache_config=SimpleNamespace(block_size=block_size(kind)),
         model_config=SimpleNamespace(model=str(store), dtype=torch.bfloat16, hf_config=hf),
         compilation_config=SimpleNamespace(static_forward_context=dict.fromkeys(names, layer)),
         parallel_config=SimpleNamespace(**parallel))
     return KvtoolConnector(config, getattr(KVConnectorRole, role.upper())), names
+
+
+def block_size(kind: str) -> int:
+    return AMX_BS if kind == "cpu-amx" else BS
 
 
 def connector_load(conn, names: list[str], kind: str, chunks: list) -> tuple[list, set]:
@@ -383,7 +391,7 @@ def connector_load(conn, names: list[str], kind: str, chunks: list) -> tuple[lis
     return fresh, conn.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "split", "flash"])
+@pytest.mark.parametrize("kind", ["cpu", "cpu-amx", "split", "flash"])
 def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, monkeypatch):
     """Saves and loads through KvtoolConnector's own hooks: on CPU caches the host path (the
     device path's functions never called), forced onto the device path the same files and
@@ -422,7 +430,8 @@ def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, m
     assert dev_files == host_files
     for x, y in zip(dev_loaded, host_loaded, strict=True):
         assert torch.equal(x, y) and int((x != SENTINEL).sum()) == (2 * CHUNK - 5) * H * 2 * D
-    assert dev_failed == host_failed == set(LOAD_BLOCKS[CHUNK // BS:])
+    bs = block_size(kind)  # the blocks of the damaged second chunk's tokens
+    assert dev_failed == host_failed == set(LOAD_BLOCKS[CHUNK // bs:2 * CHUNK // bs])
 
 
 def test_saves_planned_before_the_scheduler_hears_of_a_failed_load_are_withheld(tmp_path):

@@ -1,8 +1,8 @@
 """Paged KV layouts (kvtool.engines.vllm.layout) on synthetic paged tensors.
 
 Each layout is checked against an independent reference writer that places every token by hand;
-one test checks the CPU layout against vLLM's own ``cpu_attn_reshape_and_cache`` op (skipped
-without vLLM).
+one test checks the CPU layouts against vLLM's own ``cpu_attn_reshape_and_cache`` op with the
+ISA vLLM picks on this machine (``amx`` on x86 CPUs with AMX; skipped without vLLM).
 """
 
 from __future__ import annotations
@@ -110,8 +110,10 @@ def test_detect_layout():
     assert detect_layout(empty("cpu"), D, "CPU_ATTN", "vec16").name == "cpu"
     assert detect_layout(empty("split"), D, "FLASH_ATTN").name == "split"
     assert detect_layout(empty("flash"), D, "FLASH_ATTN").name == "flash"
+    amx = torch.zeros(NB, H, 32, 2 * 16, dtype=torch.bfloat16)
+    assert detect_layout(amx, 16, "CPU_ATTN", "amx").name == "cpu_amx"
     with pytest.raises(UnsupportedLayoutError, match="ISA"):
-        detect_layout(empty("cpu"), D, "CPU_ATTN", "amx")
+        detect_layout(empty("cpu"), D, "CPU_ATTN", "neon")
     with pytest.raises(UnsupportedLayoutError):
         detect_layout(torch.zeros(NB, H, BS, D), D, "FLASH_ATTN")  # MLA-like: no V half
     with pytest.raises(UnsupportedLayoutError):
@@ -142,10 +144,66 @@ def test_kernel_block_ids():
     assert kernel_block_ids([4, 1], 2) == [8, 9, 2, 3]
 
 
-@pytest.mark.parametrize("isa,block_size", [("vec", 32), ("vec16", 16)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def amx_reference_write(kv: torch.Tensor, block_ids, start: int, k, v) -> None:
+    """Place token by token as vLLM's ``amx`` ISA packs a (block, head) row: K in tiles of 16
+    tokens, each token's dims in pairs; then V in tiles of 16 dims, tokens in pairs."""
+    heads, tokens, dim = k.shape
+    bs = kv.shape[2]
+    for t in range(tokens):
+        pos = start + t
+        b, o = block_ids[pos // bs], pos % bs
+        for h in range(heads):
+            row = kv[b, h].reshape(-1)
+            for d in range(dim):
+                row[((o // 16) * (dim // 2) + d // 2) * 32 + (o % 16) * 2 + d % 2] = k[h, t, d]
+                row[bs * dim + ((d // 16) * (bs // 2) + o // 2) * 32 + (d % 16) * 2 + o % 2] = \
+                    v[h, t, d]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("block_size,dim,start", [(32, 64, 0), (32, 64, 21), (64, 32, 5),
+                                                  (16, 48, 3)])
+def test_amx_layout_matches_reference_and_gather_inverts(dtype, block_size, dim, start):
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(11)
+    k, v = (torch.randn(2, 2 * block_size + 3, dim, generator=gen).to(dt) for _ in range(2))
+    blocks = [4, 0, 3, 1]  # out of order, not contiguous
+    want = torch.zeros(5, 2, block_size, 2 * dim, dtype=dt)
+    got = torch.zeros_like(want)
+    amx_reference_write(want, blocks, start, k, v)
+    layout = detect_layout(got, dim, "CPU_ATTN", "amx")
+    layout.scatter(got, blocks, start, k, v)
+    assert torch.equal(got, want)
+    gk, gv = layout.gather(want, blocks, start, start + k.shape[1])
+    assert torch.equal(gk, k) and torch.equal(gv, v) and gk.is_contiguous()
+    gk, gv = layout.gather(want, blocks, start + 7, start + 9)  # two tokens, mid-tile
+    assert torch.equal(gk, k[:, 7:9]) and torch.equal(gv, v[:, 7:9])
+
+
+def test_amx_layout_refuses_what_it_cannot_pack():
+    for kv, why in ((torch.zeros(2, 1, 32, 64), "float32"),  # 4-byte values: another packing
+                    (torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16), "blocks of 8"),
+                    (torch.zeros(2, 1, 32, 2 * 24, dtype=torch.bfloat16), "head_dim 24")):
+        layout = PagedLayout("cpu_amx", kv.shape[3] // 2)
+        with pytest.raises(UnsupportedLayoutError, match=why):
+            layout.write(kv, [0], 0, "key", torch.ones(1, 2, kv.shape[3] // 2))
+        assert not kv.any()
+
+
+def _vllm_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The ISA vLLM's CPU backend picks for this cache on this machine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
+@pytest.mark.parametrize("isa,block_size", [("vec", 32), ("vec16", 16), ("picked", 32),
+                                            ("picked", 64)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cpu_layout_matches_vllm_kernel(isa, block_size, dtype):
-    """vLLM's own cache writer (the op cpu_attn.py calls) agrees with the 'cpu' layout."""
+    """vLLM's own cache writer (the op cpu_attn.py calls) agrees with the layout kvtool
+    detects for its ISA; "picked" is the ISA vLLM itself picks here (``amx`` for bfloat16 on
+    a CPU with AMX, whose writer is only loaded there)."""
     pytest.importorskip("vllm")
     try:
         from vllm import _custom_ops as ops
@@ -155,6 +213,8 @@ def test_cpu_layout_matches_vllm_kernel(isa, block_size, dtype):
         pytest.skip("this vLLM build has no CPU attention kernels")
     dt = getattr(torch, dtype)
     heads, dim, tokens = 3, 64, block_size + 7
+    if isa == "picked":
+        isa = _vllm_isa(dt, block_size, dim)
     gen = torch.Generator().manual_seed(3)
     key = torch.randn(tokens, heads, dim, generator=gen).to(dt)
     value = torch.randn(tokens, heads, dim, generator=gen).to(dt)
@@ -164,8 +224,12 @@ def test_cpu_layout_matches_vllm_kernel(isa, block_size, dtype):
     slot = torch.tensor([blocks[p // block_size] * block_size + p % block_size
                          for p in range(tokens)])
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot, isa)
-    gk, gv = PagedLayout("cpu", dim).gather(kv, blocks, 0, tokens)
+    layout = detect_layout(kv, dim, "CPU_ATTN", isa)
+    gk, gv = layout.gather(kv, blocks, 0, tokens)
     assert torch.equal(gk, key.transpose(0, 1)) and torch.equal(gv, value.transpose(0, 1))
+    again = torch.zeros_like(kv)
+    layout.scatter(again, blocks, 0, key.transpose(0, 1), value.transpose(0, 1))
+    assert torch.equal(again, kv)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "float8_e4m3fn", "int8"])

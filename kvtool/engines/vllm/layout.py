@@ -8,6 +8,10 @@ What differs between attention backends is the layout *inside* the per-layer ten
           where each (block, head) row of ``block_size * 2 * head_dim`` elements holds K first,
           **transposed** as ``[head_dim, block_size]``, then V as ``[block_size, head_dim]``
           (``cpu_attn_reshape_and_cache``, ISAs ``vec`` and ``vec16``).
+``cpu_amx`` the same tensor written by the ``amx`` ISA (x86 CPUs with AMX, a bfloat16 cache,
+          blocks of a multiple of 32): each (block, head) row holds K packed for AMX tiles as
+          ``[block_size/16, head_dim/2, 16, 2]`` (16 tokens a tile, dims in pairs), then V as
+          ``[head_dim/16, block_size/2, 16, 2]`` (16 dims a tile, tokens in pairs).
 ``split`` vLLM ≥ 0.2x's standardized per-layer view ``[num_blocks, kv_heads, block_size,
           2*head_dim]`` (FlashAttention, Triton, FlashInfer): ``[..., :D]`` is K, ``[..., D:]`` V;
           the view's strides hide whether memory is NHD or HND.
@@ -26,7 +30,9 @@ import torch
 
 from kvtool.errors import KvtoolError
 
-LAYOUTS = ("cpu", "split", "flash")
+LAYOUTS = ("cpu", "cpu_amx", "split", "flash")
+AMX_TILE = 16  # tokens (keys) or dims (values) in one row of an AMX tile
+AMX_DTYPES = (torch.bfloat16, torch.float16)  # two to a 4-byte pair: the packing kvtool knows
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the caches kvtool reads and writes
 
 
@@ -69,28 +75,44 @@ class PagedLayout:
                 f"a paged KV cache of {str(kv.dtype).removeprefix('torch.')} (an fp8 "
                 "--kv-cache-dtype?) holds scaled codes kvtool cannot read or write; the store "
                 "serves float16, bfloat16 and float32 caches")
+        if self.name == "cpu_amx" and (kv.dtype not in AMX_DTYPES or kv.shape[2] % AMX_TILE
+                                       or d % AMX_TILE):
+            raise UnsupportedLayoutError(
+                f"an AMX-packed CPU cache of {str(kv.dtype).removeprefix('torch.')}, blocks of "
+                f"{kv.shape[2]} and head_dim {d}: kvtool knows 16-bit caches whose block size "
+                f"and head_dim are multiples of {AMX_TILE}")
 
-    # -- the two views everything goes through ------------------------------------------------
-    def _views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(key view, value view, keys transposed?) — views, so writes land in ``kv``.
-
-        Non-transposed views are indexed ``[block, offset, head, dim]``-wise through
-        :func:`_index`; the CPU key view is ``[block, head, dim, offset]``.
-        """
-        d = self.head_dim
+    # -- where one role's tokens are -----------------------------------------------------------
+    def _slots_of(self, kv: torch.Tensor, role: str, blk: torch.Tensor,
+                  off: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple[int, ...]]:
+        """(view of ``kv``, index, trailing shape): ``view[index]`` is ``role``'s tokens at
+        (``blk``, ``off``) as ``[T, heads, *trailing]``, ``prod(trailing) == head_dim``, and
+        writes through it land in ``kv``."""
+        d, n = self.head_dim, self.block_size(kv)
+        key = role == "key"
         if self.name == "flash":
-            return kv[0], kv[1], False  # [B, N, H, D]
+            return kv[0 if key else 1], (blk, off), (d,)  # [B, N, H, D]
         if self.name == "split":
-            return kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2), False
-        b, h, n, _ = kv.shape
+            view = (kv[..., :d] if key else kv[..., d:]).transpose(1, 2)  # [B, N, H, D]
+            return view, (blk, off), (d,)
+        b, h = kv.shape[:2]
         try:  # each (block, head) row of 2*N*D elements must be contiguous
             rows = kv.view(b, h, 2 * n * d)
         except RuntimeError:
             raise UnsupportedLayoutError("the CPU paged KV tensor is not contiguous per "
                                          "(block, head)") from None
-        keys = rows[:, :, : n * d].unflatten(2, (d, n))  # [B, H, D, N]
-        values = rows[:, :, n * d:].unflatten(2, (n, d)).transpose(1, 2)  # [B, N, H, D]
-        return keys, values, True
+        row = rows[:, :, : n * d] if key else rows[:, :, n * d:]
+        every = slice(None)
+        if self.name == "cpu_amx":
+            t = AMX_TILE
+            if key:  # [B, H, N/16, D/2, 16, 2]
+                return (row.view(b, h, n // t, d // 2, t, 2),
+                        (blk, every, off // t, every, off % t), (d // 2, 2))
+            return (row.view(b, h, d // t, n // 2, t, 2),  # [B, H, D/16, N/2, 16, 2]
+                    (blk, every, every, off // 2, every, off % 2), (d // t, t))
+        if key:  # transposed: [B, H, D, N]
+            return row.unflatten(2, (d, n)), (blk, every, every, off), (d,)
+        return row.unflatten(2, (n, d)).transpose(1, 2), (blk, off), (d,)  # [B, N, H, D]
 
     # -- gather / scatter -----------------------------------------------------------------------
     def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -99,10 +121,13 @@ class PagedLayout:
         self.check(kv)
         blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device,
                          self.num_blocks(kv))
-        kview, vview, k_transposed = self._views(kv)
-        k = kview[blk, :, :, off] if k_transposed else kview[blk, off]  # [T, H, D]
-        v = vview[blk, off]
-        return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+        heads, tokens = self.num_heads(kv), stop - start
+        out = []
+        for role in ("key", "value"):
+            view, index, _ = self._slots_of(kv, role, blk, off)
+            out.append(view[index].reshape(tokens, heads, self.head_dim).transpose(0, 1)
+                       .contiguous())
+        return out[0], out[1]
 
     def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -130,17 +155,14 @@ class PagedLayout:
                              f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
         blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device,
                          self.num_blocks(kv))
-        kview, vview, k_transposed = self._views(kv)
+        view, index, trailing = self._slots_of(kv, role, blk, off)
         y = x.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
         if kv.dtype == torch.float16 and x.dtype != torch.float16 and \
                 not bool(torch.isfinite(y).all()):  # the cast made inf of a number
             raise KvtoolError(f"{role}s hold values past float16's 65504 (stored as "
                               f"{str(x.dtype).removeprefix('torch.')}): a float16 cache "
                               "cannot take them")
-        if role == "key" and k_transposed:
-            kview[blk, :, :, off] = y
-        else:
-            (kview if role == "key" else vview)[blk, off] = y
+        view[index] = y.reshape(tokens, heads, *trailing)
 
 
 def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,
@@ -175,10 +197,10 @@ def detect_layout(kv: torch.Tensor, head_dim: int, backend: str | None = None,
     """The layout of a per-layer paged tensor, from the backend name and its shape."""
     name = (backend or "").upper()
     if name.startswith("CPU"):
-        if isa not in (None, "vec", "vec16"):
+        if isa not in (None, "vec", "vec16", "amx"):
             raise UnsupportedLayoutError(f"the CPU attention ISA {isa!r} packs its paged cache "
-                                         "in a layout kvtool does not know (vec, vec16 only)")
-        layout = PagedLayout("cpu", head_dim)
+                                         "in a layout kvtool does not know (vec, vec16, amx)")
+        layout = PagedLayout("cpu_amx" if isa == "amx" else "cpu", head_dim)
     elif kv.ndim == 5 and kv.shape[0] == 2:
         layout = PagedLayout("flash", head_dim)
     elif kv.ndim == 4 and kv.shape[-1] == 2 * head_dim:
