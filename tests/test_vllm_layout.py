@@ -176,8 +176,9 @@ def test_amx_layout_matches_reference_and_gather_inverts(dtype, block_size, dim,
     assert torch.equal(got, want)
     gk, gv = layout.gather(want, blocks, start, start + k.shape[1])
     assert torch.equal(gk, k) and torch.equal(gv, v) and gk.is_contiguous()
-    gk, gv = layout.gather(want, blocks, start + 7, start + 9)  # two tokens, mid-tile
-    assert torch.equal(gk, k[:, 7:9]) and torch.equal(gv, v[:, 7:9])
+    for a, b in ((7, 9), (1, block_size + 1), (block_size - 1, 2 * block_size + 3)):
+        gk, gv = layout.gather(want, blocks, start + a, start + b)  # windows across blocks
+        assert torch.equal(gk, k[:, a:b]) and torch.equal(gv, v[:, a:b]), (a, b)
 
 
 def test_amx_layout_refuses_what_it_cannot_pack():
