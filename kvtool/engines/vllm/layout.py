@@ -95,24 +95,38 @@ class PagedLayout:
         if self.name == "split":
             view = (kv[..., :d] if key else kv[..., d:]).transpose(1, 2)  # [B, N, H, D]
             return view, (blk, off), (d,)
-        b, h = kv.shape[:2]
-        try:  # each (block, head) row of 2*N*D elements must be contiguous
-            rows = kv.view(b, h, 2 * n * d)
-        except RuntimeError:
-            raise UnsupportedLayoutError("the CPU paged KV tensor is not contiguous per "
-                                         "(block, head)") from None
-        row = rows[:, :, : n * d] if key else rows[:, :, n * d:]
+        row = self._cpu_rows(kv, role)
         every = slice(None)
         if self.name == "cpu_amx":
             t = AMX_TILE
-            if key:  # [B, H, N/16, D/2, 16, 2]
-                return (row.view(b, h, n // t, d // 2, t, 2),
-                        (blk, every, off // t, every, off % t), (d // 2, 2))
-            return (row.view(b, h, d // t, n // 2, t, 2),  # [B, H, D/16, N/2, 16, 2]
-                    (blk, every, every, off // 2, every, off % 2), (d // t, t))
+            if key:
+                return (self._amx_tiles(row, role), (blk, every, off // t, every, off % t),
+                        (d // 2, 2))
+            return (self._amx_tiles(row, role), (blk, every, every, off // 2, every, off % 2),
+                    (d // t, t))
         if key:  # transposed: [B, H, D, N]
             return row.unflatten(2, (d, n)), (blk, every, every, off), (d,)
         return row.unflatten(2, (n, d)).transpose(1, 2), (blk, off), (d,)  # [B, N, H, D]
+
+    def _cpu_rows(self, kv: torch.Tensor, role: str) -> torch.Tensor:
+        """``role``'s half of each (block, head) row of a CPU cache, ``[B, H, N*D]`` (a view)."""
+        b, h, n, _ = kv.shape
+        try:  # each (block, head) row of 2*N*D elements must be contiguous
+            rows = kv.view(b, h, 2 * n * self.head_dim)
+        except RuntimeError:
+            raise UnsupportedLayoutError("the CPU paged KV tensor is not contiguous per "
+                                         "(block, head)") from None
+        half = n * self.head_dim
+        return rows[:, :, :half] if role == "key" else rows[:, :, half:]
+
+    def _amx_tiles(self, row: torch.Tensor, role: str) -> torch.Tensor:
+        """:meth:`_cpu_rows` as AMX tiles: keys ``[B, H, N/16, D/2, 16, 2]``, values
+        ``[B, H, D/16, N/2, 16, 2]``."""
+        b, h, size = row.shape
+        d, t = self.head_dim, AMX_TILE
+        n = size // d
+        return row.view(b, h, n // t, d // 2, t, 2) if role == "key" \
+            else row.view(b, h, d // t, n // 2, t, 2)
 
     # -- gather / scatter -----------------------------------------------------------------------
     def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -141,14 +155,12 @@ class PagedLayout:
                                dtype=torch.long, device=kv.device)
         blocks = kv[held]  # a copy of the blocks holding the tokens
         b, h = blocks.shape[:2]
-        rows = blocks.view(b, h, 2 * n * d)
-        t = AMX_TILE
-        keys = (rows[:, :, :n * d].view(b, h, n // t, d // 2, t, 2).permute(1, 0, 2, 4, 3, 5)
-                .reshape(h, b * n, d))
-        values = (rows[:, :, n * d:].view(b, h, d // t, n // 2, t, 2).permute(1, 0, 3, 5, 2, 4)
-                  .reshape(h, b * n, d))
-        return (keys[:, skip:skip + tokens].contiguous(),
-                values[:, skip:skip + tokens].contiguous())
+        out = []
+        for role, order in (("key", (1, 0, 2, 4, 3, 5)), ("value", (1, 0, 3, 5, 2, 4))):
+            tiles = self._amx_tiles(self._cpu_rows(blocks, role), role)
+            every = tiles.permute(order).reshape(h, b * n, d)  # [H, tokens of the blocks, D]
+            out.append(every[:, skip:skip + tokens].contiguous())
+        return out[0], out[1]
 
     def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
