@@ -161,24 +161,33 @@ def amx_reference_write(kv: torch.Tensor, block_ids, start: int, k, v) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("block_size,dim,start", [(32, 64, 0), (32, 64, 21), (64, 32, 5),
-                                                  (16, 48, 3)])
-def test_amx_layout_matches_reference_and_gather_inverts(dtype, block_size, dim, start):
+@pytest.mark.parametrize("block_size,dim,start,tokens", [
+    (32, 64, 0, 67), (32, 64, 21, 67), (64, 32, 5, 131), (16, 48, 3, 35),
+    (32, 64, 32, 64),  # whole blocks: packed without reading them
+])
+def test_amx_layout_matches_reference_and_gather_inverts(dtype, block_size, dim, start, tokens):
+    """Writes land where vLLM's packing puts them and leave every other token (the blocks'
+    tokens around the range, the other role) as it was; gathers of any window invert them."""
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(11)
-    k, v = (torch.randn(2, 2 * block_size + 3, dim, generator=gen).to(dt) for _ in range(2))
-    blocks = [4, 0, 3, 1]  # out of order, not contiguous
-    want = torch.zeros(5, 2, block_size, 2 * dim, dtype=dt)
-    got = torch.zeros_like(want)
+    k, v = (torch.randn(2, tokens, dim, generator=gen).to(dt) for _ in range(2))
+    blocks = [4, 0, 3, 1, 2]  # out of order, not contiguous
+    before = torch.randn(5, 2, block_size, 2 * dim, generator=gen).to(dt)
+    want, got = before.clone(), before.clone()
     amx_reference_write(want, blocks, start, k, v)
     layout = detect_layout(got, dim, "CPU_ATTN", "amx")
     layout.scatter(got, blocks, start, k, v)
     assert torch.equal(got, want)
-    gk, gv = layout.gather(want, blocks, start, start + k.shape[1])
+    gk, gv = layout.gather(want, blocks, start, start + tokens)
     assert torch.equal(gk, k) and torch.equal(gv, v) and gk.is_contiguous()
-    for a, b in ((7, 9), (1, block_size + 1), (block_size - 1, 2 * block_size + 3)):
+    for a, b in ((7, 9), (1, block_size + 1), (block_size - 1, tokens)):
         gk, gv = layout.gather(want, blocks, start + a, start + b)  # windows across blocks
         assert torch.equal(gk, k[:, a:b]) and torch.equal(gv, v[:, a:b]), (a, b)
+    keys_only = before.clone()
+    layout.write(keys_only, blocks, start, "key", k)
+    half = block_size * dim
+    assert torch.equal(keys_only.flatten(2)[..., half:], before.flatten(2)[..., half:])
+    assert torch.equal(keys_only.flatten(2)[..., :half], want.flatten(2)[..., :half])
 
 
 def test_amx_layout_refuses_what_it_cannot_pack():

@@ -95,15 +95,10 @@ class PagedLayout:
         if self.name == "split":
             view = (kv[..., :d] if key else kv[..., d:]).transpose(1, 2)  # [B, N, H, D]
             return view, (blk, off), (d,)
+        if self.name == "cpu_amx":  # no strided view reaches one token: see _amx_unpack
+            raise NotImplementedError("the AMX packing moves whole blocks")
         row = self._cpu_rows(kv, role)
         every = slice(None)
-        if self.name == "cpu_amx":
-            t = AMX_TILE
-            if key:
-                return (self._amx_tiles(row, role), (blk, every, off // t, every, off % t),
-                        (d // 2, 2))
-            return (self._amx_tiles(row, role), (blk, every, every, off // 2, every, off % 2),
-                    (d // t, t))
         if key:  # transposed: [B, H, D, N]
             return row.unflatten(2, (d, n)), (blk, every, every, off), (d,)
         return row.unflatten(2, (n, d)).transpose(1, 2), (blk, off), (d,)  # [B, N, H, D]
@@ -119,14 +114,45 @@ class PagedLayout:
         half = n * self.head_dim
         return rows[:, :, :half] if role == "key" else rows[:, :, half:]
 
-    def _amx_tiles(self, row: torch.Tensor, role: str) -> torch.Tensor:
-        """:meth:`_cpu_rows` as AMX tiles: keys ``[B, H, N/16, D/2, 16, 2]``, values
-        ``[B, H, D/16, N/2, 16, 2]``."""
-        b, h, size = row.shape
+    def _amx_unpack(self, packed: torch.Tensor, role: str) -> torch.Tensor:
+        """Contiguous AMX-packed rows ``[B, H, N*D]`` of ``role`` → ``[H, B*N, D]``.
+
+        Keys are ``[N/16, D/2, 16, 2]`` per row and values ``[D/16, N/2, 16, 2]``; the pairs
+        move as one 4-byte word (a key's two dims stay together, as do a value's two tokens),
+        which permutes 2-3x faster than 2-byte elements."""
+        b, h, size = packed.shape
         d, t = self.head_dim, AMX_TILE
         n = size // d
-        return row.view(b, h, n // t, d // 2, t, 2) if role == "key" \
-            else row.view(b, h, d // t, n // 2, t, 2)
+        words = packed.view(torch.int32)
+        if role == "key":
+            tokens = words.view(b, h, n // t, d // 2, t).permute(1, 0, 2, 4, 3).contiguous()
+            return tokens.view(packed.dtype).view(h, b * n, d)
+        pairs = words.view(b, h, d // t, n // 2, t).permute(1, 0, 3, 2, 4).contiguous()
+        return pairs.view(packed.dtype).view(h, b, n // 2, d, 2).transpose(-1, -2) \
+            .reshape(h, b * n, d)
+
+    def _amx_pack(self, x: torch.Tensor, role: str, block_size: int) -> torch.Tensor:
+        """The inverse of :meth:`_amx_unpack`: ``[H, B*N, D]`` → packed rows ``[B, H, N*D]``."""
+        h, _, d = x.shape
+        n, t = block_size, AMX_TILE
+        b = x.shape[1] // n
+        if role == "key":
+            words = x.contiguous().view(torch.int32).view(h, b, n // t, t, d // 2)
+            packed = words.permute(1, 0, 2, 4, 3)
+        else:
+            pairs = x.reshape(h, b, n // 2, 2, d).transpose(-1, -2).contiguous()
+            packed = pairs.view(torch.int32).view(h, b, n // 2, d // t, t).permute(1, 0, 3, 2, 4)
+        return packed.contiguous().view(x.dtype).view(b, h, n * d)
+
+    def _amx_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+                    tokens: int) -> tuple[torch.Tensor, int]:
+        """(ids of the blocks holding tokens ``[start, start+tokens)``, offset of ``start`` in
+        the first); the ids were checked by :func:`slots`."""
+        n = self.block_size(kv)
+        first, skip = divmod(start, n)
+        held = torch.as_tensor(list(block_ids[first:-(-(start + tokens) // n)]),
+                               dtype=torch.long, device=kv.device)
+        return held, skip
 
     # -- gather / scatter -----------------------------------------------------------------------
     def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -136,8 +162,8 @@ class PagedLayout:
         blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device,
                          self.num_blocks(kv))
         heads, tokens = self.num_heads(kv), stop - start
-        if self.name == "cpu_amx":  # per-token slots cost 2-3x one permute of whole blocks
-            return self._gather_amx_blocks(kv, block_ids, start, tokens)
+        if self.name == "cpu_amx":
+            return self._gather_amx(kv, block_ids, start, tokens)
         out = []
         for role in ("key", "value"):
             view, index, _ = self._slots_of(kv, role, blk, off)
@@ -145,22 +171,28 @@ class PagedLayout:
                        .contiguous())
         return out[0], out[1]
 
-    def _gather_amx_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
-                           tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`gather` of the AMX packing: the whole blocks holding the tokens, unpacked
-        by one permute each, then the tokens' range (block ids checked by :func:`slots`)."""
-        n, d = self.block_size(kv), self.head_dim
-        first, skip = divmod(start, n)
-        held = torch.as_tensor(list(block_ids[first:-(-(start + tokens) // n)]),
-                               dtype=torch.long, device=kv.device)
-        blocks = kv[held]  # a copy of the blocks holding the tokens
-        b, h = blocks.shape[:2]
-        out = []
-        for role, order in (("key", (1, 0, 2, 4, 3, 5)), ("value", (1, 0, 3, 5, 2, 4))):
-            tiles = self._amx_tiles(self._cpu_rows(blocks, role), role)
-            every = tiles.permute(order).reshape(h, b * n, d)  # [H, tokens of the blocks, D]
-            out.append(every[:, skip:skip + tokens].contiguous())
-        return out[0], out[1]
+    def _gather_amx(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+                    tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather` of the AMX packing: the whole blocks holding the tokens, unpacked,
+        then the tokens' range."""
+        held, skip = self._amx_blocks(kv, block_ids, start, tokens)
+        return tuple(self._amx_unpack(self._cpu_rows(kv, role)[held], role)
+                     [:, skip:skip + tokens].contiguous() for role in ("key", "value"))
+
+    def _write_amx(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
+                   y: torch.Tensor) -> None:
+        """:meth:`write` of the AMX packing, ``y`` ``[H, T, D]`` in the cache's dtype: the
+        blocks holding the tokens are unpacked (where the range leaves some of their tokens
+        out), written, packed and put back whole."""
+        n, tokens = self.block_size(kv), y.shape[1]
+        held, skip = self._amx_blocks(kv, block_ids, start, tokens)
+        rows = self._cpu_rows(kv, role)
+        if skip or tokens % n:  # a block's other tokens must stay as they are
+            every = self._amx_unpack(rows[held], role)
+            every[:, skip:skip + tokens] = y
+        else:
+            every = y
+        rows[held] = self._amx_pack(every, role, n)
 
     def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -188,14 +220,17 @@ class PagedLayout:
                              f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
         blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device,
                          self.num_blocks(kv))
-        view, index, trailing = self._slots_of(kv, role, blk, off)
-        y = x.transpose(0, 1).to(device=kv.device, dtype=kv.dtype)  # [T, H, D]
+        y = x.to(device=kv.device, dtype=kv.dtype)  # [H, T, D]
         if kv.dtype == torch.float16 and x.dtype != torch.float16 and \
                 not bool(torch.isfinite(y).all()):  # the cast made inf of a number
             raise KvtoolError(f"{role}s hold values past float16's 65504 (stored as "
                               f"{str(x.dtype).removeprefix('torch.')}): a float16 cache "
                               "cannot take them")
-        view[index] = y.reshape(tokens, heads, *trailing)
+        if self.name == "cpu_amx":
+            self._write_amx(kv, block_ids, start, role, y)
+            return
+        view, index, trailing = self._slots_of(kv, role, blk, off)
+        view[index] = y.transpose(0, 1).reshape(tokens, heads, *trailing)
 
 
 def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,
