@@ -22,10 +22,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from paged_writers import WRITERS  # noqa: E402
+
 from kvtool.codecs import Encoded, get_codec  # noqa: E402
-from kvtool.engines.vllm import device_io  # noqa: E402
+from kvtool.engines.vllm import connector_worker, device_io  # noqa: E402
 from kvtool.engines.vllm.common import flush, policy_from_extra, stats  # noqa: E402
 from kvtool.engines.vllm.layout import LAYOUTS, detect_layout  # noqa: E402
+from kvtool.engines.vllm.layout_probe import cpu_layout  # noqa: E402
 from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
 from kvtool.errors import FormatError, KvtoolError  # noqa: E402
 from kvtool.formats import load  # noqa: E402
@@ -39,19 +42,30 @@ SENTINEL = -77.0  # what the slots a load must not touch hold (exact in every fl
 CUDA = torch.cuda.is_available()
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
-AMX_BS = 16  # the AMX packing takes blocks of 16 tokens at least (vLLM: 32 and up)
+PACKED_BS = 16  # the AMX and BFMMLA packings take blocks of 16 tokens at least (vLLM: 32 up)
 #: every paged tensor vLLM hands the connector: (attention backend name, shape maker, the
 #: permutation viewing it, the CPU ISA that wrote it)
 PAGED = {
     "cpu": ("CPU_ATTN", lambda: (NB, H, BS, 2 * D), None, "vec"),
-    "cpu-amx": ("CPU_ATTN", lambda: (NB, H, AMX_BS, 2 * D), None, "amx"),
+    "cpu-amx": ("CPU_ATTN", lambda: (NB, H, PACKED_BS, 2 * D), None, "amx"),
+    # ARM's BFMMLA packing, which kvtool reads off the writer (tests/paged_writers.py)
+    "cpu-probed": ("CPU_ATTN", lambda: (NB, H, PACKED_BS, 2 * D), None, "neon"),
     "split": ("FLASH_ATTN", lambda: (NB, BS, H, 2 * D), (0, 2, 1, 3), None),  # NHD memory
     "split-hnd": ("FLASHINFER", lambda: (NB, H, BS, 2 * D), None, None),
     "flash": ("FLASH_ATTN", lambda: (2, NB, BS, H, D), None, None),
 }
-#: (kind, dtype) pairs a vLLM engine makes: the AMX packing is of 16-bit caches only
+#: (kind, dtype) pairs a vLLM engine makes: the AMX packing is of 16-bit caches only, ARM's
+#: BFMMLA of bfloat16 only
 KIND_DTYPES = [(kind, dtype) for kind in PAGED for dtype in ("bfloat16", "float16", "float32")
-               if not (kind == "cpu-amx" and dtype == "float32")]
+               if not (kind == "cpu-amx" and dtype == "float32")
+               and not (kind == "cpu-probed" and dtype != "bfloat16")]
+
+
+@pytest.fixture(autouse=True)
+def reference_cpu_writers(monkeypatch):
+    """The connector asks these writers, not vLLM's, to check its CPU layouts: vLLM's runs
+    the ISA of this machine whatever the test's layer claims."""
+    monkeypatch.setattr(connector_worker, "vllm_cpu_writer", WRITERS.__getitem__)
 
 
 def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):
@@ -63,6 +77,8 @@ def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):
         base = torch.randn(shape(), generator=torch.Generator().manual_seed(seed)) + 0.2
     kv = base.to(device=device, dtype=getattr(torch, dtype))
     kv = kv.permute(perm) if perm else kv
+    if isa is not None:  # a CPU cache: its layout checked against the writer, as the connector
+        return kv, cpu_layout(kv, D, isa, WRITERS[isa])[0]
     return kv, detect_layout(kv, D, backend, isa)
 
 
@@ -373,7 +389,7 @@ def connector(store: Path, kind: str, role: str = "worker", **parallel: int):
 
 
 def block_size(kind: str) -> int:
-    return AMX_BS if kind == "cpu-amx" else BS
+    return PACKED_BS if kind in ("cpu-amx", "cpu-probed") else BS
 
 
 def connector_load(conn, names: list[str], kind: str, chunks: list) -> tuple[list, set]:
@@ -391,7 +407,7 @@ def connector_load(conn, names: list[str], kind: str, chunks: list) -> tuple[lis
     return fresh, conn.get_block_ids_with_load_errors()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cpu-amx", "split", "flash"])
+@pytest.mark.parametrize("kind", ["cpu", "cpu-amx", "cpu-probed", "split", "flash"])
 def test_the_connector_takes_either_path_with_the_same_results(tmp_path, kind, monkeypatch):
     """Saves and loads through KvtoolConnector's own hooks: on CPU caches the host path (the
     device path's functions never called), forced onto the device path the same files and

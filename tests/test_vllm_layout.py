@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from paged_writers import amx_write, write_tokens  # noqa: E402
+
 from kvtool.engines.vllm.layout import (  # noqa: E402
     PagedLayout,
     UnsupportedLayoutError,
@@ -144,22 +146,6 @@ def test_kernel_block_ids():
     assert kernel_block_ids([4, 1], 2) == [8, 9, 2, 3]
 
 
-def amx_reference_write(kv: torch.Tensor, block_ids, start: int, k, v) -> None:
-    """Place token by token as vLLM's ``amx`` ISA packs a (block, head) row: K in tiles of 16
-    tokens, each token's dims in pairs; then V in tiles of 16 dims, tokens in pairs."""
-    heads, tokens, dim = k.shape
-    bs = kv.shape[2]
-    for t in range(tokens):
-        pos = start + t
-        b, o = block_ids[pos // bs], pos % bs
-        for h in range(heads):
-            row = kv[b, h].reshape(-1)
-            for d in range(dim):
-                row[((o // 16) * (dim // 2) + d // 2) * 32 + (o % 16) * 2 + d % 2] = k[h, t, d]
-                row[bs * dim + ((d // 16) * (bs // 2) + o // 2) * 32 + (d % 16) * 2 + o % 2] = \
-                    v[h, t, d]
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("block_size,dim,start,tokens", [
     (32, 64, 0, 67), (32, 64, 21, 67), (64, 32, 5, 131), (16, 48, 3, 35),
@@ -174,7 +160,7 @@ def test_amx_layout_matches_reference_and_gather_inverts(dtype, block_size, dim,
     blocks = [4, 0, 3, 1, 2]  # out of order, not contiguous
     before = torch.randn(5, 2, block_size, 2 * dim, generator=gen).to(dt)
     want, got = before.clone(), before.clone()
-    amx_reference_write(want, blocks, start, k, v)
+    write_tokens(amx_write, want, blocks, start, k, v)
     layout = detect_layout(got, dim, "CPU_ATTN", "amx")
     layout.scatter(got, blocks, start, k, v)
     assert torch.equal(got, want)

@@ -24,6 +24,7 @@ from kvtool.engines.vllm.common import (
     submit,
 )
 from kvtool.engines.vllm.layout import PagedLayout
+from kvtool.engines.vllm.layout_probe import vllm_cpu_writer
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.served_model import tokenizer_fingerprint_of
 
@@ -73,7 +74,7 @@ class WorkerHalf:
             self._layers = paged_io.layer_table(
                 self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
                 int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
-                extract_layer_index)
+                extract_layer_index, vllm_cpu_writer)
         return self._layers
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

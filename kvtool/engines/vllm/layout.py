@@ -12,6 +12,10 @@ What differs between attention backends is the layout *inside* the per-layer ten
           blocks of a multiple of 32): each (block, head) row holds K packed for AMX tiles as
           ``[block_size/16, head_dim/2, 16, 2]`` (16 tokens a tile, dims in pairs), then V as
           ``[head_dim/16, block_size/2, 16, 2]`` (16 dims a tile, tokens in pairs).
+``cpu_probed`` a CPU cache packed as no layout above says (another ISA: ARM's ``neon``, POWER's
+          ``vsx``, …; or a vLLM release that changed a packing): each (block, head) row half is
+          a permutation of its tokens' elements, read off vLLM's own cache writer
+          (:mod:`~kvtool.engines.vllm.layout_probe`) and kept as ``offsets``.
 ``split`` vLLM ≥ 0.2x's standardized per-layer view ``[num_blocks, kv_heads, block_size,
           2*head_dim]`` (FlashAttention, Triton, FlashInfer): ``[..., :D]`` is K, ``[..., D:]`` V;
           the view's strides hide whether memory is NHD or HND.
@@ -23,14 +27,16 @@ Every function takes and returns K/V as ``[kv_heads, tokens, head_dim]`` (kvtool
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from kvtool.errors import KvtoolError
 
-LAYOUTS = ("cpu", "cpu_amx", "split", "flash")
+LAYOUTS = ("cpu", "cpu_amx", "cpu_probed", "split", "flash")
+BLOCK_PACKED = ("cpu_amx", "cpu_probed")  # moved by whole blocks: no strided view of a token
 AMX_TILE = 16  # tokens (keys) or dims (values) in one row of an AMX tile
 AMX_DTYPES = (torch.bfloat16, torch.float16)  # two to a 4-byte pair: the packing kvtool knows
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the caches kvtool reads and writes
@@ -42,15 +48,32 @@ class UnsupportedLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """One of :data:`LAYOUTS` plus the head_dim that splits K from V."""
+    """One of :data:`LAYOUTS` plus the head_dim that splits K from V; ``cpu_probed`` also
+    takes ``offsets``: per role, where each element of a (block, head) row half goes, a
+    permutation of ``block_size * head_dim`` ordered (token, dim)."""
 
     name: str
     head_dim: int
+    offsets: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUTS:
             raise UnsupportedLayoutError(f"unknown paged layout {self.name!r}; "
                                          f"known: {', '.join(LAYOUTS)}")
+        if (self.name == "cpu_probed") != (self.offsets is not None):
+            raise ValueError("offsets are what a cpu_probed layout, and only one, is made of")
+        if self.offsets is not None:
+            size = {int(o.numel()) for o in self.offsets.values()}
+            if set(self.offsets) != {"key", "value"} or len(size) != 1 or \
+                    any(not torch.equal(o.sort().values, torch.arange(o.numel()))
+                        for o in self.offsets.values()):
+                raise ValueError("a cpu_probed layout's offsets must be one permutation per "
+                                 "role (key, value) of one row size")
+
+    @cached_property
+    def _positions(self) -> dict[str, torch.Tensor]:
+        """``cpu_probed``: the inverse of ``offsets`` (row position → (token, dim) index)."""
+        return {role: o.argsort() for role, o in (self.offsets or {}).items()}
 
     # -- geometry -------------------------------------------------------------------------------
     def block_size(self, kv: torch.Tensor) -> int:
@@ -75,6 +98,11 @@ class PagedLayout:
                 f"a paged KV cache of {str(kv.dtype).removeprefix('torch.')} (an fp8 "
                 "--kv-cache-dtype?) holds scaled codes kvtool cannot read or write; the store "
                 "serves float16, bfloat16 and float32 caches")
+        if self.offsets is not None and \
+                int(self.offsets["key"].numel()) != kv.shape[2] * d:
+            raise UnsupportedLayoutError(
+                f"a CPU packing read off blocks of {int(self.offsets['key'].numel()) // d} "
+                f"tokens cannot place a cache with blocks of {kv.shape[2]}")
         if self.name == "cpu_amx" and (kv.dtype not in AMX_DTYPES or kv.shape[2] % AMX_TILE
                                        or d % AMX_TILE):
             raise UnsupportedLayoutError(
@@ -95,8 +123,8 @@ class PagedLayout:
         if self.name == "split":
             view = (kv[..., :d] if key else kv[..., d:]).transpose(1, 2)  # [B, N, H, D]
             return view, (blk, off), (d,)
-        if self.name == "cpu_amx":  # no strided view reaches one token: see _amx_unpack
-            raise NotImplementedError("the AMX packing moves whole blocks")
+        if self.name in BLOCK_PACKED:  # no strided view reaches one token: see _unpack
+            raise NotImplementedError(f"the {self.name} layout moves whole blocks")
         row = self._cpu_rows(kv, role)
         every = slice(None)
         if key:  # transposed: [B, H, D, N]
@@ -113,6 +141,25 @@ class PagedLayout:
                                          "(block, head)") from None
         half = n * self.head_dim
         return rows[:, :, :half] if role == "key" else rows[:, :, half:]
+
+    def _unpack(self, packed: torch.Tensor, role: str) -> torch.Tensor:
+        """Contiguous packed rows ``[B, H, N*D]`` of ``role`` → ``[H, B*N, D]``."""
+        if self.name == "cpu_amx":
+            return self._amx_unpack(packed, role)
+        b, h, size = packed.shape  # elements made rows: a gather of rows is 2-3x one of columns
+        by_element = packed.view(b * h, size).t().contiguous()
+        tokens = by_element.index_select(0, self.offsets[role].to(packed.device))  # (token, dim)
+        return tokens.view(-1, self.head_dim, b, h).permute(3, 2, 0, 1) \
+            .reshape(h, -1, self.head_dim)
+
+    def _pack(self, x: torch.Tensor, role: str, block_size: int) -> torch.Tensor:
+        """The inverse of :meth:`_unpack`: ``[H, B*N, D]`` → packed rows ``[B, H, N*D]``."""
+        if self.name == "cpu_amx":
+            return self._amx_pack(x, role, block_size)
+        h = x.shape[0]
+        by_element = x.reshape(h, -1, block_size * self.head_dim).permute(2, 1, 0).contiguous()
+        packed = by_element.index_select(0, self._positions[role].to(x.device))  # [N*D, B, H]
+        return packed.permute(1, 2, 0).contiguous()
 
     def _amx_unpack(self, packed: torch.Tensor, role: str) -> torch.Tensor:
         """Contiguous AMX-packed rows ``[B, H, N*D]`` of ``role`` → ``[H, B*N, D]``.
@@ -144,7 +191,7 @@ class PagedLayout:
             packed = pairs.view(torch.int32).view(h, b, n // 2, d // t, t).permute(1, 0, 3, 2, 4)
         return packed.contiguous().view(x.dtype).view(b, h, n * d)
 
-    def _amx_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+    def _blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                     tokens: int) -> tuple[torch.Tensor, int]:
         """(ids of the blocks holding tokens ``[start, start+tokens)``, offset of ``start`` in
         the first); the ids were checked by :func:`slots`."""
@@ -162,8 +209,8 @@ class PagedLayout:
         blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device,
                          self.num_blocks(kv))
         heads, tokens = self.num_heads(kv), stop - start
-        if self.name == "cpu_amx":
-            return self._gather_amx(kv, block_ids, start, tokens)
+        if self.name in BLOCK_PACKED:
+            return self._gather_blocks(kv, block_ids, start, tokens)
         out = []
         for role in ("key", "value"):
             view, index, _ = self._slots_of(kv, role, blk, off)
@@ -171,28 +218,28 @@ class PagedLayout:
                        .contiguous())
         return out[0], out[1]
 
-    def _gather_amx(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
-                    tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`gather` of the AMX packing: the whole blocks holding the tokens, unpacked,
-        then the tokens' range."""
-        held, skip = self._amx_blocks(kv, block_ids, start, tokens)
-        return tuple(self._amx_unpack(self._cpu_rows(kv, role)[held], role)
+    def _gather_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
+                       tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gather` of a :data:`BLOCK_PACKED` layout: the whole blocks holding the
+        tokens, unpacked, then the tokens' range."""
+        held, skip = self._blocks(kv, block_ids, start, tokens)
+        return tuple(self._unpack(self._cpu_rows(kv, role)[held], role)
                      [:, skip:skip + tokens].contiguous() for role in ("key", "value"))
 
-    def _write_amx(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
-                   y: torch.Tensor) -> None:
-        """:meth:`write` of the AMX packing, ``y`` ``[H, T, D]`` in the cache's dtype: the
-        blocks holding the tokens are unpacked (where the range leaves some of their tokens
-        out), written, packed and put back whole."""
+    def _write_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
+                      y: torch.Tensor) -> None:
+        """:meth:`write` of a :data:`BLOCK_PACKED` layout, ``y`` ``[H, T, D]`` in the cache's
+        dtype: the blocks holding the tokens are unpacked (where the range leaves some of
+        their tokens out), written, packed and put back whole."""
         n, tokens = self.block_size(kv), y.shape[1]
-        held, skip = self._amx_blocks(kv, block_ids, start, tokens)
+        held, skip = self._blocks(kv, block_ids, start, tokens)
         rows = self._cpu_rows(kv, role)
         if skip or tokens % n:  # a block's other tokens must stay as they are
-            every = self._amx_unpack(rows[held], role)
+            every = self._unpack(rows[held], role)
             every[:, skip:skip + tokens] = y
         else:
             every = y
-        rows[held] = self._amx_pack(every, role, n)
+        rows[held] = self._pack(every, role, n)
 
     def scatter(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                 keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -226,8 +273,8 @@ class PagedLayout:
             raise KvtoolError(f"{role}s hold values past float16's 65504 (stored as "
                               f"{str(x.dtype).removeprefix('torch.')}): a float16 cache "
                               "cannot take them")
-        if self.name == "cpu_amx":
-            self._write_amx(kv, block_ids, start, role, y)
+        if self.name in BLOCK_PACKED:
+            self._write_blocks(kv, block_ids, start, role, y)
             return
         view, index, trailing = self._slots_of(kv, role, blk, off)
         view[index] = y.transpose(0, 1).reshape(tokens, heads, *trailing)

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from kvtool.engines.vllm import device_io
-from kvtool.engines.vllm.common import Source, check_cache
+from kvtool.engines.vllm.common import Source, check_cache, log
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
+from kvtool.engines.vllm.layout_probe import Writer, cpu_layout
 from kvtool.engines.vllm.safeio import pin_file
 from kvtool.engines.vllm.store import check_file
 
@@ -35,17 +36,31 @@ Layers = Sequence[tuple[torch.Tensor, PagedLayout, int]]
 
 
 def layer_table(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
-                num_blocks: int, model_info: dict,
-                layer_index: Callable[[str], int]) -> list[tuple[torch.Tensor, PagedLayout, int]]:
+                num_blocks: int, model_info: dict, layer_index: Callable[[str], int],
+                cpu_writer: Callable[[str], Writer] | None = None,
+                ) -> list[tuple[torch.Tensor, PagedLayout, int]]:
     """The caches as :data:`Layers`, ordered by ``layer_index`` of their names: each one's
     layout detected from its attention layer in ``forward_context`` (vLLM's static forward
-    context), its ratio from ``num_blocks`` (the scheduler's blocks; 0: unknown, ratio 1)."""
+    context), its ratio from ``num_blocks`` (the scheduler's blocks; 0: unknown, ratio 1).
+    A CPU cache's layout is checked against (or read off) ``cpu_writer(isa)``, vLLM's own
+    cache writer (:func:`~kvtool.engines.vllm.layout_probe.cpu_layout`), once per kind."""
     table = []
+    cpu_layouts: dict[tuple, PagedLayout] = {}
     for name in sorted(kv_caches, key=layer_index):
         kv, layer = kv_caches[name], forward_context.get(name)
         backend = layer.attn_backend.get_name() if layer is not None else None
         head_dim = int(getattr(layer, "head_size", model_info["head_dim"]))
-        layout = detect_layout(kv, head_dim, backend, getattr(layer, "isa", None))
+        isa = getattr(layer, "isa", None)
+        if (backend or "").upper().startswith("CPU") and cpu_writer is not None and isa:
+            kind = (kv.dtype, tuple(kv.shape[1:]), head_dim, isa)
+            if kind not in cpu_layouts:
+                cpu_layouts[kind], warning = cpu_layout(kv, head_dim, isa, cpu_writer(isa))
+                if warning:
+                    log.warning("kvtool store: %s", warning)
+            layout = cpu_layouts[kind]
+            layout.check(kv)
+        else:
+            layout = detect_layout(kv, head_dim, backend, isa)
         ratio = layout.num_blocks(kv) // num_blocks if num_blocks else 1
         table.append((kv, layout, max(1, ratio)))
     if len(table) != model_info["num_layers"]:

@@ -1,0 +1,132 @@
+"""A CPU paged layout checked against vLLM's own cache writer, or read off it.
+
+vLLM's CPU attention packs each (block, head) row of its paged cache the way the ISA it picked
+computes best: ``vec`` transposes the keys, ``amx`` packs AMX tiles, ARM's ``neon`` with BF16
+packs BFMMLA tiles, POWER, s390x and RISC-V have their own; and a vLLM release may change a
+packing. A layout read wrongly loads caches that decode to garbage and says nothing, so the
+connector asks the writer itself, once per (dtype, block size, head_dim, ISA), at start-up:
+
+1. a layout kvtool knows for the ISA must agree with the writer: a cache the writer filled
+   gathers back exactly, and one the layout scattered equals the writer's, bit for bit;
+2. otherwise the writer runs on probe tokens whose elements carry their own token and dim
+   (base-64 digits, exact in every 16-bit float), and the permutation of each row half it
+   makes is read back as a ``cpu_probed`` layout, which must then agree as in 1.
+
+A writer whose packing is not such a permutation, or that fails on the probe of an ISA kvtool
+does not know, is refused (:class:`~kvtool.engines.vllm.layout.UnsupportedLayoutError`): the
+server then runs without its store. Only :func:`vllm_cpu_writer` touches vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvtool.engines.vllm.layout import PagedLayout, UnsupportedLayoutError, detect_layout
+
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""Writes (key ``[T, H, D]``, value ``[T, H, D]``) into (paged cache ``[B, H, N, 2D]``,
+slot_mapping ``[T]``) as vLLM's CPU backend does."""
+
+DIGIT = 64  # one probe's values are 1..64: exact in float16, bfloat16 and float32
+
+
+def vllm_cpu_writer(isa: str) -> Writer:
+    """vLLM's ``cpu_attn_reshape_and_cache`` for ``isa``, as ``cpu_attn.py`` calls it."""
+
+    def write(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        b, h, n, _ = kv.shape
+        key_cache, value_cache = kv.view(b, h, 2 * n, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+    return write
+
+
+def cpu_layout(kv: torch.Tensor, head_dim: int, isa: str | None,
+               writer: Writer | None) -> tuple[PagedLayout, str | None]:
+    """(layout of a CPU paged cache that ``isa`` wrote, a warning to log or None), checked
+    against ``writer`` where there is one (module doc); UnsupportedLayoutError where none
+    fits."""
+    try:
+        known, refused = detect_layout(kv, head_dim, "CPU_ATTN", isa), None
+    except UnsupportedLayoutError as e:
+        known, refused = None, e
+    if writer is None or isa is None:
+        if known is None:
+            raise refused
+        return known, None
+    PagedLayout("cpu", head_dim).check(kv)  # its shape and dtype (fp8 codes are refused)
+    n = int(kv.shape[2])
+    try:
+        if known is not None and agrees(known, writer, kv.dtype, n):
+            return known, None
+        probed = PagedLayout("cpu_probed", head_dim, probe_offsets(writer, kv.dtype, n, head_dim))
+        fits = agrees(probed, writer, kv.dtype, n)
+    except UnsupportedLayoutError:
+        raise
+    except Exception as e:  # the writer itself failed on a probe
+        if known is None:
+            raise UnsupportedLayoutError(f"vLLM's cache writer for the CPU attention ISA "
+                                         f"{isa!r} failed on a probe ({e})") from e
+        return known, (f"could not check the {known.name!r} layout against vLLM's {isa!r} "
+                       f"cache writer ({type(e).__name__}: {e}); using it unchecked")
+    if not fits:
+        raise UnsupportedLayoutError(f"vLLM's cache writer for the CPU attention ISA {isa!r} "
+                                     "packs blocks in a way kvtool cannot read back")
+    what = (f"kvtool's {known.name!r} layout disagrees with vLLM's {isa!r} cache writer"
+            if known is not None else f"the CPU attention ISA {isa!r} is new to kvtool")
+    return probed, f"{what}: using the packing read off the writer"
+
+
+def agrees(layout: PagedLayout, writer: Writer, dtype: torch.dtype, block_size: int,
+           heads: int = 2) -> bool:
+    """Whether ``layout`` reads and writes a cache exactly as ``writer`` does: random tokens
+    over two out-of-order blocks, the second one partly filled."""
+    n, d = block_size, layout.head_dim
+    tokens = n + n // 2 + 1
+    gen = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(tokens, heads, d, generator=gen).to(dtype) for _ in range(2))
+    blocks = [2, 0]
+    slot_mapping = torch.tensor([blocks[p // n] * n + p % n for p in range(tokens)])
+    written = torch.zeros(3, heads, n, 2 * d, dtype=dtype)
+    writer(key, value, written, slot_mapping)
+    k, v = layout.gather(written, blocks, 0, tokens)
+    ours = torch.zeros_like(written)
+    layout.scatter(ours, blocks, 0, key.transpose(0, 1), value.transpose(0, 1))
+    return (torch.equal(k, key.transpose(0, 1)) and torch.equal(v, value.transpose(0, 1))
+            and torch.equal(ours, written))
+
+
+def probe_offsets(writer: Writer, dtype: torch.dtype, block_size: int,
+                  head_dim: int) -> dict[str, torch.Tensor]:
+    """Per role, the row-half position of each (token, dim) element of one block that
+    ``writer`` fills (:class:`PagedLayout`'s ``offsets``); UnsupportedLayoutError where its
+    packing is not one permutation of each row half."""
+    n, d = block_size, head_dim
+    digits = 1
+    while DIGIT ** digits < max(n, d):
+        digits += 1
+    token = torch.arange(n).view(n, 1, 1).expand(n, 1, d)
+    dim = torch.arange(d).view(1, 1, d).expand(n, 1, d)
+    held = torch.zeros(2, n * d, dtype=torch.long)  # per row half: the (token, dim) it holds
+    for quantity, weight in ((token, d), (dim, 1)):
+        for j in range(digits):
+            digit = (quantity // DIGIT ** j) % DIGIT + 1
+            kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
+            writer(digit.to(dtype), (-digit).to(dtype), kv, torch.arange(n))
+            got = kv.view(2, n * d).double() * torch.tensor([[1.0], [-1.0]], dtype=torch.double)
+            if not bool(((got >= 1) & (got <= DIGIT) & (got == got.round())).all()):
+                raise UnsupportedLayoutError(
+                    "vLLM's CPU cache writer does not keep a block's keys in the first half "
+                    "of each (block, head) row and its values in the second, element for "
+                    "element")
+            held += (got.long() - 1) * (DIGIT ** j * weight)
+    every = torch.arange(n * d)
+    if not all(torch.equal(h.sort().values, every) for h in held):
+        raise UnsupportedLayoutError("vLLM's CPU cache writer does not place each element of a "
+                                     "block exactly once")
+    return {"key": held[0].argsort(), "value": held[1].argsort()}
