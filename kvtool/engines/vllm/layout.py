@@ -234,8 +234,14 @@ class PagedLayout:
         n, tokens = self.block_size(kv), y.shape[1]
         held, skip = self._blocks(kv, block_ids, start, tokens)
         rows = self._cpu_rows(kv, role)
-        if skip or tokens % n:  # a block's other tokens must stay as they are
-            every = self._unpack(rows[held], role)
+        # the first and last blocks' other tokens must stay as they are
+        partial = sorted({i for i, cut in ((0, skip), (len(held) - 1, (skip + tokens) % n))
+                          if cut})
+        if partial:
+            every = y.new_empty(y.shape[0], len(held) * n, y.shape[2])
+            kept = self._unpack(rows[held[partial]], role)
+            for j, i in enumerate(partial):
+                every[:, i * n:(i + 1) * n] = kept[:, j * n:(j + 1) * n]
             every[:, skip:skip + tokens] = y
         else:
             every = y
