@@ -43,6 +43,18 @@ bfmmla_write = _writer(
     lambda o, d, n, dim: (o // 8) * (dim // 4) * 32 + (d // 4) * 32 + (o % 8) * 4 + d % 4,
     lambda o, d, n, dim: (d // 2) * 2 * n + (o // 4) * 8 + (d % 2) * 4 + o % 4)
 
+def fp8_writer(writer, code_dtype: torch.dtype):
+    """``writer`` of an fp8 cache at unit scales: K/V rounded to ``code_dtype``'s codes (to
+    nearest even, as vLLM's CUDA kernels; its CPU writer truncates) and placed as bytes."""
+
+    def write(key: torch.Tensor, value: torch.Tensor, kv: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        writer(key.float().to(code_dtype).view(torch.uint8),
+               value.float().to(code_dtype).view(torch.uint8), kv, slot_mapping)
+
+    return write
+
+
 WRITERS = {"vec": vec_write, "vec16": vec_write, "amx": amx_write, "neon": bfmmla_write}
 
 

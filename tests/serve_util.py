@@ -24,6 +24,7 @@ class Server:
     store: Path
     log: Path
     policy: tuple[str, ...] = ()  # policy options (``--preset small``); none: the default
+    engine: tuple[str, ...] = ()  # vLLM's own options (``--kv-cache-dtype fp8``)
     port: int = 0
     proc: subprocess.Popen | None = None
     notes: dict = field(default_factory=dict)
@@ -37,7 +38,8 @@ class Server:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [kvtool, "serve", "--store", str(self.store), "--port", str(self.port),
-                 *self.policy, "--max-model-len", "1024", "--", "--max-num-seqs", "8"],
+                 *self.policy, "--max-model-len", "1024", "--", "--max-num-seqs", "8",
+                 *self.engine],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 300
         while True:

@@ -123,8 +123,11 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "--max-model-len instead" in refused("--", "--max_model_len", "999999")
     assert "give --store" in refused("--store-timeout", "2")
     for fp8 in (["--kv-cache-dtype", "fp8"], ["--kv_cache_dtype=fp8_e5m2"],
-                ["--kv-cache-d", "fp8_e4m3"]):  # scaled codes: no store or pin can serve them
-        assert "fp8 paged cache" in refused("--store", store, "--", *fp8)
+                ["--kv-cache-d", "fp8_e4m3"]):  # rounded K/V: never filed as exact
+        assert "lossless store policy" in refused("--store", store, "--codec", "raw", "--", *fp8)
+        assert fp8[-1] in dry_run(runner, "--store", store, "--", *fp8)["argv"][-1]
+    assert "kvtool reads fp8 (e4m3, e5m2)" in refused("--store", store, "--",
+                                                      "--kv-cache-dtype", "fp8_inc")
     assert "--kv-cache-dtype" in dry_run(runner, "--", "--kv-cache-dtype", "fp8")["argv"]
     for parallel in (["-tp", "2"], ["--tensor-parallel-size=4"], ["-pp", "2"],
                      ["--pipeline_parallel_size", "2"], ["-pcp", "2"],

@@ -65,7 +65,8 @@ KIND_DTYPES = [(kind, dtype) for kind in PAGED for dtype in ("bfloat16", "float1
 def reference_cpu_writers(monkeypatch):
     """The connector asks these writers, not vLLM's, to check its CPU layouts: vLLM's runs
     the ISA of this machine whatever the test's layer claims."""
-    monkeypatch.setattr(connector_worker, "vllm_cpu_writer", WRITERS.__getitem__)
+    monkeypatch.setattr(connector_worker, "vllm_cpu_writer",
+                        lambda isa, kv_cache_dtype="auto": WRITERS[isa])
 
 
 def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):

@@ -187,7 +187,7 @@ def test_layer_table_probes_once_per_kind_and_logs_the_replacement(caplog):
     layout, the writer is asked once for all of them, and the log says so once."""
     calls = []
 
-    def writer_for(isa: str):
+    def writer_for(isa: str, kv_cache_dtype: str):
         calls.append(isa)
         return WRITERS[isa]
 

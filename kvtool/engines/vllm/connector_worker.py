@@ -23,10 +23,12 @@ from kvtool.engines.vllm.common import (
     saves_full,
     submit,
 )
+from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.layout_probe import vllm_cpu_writer
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
 from kvtool.engines.vllm.served_model import tokenizer_fingerprint_of
+from kvtool.errors import KvtoolError
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -71,10 +73,14 @@ class WorkerHalf:
         if self._layers is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            self._layers = paged_io.layer_table(
+            layers = paged_io.layer_table(
                 self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
                 int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
                 extract_layer_index, vllm_cpu_writer)
+            if any(layout.fp8 for _, layout, _ in layers) and \
+                    not self.policy.is_lossy(self.model_info["dtype"]):
+                raise KvtoolError(FP8_LOSSLESS)
+            self._layers = layers
         return self._layers
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

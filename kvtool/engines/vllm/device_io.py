@@ -254,7 +254,7 @@ def decode_into(kv: torch.Tensor, layout: PagedLayout, block_ids: Sequence[int],
     a, b = max(lo, part.start), min(hi, part.stop)
     if a >= b:
         return
-    dtype = str(kv.dtype).removeprefix("torch.")
+    dtype = str(layout.values_dtype(kv)).removeprefix("torch.")
     if dtype == "float16" and part.encoded.dtype != "float16":
         dtype = "float32"  # not saturated: PagedLayout.write refuses what fp16 cannot hold
     try:
@@ -277,8 +277,8 @@ def warm_up(policy: CodecPolicy, kv: torch.Tensor, layout: PagedLayout, tokens: 
     ``tokens`` of the paged cache ``kv``, so that the first save or load does not pay it within
     a step. Failures are ignored: a warm-up never stops the engine."""
     shape = (layout.num_heads(kv), tokens, layout.head_dim)
-    x = torch.randn(shape, device=kv.device).to(kv.dtype)
-    name = str(kv.dtype).removeprefix("torch.")
+    x = torch.randn(shape, device=kv.device).to(layout.values_dtype(kv))
+    name = str(x.dtype).removeprefix("torch.")
     for codec in policy.codecs():
         with contextlib.suppress(Exception):
             codec.decode(codec.encode(x), name if name in FLOAT_DTYPES else None)

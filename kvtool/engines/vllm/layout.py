@@ -33,12 +33,13 @@ from functools import cached_property
 
 import torch
 
+from kvtool.engines.vllm.fp8_cache import Fp8Cache
 from kvtool.errors import KvtoolError
 
 LAYOUTS = ("cpu", "cpu_amx", "cpu_probed", "split", "flash")
 BLOCK_PACKED = ("cpu_amx", "cpu_probed")  # moved by whole blocks: no strided view of a token
 AMX_TILE = 16  # tokens (keys) or dims (values) in one row of an AMX tile
-AMX_DTYPES = (torch.bfloat16, torch.float16)  # two to a 4-byte pair: the packing kvtool knows
+AMX_PAIR_WORDS = {2: torch.int32, 1: torch.int16}  # element size → a pair of them as one word
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the caches kvtool reads and writes
 
 
@@ -50,11 +51,14 @@ class UnsupportedLayoutError(ValueError):
 class PagedLayout:
     """One of :data:`LAYOUTS` plus the head_dim that splits K from V; ``cpu_probed`` also
     takes ``offsets``: per role, where each element of a (block, head) row half goes, a
-    permutation of ``block_size * head_dim`` ordered (token, dim)."""
+    permutation of ``block_size * head_dim`` ordered (token, dim). ``fp8``: the cache holds
+    fp8 codes of scaled K/V (:class:`~kvtool.engines.vllm.fp8_cache.Fp8Cache`); gather and
+    write then take and give real K/V all the same."""
 
     name: str
     head_dim: int
     offsets: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    fp8: Fp8Cache | None = None
 
     def __post_init__(self) -> None:
         if self.name not in LAYOUTS:
@@ -85,6 +89,10 @@ class PagedLayout:
     def num_heads(self, kv: torch.Tensor) -> int:
         return int(kv.shape[3] if self.name == "flash" else kv.shape[1])
 
+    def values_dtype(self, kv: torch.Tensor) -> torch.dtype:
+        """The dtype of the K/V :meth:`gather` gives (an fp8 cache's: the model's)."""
+        return getattr(torch, self.fp8.dtype) if self.fp8 is not None else kv.dtype
+
     def check(self, kv: torch.Tensor) -> None:
         """Raise :class:`UnsupportedLayoutError` when ``kv`` is not shaped like this layout."""
         d = self.head_dim
@@ -93,22 +101,27 @@ class PagedLayout:
         if not ok:
             raise UnsupportedLayoutError(f"a paged KV tensor of shape {tuple(kv.shape)} is not "
                                          f"the {self.name!r} layout with head_dim {d}")
-        if kv.dtype not in CACHE_DTYPES:  # fp8 caches come as uint8: bytes, not values
+        if self.fp8 is not None:
+            if kv.dtype not in (torch.uint8, self.fp8.code_dtype):
+                raise UnsupportedLayoutError(
+                    f"a paged KV cache of {str(kv.dtype).removeprefix('torch.')} does not hold "
+                    f"fp8 {self.fp8.format} codes")
+        elif kv.dtype not in CACHE_DTYPES:  # fp8 caches come as uint8: bytes, not values
             raise UnsupportedLayoutError(
                 f"a paged KV cache of {str(kv.dtype).removeprefix('torch.')} (an fp8 "
-                "--kv-cache-dtype?) holds scaled codes kvtool cannot read or write; the store "
-                "serves float16, bfloat16 and float32 caches")
+                "--kv-cache-dtype?) holds scaled codes, and its layer named no fp8 format and "
+                "scales to read them with")
         if self.offsets is not None and \
                 int(self.offsets["key"].numel()) != kv.shape[2] * d:
             raise UnsupportedLayoutError(
                 f"a CPU packing read off blocks of {int(self.offsets['key'].numel()) // d} "
                 f"tokens cannot place a cache with blocks of {kv.shape[2]}")
-        if self.name == "cpu_amx" and (kv.dtype not in AMX_DTYPES or kv.shape[2] % AMX_TILE
-                                       or d % AMX_TILE):
+        if self.name == "cpu_amx" and (kv.element_size() not in AMX_PAIR_WORDS
+                                       or kv.shape[2] % AMX_TILE or d % AMX_TILE):
             raise UnsupportedLayoutError(
                 f"an AMX-packed CPU cache of {str(kv.dtype).removeprefix('torch.')}, blocks of "
-                f"{kv.shape[2]} and head_dim {d}: kvtool knows 16-bit caches whose block size "
-                f"and head_dim are multiples of {AMX_TILE}")
+                f"{kv.shape[2]} and head_dim {d}: kvtool knows 8- and 16-bit caches whose "
+                f"block size and head_dim are multiples of {AMX_TILE}")
 
     # -- where one role's tokens are -----------------------------------------------------------
     def _slots_of(self, kv: torch.Tensor, role: str, blk: torch.Tensor,
@@ -170,7 +183,7 @@ class PagedLayout:
         b, h, size = packed.shape
         d, t = self.head_dim, AMX_TILE
         n = size // d
-        words = packed.view(torch.int32)
+        words = packed.view(AMX_PAIR_WORDS[packed.element_size()])
         if role == "key":
             tokens = words.view(b, h, n // t, d // 2, t).permute(1, 0, 2, 4, 3).contiguous()
             return tokens.view(packed.dtype).view(h, b * n, d)
@@ -184,11 +197,13 @@ class PagedLayout:
         n, t = block_size, AMX_TILE
         b = x.shape[1] // n
         if role == "key":
-            words = x.contiguous().view(torch.int32).view(h, b, n // t, t, d // 2)
+            words = x.contiguous().view(AMX_PAIR_WORDS[x.element_size()]) \
+                .view(h, b, n // t, t, d // 2)
             packed = words.permute(1, 0, 2, 4, 3)
         else:
             pairs = x.reshape(h, b, n // 2, 2, d).transpose(-1, -2).contiguous()
-            packed = pairs.view(torch.int32).view(h, b, n // 2, d // t, t).permute(1, 0, 3, 2, 4)
+            packed = pairs.view(AMX_PAIR_WORDS[x.element_size()]) \
+                .view(h, b, n // 2, d // t, t).permute(1, 0, 3, 2, 4)
         return packed.contiguous().view(x.dtype).view(b, h, n * d)
 
     def _blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -204,18 +219,23 @@ class PagedLayout:
     # -- gather / scatter -----------------------------------------------------------------------
     def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
                stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V ``[kv_heads, stop-start, head_dim]`` for tokens ``[start, stop)``."""
+        """Copies of K and V ``[kv_heads, stop-start, head_dim]`` for tokens ``[start, stop)``
+        (an fp8 cache's dequantized)."""
         self.check(kv)
         blk, off = slots(block_ids, self.block_size(kv), start, stop, kv.device,
                          self.num_blocks(kv))
         heads, tokens = self.num_heads(kv), stop - start
         if self.name in BLOCK_PACKED:
-            return self._gather_blocks(kv, block_ids, start, tokens)
-        out = []
-        for role in ("key", "value"):
-            view, index, _ = self._slots_of(kv, role, blk, off)
-            out.append(view[index].reshape(tokens, heads, self.head_dim).transpose(0, 1)
-                       .contiguous())
+            out = list(self._gather_blocks(kv, block_ids, start, tokens))
+        else:
+            out = []
+            for role in ("key", "value"):
+                view, index, _ = self._slots_of(kv, role, blk, off)
+                out.append(view[index].reshape(tokens, heads, self.head_dim).transpose(0, 1)
+                           .contiguous())
+        if self.fp8 is not None:
+            out = [self.fp8.decode(x, role) for x, role in zip(out, ("key", "value"),
+                                                               strict=True)]
         return out[0], out[1]
 
     def _gather_blocks(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -259,9 +279,9 @@ class PagedLayout:
     def write(self, kv: torch.Tensor, block_ids: Sequence[int], start: int, role: str,
               x: torch.Tensor) -> None:
         """Write one role's ``x`` ``[kv_heads, T, head_dim]`` (``role``: "key" or "value")
-        into tokens ``[start, start+T)`` of the blocks, cast to the cache's dtype and device;
-        :class:`KvtoolError` where the cast to float16 would make inf of a value, before any
-        slot is written."""
+        into tokens ``[start, start+T)`` of the blocks, cast to the cache's dtype and device
+        (quantized, for an fp8 cache); :class:`KvtoolError` where the cast to float16 would
+        make inf of a value, before any slot is written."""
         self.check(kv)
         if role not in ("key", "value"):
             raise ValueError(f"role must be 'key' or 'value', got {role!r}")
@@ -273,7 +293,10 @@ class PagedLayout:
                              f"of {self.num_heads(kv)} heads × head_dim {self.head_dim}")
         blk, off = slots(block_ids, self.block_size(kv), start, start + tokens, kv.device,
                          self.num_blocks(kv))
-        y = x.to(device=kv.device, dtype=kv.dtype)  # [H, T, D]
+        if self.fp8 is not None:
+            y = self.fp8.encode(x.to(kv.device), role).view(kv.dtype)  # [H, T, D]
+        else:
+            y = x.to(device=kv.device, dtype=kv.dtype)
         if kv.dtype == torch.float16 and x.dtype != torch.float16 and \
                 not bool(torch.isfinite(y).all()):  # the cast made inf of a number
             raise KvtoolError(f"{role}s hold values past float16's 65504 (stored as "
@@ -314,18 +337,19 @@ def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
 
 
 def detect_layout(kv: torch.Tensor, head_dim: int, backend: str | None = None,
-                  isa: str | None = None) -> PagedLayout:
-    """The layout of a per-layer paged tensor, from the backend name and its shape."""
+                  isa: str | None = None, fp8: Fp8Cache | None = None) -> PagedLayout:
+    """The layout of a per-layer paged tensor, from the backend name and its shape (``fp8``:
+    the cache holds fp8 codes, see :class:`PagedLayout`)."""
     name = (backend or "").upper()
     if name.startswith("CPU"):
         if isa not in (None, "vec", "vec16", "amx"):
             raise UnsupportedLayoutError(f"the CPU attention ISA {isa!r} packs its paged cache "
                                          "in a layout kvtool does not know (vec, vec16, amx)")
-        layout = PagedLayout("cpu_amx" if isa == "amx" else "cpu", head_dim)
+        layout = PagedLayout("cpu_amx" if isa == "amx" else "cpu", head_dim, fp8=fp8)
     elif kv.ndim == 5 and kv.shape[0] == 2:
-        layout = PagedLayout("flash", head_dim)
+        layout = PagedLayout("flash", head_dim, fp8=fp8)
     elif kv.ndim == 4 and kv.shape[-1] == 2 * head_dim:
-        layout = PagedLayout("split", head_dim)
+        layout = PagedLayout("split", head_dim, fp8=fp8)
     else:
         raise UnsupportedLayoutError(f"unknown paged KV tensor {tuple(kv.shape)} "
                                      f"(backend {backend!r}, head_dim {head_dim})")

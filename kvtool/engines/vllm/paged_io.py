@@ -20,12 +20,14 @@ deleted. Nothing here imports vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvtool.engines.vllm import device_io
 from kvtool.engines.vllm.common import Source, check_cache, log
+from kvtool.engines.vllm.fp8_cache import layer_fp8
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.layout_probe import Writer, cpu_layout
 from kvtool.engines.vllm.safeio import pin_file
@@ -37,13 +39,14 @@ Layers = Sequence[tuple[torch.Tensor, PagedLayout, int]]
 
 def layer_table(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
                 num_blocks: int, model_info: dict, layer_index: Callable[[str], int],
-                cpu_writer: Callable[[str], Writer] | None = None,
+                cpu_writer: Callable[[str, str], Writer] | None = None,
                 ) -> list[tuple[torch.Tensor, PagedLayout, int]]:
     """The caches as :data:`Layers`, ordered by ``layer_index`` of their names: each one's
     layout detected from its attention layer in ``forward_context`` (vLLM's static forward
-    context), its ratio from ``num_blocks`` (the scheduler's blocks; 0: unknown, ratio 1).
-    A CPU cache's layout is checked against (or read off) ``cpu_writer(isa)``, vLLM's own
-    cache writer (:func:`~kvtool.engines.vllm.layout_probe.cpu_layout`), once per kind."""
+    context; an fp8 cache's format and scales too), its ratio from ``num_blocks`` (the
+    scheduler's blocks; 0: unknown, ratio 1). A CPU cache's layout is checked against (or
+    read off) ``cpu_writer(isa, kv_cache_dtype)``, vLLM's own cache writer
+    (:func:`~kvtool.engines.vllm.layout_probe.cpu_layout`), once per kind."""
     table = []
     cpu_layouts: dict[tuple, PagedLayout] = {}
     for name in sorted(kv_caches, key=layer_index):
@@ -51,16 +54,18 @@ def layer_table(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, A
         backend = layer.attn_backend.get_name() if layer is not None else None
         head_dim = int(getattr(layer, "head_size", model_info["head_dim"]))
         isa = getattr(layer, "isa", None)
+        fp8 = layer_fp8(layer, model_info.get("dtype") or "bfloat16") if layer is not None else None
         if (backend or "").upper().startswith("CPU") and cpu_writer is not None and isa:
-            kind = (kv.dtype, tuple(kv.shape[1:]), head_dim, isa)
+            kind = (kv.dtype, tuple(kv.shape[1:]), head_dim, isa, fp8 and fp8.format)
             if kind not in cpu_layouts:
-                cpu_layouts[kind], warning = cpu_layout(kv, head_dim, isa, cpu_writer(isa))
+                writer = cpu_writer(isa, getattr(layer, "kv_cache_dtype", "auto"))
+                cpu_layouts[kind], warning = cpu_layout(kv, head_dim, isa, writer, fp8)
                 if warning:
                     log.warning("kvtool store: %s", warning)
-            layout = cpu_layouts[kind]
+            layout = replace(cpu_layouts[kind], fp8=fp8)  # this layer's own scales
             layout.check(kv)
         else:
-            layout = detect_layout(kv, head_dim, backend, isa)
+            layout = detect_layout(kv, head_dim, backend, isa, fp8)
         ratio = layout.num_blocks(kv) // num_blocks if num_blocks else 1
         table.append((kv, layout, max(1, ratio)))
     if len(table) != model_info["num_layers"]:

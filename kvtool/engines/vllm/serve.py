@@ -287,11 +287,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     engine_args, given_args = _with_config_file(engine_args), engine_args
     if store or pins:
         refuse_parallel_engine(engine_args)
-    if (store or pins) and (kv_dtype := _engine_value(engine_args, "--kv-cache-dtype", 12)) \
-            and kv_dtype.lower().startswith("fp8"):
-        raise KvtoolError(f"--kv-cache-dtype {kv_dtype}: an fp8 paged cache holds scaled codes "
-                          "kvtool cannot read or write, so --store and --pin cannot serve it; "
-                          "leave it out (auto), or serve without a store")
+    fp8 = None
+    if store or pins:  # a quantized cache kvtool cannot read is refused before vLLM starts
+        from kvtool.engines.vllm.fp8_cache import fp8_format
+
+        fp8 = fp8_format(_engine_value(engine_args, "--kv-cache-dtype", 12))
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
     if not host.strip():
@@ -378,6 +378,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.engines.vllm.common import policy_from_extra
 
     policy = policy_from_extra(connector, info["fingerprint"])  # as the connector resolves it
+    if fp8 is not None and not policy.is_lossy(ident_dtype):
+        from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
+
+        raise KvtoolError(f"--kv-cache-dtype {fp8}: {FP8_LOSSLESS}")
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
                      lossy=policy.is_lossy(ident_dtype),
