@@ -176,3 +176,31 @@ def test_layer_table_gives_each_layer_its_scales_and_probes_once():
     kv, layout, _ = table[2]
     layout.write(kv, [1], 0, "key", torch.full((H, 1, D), 0.75))
     assert (kv.view(torch.float8_e4m3fn).float() == 1.0).sum() == H * D  # 0.75 / 0.75
+
+
+@pytest.mark.parametrize("codec,refused", [("raw", True), ("turbo3", False)])
+def test_the_connector_refuses_a_lossless_policy_on_an_fp8_cache(codec, refused):
+    """Raw chunks of rounded K/V would pass as exact for float servers of the model: the
+    worker's layer table (every save and load goes through it) refuses them."""
+    pytest.importorskip("vllm")
+    from kvtool.engines.vllm import connector_worker
+    from kvtool.policy import CodecPolicy
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    layer = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
+                            head_size=D, kv_cache_dtype="fp8_e5m2", _k_scale_float=1.0,
+                            _v_scale_float=1.0)
+    worker = SimpleNamespace(
+        _layers=None, _kv_caches={n: torch.zeros(NB, H, N, 2 * D, dtype=torch.uint8)
+                                  for n in names},
+        _vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
+            static_forward_context=dict.fromkeys(names, layer))),
+        _kv_cache_config=SimpleNamespace(num_blocks=NB), policy=CodecPolicy.from_options(codec),
+        model_info={"num_layers": 2, "head_dim": D, "dtype": "bfloat16"})
+    if refused:
+        with pytest.raises(KvtoolError, match="lossless store policy"):
+            connector_worker.WorkerHalf._layer_table(worker)
+        assert worker._layers is None
+    else:
+        table = connector_worker.WorkerHalf._layer_table(worker)
+        assert [layout.fp8.format for _, layout, _ in table] == ["e5m2", "e5m2"]
