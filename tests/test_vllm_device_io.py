@@ -22,11 +22,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from paged_writers import WRITERS  # noqa: E402
+from paged_writers import WRITERS, fp8_writer  # noqa: E402
 
 from kvtool.codecs import Encoded, get_codec  # noqa: E402
 from kvtool.engines.vllm import connector_worker, device_io  # noqa: E402
 from kvtool.engines.vllm.common import flush, policy_from_extra, stats  # noqa: E402
+from kvtool.engines.vllm.fp8_cache import Fp8Cache  # noqa: E402
 from kvtool.engines.vllm.layout import LAYOUTS, detect_layout  # noqa: E402
 from kvtool.engines.vllm.layout_probe import cpu_layout  # noqa: E402
 from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
@@ -38,7 +39,8 @@ MODEL = {"fingerprint": "d" * 64, "name": "tiny"}
 IDS = list(range(500, 500 + 2 * CHUNK))
 SAVE_BLOCKS = random.Random(1).sample(range(NB), 2 * CHUNK // BS)  # shuffled, not contiguous
 LOAD_BLOCKS = random.Random(2).sample(range(NB), 2 * CHUNK // BS)
-SENTINEL = -77.0  # what the slots a load must not touch hold (exact in every float dtype)
+SENTINEL = -80.0  # what the slots a load must not touch hold (exact in every float and fp8)
+FP8 = Fp8Cache("e4m3", dtype="bfloat16")  # the "fp8" dtype: e4m3 codes at unit scales
 CUDA = torch.cuda.is_available()
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
@@ -55,8 +57,9 @@ PAGED = {
     "flash": ("FLASH_ATTN", lambda: (2, NB, BS, H, D), None, None),
 }
 #: (kind, dtype) pairs a vLLM engine makes: the AMX packing is of 16-bit caches only, ARM's
-#: BFMMLA of bfloat16 only
-KIND_DTYPES = [(kind, dtype) for kind in PAGED for dtype in ("bfloat16", "float16", "float32")
+#: BFMMLA of bfloat16 only; "fp8": ``--kv-cache-dtype fp8`` (codes of bfloat16 K/V)
+KIND_DTYPES = [(kind, dtype) for kind in PAGED
+               for dtype in ("bfloat16", "float16", "float32", "fp8")
                if not (kind == "cpu-amx" and dtype == "float32")
                and not (kind == "cpu-probed" and dtype != "bfloat16")]
 
@@ -65,8 +68,11 @@ KIND_DTYPES = [(kind, dtype) for kind in PAGED for dtype in ("bfloat16", "float1
 def reference_cpu_writers(monkeypatch):
     """The connector asks these writers, not vLLM's, to check its CPU layouts: vLLM's runs
     the ISA of this machine whatever the test's layer claims."""
-    monkeypatch.setattr(connector_worker, "vllm_cpu_writer",
-                        lambda isa, kv_cache_dtype="auto": WRITERS[isa])
+    monkeypatch.setattr(connector_worker, "vllm_cpu_writer", writer_of)
+
+
+def writer_of(isa: str, kv_cache_dtype: str = "auto"):
+    return WRITERS[isa] if kv_cache_dtype == "auto" else fp8_writer(WRITERS[isa], FP8.code_dtype)
 
 
 def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):
@@ -76,11 +82,17 @@ def paged(kind: str, dtype: str, seed: int | None = 0, device: str = "cpu"):
         base = torch.full(shape(), SENTINEL)
     else:
         base = torch.randn(shape(), generator=torch.Generator().manual_seed(seed)) + 0.2
-    kv = base.to(device=device, dtype=getattr(torch, dtype))
+    fp8 = FP8 if dtype == "fp8" else None
+    kv = (fp8.encode(base, "key") if fp8 else base.to(getattr(torch, dtype))).to(device)
     kv = kv.permute(perm) if perm else kv
     if isa is not None:  # a CPU cache: its layout checked against the writer, as the connector
-        return kv, cpu_layout(kv, D, isa, WRITERS[isa])[0]
-    return kv, detect_layout(kv, D, backend, isa)
+        return kv, cpu_layout(kv, D, isa, writer_of(isa, dtype if fp8 else "auto"), fp8)[0]
+    return kv, detect_layout(kv, D, backend, isa, fp8)
+
+
+def untouched(kv: torch.Tensor, layout) -> torch.Tensor:
+    """Where ``kv`` still holds :data:`SENTINEL` (an fp8 cache: its code)."""
+    return (layout.fp8.decode(kv, "key") if layout.fp8 else kv) == SENTINEL
 
 
 def caches(kind: str, dtype: str, fill: bool = True, device: str = "cpu") -> list:
@@ -221,8 +233,9 @@ def test_a_device_load_writes_exactly_what_the_host_load_writes(tmp_path, kind, 
         load_device(dev, mine, chunk, a, b)
         load_host(dev, want, chunk, a, b)
     for (kv, layout), (ref, _) in zip(mine, want, strict=True):
-        assert kv.dtype == getattr(torch, dtype) and torch.equal(kv, ref)
-        assert int((kv != SENTINEL).sum()) == (27 - 5) * H * 2 * D
+        assert kv.dtype == (torch.uint8 if dtype == "fp8" else getattr(torch, dtype))
+        assert torch.equal(kv, ref)
+        assert int((~untouched(kv, layout)).sum()) == (27 - 5) * H * 2 * D
         k, v = layout.gather(kv, LOAD_BLOCKS, 0, 5)  # already computed: untouched
         assert bool((k == SENTINEL).all() and (v == SENTINEL).all())
 
