@@ -15,6 +15,7 @@ from paged_writers import WRITERS, fp8_writer  # noqa: E402
 from kvtool.engines.vllm import paged_io  # noqa: E402
 from kvtool.engines.vllm.fp8_cache import (  # noqa: E402
     Fp8Cache,
+    checkpoint_kv_cache_dtype,
     fp8_format,
     layer_fp8,
 )
@@ -38,9 +39,26 @@ def test_formats_of_vllms_kv_cache_dtypes():
     layer = SimpleNamespace(kv_cache_dtype="fp8_e5m2", _k_scale_float=0.5, _v_scale_float=2.0)
     assert layer_fp8(layer, "float16") == Fp8Cache("e5m2", 0.5, 2.0, "float16")
     assert layer_fp8(SimpleNamespace(kv_cache_dtype="auto"), "bfloat16") is None
+    only_tensors = SimpleNamespace(kv_cache_dtype="fp8", _k_scale=torch.tensor(0.25),
+                                   _v_scale=torch.tensor(4.0))
+    assert layer_fp8(only_tensors, "bfloat16") == Fp8Cache("e4m3", 0.25, 4.0)
+    with pytest.raises(KvtoolError, match="without its v_scale"):
+        layer_fp8(SimpleNamespace(kv_cache_dtype="fp8", _k_scale_float=1.0), "bfloat16")
     for scale in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(KvtoolError, match="positive number"):
             Fp8Cache("e4m3", scale)
+
+
+def test_a_checkpoint_that_quantizes_its_kv_cache_makes_it_fp8():
+    """vLLM turns ``--kv-cache-dtype auto`` into fp8 for such a checkpoint: kvtool serve
+    must see that before vLLM starts (a lossless policy is refused with it)."""
+    pytest.importorskip("vllm")
+    scheme = {"num_bits": 8, "type": "float", "dynamic": False, "strategy": "tensor"}
+    for quant, want in (({"kv_cache_scheme": scheme}, "fp8"),
+                        ({"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}, "fp8_e4m3"),
+                        ({"quant_method": "fp8"}, None), (None, None)):
+        assert checkpoint_kv_cache_dtype(SimpleNamespace(quantization_config=quant)) == want
+    assert checkpoint_kv_cache_dtype(SimpleNamespace()) is None
 
 
 @pytest.mark.parametrize("fmt,top", [("e4m3", 448.0), ("e5m2", 57344.0)])
@@ -198,8 +216,10 @@ def test_the_connector_refuses_a_lossless_policy_on_an_fp8_cache(codec, refused)
         _kv_cache_config=SimpleNamespace(num_blocks=NB), policy=CodecPolicy.from_options(codec),
         model_info={"num_layers": 2, "head_dim": D, "dtype": "bfloat16"})
     if refused:
-        with pytest.raises(KvtoolError, match="lossless store policy"):
-            connector_worker.WorkerHalf._layer_table(worker)
+        for _ in range(2):  # the second save or load: the same reason, the table not remade
+            with pytest.raises(KvtoolError, match="lossless store policy"):
+                connector_worker.WorkerHalf._layer_table(worker)
+            worker._kv_caches = None  # a remade table would fail otherwise
         assert worker._layers is None
     else:
         table = connector_worker.WorkerHalf._layer_table(worker)

@@ -40,7 +40,7 @@ IDS = list(range(500, 500 + 2 * CHUNK))
 SAVE_BLOCKS = random.Random(1).sample(range(NB), 2 * CHUNK // BS)  # shuffled, not contiguous
 LOAD_BLOCKS = random.Random(2).sample(range(NB), 2 * CHUNK // BS)
 SENTINEL = -80.0  # what the slots a load must not touch hold (exact in every float and fp8)
-FP8 = Fp8Cache("e4m3", dtype="bfloat16")  # the "fp8" dtype: e4m3 codes at unit scales
+FP8 = Fp8Cache("e4m3", 0.5, 0.5, "bfloat16")  # the "fp8" dtype (SENTINEL / 0.5: a code)
 CUDA = torch.cuda.is_available()
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 

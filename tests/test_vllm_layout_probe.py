@@ -162,6 +162,20 @@ def test_a_writer_that_fails_refuses_an_unknown_isa_and_leaves_a_known_one_unche
     assert layout.name == "cpu" and "unchecked" in warning and "no kernel" in warning
 
 
+def _amx_but_fails_on_one_head(key, value, kv, slot_mapping):
+    """Packs as AMX (not the ``vec`` the ISA claims), and raises on the probe's one head."""
+    if key.shape[1] == 1:
+        raise RuntimeError("no single-head kernel")
+    amx_write(key, value, kv, slot_mapping)
+
+
+def test_a_known_layout_the_writer_contradicts_is_never_used_unchecked():
+    """The writer disproved the known layout, then failed on the probe: refused, not the
+    disproved layout "unchecked"."""
+    with pytest.raises(UnsupportedLayoutError, match="'vec' failed on a probe.*single-head"):
+        cpu_layout(_cache(), 64, "vec", _amx_but_fails_on_one_head)
+
+
 def test_without_a_writer_the_isa_decides():
     assert cpu_layout(_cache(), 64, "amx", None) == (PagedLayout("cpu_amx", 64), None)
     with pytest.raises(UnsupportedLayoutError, match="'neon'"):

@@ -210,6 +210,7 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layers: list[tuple[torch.Tensor, PagedLayout, int]] | None = None
+        self._layers_refused: Exception | None = None  # why they cannot be read, once known
         self._failed_blocks: set[int] = set()  # reported to vLLM after this step
         self._withheld = WithheldSaves()  # saves computed over failed loads
         self._step = 0  # the number of the step being run

@@ -51,7 +51,7 @@ class WorkerHalf:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
-        self._layers = None
+        self._layers, self._layers_refused = None, None
         if self.store is not None:
             # before the engine serves: a warm-up beside the first loads held the GIL for
             # seconds while they waited (a 4.7 s load after a restart)
@@ -69,17 +69,24 @@ class WorkerHalf:
 
     def _layer_table(self) -> list[tuple[torch.Tensor, PagedLayout, int]]:
         """The caches as :data:`paged_io.Layers`: (cache, layout, kernel blocks per scheduler
-        block), in model layer order; made once per :meth:`register_kv_caches`."""
+        block), in model layer order; made once per :meth:`register_kv_caches` (and a reason
+        they cannot be read is raised at every save and load, never probed for again)."""
         if self._layers is None:
+            if getattr(self, "_layers_refused", None) is not None:
+                raise self._layers_refused
             from vllm.model_executor.models.utils import extract_layer_index
 
-            layers = paged_io.layer_table(
-                self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
-                int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
-                extract_layer_index, vllm_cpu_writer)
-            if any(layout.fp8 for _, layout, _ in layers) and \
-                    not self.policy.is_lossy(self.model_info["dtype"]):
-                raise KvtoolError(FP8_LOSSLESS)
+            try:
+                layers = paged_io.layer_table(
+                    self._kv_caches, self._vllm_config.compilation_config.static_forward_context,
+                    int(getattr(self._kv_cache_config, "num_blocks", 0) or 0), self.model_info,
+                    extract_layer_index, vllm_cpu_writer)
+                if any(layout.fp8 for _, layout, _ in layers) and \
+                        not self.policy.is_lossy(self.model_info["dtype"]):
+                    raise KvtoolError(FP8_LOSSLESS)
+            except Exception as e:
+                self._layers_refused = e
+                raise
             self._layers = layers
         return self._layers
 

@@ -82,11 +82,38 @@ class Fp8Cache:
 
 
 def layer_fp8(layer: object, dtype: str) -> Fp8Cache | None:
-    """The fp8 cache of vLLM attention ``layer`` (its ``kv_cache_dtype`` and host-side
-    scales, set when the weights loaded), read out in the model's ``dtype``; None for a float
-    cache."""
+    """The fp8 cache of vLLM attention ``layer`` (its ``kv_cache_dtype`` and scales, set when
+    the weights loaded), read out in the model's ``dtype``; None for a float cache.
+    KvtoolError where the layer holds no scales: guessing 1.0 would misread every value."""
     fmt = fp8_format(getattr(layer, "kv_cache_dtype", "auto"))
     if fmt is None:
         return None
-    return Fp8Cache(fmt, float(getattr(layer, "_k_scale_float", 1.0)),
-                    float(getattr(layer, "_v_scale_float", 1.0)), dtype)
+    scales = []
+    for role in ("k", "v"):
+        scale = getattr(layer, f"_{role}_scale_float", None)
+        if scale is None and getattr(layer, f"_{role}_scale", None) is not None:
+            scale = float(getattr(layer, f"_{role}_scale"))  # a one-element tensor
+        if scale is None:
+            raise KvtoolError(f"an fp8 attention layer without its {role}_scale: kvtool cannot "
+                              "read or write its cache")
+        scales.append(float(scale))
+    return Fp8Cache(fmt, scales[0], scales[1], dtype)
+
+
+def checkpoint_kv_cache_dtype(config: object) -> str | None:
+    """The KV cache dtype a checkpoint's ``quantization_config`` makes vLLM use under
+    ``--kv-cache-dtype auto`` (``fp8`` for a ``kv_cache_scheme`` or ``kv_cache_quant_algo``
+    of 8-bit floats), as vLLM resolves it; None where it names none or vLLM is absent."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+    if quant.get("kv_cache_scheme") is not None:  # llm-compressor: vLLM's Attention says fp8
+        return "fp8"
+    try:
+        from vllm.utils.torch_utils import get_kv_cache_quant_algo_string
+    except Exception:  # no vLLM (a dry run elsewhere), or one without the helper
+        return None
+    name = get_kv_cache_quant_algo_string(quant)
+    return None if name in (None, "auto") else name

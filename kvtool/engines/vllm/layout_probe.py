@@ -4,7 +4,8 @@ vLLM's CPU attention packs each (block, head) row of its paged cache the way the
 computes best: ``vec`` transposes the keys, ``amx`` packs AMX tiles, ARM's ``neon`` with BF16
 packs BFMMLA tiles, POWER, s390x and RISC-V have their own; and a vLLM release may change a
 packing. A layout read wrongly loads caches that decode to garbage and says nothing, so the
-connector asks the writer itself, once per (dtype, block size, head_dim, ISA), at start-up:
+connector asks the writer itself, once per (dtype, block size, head_dim, ISA), at its first
+save or load:
 
 1. a layout kvtool knows for the ISA must agree with the writer: a cache the writer filled
    gathers back exactly, and one the layout scattered equals the writer's, bit for bit;
@@ -35,6 +36,10 @@ from kvtool.engines.vllm.layout import PagedLayout, UnsupportedLayoutError, dete
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 """Writes (key ``[T, H, D]``, value ``[T, H, D]``) into (paged cache ``[B, H, N, 2D]``,
 slot_mapping ``[T]``) as vLLM's CPU backend does."""
+
+
+class WriterFailed(RuntimeError):
+    """The cache writer itself raised (not kvtool reading what it wrote)."""
 
 DIGITS = {None: 64, "e4m3": 16, "e5m2": 8}  # a probe's values 1..base are exact in the cache
 
@@ -71,20 +76,20 @@ def cpu_layout(kv: torch.Tensor, head_dim: int, isa: str | None, writer: Writer 
         return known, None
     PagedLayout("cpu", head_dim, fp8=fp8).check(kv)  # its shape and element type
     n = int(kv.shape[2])
-    try:
-        if known is not None and agrees(known, writer, kv.dtype, n):
-            return known, None
+    if known is not None:
+        try:
+            if agrees(known, writer, kv.dtype, n):
+                return known, None
+        except WriterFailed as e:  # only an unchecked layout is used unchecked
+            return known, (f"could not check the {known.name!r} layout against vLLM's {isa!r} "
+                           f"cache writer ({e}); using it unchecked")
+    try:  # from here on a failure refuses: the known layout, if any, is wrong
         offsets = probe_offsets(writer, kv.dtype, n, head_dim, fp8)
         probed = PagedLayout("cpu_probed", head_dim, offsets, fp8)
         fits = agrees(probed, writer, kv.dtype, n)
-    except UnsupportedLayoutError:
-        raise
-    except Exception as e:  # the writer itself failed on a probe
-        if known is None:
-            raise UnsupportedLayoutError(f"vLLM's cache writer for the CPU attention ISA "
-                                         f"{isa!r} failed on a probe ({e})") from e
-        return known, (f"could not check the {known.name!r} layout against vLLM's {isa!r} "
-                       f"cache writer ({type(e).__name__}: {e}); using it unchecked")
+    except WriterFailed as e:
+        raise UnsupportedLayoutError(f"vLLM's cache writer for the CPU attention ISA {isa!r} "
+                                     f"failed on a probe ({e})") from e
     if not fits:
         raise UnsupportedLayoutError(f"vLLM's cache writer for the CPU attention ISA {isa!r} "
                                      "packs blocks in a way kvtool cannot read back")
@@ -109,7 +114,7 @@ def agrees(layout: PagedLayout, writer: Writer, dtype: torch.dtype, block_size: 
     blocks = [2, 0]
     slot_mapping = torch.tensor([blocks[p // n] * n + p % n for p in range(tokens)])
     written = torch.zeros(3, heads, n, 2 * d, dtype=dtype)
-    writer(key, value, written, slot_mapping)
+    _write(writer, key, value, written, slot_mapping)
     read = layout.gather(written, blocks, 0, tokens)
     ours = torch.zeros_like(written)
     layout.scatter(ours, blocks, 0, *read)
@@ -142,7 +147,7 @@ def probe_offsets(writer: Writer, dtype: torch.dtype, block_size: int, head_dim:
         for j in range(digits):
             digit = (quantity // base ** j) % base + 1
             kv = torch.zeros(1, 1, n, 2 * d, dtype=dtype)
-            writer(digit.to(given), (-digit).to(given), kv, torch.arange(n))
+            _write(writer, digit.to(given), (-digit).to(given), kv, torch.arange(n))
             values = kv.view(fp8.code_dtype) if fp8 is not None else kv
             got = values.view(2, n * d).double() * torch.tensor([[1.0], [-1.0]],
                                                                 dtype=torch.double)
@@ -157,3 +162,10 @@ def probe_offsets(writer: Writer, dtype: torch.dtype, block_size: int, head_dim:
         raise UnsupportedLayoutError("vLLM's CPU cache writer does not place each element of a "
                                      "block exactly once")
     return {"key": held[0].argsort(), "value": held[1].argsort()}
+
+
+def _write(writer: Writer, *args: torch.Tensor) -> None:
+    try:
+        writer(*args)
+    except Exception as e:
+        raise WriterFailed(f"{type(e).__name__}: {e}") from e

@@ -287,11 +287,6 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     engine_args, given_args = _with_config_file(engine_args), engine_args
     if store or pins:
         refuse_parallel_engine(engine_args)
-    fp8 = None
-    if store or pins:  # a quantized cache kvtool cannot read is refused before vLLM starts
-        from kvtool.engines.vllm.fp8_cache import fp8_format
-
-        fp8 = fp8_format(_engine_value(engine_args, "--kv-cache-dtype", 12))
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
     if not host.strip():
@@ -303,6 +298,14 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     cuda = _cuda()
     dtype = dtype or ("auto" if cuda else "bfloat16")
     config = _engine_config(location, engine_args)
+    kv_cache_dtype = fp8 = None
+    if store or pins:  # a quantized cache kvtool cannot read is refused before vLLM starts
+        from kvtool.engines.vllm.fp8_cache import checkpoint_kv_cache_dtype, fp8_format
+
+        kv_cache_dtype = _engine_value(engine_args, "--kv-cache-dtype", 12)
+        if kv_cache_dtype in (None, "auto"):  # vLLM takes the checkpoint's, if it names one
+            kv_cache_dtype = checkpoint_kv_cache_dtype(config)
+        fp8 = fp8_format(kv_cache_dtype)
     ident_dtype = dtype if dtype != "auto" else str(getattr(config, "dtype", None)
                                                      or "bfloat16").removeprefix("torch.")
     weights = quantized_on_load(weights_fingerprint(location), _quantization_method(engine_args),
@@ -381,7 +384,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     if fp8 is not None and not policy.is_lossy(ident_dtype):
         from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
 
-        raise KvtoolError(f"--kv-cache-dtype {fp8}: {FP8_LOSSLESS}")
+        raise KvtoolError(f"--kv-cache-dtype {kv_cache_dtype}: {FP8_LOSSLESS}")
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
                      lossy=policy.is_lossy(ident_dtype),
