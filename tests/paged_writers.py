@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 Offset = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]  # (token, dim, N, D)
@@ -65,3 +66,15 @@ def write_tokens(writer, kv: torch.Tensor, block_ids: Sequence[int], start: int,
     pos = torch.arange(start, start + keys.shape[1])
     slot_mapping = torch.as_tensor(list(block_ids))[pos // n] * n + pos % n
     writer(keys.transpose(0, 1), values.transpose(0, 1), kv, slot_mapping)
+
+
+def vllm_cpu_ops_or_skip() -> None:
+    """Skip unless vLLM with its CPU attention kernels (``cpu_attn_reshape_and_cache``) is
+    installed."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm import _custom_ops  # noqa: F401
+    except Exception as e:  # a vLLM build without CPU ops
+        pytest.skip(f"vLLM CPU ops unavailable: {e}")
+    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+        pytest.skip("this vLLM build has no CPU attention kernels")

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from paged_writers import WRITERS, fp8_writer  # noqa: E402
+from paged_writers import WRITERS, fp8_writer, vllm_cpu_ops_or_skip  # noqa: E402
 
 from kvtool.engines.vllm import paged_io  # noqa: E402
 from kvtool.engines.vllm.fp8_cache import (  # noqa: E402
@@ -128,23 +128,13 @@ def test_an_fp8_layout_refuses_a_float_cache_and_a_float_layout_refuses_codes():
     assert (codes[2].float() == 1.5).sum() == H * D and codes.float().abs().sum() == 1.5 * H * D
 
 
-def _vllm_ops_or_skip() -> None:
-    pytest.importorskip("vllm")
-    try:
-        from vllm import _custom_ops  # noqa: F401
-    except Exception as e:  # a vLLM build without CPU ops
-        pytest.skip(f"vLLM CPU ops unavailable: {e}")
-    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
-        pytest.skip("this vLLM build has no CPU attention kernels")
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("isa", ["vec", "picked"])
 def test_vllm_writes_what_the_fp8_layout_reads(kv_cache_dtype, isa):
     """vLLM's CPU writer (its ISA here and the one it picks: ``amx`` on AMX CPUs) at scales
     0.5 / 2: the layout kvtool knows agrees with it; a gather reads the writer's codes × the
     scales, and values an fp8 code holds go back in as the writer's own bytes."""
-    _vllm_ops_or_skip()
+    vllm_cpu_ops_or_skip()
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

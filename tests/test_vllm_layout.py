@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from paged_writers import amx_write, write_tokens  # noqa: E402
+from paged_writers import amx_write, vllm_cpu_ops_or_skip, write_tokens  # noqa: E402
 
 from kvtool.engines.vllm.layout import (  # noqa: E402
     PagedLayout,
@@ -202,13 +202,9 @@ def test_cpu_layout_matches_vllm_kernel(isa, block_size, dtype):
     """vLLM's own cache writer (the op cpu_attn.py calls) agrees with the layout kvtool
     detects for its ISA; "picked" is the ISA vLLM itself picks here (``amx`` for bfloat16 on
     a CPU with AMX, whose writer is only loaded there)."""
-    pytest.importorskip("vllm")
-    try:
-        from vllm import _custom_ops as ops
-    except Exception as e:  # a vLLM build without CPU ops
-        pytest.skip(f"vLLM CPU ops unavailable: {e}")
-    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
-        pytest.skip("this vLLM build has no CPU attention kernels")
+    vllm_cpu_ops_or_skip()
+    from vllm import _custom_ops as ops
+
     dt = getattr(torch, dtype)
     heads, dim, tokens = 3, 64, block_size + 7
     if isa == "picked":

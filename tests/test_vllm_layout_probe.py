@@ -18,6 +18,7 @@ from paged_writers import (  # noqa: E402
     amx_write,
     bfmmla_write,
     vec_write,
+    vllm_cpu_ops_or_skip,
     write_tokens,
 )
 
@@ -29,16 +30,6 @@ from kvtool.engines.vllm.layout_probe import (  # noqa: E402
     probe_offsets,
     vllm_cpu_writer,
 )
-
-
-def _vllm_ops_or_skip() -> None:
-    pytest.importorskip("vllm")
-    try:
-        from vllm import _custom_ops  # noqa: F401
-    except Exception as e:  # a vLLM build without CPU ops
-        pytest.skip(f"vLLM CPU ops unavailable: {e}")
-    if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
-        pytest.skip("this vLLM build has no CPU attention kernels")
 
 
 def _cache(dtype=torch.bfloat16, block_size: int = 32, dim: int = 64) -> torch.Tensor:
@@ -53,7 +44,7 @@ def test_vllm_writer_confirms_the_known_layout_and_the_probe_reads_it_too(isa, b
     """vLLM's writer for each ISA here agrees with the layout kvtool knows for it (no warning),
     and the permutation read off that writer places every element where the known layout
     does ("picked": the ISA vLLM picks on this machine, ``amx`` where it has AMX)."""
-    _vllm_ops_or_skip()
+    vllm_cpu_ops_or_skip()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     dt, dim = getattr(torch, dtype), 64
@@ -76,7 +67,7 @@ def test_vllm_writer_confirms_the_known_layout_and_the_probe_reads_it_too(isa, b
 def test_reference_writers_are_vllms_writers(isa):
     """The reference writers the other tests trust place every element as vLLM's writers do
     (those this machine has: ``vec``/``vec16`` everywhere, ``amx`` where picked)."""
-    _vllm_ops_or_skip()
+    vllm_cpu_ops_or_skip()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     block_size = 16 if isa == "vec16" else 32
