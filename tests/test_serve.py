@@ -199,6 +199,9 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
                    ["--hf_overrides.num_key_value_heads=1"]):  # vLLM's dotted form
         argv = dry_run(runner, "--", *dotted)["argv"]
         assert int(argv[argv.index("--kv-cache-memory-bytes") + 1]) == budget, dotted
+    fp8 = dry_run(runner, "--", "--kv-cache-dtype", "fp8")["argv"]  # one byte a cached value
+    assert 2 * (int(fp8[fp8.index("--kv-cache-memory-bytes") + 1]) - (64 << 20)) == \
+        int(base[base.index("--kv-cache-memory-bytes") + 1]) - (64 << 20)
     assert "another model" in refused("--pin", pin, "--", "--hf-overrides.rope_scaling.rope_type",
                                       "yarn", "--hf-overrides.rope_scaling.factor", "4.0",
                                       "--hf-overrides.rope_scaling.original_max_position_"

@@ -298,11 +298,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     cuda = _cuda()
     dtype = dtype or ("auto" if cuda else "bfloat16")
     config = _engine_config(location, engine_args)
-    kv_cache_dtype = fp8 = None
+    kv_cache_dtype = _engine_value(engine_args, "--kv-cache-dtype", 12)
+    fp8 = None
     if store or pins:  # a quantized cache kvtool cannot read is refused before vLLM starts
         from kvtool.engines.vllm.fp8_cache import checkpoint_kv_cache_dtype, fp8_format
 
-        kv_cache_dtype = _engine_value(engine_args, "--kv-cache-dtype", 12)
         if kv_cache_dtype in (None, "auto"):  # vLLM takes the checkpoint's, if it names one
             kv_cache_dtype = checkpoint_kv_cache_dtype(config)
         fp8 = fp8_format(kv_cache_dtype)
@@ -374,8 +374,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         if "--enforce-eager" not in given:
             argv.append("--enforce-eager")
         if not any(a.startswith("--kv-cache-memory-bytes") for a in given):
+            element = 1 if (kv_cache_dtype or "").startswith("fp8") \
+                else DTYPE_BYTES.get(ident_dtype, 2)  # an fp8 cache holds one byte a value
             per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] \
-                * DTYPE_BYTES.get(ident_dtype, 2)
+                * element
             argv += ["--kv-cache-memory-bytes", str(per_token * 4 * max_model_len + (64 << 20))]
     argv += list(given_args)
     from kvtool.engines.vllm.common import policy_from_extra
