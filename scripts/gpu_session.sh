@@ -54,12 +54,14 @@ start=$SECONDS
 cases=(tests/triton_cases.py tests/triton_turbomix_cases.py tests/triton_attention_cases.py
        tests/triton_attention_parts_cases.py)
 workers=$(( $(nproc) / 2 < 8 ? $(nproc) / 2 : 8 ))
+parallel=(-n "$workers")  # an image without pytest-xdist runs the cases in one process
+python3 -c "import xdist" 2>/dev/null || parallel=()
 # what `pytest -m gpu` runs (tests/test_triton_*.py run these files in fresh processes), here
 # with every case's output and time; then the in-process gpu tests
 tests=$(budget "$TEST_SECONDS")
 if ((tests > 10)); then
     KVTOOL_AUTOTUNE_CACHE=0 timeout "$tests" python3 -m pytest -p no:cacheprovider -m gpu \
-        -n "$workers" -v --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
+        "${parallel[@]}" -v --durations=15 "${cases[@]}" 2>&1 | tee "$OUT/tests.log" || status=1
 fi
 left=$(budget $((TEST_SECONDS - (SECONDS - start))))
 if ((left > 10)); then
