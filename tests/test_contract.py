@@ -211,6 +211,71 @@ def test_negative_norm_is_refused_on_decode(turbo_file, tmp_path):
             f.layer(1)
 
 
+def _tensor_edited(src, dst, name, dtype, edit):
+    """``src`` with tensor ``name`` (of numpy ``dtype``) changed by ``edit`` in place, its
+    checksum and the header's made right again: only the values are wrong."""
+    import json
+
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.formats.container import Blob, crc32_hex
+
+    metadata, blobs = read_parts(src)
+    header = json.loads(metadata["kvz.header"])
+    out = []
+    for b in blobs:
+        if b.name == name:
+            arr = np.frombuffer(b.data, dtype).copy()
+            edit(arr)
+            b = Blob(b.name, b.st_dtype, b.shape, arr.tobytes())
+            header["tensors"][name]["crc32"] = crc32_hex(b.data)
+        out.append(b)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    metadata.update({"kvz.header": raw, "kvz.header_crc32": crc32_hex(raw.encode())})
+    write_parts(dst, metadata, out)
+    return dst
+
+
+@pytest.mark.parametrize("codec, part, dtype, value, message", [
+    ("fp8", "codes", np.uint8, 0x7F, "NaN code"), ("fp8", "codes", np.uint8, 0xFF, "NaN code"),
+    ("kivi2", "scale", np.float16, -1.0, "negative scale"),
+    ("kivi4", "scale", np.float16, -0.01, "negative scale"),
+    ("int4", "scale", np.float16, -1.0, "negative scale")])
+def test_values_only_a_crafted_file_holds_are_refused(tmp_path, codec, part, dtype, value,
+                                                      message):
+    """Codes or scales that pass every range yet no encode writes (an e4m3 NaN code, a
+    negative group scale) are refused by the reader, not decoded into wrong K/V."""
+    src = tmp_path / "ok.kvz"
+    save(synthetic_cache(layers=1, tokens=12, dim=32), src, codec=codec, sink_tokens=0)
+    load(src)
+
+    def edit(arr):
+        arr[5] = value
+
+    bad = _tensor_edited(src, tmp_path / "bad.kvz", f"layers.0.key.0.{part}", dtype, edit)
+    with pytest.raises(FormatError, match=message) as e:
+        load(bad)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("codec", ["int4", "kivi2", "kivi4:axis=token"])
+def test_constant_groups_load_whatever_their_scales_fp16_rounding(tmp_path, codec):
+    """A constant group's fp16-rounded minimum can lie above its maximum, so its stored scale
+    a hair below zero: a writer's file like that still loads."""
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.uniform(-60000, 60000, 40), rng.uniform(-2, 2, 40),
+                             np.float32([1e-6, -3e-7, 0.1, 1 / 3, 1000.3, -65000.7])])
+    cache = synthetic_cache(layers=1, tokens=len(values), dim=32, dtype="float32")
+    for role in (cache.keys, cache.values):  # every token constant over its channels
+        role[0][...] = values[None, :, None]
+    save(cache, tmp_path / "c.kvz", codec=codec, sink_tokens=0)
+    with open_kvz(tmp_path / "c.kvz") as f:
+        scales = [enc.arrays["scale"] for role in ("key", "value")
+                  for _, enc in f.encoded(0, role)]
+    assert min(float(s.min()) for s in scales) < 0.0  # the hair below zero was written
+    load(tmp_path / "c.kvz")
+
+
 @pytest.mark.parametrize("writer, reader", [("turbo2", "turbo3"), ("fp8", "int8"),
                                             ("turbomix", "turbo4"), ("int4", "kivi4")])
 def test_decode_refuses_another_codecs_output(writer, reader):

@@ -130,6 +130,12 @@ class Codec(ABC):
         decoded into garbage through broadcasting.
         """
 
+    def check_stored(self, arrays: dict[str, Any]) -> None:
+        """:class:`CodecError` for stored values no encode writes that an :class:`ArraySpec`
+        range cannot state (a forbidden code, a bound one array sets another). Readers call it
+        on the host arrays of every segment, after the ranges; the default checks nothing."""
+        return None
+
     def compiled_ops(self, head_dim: int) -> tuple[str, ...]:
         """The ops a compiled backend (:func:`~kvtool.kernels.compiled_for`) runs fused for this
         codec at ``head_dim``; everything else runs on the array-op reference path."""

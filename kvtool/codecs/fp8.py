@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtool.codecs.abc import ArraySpec, Codec, Encoded
 from kvtool.codecs.groupq import nonzero, to_fp16
+from kvtool.errors import CodecError
 
 E4M3_MAX = 448.0
 
@@ -24,6 +25,11 @@ class Fp8Codec(Codec):
     def expected_arrays(self, shape: tuple[int, ...], dtype: str) -> dict[str, ArraySpec]:
         return {"codes": ArraySpec(tuple(shape), "uint8"),
                 "scale": ArraySpec(tuple(shape[:-1]), "float16", low=0.0)}
+
+    def check_stored(self, arrays: dict[str, Any]) -> None:
+        """e4m3fn's NaN codes (0x7F, 0xFF): the encode clips to ±448 and never writes one."""
+        if bool(((arrays["codes"] & 0x7F) == 0x7F).any()):
+            raise CodecError("fp8: a NaN code (0x7F or 0xFF), which no writer stores")
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         x = xp.astype(x, "float32")

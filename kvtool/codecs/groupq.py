@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvtool.errors import CodecError
 from kvtool.kernels.numpy_ops import FP16_MAX
 
@@ -19,6 +21,16 @@ def to_fp16(xp: Any, a: Any, who: str) -> Any:
     if not bool((abs(a) <= FP16_MAX).all()):
         raise CodecError(f"{who}: values exceed the fp16 range of the stored scales")
     return xp.astype(a, "float16")
+
+
+def check_scales(scale: np.ndarray, mn: np.ndarray, bits: int, who: str) -> None:
+    """:class:`CodecError` for a stored scale below what :func:`asym_quantize` writes: none is
+    negative but by the hair of a constant group, whose fp16-rounded minimum can lie half an
+    fp16 ulp of it above its maximum (bounded here by a whole ulp, over the levels)."""
+    levels = (1 << bits) - 1
+    floor = -(np.abs(mn.astype(np.float32)) * np.float32(2.0 ** -10) + np.float32(2.0 ** -24))
+    if bool((scale.astype(np.float32) * levels < floor).any()):
+        raise CodecError(f"{who}: a negative scale, which no writer stores")
 
 
 def nonzero(xp: Any, s: Any) -> Any:

@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.codecs.abc import ArraySpec, Codec, Encoded
-from kvtool.codecs.groupq import dequantize_groups, nonzero, quantize_groups, to_fp16
+from kvtool.codecs.groupq import (
+    check_scales,
+    dequantize_groups,
+    nonzero,
+    quantize_groups,
+    to_fp16,
+)
 from kvtool.codecs.params import GROUP_MAX, check_int
 from kvtool.kernels import packing_ops
 
@@ -69,6 +75,9 @@ class Int4Codec(Codec):
         groups = -(-dim // min(self.group_size, dim))
         return {"codes": ArraySpec((*lead, (dim * self.bits + 7) // 8), "uint8"),
                 **group_specs(lead, groups)}
+
+    def check_stored(self, arrays: dict[str, Any]) -> None:
+        check_scales(arrays["scale"], arrays["min"], self.bits, self.codec_id)
 
     def _encode(self, xp: Any, x: Any) -> dict[str, Any]:
         group = min(self.group_size, x.shape[-1])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from kvtool.codecs.abc import ArraySpec, Codec, Encoded
-from kvtool.codecs.groupq import dequantize_groups, quantize_groups
+from kvtool.codecs.groupq import check_scales, dequantize_groups, quantize_groups
 from kvtool.codecs.intq import check_group_size, group_specs
 from kvtool.codecs.params import check_choice
 from kvtool.errors import CodecError
@@ -67,6 +67,9 @@ class KiviCodec(Codec):
         else:
             specs = group_specs(shape[:-1], -(-dim // group))
         return {"codes": codes, **specs}
+
+    def check_stored(self, arrays: dict[str, Any]) -> None:
+        check_scales(arrays["scale"], arrays["min"], self.bits, self.codec_id)
 
     def _layout(self, dim: int) -> tuple[int, int]:
         """(group, axis) for a given head_dim."""

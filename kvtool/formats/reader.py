@@ -211,6 +211,10 @@ class KvzFile:
                     check_values(name, arrays[part], specs[part])
                 except FormatError as e:
                     raise FormatError(f"{self.path}: {e}") from None
+            try:
+                self.codec(seg["codec"]).check_stored(arrays)
+            except CodecError as e:
+                raise FormatError(f"{self.path}: layer {i} {role} segment {j}: {e}") from None
             out.append((seg, Encoded(arrays, tuple(seg["shape"]), seg["dtype"])))
         return out
 
