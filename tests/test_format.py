@@ -421,9 +421,17 @@ def test_a_short_layer_saves_only_as_a_sliding_window_layer(tmp_path):
     with pytest.raises(ValueError, match="layer 1 holds 8 of 12 tokens"):
         save(cache, tmp_path / "s.kvz")
     assert not (tmp_path / "s.kvz").exists()
+    cache.layer_info = [{}, {"sliding_window": 10}, {}]  # it keeps its last 9 tokens
+    with pytest.raises(ValueError, match="layer 1 holds 8 of 12 tokens, fewer than its"):
+        save(cache, tmp_path / "s.kvz")
     cache.layer_info = [{}, {"sliding_window": 8}, {}]
     save(cache, tmp_path / "s.kvz")
     assert load(tmp_path / "s.kvz").keys[1].shape == (2, 8, 32)
+    # a file claiming the wider window for the same 8 tokens: no writer's, refused on read
+    rewrite_header(tmp_path / "s.kvz", tmp_path / "w.kvz",
+                   lambda h: h.update(layer_info=[{}, {"sliding_window": 10}, {}]))
+    with pytest.raises(FormatError, match="layer 1 holds 8 of 12 tokens, fewer than its"):
+        load(tmp_path / "w.kvz")
 
 
 def test_a_cast_past_float16s_range_is_refused_not_inf(tmp_path):

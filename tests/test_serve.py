@@ -133,7 +133,8 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
                      ["--pipeline_parallel_size", "2"], ["-pcp", "2"],
                      ["--decode-context-parallel-size", "2"]):  # each worker: part of a chunk
         assert "one worker per engine" in refused("--store", store, "--", *parallel), parallel
-    assert "-tp" in dry_run(runner, "--", "-tp", "2")["argv"]  # no store: vLLM's business
+    bare = dry_run(runner, "--", "-tp", "2")["argv"]  # no store: vLLM's business, and no
+    assert "-tp" in bare and "--kv-transfer-config" not in bare  # connector to refuse it
     yaml_file = tmp_path / "engine.yaml"  # vLLM's --config: its arguments count too
     yaml_file.write_text("tensor-parallel-size: 2\nmax-num-seqs: 4\n")
     assert "one worker per engine" in refused("--store", store, "--", "--config", str(yaml_file))

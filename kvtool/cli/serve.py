@@ -91,7 +91,7 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
     click.echo(f"  policy: {plan.policy}" + ("" if not plan.lossy else
                " (lossy: answers served from the store may differ slightly from a cold run; "
                "--codec raw for exact)"))
-    if engine == "vllm":  # mlx_lm.server has no /metrics; its store activity goes to the log
+    if engine == "vllm" and (plan.store or plan.pins):  # mlx_lm.server has no /metrics
         click.echo(f"  metrics: {plan.url.removesuffix('/v1')}/metrics (kvtool_store_*)")
     for pin in plan.pins:
         click.echo(f"  pinned: {pin}")

@@ -156,7 +156,8 @@ def _check_role(role: Any, where: str, num_tokens: int, table: dict[str, Any]) -
 def token_layout_problem(lengths: list[int], num_tokens: int, ids_count: int | None,
                          layer_info: list[Any] | None) -> str | None:
     """Why a cache's token counts disagree, or None: ``num_tokens`` is the longest layer's,
-    a shorter layer is a sliding-window one (``layer_info``: a ``sliding_window`` ≥ 1), and
+    a shorter layer is a sliding-window one (``layer_info``: a ``sliding_window`` ≥ 1) that
+    holds at least the last ``sliding_window - 1`` tokens (what the next step attends to), and
     the token ids, if any, are one per token. A file that breaks this loads but is wrong:
     its chunks would be keyed by ids that have no K/V, its restore would lack tokens."""
     longest = max(lengths, default=0)
@@ -170,6 +171,9 @@ def token_layout_problem(lengths: list[int], num_tokens: int, ids_count: int | N
         if n < num_tokens and window is None:
             return (f"layer {i} holds {n} of {num_tokens} tokens, but layer_info names no "
                     "sliding window for it")
+        if window is not None and n < min(num_tokens, window - 1):
+            return (f"layer {i} holds {n} of {num_tokens} tokens, fewer than its sliding "
+                    f"window of {window} keeps (the last {window - 1}, all the next token sees)")
     if ids_count is not None and ids_count != num_tokens:
         return f"{ids_count} token ids for {num_tokens} tokens"
     return None

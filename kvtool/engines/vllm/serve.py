@@ -363,8 +363,9 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
             "--served-model-name", *dict.fromkeys([name, "default"]),
             "--host", host, "--port", str(port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--kv-transfer-config", json.dumps(transfer)]
+            "--dtype", dtype, "--max-model-len", str(max_model_len)]
+    if store or pins:  # without either the connector has nothing to serve: plain vLLM
+        argv += ["--kv-transfer-config", json.dumps(transfer)]
     given = set(engine_args)
     if not any(a.startswith("--shutdown-timeout") for a in given):
         # vLLM's default (0) SIGKILLs the engine at once on SIGTERM: give the connector time
