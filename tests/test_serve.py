@@ -176,6 +176,20 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "another tokenizer" in refused("--pin", other_tok)
     assert "token id 1000000000" in refused("--pin", big_id)
     assert "damaged" in refused("--pin", damaged)
+    # an identity without its layout fields (as older files) names the model's fingerprint:
+    # the layers' own shapes must still be the served model's
+    bare_model = {k: v for k, v in cache.model.items()
+                  if k not in ("layout", "num_layers", "num_kv_heads", "head_dim")}
+    halved = [a.reshape(a.shape[0] * 2, a.shape[1], a.shape[2] // 2) for a in cache.keys]
+    for name, wrong, message in (
+            ("heads", dataclasses.replace(cache, model=bare_model, keys=halved,
+                                          values=[a.clone() for a in halved]),
+             "layer 0 holds 6 KV heads × head_dim 32, the model 3 × 64"),
+            ("layers", dataclasses.replace(cache, model=bare_model, keys=cache.keys[:-1],
+                                           values=cache.values[:-1]),
+             "29 layers, the model has 30")):
+        save(wrong, tmp_path / f"{name}.kvz")
+        assert message in refused("--pin", str(tmp_path / f"{name}.kvz")), name
     # weights vLLM quantizes as it loads them are another model's: its K/V differ
     assert cache.model["weights"]
     for quantized in (["--quantization", "fp8"], ["-q", "fp8"], ["-qfp8"], ["--quant=fp8"]):

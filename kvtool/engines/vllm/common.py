@@ -286,6 +286,22 @@ def unservable(f: Any) -> str | None:
     return None
 
 
+def shape_problem(f: Any, model: dict[str, Any]) -> str | None:
+    """Why the layers of an open .kvz or a loaded :class:`~kvtool.cache.KVCache` cannot fill
+    the served ``model``'s paged caches (their count, KV heads, head_dim), or None. A file
+    without the layout fields in its identity still names the model's fingerprint; its
+    shapes are what count."""
+    layers, heads, dim = (model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
+    if isinstance(layers, int) and f.num_layers != layers:
+        return f"{f.num_layers} layers, the model has {layers}"
+    shapes = [tuple(k.shape) for k in f.keys] if hasattr(f, "keys") else \
+        [tuple(layer["key"]["shape"]) for layer in f.header["layers"]]
+    for i, (h, _, d) in enumerate(shapes):
+        if (isinstance(heads, int) and h != heads) or (isinstance(dim, int) and d != dim):
+            return f"layer {i} holds {h} KV heads × head_dim {d}, the model {heads} × {dim}"
+    return None
+
+
 def refuse_unservable(f: Any) -> None:
     """ValueError where :func:`unservable` says why ``f`` cannot be served as a prefix."""
     why = unservable(f)
@@ -361,8 +377,9 @@ def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
         raise ValueError(f"the file belongs to another model{other_weights(cache.model, model)}")
     refuse_unservable(cache)
     log_cast(cache.model, identity_dtype(model) or "", log)
-    if "num_layers" in model and cache.num_layers != model["num_layers"]:
-        raise ValueError(f"{cache.num_layers} layers, the model has {model['num_layers']}")
+    wrong = shape_problem(cache, model)
+    if wrong:
+        raise ValueError(wrong)
     if cache.num_tokens != tokens:
         raise ValueError(f"{cache.num_tokens} tokens where {tokens} were due")
 

@@ -53,7 +53,7 @@ def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
     and ``tokenizer`` (its fingerprint and vocabulary size) that the connector serves
     (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its K/V will be cast to
     the server's ``dtype`` or it is longer than a prompt can be."""
-    from kvtool.engines.vllm.common import unservable
+    from kvtool.engines.vllm.common import shape_problem, unservable
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
     from kvtool.identity import cast_note, other_weights, same_model
@@ -70,6 +70,9 @@ def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
         why = unservable(f)
         if why:
             raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
+        wrong = shape_problem(f, model)
+        if wrong:
+            raise ModelMismatchError(f"--pin {path}: {wrong}")
         if tokenizer is not None:
             tokenizer_fp, vocab = tokenizer
             if f.tokenizer_fingerprint not in (None, tokenizer_fp):
