@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtool.codecs import Codec, get_codec
+from kvtool.codecs.params import is_digits
 from kvtool.errors import CodecError, FormatError, did_you_mean
 
 ROLES = ("key", "value")
@@ -262,7 +263,7 @@ class CodecPolicy:
         for part in label.split():
             key, sep, value = part.partition("=")
             if sep and key == "layers":
-                if not value.isdigit():
+                if not is_digits(value):
                     raise CodecError(f"policy label {label!r}: layers= needs an integer")
                 num_layers = int(value)
                 continue
@@ -275,7 +276,7 @@ class CodecPolicy:
             name = _LABEL_KEYS[key]
             if name == "sink_tokens" and value.startswith("auto"):
                 scan = value.partition(":")[2]
-                if not scan.isdigit() and scan:
+                if scan and not is_digits(scan):
                     raise CodecError(f"policy label {label!r}: sink=auto:N needs an integer")
                 opts["auto_sinks"] = int(scan) if scan else AUTO_SINK_SCAN
                 continue
@@ -374,7 +375,7 @@ def _layers_from_json(data: Any, lossless: Codec) -> tuple[tuple[int, LayerCodec
         raise CodecError("policy: layers must be an object (layer index → codecs)")
     out = []
     for index, spec in data.items():
-        if not (isinstance(index, str) and index.isdigit()):
+        if not (isinstance(index, str) and is_digits(index)):
             raise CodecError(f"policy: layer index {str(index)[:20]!r} is not an integer >= 0")
         where = f"layer {index}"
         if spec == "lossless":

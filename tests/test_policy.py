@@ -93,6 +93,7 @@ def test_per_layer_round_trips_json_label_and_file(tmp_path):
     ({"layers": {"0": {"key": "nope"}}}, "unknown codec"),
     ({"layers": {"4": "lossless"}}, "out of range for 4 layers"),
     ({"layers": {"-1": "lossless"}}, "not an integer"),
+    ({"layers": {"\u00b2": "lossless"}}, "not an integer"),  # isdigit, not int
     ({"layers": {"x": "lossless"}}, "not an integer"),
     ({"layers": {"1": {"kee": "turbo3"}}}, "key"),
     ({"layers": {"1": 3}}, "lossless"),

@@ -36,3 +36,9 @@ def check_choice(who: str, name: str, value: Any, choices: Sequence[Any]) -> Any
 
 SEED_MAX = 2**63 - 1
 GROUP_MAX = 1 << 20
+
+
+def is_digits(text: str) -> bool:
+    """Whether ``text`` is ASCII decimal digits: what ``int`` reads as a count or index
+    (``str.isdigit`` also takes "²", which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()

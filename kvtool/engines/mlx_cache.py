@@ -58,6 +58,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from kvtool.codecs import Codec, get_codec
+from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_stream import Stream, cat_tokens
 from kvtool.errors import FormatError, KvtoolError
 from kvtool.kernels.mlx_ops import from_numpy as to_mlx
@@ -231,7 +232,7 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
         self._configure(config)
         offset = int(config["offset"])
         if self._plain is not None:
-            if any(k.startswith("s") and k[1:].isdigit() for k in v) or (
+            if any(k.startswith("s") and is_digits(k[1:]) for k in v) or (
                     offset and "plain" not in v):
                 raise FormatError("KvtoolMLXCache state: a lossless layer (no codecs) holds "
                                   "encoded streams, or not its plain K/V")

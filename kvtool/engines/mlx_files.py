@@ -17,6 +17,7 @@ from typing import Any
 from mlx_lm.models import cache as mlx_cache
 
 from kvtool.cache import KVCache
+from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
 from kvtool.errors import FormatError, KvtoolError
 from kvtool.policy import CodecPolicy
@@ -36,7 +37,7 @@ def _read_header(path: str) -> dict[str, str]:
         raise FormatError(f"{path}: not an mlx-lm prompt cache (unreadable safetensors: "
                           f"{e})") from None
     classes = [meta[k] for k in sorted((k for k in meta if k.startswith("1.")),
-                                       key=lambda k: int(k[2:]) if k[2:].isdigit() else -1)]
+                                       key=lambda k: int(k[2:]) if is_digits(k[2:]) else -1)]
     if not classes or meta.get("2.0") != "":
         raise FormatError(f"{path}: not an mlx-lm prompt cache (its metadata names no cache "
                           "classes the way mlx-lm's save_prompt_cache writes them)")
@@ -112,7 +113,7 @@ def prompt_cache_codecs(path: str | os.PathLike) -> list[str]:
     path = os.fspath(path)
     meta = _read_header(path)
     layers = [int(k[2:]) for k, v in meta.items()
-              if k.startswith("1.") and k[2:].isdigit() and v == "KvtoolMLXCache"]
+              if k.startswith("1.") and is_digits(k[2:]) and v == "KvtoolMLXCache"]
     ids: set[str] = set()
     try:
         with safe_open(path, framework="numpy") as f:

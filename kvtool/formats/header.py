@@ -15,7 +15,8 @@ from kvtool.errors import FormatError, NewerVersionError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, check_shape, crc32_hex, is_int, parse_json
 
-_VERSION_RE = re.compile(r"^(\d{1,6})(?:\.(\d{1,6}))?$")
+#: ASCII decimal, no leading zero ("１" and "01" are not what a writer writes)
+_VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,5})(?:\.(0|[1-9][0-9]{0,5}))?")
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 _PART_RE = re.compile(r"^[a-z0-9_]+$")
 MAX_ELEMENTS_PER_BYTE = 64  # a segment decodes to at most this many elements per stored byte
@@ -29,7 +30,7 @@ def check_part_name(part: str, codec_id: str) -> None:
 
 def parse_version(version: str) -> tuple[int, int]:
     """``"1"`` → (1, 0), ``"1.2"`` → (1, 2); refuses a major version other than 1."""
-    m = _VERSION_RE.match(version)
+    m = _VERSION_RE.fullmatch(version)
     if not m:
         raise FormatError(f"invalid .kvz format version {version[:20]!r}")
     major, minor = int(m.group(1)), int(m.group(2) or 0)
