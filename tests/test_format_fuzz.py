@@ -211,3 +211,42 @@ def test_layer_policy_must_match_the_segments(layered, tmp_path):
             (lambda h: None, False)]:
         rewrite_header(layered.path, out, change)
         assert check(out.read_bytes(), verify=True) == ("error" if refused else "ok")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda frame: frame + b"JUNKJUNK", "bytes follow it"),
+    (lambda frame: frame + frame, "bytes follow it"),
+    (lambda frame: _frame_without_size(frame), "names no content size")])
+def test_a_zstd_tensor_is_one_whole_frame(base, tmp_path, edit, message):
+    """Bytes after the frame, a second frame, or a frame that names no size are no writer's,
+    even with every checksum made right (format.md 6.1: one zstd frame)."""
+    import json
+
+    import zstandard
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.formats.container import Blob, crc32_hex
+
+    metadata, blobs = read_parts(base.path)
+    header = json.loads(metadata["kvz.header"])
+    name = next(n for n, info in header["tensors"].items() if info["compression"] == "zstd")
+    out = []
+    for b in blobs:
+        if b.name == name:
+            assert zstandard.ZstdDecompressor().decompress(b.data)  # a whole frame, as written
+            b = Blob(b.name, b.st_dtype, (len(edit(b.data)),), edit(b.data))
+            header["tensors"][name]["crc32"] = crc32_hex(b.data)
+        out.append(b)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    metadata.update({"kvz.header": raw, "kvz.header_crc32": crc32_hex(raw.encode())})
+    write_parts(tmp_path / "z.kvz", metadata, out)
+    with pytest.raises(FormatError, match=message):
+        with open_kvz(tmp_path / "z.kvz") as f:
+            f.to_cache()
+
+
+def _frame_without_size(frame: bytes) -> bytes:
+    import zstandard
+
+    data = zstandard.ZstdDecompressor().decompress(frame)
+    return zstandard.ZstdCompressor(write_content_size=False).compress(data)

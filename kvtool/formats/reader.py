@@ -363,10 +363,18 @@ def _unzstd(blob: np.ndarray, size: int, where: str) -> np.ndarray:
 
     try:
         params = zstandard.get_frame_parameters(blob)
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise FormatError(f"{where}: the zstd frame names no content size, which every "
+                              "writer's does")
         if params.content_size != size:
             raise FormatError(f"{where}: zstd frame holds {params.content_size} bytes, "
                               f"expected {size}")
-        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
+        # one frame, whole: zstd checks its output against the size just checked
+        frame = zstandard.ZstdDecompressor().decompressobj()
+        out = frame.decompress(blob)
+        if not frame.eof or frame.unused_data:
+            raise FormatError(f"{where}: the tensor is not one whole zstd frame ("
+                              + ("bytes follow it" if frame.eof else "it is cut short") + ")")
     except zstandard.ZstdError as e:
         raise FormatError(f"{where}: corrupt zstd data ({e})") from None
     if len(out) != size:
