@@ -316,6 +316,16 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
     monkeypatch.setattr(mlx_cache, "load_prompt_cache", shifted)
     with pytest.raises(FormatError, match="layer 2 holds .* tokens, its offset says"):
         E.import_prompt_cache(path)
+    monkeypatch.setattr(mlx_cache, "load_prompt_cache", real_load)
+    # K/V no mlx-lm writes: one layer's keys in another dtype (bytes relabelled), a NaN
+    mixed = dataclasses.replace(doc_cache, keys=[k.astype(np.float16) if i == 3 else k
+                                                 for i, k in enumerate(doc_cache.keys)])
+    nan = dataclasses.replace(doc_cache, values=[v.copy() for v in doc_cache.values])
+    nan.values[1][0, 2, 3] = np.nan
+    for cache, message in ((mixed, "K/V of several dtypes"), (nan, "layer 1 holds NaN")):
+        path = _stock_file(cache, tmp_path / "bad.safetensors")
+        with pytest.raises(FormatError, match=message):
+            E.import_prompt_cache(path)
 
 
 def _stock_file(cache: KVCache, path) -> str:

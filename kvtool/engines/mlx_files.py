@@ -14,12 +14,14 @@ import json
 import os
 from typing import Any
 
+import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from kvtool.cache import KVCache
 from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
 from kvtool.errors import FormatError, KvtoolError
+from kvtool.formats.header import token_layout_problem
 from kvtool.policy import CodecPolicy
 
 METADATA_KEY = "kvtool"  # the user-metadata entry of an exported prompt cache
@@ -83,6 +85,7 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
                               f"{layer.offset}")
         keys.append(to_numpy(k[0]))
         values.append(to_numpy(v[0]))
+    _check_arrays(path, keys, values)
     extra = _kvtool_metadata(path, user or {}, meta)
     try:
         cache = KVCache(keys, values, **extra)
@@ -99,7 +102,26 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     if cache.token_ids is not None and len(cache.token_ids) != cache.num_tokens:
         raise FormatError(f"{path}: {len(cache.token_ids)} token ids for {cache.num_tokens} "
                           "cached tokens")
+    ids = cache.token_ids
+    if ids is not None and len(ids) and int(np.min(ids)) < 0:
+        raise FormatError(f"{path}: token id {int(np.min(ids))} is negative")
+    problem = token_layout_problem([int(k.shape[1]) for k in keys], cache.num_tokens,
+                                   None if ids is None else len(ids), cache.layer_info)
+    if problem:
+        raise FormatError(f"{path}: {problem}")
     return cache
+
+
+def _check_arrays(path: str, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+    """K/V as mlx-lm writes them: one dtype for every layer and role (a tensor relabelled to
+    another reads as garbage), every value finite."""
+    dtypes = sorted({str(a.dtype) for a in (*keys, *values)})
+    if len(dtypes) > 1:
+        raise FormatError(f"{path}: its layers hold K/V of several dtypes ({', '.join(dtypes)}),"
+                          " which mlx-lm never writes")
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if not (np.isfinite(k).all() and np.isfinite(v).all()):
+            raise FormatError(f"{path}: layer {i} holds NaN or Inf")
 
 
 def prompt_cache_codecs(path: str | os.PathLike) -> list[str]:
