@@ -73,14 +73,20 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
 
 def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
     """Every preset: its label, encoded bits/element at ``head_dim`` (mean of keys and values,
-    sinks excluded) and what was measured for it."""
+    sinks excluded; None, with why in ``unfit``, where its codecs cannot encode that
+    head_dim) and what was measured for it."""
     rows = []
     for name, (label, measured) in PRESETS.items():
         policy = preset_policy(name)
-        bits = (policy.key.bits_per_element(head_dim) + policy.value.bits_per_element(head_dim))
+        try:
+            bits = round((policy.key.bits_per_element(head_dim)
+                          + policy.value.bits_per_element(head_dim)) / 2, 4)
+            unfit = None
+        except CodecError as e:  # e.g. outlier channels that a head_dim of 2 cannot hold
+            bits, unfit = None, str(e)
         speed = PRESET_SPEEDS.get(name, {})
-        rows.append({"name": name, "label": label, "bits_per_element": round(bits / 2, 4),
-                     "measured": measured,
+        rows.append({"name": name, "label": label, "bits_per_element": bits,
+                     **({"unfit": unfit} if unfit else {}), "measured": measured,
                      **{f"{op}_mbps": dict(zip(("key", "value"), mbps, strict=True))
                         for op, mbps in speed.items()}})
     return rows

@@ -273,6 +273,14 @@ def test_codecs_presets_lists_the_measured_policies():
         assert CodecPolicy.from_label(rows[name]["label"]) == CodecPolicy.from_label(name)
     text = CliRunner().invoke(cli, ["codecs", "--presets"]).output
     assert all(name in text for name in PRESETS) and "Δppl" in text
+    # a head_dim the outlier presets cannot split: those rows say why, the others still show
+    out = CliRunner().invoke(cli, ["codecs", "--presets", "--json", "--head-dim", "2"])
+    assert out.exit_code == 0, out.output
+    rows = {r["name"]: r for r in json.loads(out.output)["presets"]}
+    assert rows["balanced"]["bits_per_element"] is None and "outliers" in rows["balanced"]["unfit"]
+    assert rows["quality"]["bits_per_element"] > 0 and "unfit" not in rows["quality"]
+    text = CliRunner().invoke(cli, ["codecs", "--presets", "--head-dim", "2"]).output
+    assert "not at head_dim 2: turbomix: outliers=" in text
 
 
 def test_codecs_presets_show_each_presets_speed_and_measure_it_here():

@@ -69,6 +69,8 @@ def _print_presets(head_dim: int, measure: bool, as_json: bool) -> None:
         from kvtool.presets import preset_policy
 
         for r in rows:
+            if "unfit" in r:
+                continue
             policy = preset_policy(r["name"])
             speeds = [measure_mbps(c, head_dim) for c in (policy.key, policy.value)]
             r["encode_mbps"], r["decode_mbps"] = (
@@ -87,8 +89,10 @@ def _print_presets(head_dim: int, measure: bool, as_json: bool) -> None:
             enc, dec = r["encode_mbps"], r["decode_mbps"]
             speed = (f"\n          encode {enc['key']}/{enc['value']} MB/s, "
                      f"decode {dec['key']}/{dec['value']} MB/s")
-        click.echo(f"{r['name']:<9} {r['bits_per_element']:>6.3f} b  {r['measured']}"
-                   f"{speed}\n          {r['label']}")
+        bits = "     — " if "unfit" in r else f"{r['bits_per_element']:>6.3f} b"
+        unfit = f"\n          not at head_dim {head_dim}: {r['unfit']}" if "unfit" in r else ""
+        click.echo(f"{r['name']:<9} {bits}  {r['measured']}{speed}{unfit}"
+                   f"\n          {r['label']}")
 
 
 def measure_mbps(codec: object, head_dim: int, vectors: int = 1 << 16) -> tuple[float, float]:
