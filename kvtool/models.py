@@ -238,8 +238,12 @@ def _load_hf(location: Path, dtype: str, device: str = "cpu") -> tuple[Any, Any]
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=_torch_dtype(dtype), **kwargs)
-    except OSError as e:
-        raise ModelNotFoundError(f"cannot load model from {location}: {e}") from e
+    except KvtoolError:
+        raise
+    except Exception as e:  # missing files, and transformers' errors of a damaged model
+        said = " ".join(line.strip() for line in str(e).splitlines())  # some span lines
+        raise ModelNotFoundError(f"cannot load model from {location}: {type(e).__name__}: "
+                                 f"{said[:300] or 'no detail'}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

