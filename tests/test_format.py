@@ -297,6 +297,13 @@ def small_file(tmp_path):
     return path
 
 
+def test_verify_reports_a_damaged_token_tensor_once(small_file, tmp_path):
+    rewrite_header(small_file, tmp_path / "t.kvz",
+                   lambda h: h["tensors"]["tokens"].update(crc32="00000000"))
+    with open_kvz(tmp_path / "t.kvz", verify=False) as f:
+        assert f.verify() == ["checksum mismatch in tensor 'tokens' (file corrupted)"]
+
+
 def test_unknown_codec_names_the_codec_and_plugins(small_file, tmp_path):
     def rename(h):
         h["layers"][1]["key"]["segments"][1]["codec"]["id"] = "nosuchcodec"

@@ -38,7 +38,9 @@ def verify_file(f: KvzFile) -> list[str]:
     try:
         f.token_ids  # noqa: B018  (read for its checks: a negative id)
     except FormatError as e:
-        problems.append(_strip(f.path, str(e)))
+        problem = _strip(f.path, str(e))
+        if problem not in problems:  # their checksum, already reported above
+            problems.append(problem)
     for i in range(f.num_layers):
         try:
             f.layer(i)
