@@ -443,7 +443,8 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
     if not 0 <= tokens <= f.num_tokens:
         raise ValueError(f"prefix of {tokens} tokens from a file of {f.num_tokens}")
     check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
-                                token_ids=f.token_ids, layer_info=f.layer_info), model, tokens)
+                                token_ids=f.token_ids, layer_info=f.layer_info,
+                                header=f.header), model, tokens)
 
 
 def exact_dtype(f: Any) -> str | None:
