@@ -63,6 +63,7 @@ def check_input_file(path: str) -> None:
 def check_output_path(path: str, inputs: tuple[str | None, ...] = ()) -> str:
     """The file that writing ``path`` replaces; raise :class:`KvtoolError` if it cannot be written
     or is one of the command's ``inputs`` (files it reads first; None and ``-`` are skipped).
+    ``-`` (standard output, to other tools) is refused: writes are atomic renames.
 
     A symlink is followed: its (final) target is the file replaced, in the target's directory,
     and the link itself stays. Refused: an empty path, a path ending in a separator, an existing
@@ -73,6 +74,9 @@ def check_output_path(path: str, inputs: tuple[str | None, ...] = ()) -> str:
     path = os.fspath(path)
     if not path:
         raise KvtoolError("output path is empty")
+    if path == "-":  # outputs are written to a temp file and renamed: never to a pipe
+        raise KvtoolError("-: cannot write to standard output (files are written whole, then "
+                          "renamed); give a file name (./- for a file named '-')")
     if path.endswith((os.sep, os.altsep or os.sep)):
         raise KvtoolError(f"{path}: is a directory path, expected a file name")
     real = os.path.realpath(path)

@@ -244,6 +244,8 @@ class CodecPolicy:
         if self.auto_sinks:
             parts.append("sink=auto" if self.auto_sinks == AUTO_SINK_SCAN
                          else f"sink=auto:{self.auto_sinks}")
+        if self.lossless.get_config() != get_codec("raw").get_config():
+            parts.append(f"lossless={_codec_label(self.lossless, None)}")
         if self.layers:
             parts.append(f"layers={self.num_layers}")
             parts += _layer_labels(self.layers)
@@ -258,6 +260,7 @@ class CodecPolicy:
         if label.strip() in PRESETS:
             return preset_policy(label.strip())
         opts: dict[str, Any] = dict(defaults)
+        lossless: Codec | None = None
         own: dict[int, dict[str, Codec]] = {}
         num_layers = None
         for part in label.split():
@@ -266,6 +269,9 @@ class CodecPolicy:
                 if not is_digits(value):
                     raise CodecError(f"policy label {label!r}: layers= needs an integer")
                 num_layers = int(value)
+                continue
+            if sep and key == "lossless":
+                lossless = get_codec(value)
                 continue
             if sep and _LAYER_PART.fullmatch(key):
                 _parse_layer_part(key, value, own, label)
@@ -285,6 +291,8 @@ class CodecPolicy:
             except ValueError:
                 raise CodecError(f"policy label {label!r}: {key}= needs an integer") from None
         policy = cls.from_options(**opts)
+        if lossless is not None:
+            policy = replace(policy, lossless=lossless)
         if own or num_layers is not None:
             layers = tuple((i, LayerCodecs(c.get("key"), c.get("value")))
                            for i, c in sorted(own.items()))
@@ -389,10 +397,12 @@ def _layers_from_json(data: Any, lossless: Codec) -> tuple[tuple[int, LayerCodec
     return tuple(out)
 
 
-def _codec_label(codec: Codec, role: str) -> str:
-    """``id`` plus the options that differ from the codec's defaults for ``role``."""
+def _codec_label(codec: Codec, role: str | None) -> str:
+    """``id`` plus the options that differ from the codec's defaults for ``role`` (None: its
+    defaults for any role, as ``get_codec(label)`` builds it)."""
     try:  # the class's own defaults, so unregistered codecs work too
-        default = type(codec)().for_role(role).get_config()
+        plain = type(codec)()
+        default = (plain if role is None else plain.for_role(role)).get_config()
     except (TypeError, CodecError):
         default = {"id": codec.codec_id, "codec_version": codec.codec_version}
     opts = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"

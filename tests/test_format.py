@@ -386,6 +386,24 @@ def test_token_counts_that_disagree_are_refused(small_file, tmp_path, edit, mess
         load(tmp_path / "n.kvz")
 
 
+@pytest.mark.parametrize("place", [
+    {"key": "A" * 64, "start": 0}, {"key": "a" * 63, "start": 0}, {"key": "a" * 64},
+    {"key": "a" * 64, "start": -12}, {"key": "a" * 64, "start": 5},
+    {"key": "a" * 64, "start": True}, ["a" * 64, 0],
+])
+def test_a_store_chunk_place_no_writer_records_is_refused(small_file, tmp_path, place):
+    """``store_chunk``: 64 lowercase hex digits and a start that is a whole number of chunks
+    (the file's 12 tokens); the reader refuses anything else, the writer never writes it."""
+    rewrite_header(small_file, tmp_path / "s.kvz", lambda h: h.update(store_chunk=place))
+    with pytest.raises(FormatError, match="store_chunk must be"):
+        load(tmp_path / "s.kvz")
+    rewrite_header(small_file, tmp_path / "ok.kvz",
+                   lambda h: h.update(store_chunk={"key": "0a" * 32, "start": 24}))
+    assert open_kvz(tmp_path / "ok.kvz").store_chunk == {"key": "0a" * 32, "start": 24}
+    with pytest.raises(ValueError, match="store_chunk must be"):
+        save(load(small_file), tmp_path / "w.kvz", store_chunk=place)
+
+
 def test_token_ids_must_be_one_per_token(small_file, tmp_path):
     """40 ids over 12 tokens of K/V: a store would key chunks by ids that have no K/V."""
     metadata, blobs = read_parts(small_file)

@@ -145,8 +145,11 @@ def test_impossible_outputs_fail_before_slow_work(runner, kvz, tmp_path, monkeyp
     import kvtool.models
 
     monkeypatch.setattr(kvtool.models, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.chdir(tmp_path)  # a file named "-" would land here
     (tmp_path / "afile").write_text("x")
     cases = [("", "output path is empty"),
+             ("-", "-: cannot write to standard output (files are written whole, then "
+              "renamed); give a file name (./- for a file named '-')"),
              (str(tmp_path / "missing" / "o.kvz"),
               f"{tmp_path / 'missing' / 'o.kvz'}: directory {tmp_path / 'missing'} does not "
               "exist"),

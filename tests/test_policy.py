@@ -40,6 +40,17 @@ def test_label_and_json_round_trip():
     assert CodecPolicy.from_options().key == get_codec("raw")
 
 
+@pytest.mark.parametrize("lossless", ["turbo2", "raw:dtype=float16", "turbo4:seed=7"])
+def test_a_policy_whose_lossless_codec_is_not_raw_says_so_in_its_label(lossless):
+    """The label a file and a report carry names the codec of protected layers and tokens;
+    read back, it is the same policy (it used to say nothing, and read back as raw)."""
+    policy = CodecPolicy.from_json({"key": "turbo3", "value": "turbo3", "lossless": lossless,
+                                    "protect_layers": 2, "sink_tokens": 4})
+    assert f"lossless={lossless}" in policy.describe()
+    assert CodecPolicy.from_label(policy.describe()) == policy
+    assert "lossless" not in CodecPolicy.from_options("turbo3", protect_layers=2).describe()
+
+
 def test_bad_options():
     with pytest.raises(CodecError):
         CodecPolicy.from_options("turbo3", sink_tokens=-1)

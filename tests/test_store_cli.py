@@ -134,6 +134,19 @@ def test_verify_finds_damage_and_foreign_files(root, runner):
     assert any("belongs to model" in why for why in damaged.values())
 
 
+def test_verify_finds_a_chunk_copied_under_another_key(root, runner):
+    mine = MODELS[0]["fingerprint"][:16]
+    a, b = sorted((c for c in store_admin.scan(root).chunks if c.model == mine),
+                  key=lambda c: c.path)[:2]
+    shown = runner.invoke(cli, ["inspect", a.path])
+    assert f"prefix-store chunk {a.key[:16]}, tokens from " in shown.output
+    os.replace(a.path, b.path)  # a valid chunk file, in the place of another key
+    out = runner.invoke(cli, ["store", "verify", str(root), "--json"])
+    assert out.exit_code == 4
+    damaged = {d["path"]: d["problem"] for d in json.loads(out.output)["damaged"]}
+    assert list(damaged) == [b.path] and "another prefix" in damaged[b.path]
+
+
 @pytest.mark.parametrize("args, message", [
     (["prune", "{root}", "--max-bytes", "lots"], "Invalid value for '--max-bytes': 'lots' is "
      "not a size"),

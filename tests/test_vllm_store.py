@@ -84,6 +84,37 @@ def test_invalid_files_are_ignored(store, caplog):
     assert len(os.listdir(os.path.join(store.root, QUARANTINE_DIR))) == 3
 
 
+def test_a_chunk_copied_under_another_prefix_key_is_refused(store, caplog):
+    """Chunk 1 of two prompts that differ only in chunk 0 holds the same ids, not the same
+    K/V (they attend to other tokens): a file copied from one key to the other is refused,
+    by its recorded key, although its ids match."""
+    a = list(range(32))
+    b = [999] * 16 + a[16:]
+    (a0, a1), (_, b1) = store.chunks(a), store.chunks(b)
+    keys, values = kv(32)
+    store.write(a0, [k[:, :16] for k in keys], [v[:, :16] for v in values], a)
+    store.write(a1, [k[:, 16:] for k in keys], [v[:, 16:] for v in values], a)
+    with store.pin(a1) as (path, _):
+        from kvtool.formats import open_kvz
+        with open_kvz(path) as f:
+            assert f.store_chunk == {"key": a1.key, "start": 16}
+    os.makedirs(os.path.dirname(b1.path), exist_ok=True)
+    os.link(a1.path, b1.path)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert store.is_valid(a1, a)
+        assert not store.is_valid(b1, b)
+    assert "another prefix" in caplog.text
+    assert not store.exists(b1) and store.exists(a1)  # the misfiled copy is quarantined
+
+
+def test_chunks_of_older_writers_without_a_recorded_place_still_serve(store):
+    ids = list(range(16))
+    (c0,) = store.chunks(ids)
+    keys, values = kv(16)
+    save(KVCache(keys, values, token_ids=ids, model=MODEL), _mk(c0.path))
+    assert store.lookup(ids) == [c0]
+
+
 def _mk(path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path

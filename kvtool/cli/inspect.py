@@ -60,6 +60,8 @@ def print_info(info: dict[str, Any]) -> None:
         ("tokenizer", info["tokenizer_fingerprint"] or "-"),
         ("tokens", f"{info['num_tokens']} ({'no' if ids is None else ids} token ids stored)"),
         ("layers", f"{info['num_layers']} x [{shape}] {info['dtype']}"),
+        *([("chunk", f"prefix-store chunk {info['store_chunk']['key'][:16]}, tokens from "
+                     f"{info['store_chunk']['start']}")] if info["store_chunk"] else []),
         ("policy", _policy(info["policy"])),
         ("size", f"{human_bytes(info['file_bytes'])} file, "
                  f"{human_bytes(info['payload_bytes'])} payload, "

@@ -91,6 +91,9 @@ H_POLICY = "policy"
 #: the segments against its uniform part, skip the check and decode from the segments)
 H_LAYER_POLICY = "layer_policy"
 H_LAYER_INFO = "layer_info"
+#: a prefix-store chunk's place: ``{"key": its chain key, "start": its first token's position}``
+H_STORE_CHUNK = "store_chunk"
+STORE_KEY_RE = r"[0-9a-f]{64}"  # a chain key: sha256, lowercase hex
 H_LAYERS = "layers"
 H_TENSORS = "tensors"
 

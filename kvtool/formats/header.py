@@ -180,6 +180,18 @@ def token_layout_problem(lengths: list[int], num_tokens: int, ids_count: int | N
     return None
 
 
+def check_store_chunk(chunk: Any, num_tokens: int, where: str) -> None:
+    """A prefix-store chunk's place (optional): a chain key and a start that is a whole
+    number of chunks (a chunk holds ``num_tokens`` tokens), as the store writes them."""
+    if chunk is None:
+        return
+    if (not isinstance(chunk, dict) or not isinstance(chunk.get("key"), str)
+            or not re.fullmatch(C.STORE_KEY_RE, chunk["key"]) or not is_int(chunk.get("start"))
+            or chunk["start"] < 0 or num_tokens < 1 or chunk["start"] % num_tokens):
+        raise FormatError(f"{where}: {C.H_STORE_CHUNK} must be {{\"key\": 64 lowercase hex "
+                          "digits, \"start\": a multiple of num_tokens ≥ 0}")
+
+
 def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
     """Validate the kvz header's schema and cross-check it with the container entries."""
     where = "kvz header"
@@ -205,6 +217,7 @@ def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
                 or ids.get("count") != t["shape"][0]):
             raise FormatError(f"{where}: token_ids must name a 1-D int32/int64 tensor of "
                               "'count' elements")
+    check_store_chunk(header.get(C.H_STORE_CHUNK), num_tokens, where)
     layers = _get(header, C.H_LAYERS, list, where)
     if len(layers) != num_layers:
         raise FormatError(f"{where}: {len(layers)} layers listed, num_layers is {num_layers}")

@@ -91,6 +91,7 @@ def file_info(f: KvzFile) -> dict[str, Any]:
         "num_layers": f.num_layers,
         "num_tokens": f.num_tokens,
         "num_token_ids": None if ids is None else ids["count"],
+        "store_chunk": f.store_chunk,
         "dtype": h[C.H_DTYPE],
         "policy": h.get(C.H_LAYER_POLICY) or h.get(C.H_POLICY),
         "codecs": dict(sorted(codecs.items())),

@@ -114,6 +114,12 @@ class KvzFile:
         return self.header.get(C.H_LAYER_INFO)
 
     @property
+    def store_chunk(self) -> dict[str, Any] | None:
+        """A prefix-store chunk's place (``key``, ``start``) as its writer recorded it; None
+        for any other file (and for chunks written before kvtool recorded it)."""
+        return self.header.get(C.H_STORE_CHUNK)
+
+    @property
     def token_ids(self) -> np.ndarray | None:
         ids = self.header.get(C.H_TOKEN_IDS)
         if ids is None:

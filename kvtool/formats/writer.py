@@ -17,7 +17,7 @@ from kvtool.fileio import atomic_write, check_output_path
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
 from kvtool.formats.contract import check_identity
-from kvtool.formats.header import check_part_name, token_layout_problem
+from kvtool.formats.header import check_part_name, check_store_chunk, token_layout_problem
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
 
@@ -144,8 +144,10 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
               tokenizer_fingerprint: str | None = None, token_ids: Any = None,
               layer_info: list[dict[str, Any] | None] | None = None,
               zstd: int | bool = False, entropy: bool = False,
-              progress: bool = False) -> dict[str, Any]:
-    """Encode ``num_layers`` (keys, values) pairs with ``policy`` and write a .kvz file."""
+              progress: bool = False,
+              store_chunk: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Encode ``num_layers`` (keys, values) pairs with ``policy`` and write a .kvz file
+    (``store_chunk``: a prefix-store chunk's key and start, recorded in its header)."""
     from tqdm.auto import tqdm
 
     from kvtool import __version__
@@ -205,8 +207,11 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     }
     if policy.layers:  # only then: files of uniform policies stay byte-identical
         header[C.H_LAYER_POLICY] = policy.to_json()
+    if store_chunk is not None:
+        header[C.H_STORE_CHUNK] = store_chunk
     try:  # never write what the reader refuses
         check_identity(header)
+        check_store_chunk(header.get(C.H_STORE_CHUNK), num_tokens, "store_chunk")
     except FormatError as e:
         raise ValueError(f"cannot save this cache: {e}") from None
     try:
@@ -240,7 +245,8 @@ def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = N
          codec: str | dict | Codec | None = None, key_codec: str | dict | Codec | None = None,
          value_codec: str | dict | Codec | None = None, protect_layers: int = 0,
          sink_tokens: int = 0, recent_tokens: int = 0, zstd: int | bool = False,
-         entropy: bool = False, progress: bool = False) -> dict[str, Any]:
+         entropy: bool = False, progress: bool = False,
+         store_chunk: dict[str, Any] | None = None) -> dict[str, Any]:
     """Encode ``cache`` and write it to ``path`` as a .kvz file.
 
     Pass a :class:`CodecPolicy` or the options that build one (default codec: ``raw``).
@@ -255,4 +261,4 @@ def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = N
                      num_layers=cache.num_layers, policy=policy, model=cache.model,
                      tokenizer_fingerprint=cache.tokenizer_fingerprint,
                      token_ids=cache.token_ids, layer_info=cache.layer_info, zstd=zstd,
-                     entropy=entropy, progress=progress)
+                     entropy=entropy, progress=progress, store_chunk=store_chunk)

@@ -291,11 +291,13 @@ def shape_problem(f: Any, model: dict[str, Any]) -> str | None:
     the served ``model``'s paged caches (their count, KV heads, head_dim), or None. A file
     without the layout fields in its identity still names the model's fingerprint; its
     shapes are what count."""
+    from kvtool.formats import constants as C
+
     layers, heads, dim = (model.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
     if isinstance(layers, int) and f.num_layers != layers:
         return f"{f.num_layers} layers, the model has {layers}"
     shapes = [tuple(k.shape) for k in f.keys] if hasattr(f, "keys") else \
-        [tuple(layer["key"]["shape"]) for layer in f.header["layers"]]
+        [tuple(layer["key"]["shape"]) for layer in f.header[C.H_LAYERS]]
     for i, (h, _, d) in enumerate(shapes):
         if (isinstance(heads, int) and h != heads) or (isinstance(dim, int) and d != dim):
             return f"layer {i} holds {h} KV heads × head_dim {d}, the model {heads} × {dim}"

@@ -83,6 +83,11 @@ class Chunk:
     stop: int
     path: str
 
+    @property
+    def place(self) -> dict[str, Any]:
+        """What the chunk's file records of it (the header's ``store_chunk``)."""
+        return {"key": self.key, "start": self.start}
+
 
 def open_store(location: str | os.PathLike, model: dict[str, Any], chunk_tokens: int,
                policy: CodecPolicy, *, storage_options: dict | None = None,
@@ -240,6 +245,9 @@ class PrefixStore:
             want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
             if ids is None or not np.array_equal(ids, want):
                 raise ValueError("it holds other token ids")
+            problem = misplaced(f.store_chunk, chunk.key, chunk.start)
+            if problem:  # same ids after another prefix: other K/V
+                raise ValueError(problem)
             refuse_unservable(f)  # its partial windows would land in the wrong slots
             return exact_dtype(f)
 
@@ -394,7 +402,8 @@ class PrefixStore:
         # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
         # symlink, never writing through it); S3: one conditional PUT of the whole object
         return self.backend.write_new(self._name(chunk), lambda path: int(
-            save(cache, path, policy, zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
+            save(cache, path, policy, zstd=self.zstd, entropy=self.entropy,
+                 store_chunk=chunk.place)["file_bytes"]))
 
     def write_encoded(self, chunk: Chunk, encoded: Any, token_ids: Sequence[int]) -> int:
         """:meth:`write` of a chunk encoded already (an
@@ -411,7 +420,7 @@ class PrefixStore:
         return self.backend.write_new(self._name(chunk), lambda path: int(write_kvz(
             path, replay.meta_layers(), num_layers=replay.num_layers, policy=replay,
             model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint, token_ids=ids,
-            zstd=self.zstd, entropy=self.entropy)["file_bytes"]))
+            zstd=self.zstd, entropy=self.entropy, store_chunk=chunk.place)["file_bytes"]))
 
     def _check_writable(self) -> None:
         if not self.writable:
@@ -445,6 +454,20 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
     check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
                                 token_ids=f.token_ids, layer_info=f.layer_info,
                                 header=f.header), model, tokens)
+
+
+def misplaced(place: dict[str, Any] | None, key: str, start: int | None = None) -> str | None:
+    """Why a chunk file whose header records ``place`` (:attr:`KvzFile.store_chunk`) cannot be
+    the chunk ``key`` (starting at token ``start``, when known), or None. A file that records
+    no place (written before kvtool recorded it) is not refused."""
+    if place is None:
+        return None
+    if place["key"] != key:
+        return (f"it was written as chunk {place['key'][:16]}… (another prefix: its K/V were "
+                "computed after other tokens), not this one")
+    if start is not None and place["start"] != start:
+        return f"it was written for tokens from {place['start']}, not from {start}"
+    return None
 
 
 def exact_dtype(f: Any) -> str | None:

@@ -68,6 +68,11 @@ class StoredChunk:
     pinned: bool = False  # listed in the store's pins file: never pruned or evicted
     name: str = ""  # relative to the store ("<model>/<xx>/<key>.kvz")
 
+    @property
+    def key(self) -> str:
+        """The chain key its file name says it is."""
+        return self.name.rsplit("/", 1)[-1].removesuffix(".kvz")
+
 
 @dataclasses.dataclass
 class StoreScan:
@@ -207,8 +212,10 @@ def stats(found: StoreScan) -> dict[str, Any]:
 
 def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) -> VerifyReport:
     """Every chunk file whose checksums or layers fail, or whose content contradicts its place
-    (model directory); and the chunks that vanished since the scan (gone, not damaged). Reads
-    every byte; changes nothing. ``progress`` wraps the iteration over the chunks (a tqdm bar)."""
+    (model directory, or the key it records); and the chunks that vanished since the scan
+    (gone, not damaged). Reads every byte; changes nothing. ``progress`` wraps the iteration
+    over the chunks (a tqdm bar)."""
+    from kvtool.engines.vllm.store import misplaced
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
 
@@ -222,6 +229,9 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) ->
                 if fingerprint[:16] != c.model:
                     problems.append(f"it belongs to model {fingerprint[:16] or '?'}, "
                                     f"stored under {c.model}")
+                misfiled = misplaced(f.store_chunk, c.key)
+                if misfiled:
+                    problems.append(misfiled)
         except (FileNotFoundError, NotADirectoryError):
             report.gone.append(c.path)  # pruned or quarantined since the scan
             continue
