@@ -53,6 +53,7 @@ from kvtool.cache import KVCache
 from kvtool.engines.vllm.common import check_cache, count, log, refuse_unservable
 from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
+from kvtool.engines.vllm.store_admin import misplaced
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
 from kvtool.fileio import TEMP_SUFFIX
 from kvtool.identity import identity_dtype, portable_identity, same_model
@@ -454,20 +455,6 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
     check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
                                 token_ids=f.token_ids, layer_info=f.layer_info,
                                 header=f.header), model, tokens)
-
-
-def misplaced(place: dict[str, Any] | None, key: str, start: int | None = None) -> str | None:
-    """Why a chunk file whose header records ``place`` (:attr:`KvzFile.store_chunk`) cannot be
-    the chunk ``key`` (starting at token ``start``, when known), or None. A file that records
-    no place (written before kvtool recorded it) is not refused."""
-    if place is None:
-        return None
-    if place["key"] != key:
-        return (f"it was written as chunk {place['key'][:16]}… (another prefix: its K/V were "
-                "computed after other tokens), not this one")
-    if start is not None and place["start"] != start:
-        return f"it was written for tokens from {place['start']}, not from {start}"
-    return None
 
 
 def exact_dtype(f: Any) -> str | None:

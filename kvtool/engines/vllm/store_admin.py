@@ -215,7 +215,6 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) ->
     (model directory, or the key it records); and the chunks that vanished since the scan
     (gone, not damaged). Reads every byte; changes nothing. ``progress`` wraps the iteration
     over the chunks (a tqdm bar)."""
-    from kvtool.engines.vllm.store import misplaced
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
 
@@ -241,6 +240,20 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) ->
             problems = [f"unreadable ({e.strerror or e})"]
         report.damaged += [(c.path, p) for p in problems[:1]]
     return report
+
+
+def misplaced(place: dict[str, Any] | None, key: str, start: int | None = None) -> str | None:
+    """Why a chunk file whose header records ``place`` (:attr:`KvzFile.store_chunk`) cannot be
+    the chunk ``key`` (starting at token ``start``, when known), or None. A file that records
+    no place (written before kvtool recorded it) is not refused."""
+    if place is None:
+        return None
+    if place["key"] != key:
+        return (f"it was written as chunk {place['key'][:16]}… (another prefix: its K/V were "
+                "computed after other tokens), not this one")
+    if start is not None and place["start"] != start:
+        return f"it was written for tokens from {place['start']}, not from {start}"
+    return None
 
 
 def parse_duration(text: str) -> float:
