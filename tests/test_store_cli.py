@@ -147,6 +147,20 @@ def test_verify_finds_a_chunk_copied_under_another_key(root, runner):
     assert list(damaged) == [b.path] and "another prefix" in damaged[b.path]
 
 
+def test_verify_finds_a_chunk_the_server_never_reads(root, runner):
+    """A chunk in another two-letter directory (or none) is a miss for every server: verify
+    names where it belongs."""
+    c = store_admin.scan(root).chunks[0]
+    wrong = "00" if c.key[:2] != "00" else "01"
+    os.makedirs(os.path.join(root, c.model, wrong), exist_ok=True)
+    os.replace(c.path, os.path.join(root, c.model, wrong, os.path.basename(c.path)))
+    out = runner.invoke(cli, ["store", "verify", str(root), "--json"])
+    assert out.exit_code == 4
+    (problem,) = [d["problem"] for d in json.loads(out.output)["damaged"]]
+    assert problem == (f"it is never read here: a server looks for it at "
+                       f"{c.model}/{c.key[:2]}/{c.key}.kvz")
+
+
 @pytest.mark.parametrize("args, message", [
     (["prune", "{root}", "--max-bytes", "lots"], "Invalid value for '--max-bytes': 'lots' is "
      "not a size"),

@@ -231,6 +231,9 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) ->
                 misfiled = misplaced(f.store_chunk, c.key)
                 if misfiled:
                     problems.append(misfiled)
+                if c.name != f"{c.model}/{c.key[:2]}/{c.key}.kvz":
+                    problems.append(f"it is never read here: a server looks for it at "
+                                    f"{c.model}/{c.key[:2]}/{c.key}.kvz")
         except (FileNotFoundError, NotADirectoryError):
             report.gone.append(c.path)  # pruned or quarantined since the scan
             continue
