@@ -60,6 +60,17 @@ def test_command_line(runner, tmp_path):
         assert len(out.output.strip().splitlines()) == 1
     block = _plan(runner, "--", "--kvtool-block-size", "8")["argv"]  # the entry point's own
     assert block[-2:] == ["--kvtool-block-size", "8"]  # option, which kvtool serve leaves to --
+    (tmp_path / "file").write_text("x")
+    for args, message in ((("--", "--kvtool-block-size", "abc"), "whole number in 1..65536"),
+                          (("--", "--kvtool-block-size=0"), "whole number in 1..65536"),
+                          (("--", "--kvtool-block-size", "-5"), "whole number in 1..65536"),
+                          (("--store", "s3://bucket/x"), "a local directory"),
+                          (("--store", "gs://bucket/x"), "a local directory"),
+                          (("--store", " "), "a local directory"),
+                          (("--store", str(tmp_path / "file")), "not a directory")):
+        out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--json", *args])
+        assert out.exit_code != 0 and message in out.output, (args, out.output)
+        assert len(out.output.strip().splitlines()) == 1
 
 
 def _free_port() -> int:

@@ -80,6 +80,16 @@ def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loa
     assert plan["connector"]["kvz_files"] == [os.path.realpath(pin)]
     assert "computed in float32" in plan["notes"][0] and "bfloat16" in plan["notes"][0]
     assert dry_run(runner, "--dtype", "float32", "--pin", pin)["notes"] == []
+    os.symlink(pin, tmp_path / "link.kvz")  # one file, given twice: served once
+    twice = dry_run(runner, "--dtype", "float32", "--pin", pin, "--pin", str(tmp_path / "link.kvz"))
+    assert twice["pins"] == [os.path.realpath(pin)] == twice["connector"]["kvz_files"]
+    lossy = str(tmp_path / "lossy.kvz")  # under a lossless policy: the plan says lossy
+    save(cache, lossy, codec="turbo3")
+    plan = dry_run(runner, "--dtype", "float32", "--codec", "raw", "--pin", lossy)
+    assert plan["lossy"] and plan["policy"] == "raw"
+    assert plan["notes"] == [f"--pin {lossy}: stored lossy; answers that reuse it may differ "
+                             "slightly from a cold run"]
+    assert not dry_run(runner, "--dtype", "float32", "--codec", "raw", "--pin", pin)["lossy"]
     layout = {**cache.model["layout"], "rope_theta": 1.0}  # another model's identity
     save(dataclasses.replace(cache, model={**cache.model, "layout": layout,
                                            "fingerprint": canonical_sha256(layout)}), other)
@@ -118,6 +128,15 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "--store is empty" in refused("--store", "")
     assert "--host is empty" in refused("--host", "")
     assert "sets --kv-transfer-config itself" in refused("--", "--kv-transfer-config", "{}")
+    for dotted in ("--kv-transfer-config.kv_role", "--kv_transfer_config.kv_connector_extra_"
+                   "config.store_path"):  # vLLM reads either as a whole new config
+        assert "sets --kv-transfer-config itself" in refused("--store", store, "--", dotted, "x")
+    for url in ("gs://bucket/x", "S3://bucket/x", "https://host/x"):  # never ./gs:/bucket/x
+        assert "is not supported" in refused("--store", url)
+        assert "is not supported" in refused("--store", url, "--json")
+    assert "random" in refused("--store", store, "--", "--load-format", "dummy")
+    assert "random" in refused("--store", store, "--", "--load_format=dummy")
+    assert "--load-format" in dry_run(runner, "--", "--load-format", "dummy")["argv"]
     assert "give kvtool serve --max-model-len" in refused("--", "--max-model", "9")  # abbrev.
     assert "give kvtool serve --port" in refused("--", "--port=9")
     assert "--max-model-len instead" in refused("--", "--max_model_len", "999999")
@@ -445,7 +464,8 @@ def test_store_stats_count_both_servers(runner, server_b):
 
 
 def test_connector_options_are_checked_and_presets_honoured():
-    from kvtool.engines.vllm.common import DEFAULT_PRESET, check_extra, policy_from_extra
+    from kvtool.engines.vllm.common import DEFAULT_PRESET, policy_from_extra
+    from kvtool.engines.vllm.options import check_extra
     from kvtool.errors import CodecError, KvtoolError
     from kvtool.presets import preset_policy
 

@@ -215,6 +215,11 @@ def test_sizes_and_durations_parse():
     assert store_admin.parse_size("1000") == 1000
     assert store_admin.parse_duration("30d") == 30 * 86400
     assert store_admin.parse_duration("90m") == 5400
+    for unclear in ("30", "30M", "1D", "٣d", "d"):  # seconds? months? a non-ASCII digit
+        with pytest.raises(ValueError, match="is not a duration .a number and a unit"):
+            store_admin.parse_duration(unclear)
+    with pytest.raises(ValueError, match="is not a size"):
+        store_admin.parse_size("٣GB")
 
 
 def test_the_connector_budget_evicts_lru_down_to_low_water(tmp_path):
@@ -321,9 +326,13 @@ def test_pin_refuses_to_quantize_a_lossy_file_again_unless_forced(tmp_path, runn
     out = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens", str(CHUNK)])
     assert out.exit_code != 0 and "already lossy (turbo3)" in out.output, out.output
     assert not os.path.exists(root / "pins.json")
-    lossless = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens",
-                                   str(CHUNK), "--preset", "lossless"])
-    assert lossless.exit_code == 0, lossless.output
+    odd = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens", "100"])
+    assert odd.exit_code == 2 and "not a multiple of 16" in odd.output, odd.output
+    for forced in ([], ["--force"]):  # raw chunks of decoded codes would pass for exact
+        lossless = runner.invoke(cli, ["store", "pin", str(root), lossy, "--chunk-tokens",
+                                       str(CHUNK), "--preset", "lossless", *forced])
+        assert lossless.exit_code != 0 and "is stored lossy" in lossless.output, lossless.output
+        assert not os.path.exists(root / "pins.json")
     forced = runner.invoke(cli, ["store", "pin", str(tmp_path / "s2"), lossy, "--chunk-tokens",
                                  str(CHUNK), "--force"])
     assert forced.exit_code == 0 and "pinned 2 chunks" in forced.output, forced.output
@@ -343,6 +352,23 @@ def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, 
     with pytest.raises(KvtoolError, match="pins.json is damaged"):
         store_pins.pin_file(root, str(root / "x.kvz"))
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_pins_file_that_is_not_a_regular_file_is_never_read_as_no_pins(root, runner, tmp_path,
+                                                                         kind):
+    """A pins.json that is a symlink (to a valid pins file) or a directory was read as "no
+    pins", and prune removed the pinned chunks."""
+    real = tmp_path / "pins.real"
+    real.write_text(json.dumps({"a" * 64: {"file": "x.kvz", "model": "m"}}))
+    if kind == "symlink":
+        os.symlink(real, root / "pins.json")
+    else:
+        (root / "pins.json").mkdir()
+    out = runner.invoke(cli, ["store", "prune", str(root), "--older-than", "0s"])
+    assert out.exit_code != 0 and "pins.json cannot be read" in out.output, out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output
+    assert len(list(root.rglob("*.kvz"))) == 5  # nothing removed
 
 
 def test_unpin_needs_a_store(tmp_path, runner):

@@ -108,7 +108,8 @@ def test_is_down_tells_the_store_from_a_file():
 
 
 def test_store_timeout_option_is_checked():
-    from kvtool.engines.vllm.common import budget_options, check_extra, store_timeout
+    from kvtool.engines.vllm.common import budget_options, store_timeout
+    from kvtool.engines.vllm.options import check_extra
     from kvtool.errors import KvtoolError
 
     assert store_timeout({}) == 1.0 and store_timeout({"store_timeout": "2.5"}) == 2.5

@@ -144,7 +144,7 @@ def test_default_policy_roundtrip(tmp_path):
 
 
 def test_entropy_option_stores_rans_coded_chunks_that_read_back_the_same(tmp_path):
-    from kvtool.engines.vllm.common import check_extra
+    from kvtool.engines.vllm.options import check_extra
     from kvtool.formats import constants as C
     from kvtool.formats import open_kvz
 

@@ -81,16 +81,20 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
                           max_model_len=max_model_len, policy_options=codec_opts,
                           max_store_bytes=max_store_bytes, store_timeout=store_timeout,
                           pins=pins, engine_args=engine_args)
+    # scanned in both dry runs: an unreachable bucket or a foreign directory fails either way
+    store_line = _store_line(plan.store) if engine == "vllm" else plan.store
     if dry_run and as_json:
         echo_json({"argv": plan.argv, "url": plan.url, "model": plan.model, "store": plan.store,
                    "policy": plan.policy, "lossy": plan.lossy, "pins": plan.pins,
                    "notes": plan.notes, "connector": plan.connector})
         return
     click.echo(f"kvtool serve: {plan.model} ({engine}) at {plan.url}")
-    click.echo(f"  store:  {_store_line(plan.store) if engine == 'vllm' else plan.store}")
-    click.echo(f"  policy: {plan.policy}" + ("" if not plan.lossy else
-               " (lossy: answers served from the store may differ slightly from a cold run; "
-               "--codec raw for exact)"))
+    click.echo(f"  store:  {store_line}")
+    lossy_pins = any("stored lossy" in note for note in plan.notes)
+    click.echo(f"  policy: {plan.policy}" + (
+        "" if not plan.lossy else " (lossy pins: see their notes)" if lossy_pins else
+        " (lossy: answers served from the store may differ slightly from a cold run; "
+        "--codec raw for exact)"))
     if engine == "vllm" and (plan.store or plan.pins):  # mlx_lm.server has no /metrics
         click.echo(f"  metrics: {plan.url.removesuffix('/v1')}/metrics (kvtool_store_*)")
     for pin in plan.pins:

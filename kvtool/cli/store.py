@@ -209,7 +209,7 @@ def verify_command(root: str, as_json: bool) -> None:
 @click.option("--max-bytes", type=SIZE, help="Remove least recently hit chunks until the whole "
               "store (chunks, quarantine, temp files) fits (e.g. 500MB, 2GiB).")
 @click.option("--older-than", type=DURATION, help="Remove chunks not hit for this long "
-              "(e.g. 30d, 12h).")
+              "(a number and a unit: s, m (minutes), h, d, w; e.g. 30d, 12h).")
 @click.option("--quarantine-older-than", type=DurationType(never=True), default="7d",
               show_default=True, help="Remove quarantined (damaged) files moved aside longer "
               "ago than this; 'never' keeps them.")
@@ -282,11 +282,16 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
         raise fold_error
 
 
+#: every vLLM KV block size is a multiple of this
+PIN_BLOCK_MULTIPLE = 16
+
+
 @store_group.command("pin")
 @click.argument("root", type=click.Path(file_okay=False))
 @click.argument("file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(1),
-              help="The server's chunk size (the connector's chunk_tokens).")
+              help="The server's chunk size (the connector's chunk_tokens, a whole number "
+                   "of its KV blocks: a multiple of 16).")
 @codec_policy_options
 @click.option("--force", is_flag=True,
               help="Encode an already lossy FILE with a lossy policy (errors add up).")
@@ -307,6 +312,11 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
     (without any: its default policy)."""
     from kvtool.engines.vllm import store_pins
 
+    if chunk_tokens % PIN_BLOCK_MULTIPLE:  # a server rounds it up to whole blocks: never hit
+        raise click.BadParameter(f"{chunk_tokens} is not a multiple of {PIN_BLOCK_MULTIPLE}; "
+                                 "a server rounds chunk_tokens up to whole KV blocks, so these "
+                                 "chunks would be keyed by a size no server uses",
+                                 param_hint="'--chunk-tokens'")
     pinned, written = store_pins.pin_file(root, file, chunk_tokens=chunk_tokens,
                                           policy_options=connector_options(codec_opts),
                                           force=force, model=model,

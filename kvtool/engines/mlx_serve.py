@@ -43,6 +43,8 @@ _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--dtype": "--dt
              "--host": "--host", "--port": "--port"}
 STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
 STORE_VERSION = 1
+BLOCK_ARG = "--kvtool-block-size"
+MAX_BLOCK_SIZE = 1 << 16
 log = logging.getLogger("kvtool.mlx_serve")
 
 
@@ -50,8 +52,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          store: str | None = None, dtype: str | None = None,
          policy_options: dict[str, Any] | None = None, engine_args: tuple[str, ...] = ()):
     """The server's command line and summary (nothing is started)."""
+    from kvtool.codecs.params import is_digits
     from kvtool.engines.vllm.common import policy_from_extra
-    from kvtool.engines.vllm.serve import ServePlan, refuse_own
+    from kvtool.engines.vllm.serve import ServePlan, engine_value, refuse_own
+    from kvtool.engines.vllm.store_backend import URL_SCHEME
     from kvtool.models import resolve_model
 
     refuse_own(engine_args, _OWN_ARGS, "mlx_lm.server")
@@ -61,6 +65,15 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
             raise KvtoolError(f"-- {name}: mlx-lm quantizes only its own cache layers; "
                               "kvtool's stay as its codec options make them: give kvtool "
                               "serve codec options (--codec, --preset, ...) instead")
+    block = engine_value(engine_args, BLOCK_ARG, len(BLOCK_ARG))
+    if block is not None and not (is_digits(block) and 1 <= int(block) <= MAX_BLOCK_SIZE):
+        raise KvtoolError(f"-- {BLOCK_ARG} {block[:20]}: tokens per encoded block, a whole "
+                          f"number in 1..{MAX_BLOCK_SIZE}")
+    if store is not None and (not store.strip() or URL_SCHEME.match(store)):
+        raise KvtoolError(f"--store {store[:80]}: the mlx engine's store is a local directory "
+                          "(an s3:// store is vLLM's)")
+    if store and os.path.lexists(store) and not os.path.isdir(store):
+        raise KvtoolError(f"--store {store}: not a directory")
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(MX_DTYPES))
     ap.add_argument("--kvtool-policy", required=True, help="CodecPolicy JSON")
     ap.add_argument("--store", help="directory the prompt cache persists in")
-    ap.add_argument("--kvtool-block-size", type=int,
+    ap.add_argument(BLOCK_ARG, type=int,
                     help="tokens per encoded block of KvtoolMLXCache (default: 64)")
     args, rest = ap.parse_known_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

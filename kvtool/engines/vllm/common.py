@@ -169,25 +169,6 @@ def add_time(name: str, seconds: float) -> None:
         _TIMES[name] += seconds
 
 
-#: every ``kv_connector_extra_config`` key the connector reads; any other is refused
-CONNECTOR_OPTIONS = frozenset({
-    "store_path", "storage_options", "model_name", "tokenizer_fingerprint", "chunk_tokens",
-    "preset", "codec", "key_codec", "value_codec", "protect_layers", "sink_tokens",
-    "recent_tokens", "zstd", "entropy", "max_bytes", "load", "save", "save_mode", "on_load_error",
-    "kvz_files", "kvz_dirs", "capture_dir", "capture_all", "stats_interval", "store_timeout",
-    "quarantine_max_bytes", "quarantine_max_age"})
-
-
-def check_extra(extra: dict[str, Any]) -> None:
-    """Refuse a connector option kvtool does not read (a typo would be ignored silently)."""
-    from kvtool.errors import KvtoolError, did_you_mean
-
-    for key in sorted(set(extra) - CONNECTOR_OPTIONS):
-        raise KvtoolError(f"kv_connector_extra_config: unknown kvtool option {str(key)[:40]!r}"
-                          f"{did_you_mean(key, CONNECTOR_OPTIONS)} (it takes: "
-                          f"{', '.join(sorted(CONNECTOR_OPTIONS))})")
-
-
 def policy_from_extra(extra: dict[str, Any], model_fingerprint: str | None = None):
     """The store's :class:`~kvtool.policy.CodecPolicy` from connector options: ``preset`` (by
     default :data:`DEFAULT_PRESET` unless ``codec`` is given; fitted to the model with

@@ -104,7 +104,6 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     budget_options,
     capture_name,
     check_cache,
-    check_extra,
     common_prefix,
     count,
     ensure_visible_logs,
@@ -125,6 +124,7 @@ from kvtool.engines.vllm.guard import StoreGuard
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.load_failures import PoisonedBlocks, WithheldSaves
 from kvtool.engines.vllm.metrics import MetricsMixin
+from kvtool.engines.vllm.options import check_extra
 from kvtool.engines.vllm.served_model import model_info, refuse_parallel
 from kvtool.engines.vllm.stats_files import stats_writer
 from kvtool.engines.vllm.store import open_store
@@ -153,8 +153,7 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        check_extra(extra)
+        extra = check_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         refuse_parallel(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         chunk = int(extra.get("chunk_tokens") or MIN_CHUNK_TOKENS)
@@ -165,14 +164,14 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         ensure_visible_logs()
         self.zstd = extra.get("zstd", DEFAULT_ZSTD)
         self.capture_dir = extra.get("capture_dir")
-        self.capture_all = bool(extra.get("capture_all", False))
+        self.capture_all = extra.get("capture_all", False)
         kv_role = self._kv_transfer_config.kv_role  # kv_producer: save only; kv_consumer: load
         self.store = None
         self.guard: StoreGuard | None = None
         if extra.get("store_path"):
             self.store = open_store(
                 extra["store_path"], self.model_info, self.chunk_tokens, self.policy,
-                zstd=self.zstd, entropy=bool(extra.get("entropy", False)),
+                zstd=self.zstd, entropy=extra.get("entropy", False),
                 writable=kv_role != "kv_consumer",
                 storage_options=extra.get("storage_options"))
             if role == KVConnectorRole.SCHEDULER and self.store.writable:
@@ -189,10 +188,10 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
             from kvtool.engines.vllm.store_budget import StoreBudget
 
             self.budget = StoreBudget(self.store.backend, **budget_options(extra))
-        self.load_enabled = bool(extra.get("load", True)) and kv_role != "kv_producer"
-        self.save_enabled = bool(extra.get("save", True)) and self.store is not None \
+        self.load_enabled = extra.get("load", True) and kv_role != "kv_producer"
+        self.save_enabled = extra.get("save", True) and self.store is not None \
             and kv_role != "kv_consumer"
-        self.async_save = extra.get("save_mode", "async") != "sync"
+        self.async_save = extra.get("save_mode", "async") == "async"
         if extra.get("on_load_error", "recompute") == "recompute":
             # read by vLLM's scheduler right after it creates this connector
             self._kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -48,12 +48,14 @@ def _cuda() -> bool:
 
 
 def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
-              tokenizer: tuple[str, int] | None = None) -> tuple[str, str | None]:
+              tokenizer: tuple[str, int] | None = None) -> tuple[str, str | None, bool]:
     """The pin's real path, after checking that it is an intact .kvz of this model (any dtype)
     and ``tokenizer`` (its fingerprint and vocabulary size) that the connector serves
-    (:func:`~kvtool.engines.vllm.common.unservable`), and a note when its K/V will be cast to
-    the server's ``dtype`` or it is longer than a prompt can be."""
+    (:func:`~kvtool.engines.vllm.common.unservable`), a note when its K/V will be cast to
+    the server's ``dtype`` or it is longer than a prompt can be, and whether it is stored
+    lossy (answers that reuse it are then not exact, whatever the store's policy)."""
     from kvtool.engines.vllm.common import shape_problem, unservable
+    from kvtool.engines.vllm.store import exact_dtype
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
     from kvtool.identity import cast_note, other_weights, same_model
@@ -88,7 +90,7 @@ def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
         if f.num_tokens >= max_model_len:
             notes.append(f"its {f.num_tokens} tokens reach --max-model-len {max_model_len}: a "
                          f"prompt reuses at most its first {max_model_len - 1}")
-        return str(real), "; ".join(n for n in notes if n) or None
+        return str(real), "; ".join(n for n in notes if n) or None, exact_dtype(f) is None
 
 
 def _positions(config: Any) -> int | None:
@@ -116,7 +118,7 @@ _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--host": "--hos
              "--kv-transfer-config": None}
 
 
-def _engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> str | None:
+def engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> str | None:
     """The last value given to ``option`` among the engine's arguments (as argparse reads
     it: ``--opt v``, ``--opt=v``, underscores for dashes, an abbreviation of at least
     ``shortest`` characters), or None."""
@@ -131,7 +133,7 @@ def _engine_value(engine_args: tuple[str, ...], option: str, shortest: int) -> s
 
 def _short_or_long(engine_args: tuple[str, ...], option: str, shortest: int,
                    short: str) -> str | None:
-    """:func:`_engine_value` of ``option`` or its ``short`` form (``-q fp8``, ``-q=fp8``,
+    """:func:`engine_value` of ``option`` or its ``short`` form (``-q fp8``, ``-q=fp8``,
     ``-qfp8``), the last given; None if neither is."""
     value = None
     for i, arg in enumerate(engine_args):
@@ -141,7 +143,7 @@ def _short_or_long(engine_args: tuple[str, ...], option: str, shortest: int,
         elif arg.startswith(short) and not arg.startswith("--"):
             value = arg[len(short):].removeprefix("=")
         elif arg.startswith("--"):
-            value = _engine_value((arg, following), option, shortest) or value
+            value = engine_value((arg, following), option, shortest) or value
     return value
 
 
@@ -170,9 +172,9 @@ def _engine_config(location: Path, engine_args: tuple[str, ...]) -> Any:
     as it starts; the plan then warns and checks pins against the directory's config."""
     from transformers import AutoConfig
 
-    raw = _engine_value(engine_args, "--hf-overrides", 6)
+    raw = engine_value(engine_args, "--hf-overrides", 6)
     dotted = _dotted(engine_args, "--hf-overrides")
-    path = _engine_value(engine_args, "--hf-config-path", 6)
+    path = engine_value(engine_args, "--hf-config-path", 6)
     if raw is None and dotted is None and path is None:
         return AutoConfig.from_pretrained(location, local_files_only=True)
     try:
@@ -225,7 +227,7 @@ def _quantization_method(engine_args: tuple[str, ...]) -> str | None:
     from kvtool.engines.vllm.served_model import resolved_quantization
 
     method = _quantization(engine_args)
-    raw = _engine_value(engine_args, "--quantization-config", 16)
+    raw = engine_value(engine_args, "--quantization-config", 16)
     dotted = _dotted(engine_args, "--quantization-config")
     if raw is None and dotted is None:
         return method
@@ -263,7 +265,9 @@ def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_A
         name = arg.split("=", 1)[0]
         if not name.startswith("--"):
             continue
-        dashed = name.replace("_", "-")  # vLLM reads --max_model_len alike
+        # vLLM reads --max_model_len alike, and --kv-transfer-config.kv_role X as a whole
+        # new config (kvtool's connector gone)
+        dashed = name.split(".", 1)[0].replace("_", "-")
         hit = dashed if dashed in own else next(
             (o for o in own if len(dashed) > 3 and o.startswith(dashed)), None)
         if hit is not None:
@@ -290,6 +294,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     engine_args, given_args = _with_config_file(engine_args), engine_args
     if store or pins:
         refuse_parallel_engine(engine_args)
+        if engine_value(engine_args, "--load-format", len("--load-f")) == "dummy":
+            raise KvtoolError("-- --load-format dummy: the model's weights would be random, and "
+                              "their K/V stored under the real checkpoint's key (every server "
+                              "of the model loads them); leave out --store and --pin")
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
     if not host.strip():
@@ -301,7 +309,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     cuda = _cuda()
     dtype = dtype or ("auto" if cuda else "bfloat16")
     config = _engine_config(location, engine_args)
-    kv_cache_dtype = _engine_value(engine_args, "--kv-cache-dtype", 12)
+    kv_cache_dtype = engine_value(engine_args, "--kv-cache-dtype", 12)
     fp8 = None
     if store or pins:  # a quantized cache kvtool cannot read is refused before vLLM starts
         from kvtool.engines.vllm.fp8_cache import checkpoint_kv_cache_dtype, fp8_format
@@ -354,11 +362,16 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
 
         tok = AutoTokenizer.from_pretrained(location, local_files_only=True)
         tokenizer = (tokenizer_fingerprint(tok), len(tok))
-    checked = [check_pin(p, info, ident_dtype, max_model_len, tokenizer)
-               for p in pins]
-    real_pins = [real for real, _ in checked]
+    checked = {}  # by real path: a pin given twice (or through a link) is served once
+    for p in pins:
+        real, note, lossy_pin = check_pin(p, info, ident_dtype, max_model_len, tokenizer)
+        checked.setdefault(real, (p, note, lossy_pin))
+    real_pins = list(checked)
     if real_pins:
         connector["kvz_files"] = real_pins
+    from kvtool.engines.vllm.options import check_extra
+
+    check_extra(connector)  # what the connector refuses, refused before vLLM starts
     transfer = {"kv_connector": "KvtoolConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "kvtool.engines.vllm.connector",
                 "kv_connector_extra_config": connector}
@@ -391,8 +404,12 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
 
         raise KvtoolError(f"--kv-cache-dtype {kv_cache_dtype}: {FP8_LOSSLESS}")
+    lossy = policy.is_lossy(ident_dtype)
+    notes = [f"--pin {p}: {note}" for p, note, _ in checked.values() if note]
+    if not lossy:  # the store's policy keeps K/V exact, but a lossy pin's are decoded codes
+        notes += [f"--pin {p}: stored lossy; answers that reuse it may differ slightly from "
+                  "a cold run" for p, _, lossy_pin in checked.values() if lossy_pin]
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
-                     lossy=policy.is_lossy(ident_dtype),
-                     notes=[f"--pin {p}: {note}"
-                            for p, (_, note) in zip(pins, checked, strict=True) if note])
+                     lossy=lossy or any(lossy_pin for _, _, lossy_pin in checked.values()),
+                     notes=notes)

@@ -34,7 +34,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtool.engines.vllm.store_backend import (
     MODEL_DIR,
@@ -51,9 +51,11 @@ from kvtool.fileio import TEMP_SUFFIX, is_stale_temp
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
 _MLX_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")  # kvtool.engines.mlx_serve's files
 _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.kvz
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+#: a unit is required (a bare 30 would be seconds to us and days to a reader) and lowercase
+#: (``30M``: minutes or months?); ASCII digits only
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw])\s*$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,10 +262,12 @@ def misplaced(place: dict[str, Any] | None, key: str, start: int | None = None) 
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (a bare number is seconds)."""
-    m = _DURATION.match(text.lower())
+    """Seconds in ``30d``, ``12h``, ``90m`` (minutes), ``45s``, ``2w``: a lowercase unit is
+    required."""
+    m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"{text!r} is not a duration (like 30d, 12h, 90m, 2w)")
+        raise ValueError(f"{text!r} is not a duration (a number and a unit: s, m for minutes, "
+                         "h, d or w, like 30d, 12h, 90m)")
     return float(m.group(1)) * _SECONDS[m.group(2)]
 
 
@@ -379,22 +383,28 @@ def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
     pins file that does not parse as one is a :class:`KvtoolError`: read as "no pins", a
     prune would delete every pinned chunk, and a new pin would overwrite the others."""
     backend = backend_of(root)
-    raw = backend.read_small(PINS_FILE)
+    try:
+        raw = backend.read_small(PINS_FILE)
+    except OSError as e:  # a symlink, a directory, no permission: never "no pins"
+        _pins_unknown(backend, f"cannot be read ({e.strerror or e})")
     if raw is None:
         return {}
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        why = f"not JSON: {e}"
-    else:
-        if isinstance(data, dict) and all(
-                isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
-                for k, v in data.items()):
-            return data
-        why = "not an object of chunk key → {\"file\": ..., \"model\": ...}"
-    raise KvtoolError(f"{backend.location}/{PINS_FILE} is damaged ({why}): which chunks are "
-                      "pinned is unknown, so nothing is pruned, pinned or unpinned until it is "
-                      "restored or removed")
+        _pins_unknown(backend, f"is damaged (not JSON: {e})")
+    if isinstance(data, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
+            for k, v in data.items()):
+        return data
+    _pins_unknown(backend, "is damaged (not an object of chunk key → {\"file\": ..., "
+                  "\"model\": ...})")
+
+
+def _pins_unknown(backend: Backend, problem: str) -> NoReturn:
+    raise KvtoolError(f"{backend.location}/{PINS_FILE} {problem}: which chunks are pinned is "
+                      "unknown, so nothing is pruned, pinned or unpinned until it is restored "
+                      "or removed")
 
 
 def write_pins(root: str | os.PathLike | Backend, pins: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import stat
@@ -48,6 +49,7 @@ from kvtool.engines.vllm.safeio import (
     stamp_of,
     with_path,
 )
+from kvtool.errors import KvtoolError
 from kvtool.fileio import remove_stale_temps, temp_name
 
 QUARANTINE_DIR = "quarantine"
@@ -94,6 +96,19 @@ def is_url(location: str | os.PathLike) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_location(location: str | os.PathLike, label: str) -> None:
+    """Refuse a URL of a scheme other than ``s3://`` (``gs://``, ``https://``, ``S3://``): it
+    would otherwise name a local directory ``./gs:/...``."""
+    match = URL_SCHEME.match(str(location))
+    if match and match.group(1) != "s3":
+        hint = " (lowercase: s3://)" if match.group(1).lower() == "s3" else ""
+        raise KvtoolError(f"{label} {str(location)[:80]}: a store is a directory or an "
+                          f"s3://bucket/prefix URL; {match.group(1)}:// is not supported{hint}")
+
+
 _OPEN: dict[tuple[str, str, bool], Backend] = {}
 
 
@@ -101,6 +116,7 @@ def open_backend(location: str | os.PathLike, storage_options: dict | None = Non
                  writable: bool = True) -> Backend:
     """The backend for a directory or an ``s3://bucket/prefix`` URL. S3 backends are shared per
     (URL, options), so that the connector's halves and its budget reuse one client."""
+    check_location(location, "store")
     if not is_url(location):
         return LocalBackend(location, writable=writable)
     import json
@@ -255,13 +271,17 @@ class LocalBackend:
             os.close(dir_fd)
 
     def read_small(self, name: str) -> bytes | None:
+        """The file's bytes; None if there is none. A symlink or a non-regular file is an
+        :class:`UnsafeFileError`, never read as absent (a pins file read as "no pins" would
+        let a prune remove pinned chunks); any other failure is raised."""
         path = self.path(name)
         try:
             if not stat.S_ISREG(os.lstat(path).st_mode):
-                return None
+                raise UnsafeFileError(errno.EINVAL, "not a regular file (a symlink, directory "
+                                      "or special file)", path)
             with open(path, "rb") as f:
                 return f.read()
-        except OSError:
+        except FileNotFoundError:
             return None
 
     def write_small(self, name: str, data: bytes) -> None:

@@ -25,8 +25,8 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     directory, a Hub id or ``default``), whose checkpoint keys the chunks, as loaded with
     vLLM's ``quantization`` and ``quantization_config`` (JSON; :func:`served_identity`)."""
     from kvtool.engines.vllm.common import policy_from_extra, unservable
-    from kvtool.engines.vllm.store import PrefixStore
-    from kvtool.formats import load
+    from kvtool.engines.vllm.store import PrefixStore, exact_dtype
+    from kvtool.formats import load, open_kvz
     from kvtool.formats.transcode import refuse_requantizing
 
     read_pins(root)  # a damaged pins file is refused before anything is written
@@ -42,6 +42,12 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
     if not force:
         refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
+    with open_kvz(path, verify=False) as f:
+        stored_lossy = exact_dtype(f) is None
+    if stored_lossy and not policy.is_lossy():
+        raise KvtoolError(f"{path} is stored lossy: pinning it with {policy.describe()} would "
+                          "store its decoded K/V as exact chunks, which lossless servers trust; "
+                          "pin it with a lossy policy (--preset quality), or pin the raw capture")
     if not is_url(str(root)):
         os.makedirs(root, exist_ok=True)
     backend = backend_of(root)
