@@ -213,6 +213,14 @@ def test_a_policy_file_calibrated_for_another_model_is_refused(runner, tmp_path)
     save_policy(CodecPolicy.from_label("k=turbo4 v=turbo3"), path)  # no record: any model
     argv = _plan(runner, "--policy", str(path))["argv"]
     assert json.loads(argv[argv.index("--kvtool-policy") + 1])["key"]["id"] == "turbo4"
+    # per-layer codecs for 5 layers (no record): refused by both engines before they start,
+    # not by every save (vLLM) or the first request (mlx)
+    path.write_text(json.dumps({"key": "raw", "value": "raw", "num_layers": 5,
+                                "layers": {"3": "lossless"}}))
+    for engine in ("mlx", "vllm"):
+        out = runner.invoke(cli, ["serve", "--engine", engine, "--dry-run", "--store",
+                                  str(tmp_path / "s"), "--policy", str(path)])
+        assert out.exit_code == 3 and "per-layer codecs for 5 layers" in out.output, out.output
 
 
 def test_mlx_lm_kv_quantization_is_refused(runner):

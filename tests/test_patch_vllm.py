@@ -302,13 +302,29 @@ def test_stray_blocks_without_manifest(tmp_path):
     assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
 
 
-@pytest.mark.parametrize("damage", [b"garbage", b"{}", b"[1, 2]"])
+def _entry_damage(edit):
+    def damage(manifest: dict) -> bytes:
+        edit(manifest["files"], f"{BACKENDS}/flash_attn.py")
+        return json.dumps(manifest).encode()
+    return damage
+
+
+@pytest.mark.parametrize("damage", [
+    b"garbage", b"{}", b"[1, 2]",
+    # a file entry no patch writes: a KeyError or TypeError once (exit 1, no way back); a
+    # path outside vLLM's tree would have been written by the revert
+    _entry_damage(lambda files, rel: files[rel].pop("sha256_after")),
+    _entry_damage(lambda files, rel: files.__setitem__(rel, "x")),
+    _entry_damage(lambda files, rel: files[rel].__setitem__("backup", "../../../etc/passwd")),
+    _entry_damage(lambda files, rel: files.__setitem__("../../outside.py", files.pop(rel))),
+])
 def test_a_damaged_manifest_is_reverted_with_force(tmp_path, damage):
     """A manifest that cannot be read is no record to restore from: --revert says so, and
     --revert --force removes kvtool's blocks and the record (it once refused either way)."""
     root = make_fake_vllm(tmp_path)
     patcher.patch(root)
-    (root / ".kvtool_patch" / "manifest.json").write_bytes(damage)
+    path = root / ".kvtool_patch" / "manifest.json"
+    path.write_bytes(damage(json.loads(path.read_text())) if callable(damage) else damage)
     with pytest.raises(PatchError, match="--revert --force"):
         patcher.revert(root)
     with pytest.raises(PatchError, match="not a kvtool manifest"):
@@ -320,6 +336,34 @@ def test_a_damaged_manifest_is_reverted_with_force(tmp_path, damage):
     assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
     patcher.patch(root)  # and it patches again
     assert patcher.status(root)["state"] == "patched"
+
+
+@pytest.mark.parametrize("loss", ["missing", "altered"])
+def test_a_lost_backup_reverts_by_removing_the_blocks_when_that_verifies(tmp_path, loss):
+    root = make_fake_vllm(tmp_path)
+    patcher.patch(root)
+    backup = root / ".kvtool_patch" / "backup" / BACKENDS / "flash_attn.py.orig"
+    backup.unlink() if loss == "missing" else backup.write_text("something else\n")
+    assert patcher.status(root)["state"] == "patched"
+    report = patcher.revert(root)
+    assert report["action"] == "reverted"
+    assert {f["result"] for f in report["files"]} == {"restored"}
+    assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
+    assert patcher.status(root)["state"] == "not patched"
+
+
+def test_a_kvtool_upgrade_repatches_a_file_without_a_last_newline(tmp_path, monkeypatch):
+    """The helper appended at a file's end gives its last line a newline that removing the
+    blocks keeps: a re-patch planned from the stripped text met the backup's bytes and gave
+    up ("changed while patching"), after removing the old patch."""
+    root = make_fake_vllm(tmp_path)
+    (root / BACKENDS / "cpu_attn.py").write_text(FAKE_CPU.rstrip("\n"))
+    patcher.patch(root)
+    monkeypatch.setattr(patcher, "__version__", "9.9.9")
+    assert patcher.patch(root)["action"] == "patched"
+    assert "# >>> kvtool-hook 9.9.9" in (root / BACKENDS / "cpu_attn.py").read_text()
+    patcher.revert(root)
+    assert (root / BACKENDS / "cpu_attn.py").read_text() == FAKE_CPU.rstrip("\n")
 
 
 def test_locate_errors(tmp_path):
@@ -351,8 +395,13 @@ def test_cli(tmp_path):
     (root / BACKENDS / "cpu_attn.py").write_text("# replaced by an upgrade\n")
     res = run(cli, ["patch-vllm", "--revert", "--vllm-path", str(root)])
     assert res.exit_code == 7 and res.output.count("\n") == 1 and "--force" in res.output
+    edited = root / BACKENDS / "flashinfer.py"  # edited after patching, blocks kept
+    edited.write_text(edited.read_text() + "# a local edit\n")
     res = run(cli, ["patch-vllm", "--revert", "--force", "--vllm-path", str(root)])
     assert res.exit_code == 0 and "reverted" in res.output
+    assert ("1 files restored (sha256 verified), kvtool's blocks removed from 1 (not verified"
+            in res.output), res.output
+    assert edited.read_text() == FAKE_FLASHINFER + "# a local edit\n"
     assert (root / BACKENDS / "flash_attn.py").read_text() == FAKE_FLASH
     res = run(cli, ["patch-vllm", "--status", "--revert", "--vllm-path", str(root)])
     assert res.exit_code == 2

@@ -100,6 +100,9 @@ def _print_action(r: dict[str, Any]) -> None:
         for f in r["files"]:
             click.echo(f"  patched      {f['file']}")
     elif action == "reverted":
-        click.echo(f"reverted {_where(r)}: {len(r['files'])} files restored (sha256 verified)")
+        stripped = sum(f["result"] == "blocks removed" for f in r["files"])
+        click.echo(f"reverted {_where(r)}: {len(r['files']) - stripped} files restored (sha256 "
+                   "verified)" + (f", kvtool's blocks removed from {stripped} (not verified: "
+                                  "they changed since patching)" if stripped else ""))
         for f in r["files"]:
             click.echo(f"  {f['result']:<12} {f['file']}")

@@ -56,6 +56,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.engines.vllm.common import policy_from_extra
     from kvtool.engines.vllm.serve import ServePlan, engine_value, refuse_own
     from kvtool.engines.vllm.store_backend import URL_SCHEME
+    from kvtool.identity import model_fingerprint
     from kvtool.models import resolve_model
 
     refuse_own(engine_args, _OWN_ARGS, "mlx_lm.server")
@@ -81,7 +82,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
     # the vLLM server's defaults when no codec is given; a preset fitted to this model (and a
     # policy file calibrated for another one, refused) as the vLLM connector resolves them
-    policy = policy_from_extra(options, _fingerprint(location))
+    config = _config(location)
+    policy = policy_from_extra(options, model_fingerprint(config))
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if isinstance(layers, int):  # per-layer codecs of another model: refused before the start
+        policy.check_layers(layers)
     dtype = dtype or "float32"  # mlx's CPU matmuls run float32
     argv = [sys.executable, "-m", ENTRY_POINT, "--model", str(location),
             "--served-model-name", name, "--dtype", dtype,
@@ -100,13 +105,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     return out
 
 
-def _fingerprint(location: Path) -> str:
-    """The KV-layout fingerprint of the model directory (its config, no weights loaded)."""
+def _config(location: Path) -> Any:
+    """The model directory's transformers config (no weights loaded)."""
     from transformers import AutoConfig
 
-    from kvtool.identity import model_fingerprint
-
-    return model_fingerprint(AutoConfig.from_pretrained(location, local_files_only=True))
+    return AutoConfig.from_pretrained(location, local_files_only=True)
 
 
 # -- the patches --------------------------------------------------------------------------------

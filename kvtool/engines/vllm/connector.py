@@ -161,6 +161,8 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         self.model_info = model_info(vllm_config, extra.get("model_name"))
         self._tokenizer_fp = extra.get("tokenizer_fingerprint")
         self.policy = policy_from_extra(extra, self.model_info.get("fingerprint"))
+        if isinstance(self.model_info.get("num_layers"), int):  # not at every save, failing
+            self.policy.check_layers(self.model_info["num_layers"])
         ensure_visible_logs()
         self.zstd = extra.get("zstd", DEFAULT_ZSTD)
         self.capture_dir = extra.get("capture_dir")

@@ -369,8 +369,13 @@ def _patch(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     for rel in present:
         data = (root / rel).read_bytes()
         if has_markers(data) and (repatch or force):  # what a revert leaves, patched again
-            plans.append(plan_file(rel, strip_blocks(data)))
-            plans[-1].current = plans[-1].original if repatch else data
+            entry = (manifest or {"files": {}})["files"].get(rel)
+            recorded = repatch and entry is not None and sha256(data) == entry["sha256_after"]
+            # a recorded file reverts to its backup, which a file's missing last newline
+            # (the helper appended at its end adds one) keeps apart from the stripped text
+            base = _original(root, rel, entry, data) if recorded else strip_blocks(data)
+            plans.append(plan_file(rel, base))
+            plans[-1].current = base if repatch else data
         else:
             plans.append(plan_file(rel, data))
     if dry_run:
@@ -423,6 +428,21 @@ def _apply(root: Path, version: str | None, plans: list[FilePlan]) -> None:
 
 
 # -- revert -----------------------------------------------------------------------------------
+def _original(root: Path, rel: str, entry: dict[str, Any], patched: bytes) -> bytes:
+    """The bytes ``rel`` had before the patch: its backup, or (a backup lost or altered) the
+    patched file without kvtool's blocks, when that hashes to the manifest's sha256 too."""
+    with contextlib.suppress(OSError):
+        original = (state_dir(root) / entry["backup"]).read_bytes()
+        if sha256(original) == entry["sha256_before"]:
+            return original
+    stripped = strip_blocks(patched)
+    if sha256(stripped) == entry["sha256_before"]:
+        return stripped
+    raise PatchError(f"the backup of {rel} is missing or does not match the manifest, and "
+                     "removing kvtool's blocks does not give the original back; nothing was "
+                     "reverted (reinstall vLLM to start over)")
+
+
 def revert(vllm_path: str | os.PathLike | None = None, *, dry_run: bool = False,
            force: bool = False) -> dict[str, Any]:
     """Restore every patched file byte for byte (sha256-checked) and drop the manifest."""
@@ -465,11 +485,7 @@ def _revert(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
             if digest == entry["sha256_before"]:
                 continue
             if digest == entry["sha256_after"]:
-                original = (state_dir(root) / entry["backup"]).read_bytes()
-                if sha256(original) != entry["sha256_before"]:
-                    raise PatchError(f"the backup of {rel} does not match the manifest; "
-                                     "nothing was reverted (reinstall vLLM to start over)")
-                restores.append((rel, cur, original, "restored"))
+                restores.append((rel, cur, _original(root, rel, entry, cur), "restored"))
             elif not force:
                 raise PatchError(f"{rel} changed since kvtool patched it (vLLM upgraded or "
                                  "edited?); nothing was reverted; --force keeps the new file "

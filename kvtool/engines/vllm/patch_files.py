@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -107,11 +108,25 @@ def read_manifest(root: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text())
     except (ValueError, OSError) as e:
         manifest = {"error": e}
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not all(
+            _valid_entry(rel, entry) for rel, entry in manifest["files"].items()):
         raise PatchError(f"{path} is unreadable or not a kvtool manifest; 'kvtool "
                          "patch-vllm --revert --force' removes kvtool's blocks and the record "
                          "(or reinstall vLLM)")
     return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_TARGET = re.compile(r"v1/attention/backends/[A-Za-z0-9_]+\.py")
+
+
+def _valid_entry(rel: Any, entry: Any) -> bool:
+    """Whether a manifest's file entry is one a patch wrote: a backend module's path (never
+    outside vLLM's tree: a revert writes there) with its sha256s and its backup's place."""
+    return (isinstance(rel, str) and _TARGET.fullmatch(rel) is not None
+            and isinstance(entry, dict) and entry.get("backup") == backup_rel(rel)
+            and all(isinstance(entry.get(k), str) and _SHA256.fullmatch(entry[k])
+                    for k in ("sha256_before", "sha256_after")))
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:

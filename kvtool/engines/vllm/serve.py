@@ -400,6 +400,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     from kvtool.engines.vllm.common import policy_from_extra
 
     policy = policy_from_extra(connector, info["fingerprint"])  # as the connector resolves it
+    policy.check_layers(info["num_layers"])  # as the connector refuses it
     if fp8 is not None and not policy.is_lossy(ident_dtype):
         from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
 
