@@ -90,9 +90,8 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
         return
     click.echo(f"kvtool serve: {plan.model} ({engine}) at {plan.url}")
     click.echo(f"  store:  {store_line}")
-    lossy_pins = any("stored lossy" in note for note in plan.notes)
     click.echo(f"  policy: {plan.policy}" + (
-        "" if not plan.lossy else " (lossy pins: see their notes)" if lossy_pins else
+        "" if not plan.lossy else " (lossy pins: see their notes)" if plan.lossy_pins else
         " (lossy: answers served from the store may differ slightly from a cold run; "
         "--codec raw for exact)"))
     if engine == "vllm" and (plan.store or plan.pins):  # mlx_lm.server has no /metrics

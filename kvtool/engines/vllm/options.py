@@ -43,7 +43,7 @@ _TEXT = _text, "a non-empty string"
 _COUNT = _count, "an integer >= 0"
 _CODEC = (lambda value: _text(value) or isinstance(value, dict)), \
     "a codec (an id, id:opt=val,... or a JSON object)"
-_SECONDS = (lambda value: value is not None and not isinstance(value, (bool, str)),
+_SECONDS = (lambda value: not isinstance(value, (bool, str)),
             "a number of seconds")  # parsed by store_timeout
 
 #: every ``kv_connector_extra_config`` key the connector reads, with its check and what it takes

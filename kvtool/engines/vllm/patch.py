@@ -369,8 +369,8 @@ def _patch(root: Path, dry_run: bool, force: bool) -> dict[str, Any]:
     for rel in present:
         data = (root / rel).read_bytes()
         if has_markers(data) and (repatch or force):  # what a revert leaves, patched again
-            entry = (manifest or {"files": {}})["files"].get(rel)
-            recorded = repatch and entry is not None and sha256(data) == entry["sha256_after"]
+            entry = manifest["files"].get(rel) if repatch else None
+            recorded = entry is not None and sha256(data) == entry["sha256_after"]
             # a recorded file reverts to its backup, which a file's missing last newline
             # (the helper appended at its end adds one) keeps apart from the stripped text
             base = _original(root, rel, entry, data) if recorded else strip_blocks(data)

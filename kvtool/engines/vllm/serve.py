@@ -36,6 +36,7 @@ class ServePlan:
     connector: dict[str, Any]
     notes: list[str] = dataclasses.field(default_factory=list)  # e.g. pins cast to the dtype
     lossy: bool = True  # the store's policy changes K/V: answers may differ after a restart
+    lossy_pins: list[str] = dataclasses.field(default_factory=list)  # stored lossy
 
 
 def _cuda() -> bool:
@@ -407,10 +408,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         raise KvtoolError(f"--kv-cache-dtype {kv_cache_dtype}: {FP8_LOSSLESS}")
     lossy = policy.is_lossy(ident_dtype)
     notes = [f"--pin {p}: {note}" for p, note, _ in checked.values() if note]
+    lossy_pins = [p for p, _, lossy_pin in checked.values() if lossy_pin]
     if not lossy:  # the store's policy keeps K/V exact, but a lossy pin's are decoded codes
         notes += [f"--pin {p}: stored lossy; answers that reuse it may differ slightly from "
-                  "a cold run" for p, _, lossy_pin in checked.values() if lossy_pin]
+                  "a cold run" for p in lossy_pins]
     return ServePlan(argv=argv, url=f"http://{host}:{port}/v1", model=name, store=store,
                      policy=policy.describe(), pins=real_pins, connector=connector,
-                     lossy=lossy or any(lossy_pin for _, _, lossy_pin in checked.values()),
-                     notes=notes)
+                     lossy=lossy or bool(lossy_pins), lossy_pins=lossy_pins, notes=notes)

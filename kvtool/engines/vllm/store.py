@@ -54,7 +54,13 @@ from kvtool.engines.vllm.common import check_cache, count, log, refuse_unservabl
 from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
 from kvtool.engines.vllm.store_admin import misplaced
-from kvtool.engines.vllm.store_backend import QUARANTINE_DIR, Backend, is_url, open_backend
+from kvtool.engines.vllm.store_backend import (
+    QUARANTINE_DIR,
+    Backend,
+    chunk_name,
+    is_url,
+    open_backend,
+)
 from kvtool.fileio import TEMP_SUFFIX
 from kvtool.identity import identity_dtype, portable_identity, same_model
 from kvtool.policy import CodecPolicy
@@ -317,7 +323,7 @@ class PrefixStore:
             log.warning("%s", message)
 
     def _name_of(self, key: str) -> str:
-        return f"{self.model_dir}/{key[:2]}/{key}.kvz"
+        return chunk_name(self.model_dir, key)
 
     def _name(self, chunk: Chunk) -> str:
         """The chunk's object name in the store (relative, "/"-separated)."""

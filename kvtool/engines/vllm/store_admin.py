@@ -42,6 +42,7 @@ from kvtool.engines.vllm.store_backend import (
     QUARANTINE_DIR,
     Backend,
     Entry,
+    chunk_name,
     is_url,
     open_backend,
 )
@@ -233,9 +234,9 @@ def verify(found: StoreScan, progress: Callable[[Iterable], Iterable] = iter) ->
                 misfiled = misplaced(f.store_chunk, c.key)
                 if misfiled:
                     problems.append(misfiled)
-                if c.name != f"{c.model}/{c.key[:2]}/{c.key}.kvz":
+                if c.name != chunk_name(c.model, c.key):
                     problems.append(f"it is never read here: a server looks for it at "
-                                    f"{c.model}/{c.key[:2]}/{c.key}.kvz")
+                                    f"{chunk_name(c.model, c.key)}")
         except (FileNotFoundError, NotADirectoryError):
             report.gone.append(c.path)  # pruned or quarantined since the scan
             continue

@@ -91,6 +91,11 @@ class Backend(Protocol):
     def root_names(self) -> list[str]: ...
 
 
+def chunk_name(model_dir: str, key: str) -> str:
+    """A chunk's name in the store (relative, "/"-separated): ``<model>/<key[:2]>/<key>.kvz``."""
+    return f"{model_dir}/{key[:2]}/{key}.kvz"
+
+
 def is_url(location: str | os.PathLike) -> bool:
     """Whether ``location`` names an object store (``s3://...``), not a directory."""
     return isinstance(location, str) and location.startswith("s3://")

@@ -40,10 +40,10 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     identity = served_identity(path, cache.model, model,
                                served_quantization(quantization, quantization_config))
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
-    if not force:
-        refuse_requantizing(path, policy, f"pinning it with {policy.describe()}")
     with open_kvz(path, verify=False) as f:
-        stored_lossy = exact_dtype(f) is None
+        codecs, stored_lossy = f.info()["codecs"], exact_dtype(f) is None
+    if not force:
+        refuse_requantizing(path, policy, f"pinning it with {policy.describe()}", codecs)
     if stored_lossy and not policy.is_lossy():
         raise KvtoolError(f"{path} is stored lossy: pinning it with {policy.describe()} would "
                           "store its decoded K/V as exact chunks, which lossless servers trust; "
