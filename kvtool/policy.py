@@ -85,10 +85,10 @@ class CodecPolicy:
         codec: str | dict | Codec | None = None,
         key_codec: str | dict | Codec | None = None,
         value_codec: str | dict | Codec | None = None,
-        protect_layers: int = 0,
-        sink_tokens: int = 0,
-        recent_tokens: int = 0,
-        auto_sinks: int = 0,
+        protect_layers: int | None = None,
+        sink_tokens: int | None = None,
+        recent_tokens: int | None = None,
+        auto_sinks: int | None = None,
         preset: str | None = None,
         model_fingerprint: str | None = None,
     ) -> CodecPolicy:
@@ -97,12 +97,15 @@ class CodecPolicy:
         ``preset`` (``lossless``, ``quality``, ``balanced``, ``small``, or the path of a policy
         JSON file) starts from that policy (fitted to the model with ``model_fingerprint`` where
         ``kvtool calibrate --preset`` fitted it: :mod:`kvtool.preset_fit`); codec options given
-        alongside override its codecs (not a file's per-layer codecs).
+        alongside override its codecs (not a file's per-layer codecs), and counts given (0
+        included) its counts.
         """
-        for name, n in (("protect_layers", protect_layers), ("sink_tokens", sink_tokens),
-                        ("recent_tokens", recent_tokens), ("auto_sinks", auto_sinks)):
-            if not _is_count(n):  # 0.5 or True would be written, then refused by the reader
+        counts = {"protect_layers": protect_layers, "sink_tokens": sink_tokens,
+                  "recent_tokens": recent_tokens, "auto_sinks": auto_sinks}
+        for name, n in counts.items():
+            if n is not None and not _is_count(n):  # 0.5 or True: written, then refused
                 raise CodecError(f"{name} must be an integer >= 0, got {str(n)[:40]!r}")
+        given = {name: n for name, n in counts.items() if n is not None}
         if preset is not None:
             from kvtool.presets import preset_policy
 
@@ -111,18 +114,12 @@ class CodecPolicy:
                 base_policy,
                 key=get_codec(key_codec or codec or base_policy.key).for_role("key"),
                 value=get_codec(value_codec or codec or base_policy.value).for_role("value"),
-                protect_layers=protect_layers or base_policy.protect_layers,
-                sink_tokens=sink_tokens or base_policy.sink_tokens,
-                recent_tokens=recent_tokens or base_policy.recent_tokens,
-                auto_sinks=auto_sinks or base_policy.auto_sinks)
+                **given)
         base = codec if codec is not None else "raw"
         return cls(
             key=get_codec(key_codec if key_codec is not None else base).for_role("key"),
             value=get_codec(value_codec if value_codec is not None else base).for_role("value"),
-            protect_layers=protect_layers,
-            sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens,
-            auto_sinks=auto_sinks,
+            **given,
         )
 
     def is_lossy(self, dtype: str | None = None) -> bool:
@@ -170,15 +167,30 @@ class CodecPolicy:
                  (num_tokens - recent, num_tokens, self.lossless)]
         return [Segment(a, b, c) for a, b, c in parts if b > a]
 
-    def resolve(self, cache: Any) -> CodecPolicy:
-        """This policy with its automatic sinks counted on ``cache`` (a KVCache or per-layer
-        key arrays' owner): ``sink_tokens`` becomes at least the detected count."""
+    def resolve(self, cache: Any = None) -> CodecPolicy:
+        """This policy with its automatic sinks counted on ``cache`` (a KVCache, or (keys,
+        values) a layer at a time): ``sink_tokens`` becomes at least the detected count. Without a
+        cache (a writer or cache that sees tokens as they come) every scanned token is kept
+        exact: a sink is never encoded for want of the whole cache to find it on."""
         if not self.auto_sinks:
             return self
-        from kvtool.sinks import detect_sinks
+        if cache is None:
+            found = self.auto_sinks
+        else:
+            from kvtool.sinks import detect_sinks
 
-        found = detect_sinks(cache, self.auto_sinks)
+            found = detect_sinks(cache, self.auto_sinks)
         return replace(self, sink_tokens=max(self.sink_tokens, found), auto_sinks=0)
+
+    def check_runtime(self) -> None:
+        """Refuse a policy that a cache encoding tokens as they come cannot apply: those keep
+        sink and recent tokens and protected layers in the model's dtype, so a lossy
+        ``lossless`` codec (``lossless=turbo2``) would be ignored there."""
+        if self.lossless.codec_id != "raw":
+            raise CodecError(f"policy {self.describe()[:80]!r}: a runtime cache keeps sink and "
+                             "recent tokens and protected layers in the model's dtype; its "
+                             f"lossless codec must be raw, not {self.lossless.codec_id} (drop "
+                             "lossless=)")
 
     def with_seed(self, seed: int) -> CodecPolicy:
         """The same policy with every seeded codec (turbo, prism, …) rotated by ``seed``."""
@@ -260,40 +272,50 @@ class CodecPolicy:
         if label.strip() in PRESETS:
             return preset_policy(label.strip())
         opts: dict[str, Any] = dict(defaults)
+        given: set[str] = set()  # what the label set: each once ("turbo3 turbo4" is a typo)
         lossless: Codec | None = None
-        own: dict[int, dict[str, Codec]] = {}
+        spans: list[tuple[str, str]] = []
         num_layers = None
         for part in label.split():
             key, sep, value = part.partition("=")
-            if sep and key == "layers":
-                if not is_digits(value):
-                    raise CodecError(f"policy label {label!r}: layers= needs an integer")
-                num_layers = int(value)
-                continue
-            if sep and key == "lossless":
-                lossless = get_codec(value)
-                continue
+            name = ("codec" if not sep or not (key in _LABEL_KEYS or key in ("layers", "lossless"))
+                    else _LABEL_KEYS.get(key, key))
             if sep and _LAYER_PART.fullmatch(key):
-                _parse_layer_part(key, value, own, label)
+                spans.append((key, value))
                 continue
-            if not sep or key not in _LABEL_KEYS:
-                opts["codec"] = part
-                continue
-            name = _LABEL_KEYS[key]
             if name == "sink_tokens" and value.startswith("auto"):
+                name = "auto_sinks"
+            if name in given:
+                raise CodecError(f"policy label {label!r}: {part!r} sets "
+                                 f"{'the codec' if name == 'codec' else key + '='} a second time")
+            given.add(name)
+            if name == "codec":
+                opts["codec"] = part
+            elif name == "lossless":
+                lossless = get_codec(value)
+            elif name == "auto_sinks":
                 scan = value.partition(":")[2]
-                if scan and not is_digits(scan):
+                if value != "auto" and not (value.startswith("auto:") and is_digits(scan)):
                     raise CodecError(f"policy label {label!r}: sink=auto:N needs an integer")
                 opts["auto_sinks"] = int(scan) if scan else AUTO_SINK_SCAN
-                continue
-            try:
-                opts[name] = value if name.endswith("codec") else int(value)
-            except ValueError:
-                raise CodecError(f"policy label {label!r}: {key}= needs an integer") from None
+            elif name.endswith("codec"):
+                opts[name] = value
+            elif not is_digits(value):
+                raise CodecError(f"policy label {label!r}: {key}= needs an integer")
+            elif name == "layers":
+                num_layers = int(value)
+            else:
+                opts[name] = int(value)
         policy = cls.from_options(**opts)
         if lossless is not None:
             policy = replace(policy, lossless=lossless)
-        if own or num_layers is not None:
+        if spans or num_layers is not None:
+            if num_layers is None:
+                raise CodecError(f"policy label {label!r}: per-layer codecs need layers=N (the "
+                                 "model's layer count)")
+            own: dict[int, dict[str, Codec]] = {}
+            for key, value in spans:
+                _parse_layer_part(key, value, own, label, num_layers)
             layers = tuple((i, LayerCodecs(c.get("key"), c.get("value")))
                            for i, c in sorted(own.items()))
             policy = replace(policy, layers=layers, num_layers=num_layers)
@@ -305,22 +327,30 @@ _LABEL_KEYS = {"k": "key_codec", "v": "value_codec", "protect": "protect_layers"
 
 
 #: a label part giving layers their own codec: ``L3.k=…``, ``L0,29=raw`` (both roles), ``L2-5.v=…``
-_LAYER_PART = re.compile(r"L(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)(\.[kv])?")
+_LAYER_PART = re.compile(r"L([0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*)(\.[kv])?")
 
 
 def _parse_layer_part(key: str, value: str, own: dict[int, dict[str, Codec]],
-                      label: str) -> None:
-    """Add ``L…[.k|.v]=codec`` to ``own`` (layer → role → codec)."""
+                      label: str, num_layers: int) -> None:
+    """Add ``L…[.k|.v]=codec`` to ``own`` (layer → role → codec), its layers checked against
+    ``num_layers`` before any is added."""
     match = _LAYER_PART.fullmatch(key)
     assert match is not None
     roles = {".k": ("key",), ".v": ("value",), None: ROLES}[match.group(2)]
+    indices: list[int] = []
     for span in match.group(1).split(","):
         first, _, last = span.partition("-")
-        for i in range(int(first), int(last or first) + 1):
-            for role in roles:
-                if role in own.get(i, {}):
-                    raise CodecError(f"policy label {label!r}: layer {i} {role} given twice")
-                own.setdefault(i, {})[role] = get_codec(value).for_role(role)
+        a, b = int(first), int(last or first)
+        if a > b or b >= num_layers:
+            raise CodecError(f"policy label {label!r}: L{span} is not a range of layers "
+                             f"0-{num_layers - 1} (first-last, first <= last)")
+        indices += range(a, b + 1)
+    codecs = {role: get_codec(value).for_role(role) for role in roles}
+    for i in indices:
+        for role in roles:
+            if role in own.get(i, {}):
+                raise CodecError(f"policy label {label!r}: layer {i} {role} given twice")
+            own.setdefault(i, {})[role] = codecs[role]
 
 
 def _spans(indices: list[int]) -> str:

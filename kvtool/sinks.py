@@ -21,29 +21,35 @@ from kvtool.kernels import to_torch
 SINK_RATIO = 2.0  # norm / median beyond this factor (or below its inverse) flags a token
 
 
-def sink_scores(arrays: list[Any], scan: int) -> torch.Tensor:
-    """Per leading token (``scan`` of them): the share of layers in which some head's vector
-    norm differs from that head's median norm by more than :data:`SINK_RATIO`."""
-    flags = []
-    for a in arrays:
-        x = to_torch(a).float()
-        x = x.reshape(-1, *x.shape[-2:])  # [heads, tokens, dim]
-        norms = x.norm(dim=-1)
-        med = norms.median(dim=-1, keepdim=True).values.clamp_min(1e-30)
-        dev = (norms[:, :scan] / med).clamp_min(1e-30).log().abs()
-        flags.append((dev > math.log(SINK_RATIO)).any(0))
-    return torch.stack(flags).float().mean(0)
+def sink_flags(x: Any, scan: int) -> torch.Tensor:
+    """Per leading token (``scan`` of them) of one layer's keys or values: whether some head's
+    vector norm differs from that head's median norm by more than :data:`SINK_RATIO`."""
+    x = to_torch(x).float()
+    x = x.reshape(-1, *x.shape[-2:])  # [heads, tokens, dim]
+    norms = x.norm(dim=-1)
+    med = norms.median(dim=-1, keepdim=True).values.clamp_min(1e-30)
+    dev = (norms[:, :scan] / med).clamp_min(1e-30).log().abs()
+    return (dev > math.log(SINK_RATIO)).any(0)
 
 
 def detect_sinks(cache: Any, scan: int, share: float = 0.5) -> int:
-    """How many leading tokens of ``cache`` (``.keys``/``.values`` per layer) to keep exact."""
-    if scan <= 0 or not cache.keys:
+    """How many leading tokens of ``cache`` (``.keys``/``.values`` per layer, or an iterable of
+    a layer's (keys, values) at a time: one pass, a layer held at once) to keep exact."""
+    if scan <= 0:
         return 0
-    tokens = max(to_torch(k).shape[-2] for k in cache.keys)
-    scan = min(scan, tokens)
+    layers = zip(cache.keys, cache.values, strict=True) if hasattr(cache, "keys") else cache
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (tokens, key, value flags)
+    for k, v in layers:
+        tokens = int(to_torch(k).shape[-2])
+        if tokens:
+            n = min(scan, tokens)
+            seen.append((tokens, sink_flags(k, n), sink_flags(v, n)))
+    if not seen:
+        return 0
+    tokens = max(t for t, _, _ in seen)
     # sliding-window layers that dropped the first tokens say nothing about them
-    full = [i for i, k in enumerate(cache.keys) if to_torch(k).shape[-2] == tokens]
-    score = torch.maximum(sink_scores([cache.keys[i] for i in full], scan),
-                          sink_scores([cache.values[i] for i in full], scan))
+    full = [(kf, vf) for t, kf, vf in seen if t == tokens]
+    score = torch.maximum(torch.stack([kf for kf, _ in full]).float().mean(0),
+                          torch.stack([vf for _, vf in full]).float().mean(0))
     flagged = torch.nonzero(score >= share).flatten()
     return int(flagged.max()) + 1 if len(flagged) else 0

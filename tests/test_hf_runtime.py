@@ -258,3 +258,35 @@ def test_from_kvcache_refuses_a_cache_shaped_for_another_model(loaded, prompt_id
                            parameters=loaded.model.parameters)
     with pytest.raises(KvtoolError, match="past float16's 65504"):  # not a NaN step later
         CompressedCache.from_kvcache(big, CodecPolicy.from_options("raw"), half)
+
+
+def test_sink_auto_keeps_the_sinks_exact_counted_on_a_cache_or_every_scanned_token():
+    """``sink=auto`` was read by ``kvtool eval`` alone: a CompressedCache held no sink."""
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 40, 64, generator=rng)
+    x[:, :, 0] *= 0.1  # a low-norm first token, in every layer: a sink
+    policy = CodecPolicy.from_label("turbo3 sink=auto")
+    held = CompressedCache.from_kvcache(KVCache([x[0]] * 2, [x[0]] * 2), policy, block_size=8)
+    assert held.policy.sink_tokens == 1 and held.policy.auto_sinks == 0
+    assert torch.equal(held.layers[0].k.sink[..., :1, :], torch.stack([x, x])[..., :1, :])
+    fresh = CompressedCache(policy, num_layers=2, block_size=8)  # tokens come as computed
+    assert fresh.policy.sink_tokens == 16 and fresh.layers[1].k.sink_tokens == 16
+
+
+def test_policies_a_runtime_cache_cannot_apply_are_refused():
+    """A lossy ``lossless`` codec used to be ignored (``turbo3 lossless=turbo3`` compressed
+    nothing); ``attention_from_codes=True`` on an eager model failed inside its attention."""
+    from transformers import LlamaConfig
+
+    with pytest.raises(CodecError, match="lossless codec must be raw"):
+        CompressedCache(CodecPolicy.from_label("turbo3 lossless=turbo3"), num_layers=2)
+    CompressedCache(CodecPolicy.from_label("turbo3 lossless=raw:dtype=float16"), num_layers=2)
+    eager = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        hidden_size=128)
+    eager._attn_implementation = "eager"
+    with pytest.raises(KvtoolError, match=r"\(eager\) does not read"):
+        CompressedCache(CodecPolicy.from_options("turbo3"), config=eager,
+                        attention_from_codes=True)
+    CompressedCache(CodecPolicy.from_options("turbo3"), config=eager)  # None: decodes first
+    eager._attn_implementation = None  # a config no model was built from: not chosen yet
+    CompressedCache(CodecPolicy.from_options("turbo3"), config=eager, attention_from_codes=True)

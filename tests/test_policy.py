@@ -220,3 +220,31 @@ def test_counts_are_integers_at_least_zero_with_or_without_a_preset(options):
     counts reached the encoder."""
     with pytest.raises(CodecError, match="must be an integer >= 0"):
         CodecPolicy.from_options("turbo3", **options)
+
+
+@pytest.mark.parametrize("label,message", [
+    ("turbo3 layers=4 L1-0=raw", "not a range"),  # was dropped: layer 0 kept turbo3
+    ("turbo3 layers=4 L0-99999999=raw", "not a range"),  # built 10^8 codecs first
+    ("turbo3 L0=raw", "need layers=N"),
+    ("turbo3 turbo4", "second time"),  # the last one won
+    ("turbo3 sink=4 sink=5", "second time"),
+    ("turbo3 sink=4_0", "integer"), ("turbo3 sink=+4", "integer"),
+    ("turbo3 sink=٤", "integer"), ("turbo3 sink=autox", "auto:N"),
+    ("turbo3 layers=4 L١=raw", "second time"),  # not a layer part (non-ASCII): a codec
+])
+def test_malformed_labels_are_refused(label, message):
+    with pytest.raises(CodecError, match=message):
+        CodecPolicy.from_label(label)
+
+
+def test_a_codec_of_another_type_is_a_codec_error():
+    for bad in (3, ["turbo3"], 2.5):
+        with pytest.raises(CodecError, match="a codec is an id"):
+            CodecPolicy.from_options(codec=bad)
+
+
+def test_counts_given_as_zero_override_a_presets():
+    """``sink_tokens=0`` (``--sink-tokens 0``) over a preset kept the preset's 4 sinks."""
+    assert CodecPolicy.from_options(preset="balanced").sink_tokens == 4
+    assert CodecPolicy.from_options(preset="balanced", sink_tokens=0).sink_tokens == 0
+    assert CodecPolicy.from_options(preset="balanced", recent_tokens=8).sink_tokens == 4

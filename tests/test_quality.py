@@ -257,6 +257,42 @@ def test_sink_detection_finds_planted_tokens():
     assert not math.isnan(resolved.segments("key", 0, 4, 50)[0].stop)
 
 
+def test_sink_auto_is_applied_by_the_writers(tmp_path):
+    """``kvtool.save`` counts the sinks on the cache it saves (it used to encode them all); a
+    writer that sees layers one at a time keeps every scanned token exact. Either way the file
+    records the count it applied, not ``sink=auto``."""
+    import torch
+
+    from kvtool.formats import load, open_kvz, save
+    from kvtool.formats.transcode import transcode
+    from kvtool.formats.writer import write_kvz
+
+    rng = np.random.default_rng(3)
+    keys = [rng.standard_normal((2, 50, 16)).astype(np.float32) for _ in range(4)]
+    for k in keys:
+        k[:, 0] *= 0.1
+    cache = KVCache(keys, [k.copy() for k in keys])
+    policy = CodecPolicy.from_label("turbo3 sink=auto")
+    report = save(cache, tmp_path / "a.kvz", policy)
+    assert report["policy"] == "turbo3 sink=1"
+    back = load(tmp_path / "a.kvz")
+    for k, b in zip(keys, back.keys, strict=True):
+        np.testing.assert_array_equal(np.asarray(b)[:, :1], k[:, :1])
+        assert not np.array_equal(np.asarray(b)[:, 1:2], k[:, 1:2])
+    save(cache, tmp_path / "raw.kvz", codec="raw")
+    transcode(tmp_path / "raw.kvz", tmp_path / "t.kvz", policy)  # counted in a first pass
+    with open_kvz(tmp_path / "t.kvz") as f:
+        assert CodecPolicy.from_json(f.header["policy"]).sink_tokens == 1
+    write_kvz(tmp_path / "w.kvz", zip(keys, keys, strict=True), num_layers=4, policy=policy)
+    with open_kvz(tmp_path / "w.kvz") as f:  # layers as they come: every scanned token exact
+        assert CodecPolicy.from_json(f.header["policy"]).sink_tokens == 16
+    assert save(KVCache([keys[0][:, :0]], [keys[0][:, :0]]), tmp_path / "e.kvz",
+                policy)["num_tokens"] == 0
+    meta = torch.zeros(2, 5, 16, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        save(KVCache([meta], [meta]), tmp_path / "m.kvz", policy)
+
+
 def test_codecs_presets_lists_the_measured_policies():
     import json
 

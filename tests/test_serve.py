@@ -12,6 +12,7 @@ it on the same store.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import time
@@ -55,6 +56,22 @@ def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_pat
     assert argv[argv.index("--shutdown-timeout") + 1] == "30"  # queued saves finish on stop
     own = dry_run(runner, "--", "--shutdown-timeout=0")["argv"]
     assert "--shutdown-timeout" not in own and own[-1] == "--shutdown-timeout=0"
+
+
+def test_a_count_of_zero_replaces_the_presets_in_serve_and_store_pin(runner, tmp_path):
+    """``--preset balanced --sink-tokens 0`` kept the preset's 4 sinks in the server, while
+    ``store pin`` wrote chunks without them."""
+    plan = dry_run(runner, "--store", str(tmp_path), "--preset", "balanced", "--sink-tokens",
+                   "0")
+    argv = plan["argv"]
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["sink_tokens"] == 0 and "sink=" not in plan["policy"]
+    assert "sink=4" in dry_run(runner, "--preset", "balanced")["policy"]
+    mlx = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--json", "--preset",
+                              "balanced", "--sink-tokens", "0"])
+    if importlib.util.find_spec("mlx_lm") is not None:  # (a dependency CI installs)
+        assert mlx.exit_code == 0, mlx.output
+        assert "sink=" not in json.loads(mlx.output)["policy"]
 
 
 def test_a_store_that_is_a_file_is_refused(runner, tmp_path):

@@ -107,15 +107,15 @@ def codec_policy_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Codec for keys and values: an id (turbo3), id:opt=val,... or JSON."),
         click.option("--key-codec", default=None, help="Codec for keys (overrides --codec)."),
         click.option("--value-codec", default=None, help="Codec for values (overrides --codec)."),
-        click.option("--protect-layers", default=0, show_default=True,
-                     type=click.IntRange(0, MAX_COUNT),
-                     help="Keep the first and last N layers lossless."),
-        click.option("--sink-tokens", default=0, show_default=True,
-                     type=click.IntRange(0, MAX_COUNT),
-                     help="Keep the first N tokens of every layer lossless."),
-        click.option("--recent-tokens", default=0, show_default=True,
-                     type=click.IntRange(0, MAX_COUNT),
-                     help="Keep the last N tokens of every layer lossless."),
+        click.option("--protect-layers", default=None, type=click.IntRange(0, MAX_COUNT),
+                     help="Keep the first and last N layers lossless (default: the "
+                          "preset's, else 0)."),
+        click.option("--sink-tokens", default=None, type=click.IntRange(0, MAX_COUNT),
+                     help="Keep the first N tokens of every layer lossless (default: "
+                          "the preset's, else 0)."),
+        click.option("--recent-tokens", default=None, type=click.IntRange(0, MAX_COUNT),
+                     help="Keep the last N tokens of every layer lossless (default: "
+                          "the preset's, else 0)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -135,17 +135,17 @@ def policy_from_options(opts: dict[str, Any], default_codec: str = "raw",
     if opts.get("preset") or opts.get("policy_file"):
         return CodecPolicy.from_options(
             codec=opts.get("codec"), key_codec=opts.get("key_codec"),
-            value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers", 0),
-            sink_tokens=opts.get("sink_tokens", 0), recent_tokens=opts.get("recent_tokens", 0),
+            value_codec=opts.get("value_codec"), protect_layers=opts.get("protect_layers"),
+            sink_tokens=opts.get("sink_tokens"), recent_tokens=opts.get("recent_tokens"),
             preset=opts.get("preset") or opts["policy_file"],
             model_fingerprint=model_fingerprint)
     return CodecPolicy.from_options(
         codec=opts.get("codec") or default_codec,
         key_codec=opts.get("key_codec"),
         value_codec=opts.get("value_codec"),
-        protect_layers=opts.get("protect_layers", 0),
-        sink_tokens=opts.get("sink_tokens", 0),
-        recent_tokens=opts.get("recent_tokens", 0),
+        protect_layers=opts.get("protect_layers"),
+        sink_tokens=opts.get("sink_tokens"),
+        recent_tokens=opts.get("recent_tokens"),
     )
 
 
@@ -159,7 +159,9 @@ def connector_options(opts: dict[str, Any]) -> dict[str, Any]:
         if opts.get("preset"):
             raise click.UsageError("give --preset or --policy, not both")
         opts["preset"] = os.path.abspath(policy_file)
-    return {k: v for k, v in opts.items() if v not in (None, 0, False)}
+    from kvtool.engines.vllm.common import given_options
+
+    return given_options(opts)
 
 
 # -- one dtype vocabulary ---------------------------------------------------------------------

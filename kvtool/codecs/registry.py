@@ -126,6 +126,9 @@ def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
     """The codec for an id, a spec string, a config dict (as from ``get_config()``) or a codec."""
     if isinstance(spec, Codec):
         return spec
+    if not isinstance(spec, str | dict):
+        raise CodecError(f"a codec is an id or spec string, a config dict or a Codec, not "
+                         f"{type(spec).__name__} {str(spec)[:40]!r}")
     config = parse_codec_spec(spec) if isinstance(spec, str) else dict(spec)
     config.update(params)
     codec_id = config.pop("id", None)

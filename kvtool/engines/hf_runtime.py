@@ -346,6 +346,8 @@ class CompressedCache(Cache):
             if len(windows) != num_layers:
                 raise KvtoolError(f"{len(windows)} sliding windows for {num_layers} layers")
         n = len(windows)
+        policy.check_runtime()
+        policy = policy.resolve()  # sink=auto (no cache to count on): every scanned token exact
         self.policy, self.block_size = policy, block_size
         self.attention_from_codes = attention_from_codes
         self._armed_layers: set[int] = set()  # see get_mask_sizes
@@ -361,6 +363,12 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         if attention_from_codes is not False and any(x.codes_capable for x in layers):
             install()
+            impl = getattr(self._text_config, "_attn_implementation", None)
+            if attention_from_codes is True and impl is not None \
+                    and not routes_through_kvtool(self._text_config):  # None: not chosen yet
+                raise KvtoolError(f"attention_from_codes=True, but this model's attention "
+                                  f"({impl}) does not read kvtool's codes: leave it unset (the "
+                                  "model's sdpa attention reads them) or pass False")
 
     def uses_codes(self, device: torch.device | str | None = None) -> bool:
         """Whether attention reads encoded tokens from their codes (for model forwards) of
@@ -418,6 +426,7 @@ class CompressedCache(Cache):
         from kvtool.engines.hf import _total_tokens, check_layer, kv_shape
         from kvtool.kernels import to_torch
 
+        policy = policy.resolve(cache)  # sink=auto: counted on the cache it holds
         want = None
         if model is not None:
             out = cls(policy, config=model.config, **kwargs)

@@ -101,6 +101,8 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
     def for_layer(cls, policy: CodecPolicy, layer: int, num_layers: int,
                   **kwargs: Any) -> KvtoolMLXCache:
         """The layer ``layer`` of ``num_layers`` under ``policy`` (protected layers lossless)."""
+        policy.check_runtime()
+        policy = policy.resolve()  # sink=auto (no cache to count on): every scanned token exact
         key, value = (policy.codec_for(role, layer, num_layers) for role in ("key", "value"))
         return cls(None if key == policy.lossless else key,
                    None if value == policy.lossless else value,

@@ -53,7 +53,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          policy_options: dict[str, Any] | None = None, engine_args: tuple[str, ...] = ()):
     """The server's command line and summary (nothing is started)."""
     from kvtool.codecs.params import is_digits
-    from kvtool.engines.vllm.common import policy_from_extra
+    from kvtool.engines.vllm.common import given_options, policy_from_extra
     from kvtool.engines.vllm.serve import ServePlan, engine_value, refuse_own
     from kvtool.engines.vllm.store_backend import URL_SCHEME
     from kvtool.identity import model_fingerprint
@@ -79,7 +79,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
                           f"({location}); use --model default or a converted directory")
-    options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
+    options = given_options(policy_options)
     # the vLLM server's defaults when no codec is given; a preset fitted to this model (and a
     # policy file calibrated for another one, refused) as the vLLM connector resolves them
     config = _config(location)

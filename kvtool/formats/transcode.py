@@ -27,6 +27,8 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
     if not isinstance(policy, CodecPolicy):
         policy = CodecPolicy.from_options(codec=policy)
     with open_kvz(src, verify=verify) as f:
+        if policy.auto_sinks:  # counted in a first pass, a layer at a time
+            policy = policy.resolve(f.layer(i, dtype) for i in range(f.num_layers))
         layers = (f.layer(i, dtype) for i in range(f.num_layers))
         return write_kvz(dst, layers, num_layers=f.num_layers, policy=policy, model=f.model,
                          tokenizer_fingerprint=f.tokenizer_fingerprint, token_ids=f.token_ids,

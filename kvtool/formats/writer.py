@@ -159,6 +159,7 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         raise ValueError("tokenizer_fingerprint must be a string or None, got "
                          f"{type(tokenizer_fingerprint).__name__}")
     policy.check_layers(num_layers)
+    policy = policy.resolve()  # sink=auto without the whole cache: every scanned token exact
     enc = _Encoder(zstd_level(zstd), bool(entropy))
     ids_entry = None
     if token_ids is not None:
@@ -255,8 +256,11 @@ def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = N
     turbo3's 3) where that is smaller still.
     Returns a report: ``file_bytes``, ``fp16_bytes``, ``ratio`` (fp16 bytes / file bytes), ...
     """
+    for i, layer in enumerate(zip(cache.keys, cache.values, strict=True)):
+        if any(getattr(getattr(x, "device", None), "type", None) == "meta" for x in layer):
+            raise ValueError(f"layer {i}: a tensor on the meta device holds no values")
     policy = resolve_policy(policy, codec, key_codec, value_codec, protect_layers,
-                            sink_tokens, recent_tokens)
+                            sink_tokens, recent_tokens).resolve(cache)  # sink=auto: found here
     return write_kvz(path, zip(cache.keys, cache.values, strict=True),
                      num_layers=cache.num_layers, policy=policy, model=cache.model,
                      tokenizer_fingerprint=cache.tokenizer_fingerprint,

@@ -169,23 +169,30 @@ def add_time(name: str, seconds: float) -> None:
         _TIMES[name] += seconds
 
 
+COUNT_OPTIONS = ("protect_layers", "sink_tokens", "recent_tokens")
+
+
+def given_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The policy options a user gave: without those left out (None, False, a 0 of anything but
+    a count; a count of 0 replaces a preset's)."""
+    return {k: v for k, v in (options or {}).items()
+            if v is not None and v is not False and (v != 0 or k in COUNT_OPTIONS)}
+
+
 def policy_from_extra(extra: dict[str, Any], model_fingerprint: str | None = None):
     """The store's :class:`~kvtool.policy.CodecPolicy` from connector options: ``preset`` (by
     default :data:`DEFAULT_PRESET` unless ``codec`` is given; fitted to the model with
     ``model_fingerprint`` where ``kvtool calibrate --preset`` fitted it) with any codec and
     token options given on top."""
-    import dataclasses
-
     from kvtool.policy import CodecPolicy
 
     codec = extra.get("codec")
     preset = extra.get("preset") or (None if codec else DEFAULT_PRESET)
-    counts = {k: int(extra[k]) for k in ("protect_layers", "sink_tokens", "recent_tokens")
-              if extra.get(k) is not None}
+    counts = {k: int(extra[k]) for k in COUNT_OPTIONS if extra.get(k) is not None}
     policy = CodecPolicy.from_options(codec=codec, key_codec=extra.get("key_codec"),
                                       value_codec=extra.get("value_codec"), preset=preset,
                                       model_fingerprint=model_fingerprint, **counts)
-    return dataclasses.replace(policy, **counts)  # an explicit 0 overrides the preset's count
+    return policy.resolve()  # sink=auto: chunks are written as they come (every scanned token)
 
 
 MIN_STORE_TIMEOUT = 0.001  # seconds

@@ -155,6 +155,10 @@ class ReplayPolicy:
     def check_layers(self, num_layers: int) -> None:
         self.policy.check_layers(num_layers)
 
+    def resolve(self, cache: Any = None) -> ReplayPolicy:
+        """Itself: the chunk was encoded with ``policy``'s sinks (a store's are resolved)."""
+        return self
+
     def meta_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values) as ``meta`` tensors: their shapes and dtypes, no data."""
         return [tuple(self._shape_of(i, role) for role in ROLES) for i in range(self.num_layers)]

@@ -288,6 +288,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          pins: tuple[str, ...] = (), engine_args: tuple[str, ...] = ()) -> ServePlan:
     """The server's command line and summary (nothing is started)."""
     from kvtool.checkpoint import quantized_on_load, weights_fingerprint
+    from kvtool.engines.vllm.common import given_options
     from kvtool.identity import model_identity
     from kvtool.models import resolve_model
 
@@ -334,7 +335,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         raise KvtoolError(f"--max-model-len {max_model_len}: the model has {longest} positions "
                           "(vLLM refuses a longer context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
                           "is set, and past them RoPE models produce NaNs)")
-    options = {k: v for k, v in (policy_options or {}).items() if v not in (None, 0, False)}
+    options = given_options(policy_options)
     connector: dict[str, Any] = {"model_name": name, **options}
     if store:
         if "://" not in store and os.path.lexists(store) and not os.path.isdir(store):

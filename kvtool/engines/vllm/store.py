@@ -122,7 +122,8 @@ class PrefixStore:
         self.model = portable_identity(model)
         self.fingerprint = str(self.model["fingerprint"])
         self.chunk_tokens = int(chunk_tokens)
-        self.policy = policy
+        # sink=auto: chunks are written as they come, so every scanned token stays exact
+        self.policy = policy if policy is None else policy.resolve()
         # a lossless server answers as a cold run would: it loads only chunks stored exactly in
         # its own dtype (not another server's lossy or cast ones)
         dtype = identity_dtype(self.model)
