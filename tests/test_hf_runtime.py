@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -151,8 +152,77 @@ def test_batch_reorder_and_crop():
                                atol=1e-5 * before.abs().max().item())
     past.batch_repeat_interleave(2)
     assert past.layers[0].materialize()[0].shape[0] == 4
-    with pytest.raises(KvtoolError):
-        past.crop(-1)
+
+
+@pytest.mark.parametrize("spec", ["raw:dtype=float32", "turbo3", "k=turbo3 v=int8"])
+@pytest.mark.parametrize("n", [0, 2, 5, 9, 20, 33, 38, 40])
+def test_crop_removes_the_newest_tokens_from_the_window_blocks_and_sinks(spec, n):
+    """40 tokens: 3 sinks, 36 encoded in blocks of 4 (after a prefill or decode steps), 1 in
+    the window. Cropping any count leaves the first 40 - n tokens as they read before, and
+    the cache then takes tokens like one that never held the cropped ones."""
+    x = torch.randn(1, 2, 60, 64, generator=torch.Generator().manual_seed(1))
+    policy = CodecPolicy.from_label(f"{spec} sink=3 recent=1")
+    for steps in ((40,), (36, *[1] * 4)):  # a prefill, or a prefill and decode steps
+        past = CompressedCache(policy, num_layers=1, block_size=4)
+        at = 0
+        for size in steps:
+            past.update(x[..., at:at + size, :], x[..., at:at + size, :] * 2, 0)
+            at += size
+        keys, values = past.layers[0].materialize()
+        past.crop(-n)
+        assert past.get_seq_length() == 40 - n
+        k2, v2 = past.layers[0].materialize()
+        torch.testing.assert_close(k2, keys[..., :40 - n, :], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v2, values[..., :40 - n, :], rtol=1e-6, atol=1e-6)
+        past.update(x[..., 40 - n:50, :], x[..., 40 - n:50, :] * 2, 0)  # the tokens again
+        keys, _ = past.layers[0].materialize()
+        assert keys.shape[-2] == 50
+        if spec.startswith("raw"):  # lossless through the store: exactly the inputs
+            assert torch.equal(keys, x[..., :50, :])
+    past.crop(3)  # a positive value: the length to keep (transformers' legacy form)
+    assert past.get_seq_length() == 3
+
+
+def test_crop_pops_a_chunk_that_declares_no_block_axis_whole():
+    """A codec whose arrays have no block axis (a plugin's) is cut by decoding the last chunk
+    whole: what is kept of it goes back to the window."""
+    from kvtool.codecs.raw import RawCodec
+
+    class FlatRaw(RawCodec):
+        def expected_arrays(self, shape, dtype):
+            spec = super().expected_arrays(shape, dtype)["data"]
+            return {"data": type(spec)((math.prod(shape),), spec.dtype)}
+
+        def _encode(self, xp, x):
+            return {"data": xp.reshape(super()._encode(xp, x)["data"], (-1,))}
+
+    codec = FlatRaw(dtype="float32")
+    x = torch.randn(1, 2, 30, 64, generator=torch.Generator().manual_seed(2))
+    past = CompressedCache(CodecPolicy(key=codec, value=codec), num_layers=1, block_size=4)
+    for at, size in ((0, 10), (10, 10), (20, 10)):  # a chunk a flush: none merges
+        past.update(x[..., at:at + size, :], x[..., at:at + size, :], 0)
+    stream = past.layers[0].k
+    assert len(stream.chunks) == 3 and stream.stored == 28
+    past.crop(-7)  # into the last chunk (blocks 5-6, tokens 20-27): popped, 20-22 kept exact
+    assert len(stream.chunks) == 2 and stream.stored == 20 and stream.tail.shape[-2] == 3
+    assert torch.equal(past.layers[0].materialize()[0], x[..., :23, :])
+
+
+def test_prompt_lookup_decoding_crops_the_compressed_cache(loaded):
+    """Assisted and prompt-lookup decoding crop rejected drafts: CompressedCache refused."""
+    text = data_text("demo_document.md")[:600]
+    ids = loaded.tokenizer(text + " " + text[:200], return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=24, prompt_lookup_num_tokens=6, do_sample=False, top_k=None,
+                  top_p=None, temperature=None, pad_token_id=loaded.tokenizer.eos_token_id,
+                  attention_mask=torch.ones_like(ids))
+    want = loaded.model.generate(ids, past_key_values=DynamicCache(config=loaded.model.config),
+                                 **kwargs)
+    exact = _cache(loaded, "raw:dtype=float32", sink_tokens=4, block_size=4)
+    assert torch.equal(loaded.model.generate(ids, past_key_values=exact, **kwargs), want)
+    assert exact.layers[3].k.stored > 0
+    lossy = _cache(loaded, "turbo3", sink_tokens=4, block_size=4)
+    out = loaded.model.generate(ids, past_key_values=lossy, **kwargs)
+    assert out.shape[1] > ids.shape[1] and lossy.get_seq_length() == out.shape[1] - 1
 
 
 def test_a_bad_block_is_refused_when_it_is_encoded_on_the_cpu():

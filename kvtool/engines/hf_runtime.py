@@ -282,8 +282,23 @@ class CompressedLayer(DynamicLayer):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise KvtoolError("CompressedCache cannot crop (encoded blocks cannot be shortened); "
-                          "assisted or speculative decoding needs a DynamicCache")
+        """Remove the newest ``-tokens_to_remove`` tokens (a positive value: keep that many),
+        as assisted and prompt-lookup decoding do with rejected draft tokens. A crop into
+        encoded blocks decodes the kept part of the last one back into the window (it is
+        encoded again when the window flushes): a ``recent_tokens`` window at least as long as
+        the drafts keeps every crop in the window, exact."""
+        n = -tokens_to_remove if tokens_to_remove <= 0 \
+            else max(self.cumulative_length - tokens_to_remove, 0)
+        n = min(n, self.cumulative_length - self.dropped)
+        if n <= 0 or not self.is_initialized:
+            return
+        if self.is_sliding:
+            raise KvtoolError("CompressedCache cannot crop a sliding-window layer (the tokens "
+                              "it let go of are gone); assisted decoding needs a DynamicCache")
+        for stream in self.streams:
+            stream.crop_back(n)
+        self.cumulative_length -= n
+        self._view = self._pending = None
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._view = None

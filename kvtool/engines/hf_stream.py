@@ -37,6 +37,12 @@ def _concat(a: Encoded, b: Encoded, axis: int) -> Encoded | None:
     return Encoded(arrays, shape, a.dtype)
 
 
+def _blocks(enc: Encoded, axis: int, start: int, stop: int) -> Encoded:
+    """Blocks ``[start, stop)`` of ``enc`` (its arrays declare the block ``axis``), copied."""
+    arrays = {k: a.narrow(axis, start, stop - start).clone() for k, a in enc.arrays.items()}
+    return Encoded(arrays, (*enc.shape[:axis], stop - start, *enc.shape[axis + 1:]), enc.dtype)
+
+
 def _per_index(out: tuple[Any, ...]) -> tuple[Any, ...]:
     """:meth:`_Stream.codes_np`'s first four arrays ``[L, ...]`` as tuples of their ``L``
     views, indexed once per store change rather than at every step and layer."""
@@ -275,15 +281,45 @@ class _Stream:
             if k == total:
                 self.chunks.pop(0)
             else:
-                arrays = {name: a.narrow(axis, k, total - k).clone()
-                          for name, a in enc.arrays.items()}
-                shape = (*enc.shape[:axis], total - k, *enc.shape[axis + 1:])
-                self.chunks[0] = Encoded(arrays, shape, enc.dtype)
+                self.chunks[0] = _blocks(enc, axis, k, total)
             n -= k * self.block
             self.stored -= k * self.block
             self.forget_views()
         if n:
             self.tail = self.tail[..., n:, :].clone()
+
+    def crop_back(self, n: int) -> None:
+        """Remove the ``n`` newest tokens: the window's, then encoded blocks from the end, then
+        sinks. Cutting into a block keeps its first tokens in the window, decoded (they are
+        encoded again when the window flushes), as does popping a chunk that declares no block
+        axis whole."""
+        held = 0 if self.tail is None else self.tail.shape[-2]
+        k = min(n, held)
+        if k:
+            self.tail = self.tail[..., :held - k, :].clone()
+            n -= k
+        if n and self.chunks:
+            self.settle(wait=True)
+            back: list[torch.Tensor] = []  # decoded tokens, oldest first
+            while self.chunks and n > sum(t.shape[-2] for t in back):
+                last = self.chunks[-1]
+                axis = len(last.shape) - 3
+                total = last.shape[axis]
+                want = min(total, -(-(n - sum(t.shape[-2] for t in back)) // self.block))
+                if want < total and _blocked(_shapes(last), tuple(last.shape[:axis + 1])):
+                    self.chunks[-1] = _blocks(last, axis, 0, total - want)
+                    gone = _blocks(last, axis, total - want, total)
+                else:
+                    gone = self.chunks.pop()
+                back.insert(0, self.codec.decode(gone).flatten(-3, -2))
+                self.stored -= gone.shape[axis] * self.block
+            self.forget_views()
+            decoded = torch.cat(back, dim=-2)
+            k = min(n, decoded.shape[-2])
+            self.tail, n = decoded[..., :decoded.shape[-2] - k, :].clone(), n - k
+        if n and self.sink is not None:
+            left = self.sink.shape[-2] - min(n, self.sink.shape[-2])
+            self.sink = self.sink[..., :left, :].clone() if left else None
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor], axis: int) -> None:
         """Apply ``fn`` (which works on axis 0) to the batch ``axis`` of every part."""
