@@ -114,11 +114,14 @@ def demo_prompt(tokenizer: Any, question: int = 0) -> str:
 # -- the captured cache through a policy ------------------------------------------------------
 def _through_policy(x: torch.Tensor, policy: CodecPolicy, role: str, layer: int,
                     num_layers: int) -> tuple[torch.Tensor, int, list]:
-    """x [heads, tokens, dim] → (x̂, encoded bytes, [(segment, Encoded)])."""
+    """x [heads, tokens, dim] → (x̂, bytes, [(segment, Encoded)]): encoded bytes, and tokens
+    kept exact in the input's own dtype (``raw``) at 16 bits, a bf16/fp16 cache's width, as
+    every bits/element kvtool reports counts them (a float32 run's are twice that)."""
     parts, nbytes, encoded = [], 0, []
     for seg in policy.segments(role, layer, num_layers, x.shape[-2]):
         enc = seg.codec.encode(x[..., seg.start:seg.stop, :])
-        nbytes += enc.nbytes
+        exact = seg.codec.codec_id == "raw" and getattr(seg.codec, "dtype", None) is None
+        nbytes += 2 * int(math.prod(enc.shape)) if exact else enc.nbytes
         encoded.append((seg, enc))
         parts.append(seg.codec.decode(enc, "float32"))
     return (torch.cat(parts, dim=-2) if parts else x.float()), nbytes, encoded
@@ -129,12 +132,12 @@ def _scores_hat(q: torch.Tensor, encoded: list) -> torch.Tensor:
     return torch.cat([seg.codec.scores(q, enc) for seg, enc in encoded], dim=-1)
 
 
-def cache_metrics(cache: KVCache, policy: CodecPolicy, *, storage_dtype: str = "bfloat16",
+def cache_metrics(cache: KVCache, policy: CodecPolicy, *,
                   queries: list[torch.Tensor] | None = None, top_k: int = 8) -> dict[str, Any]:
     """K/V cosine, relative MSE and bits/element of ``cache`` encoded by ``policy``.
 
-    The cache is cast to ``storage_dtype`` before encoding (what a file or runtime cache holds;
-    lossless parts cost its width); errors are measured against the uncast original. With
+    The cache is encoded as it is, as the run that measures perplexity holds it (a lossless
+    policy: no error); tokens kept exact count 16 bits (:func:`_through_policy`). With
     ``queries`` (per layer ``[q_heads, M, D]`` for the last M positions) also the attention KL
     and top-k overlap of the compressed keys, averaged over layers.
     """
@@ -146,8 +149,7 @@ def cache_metrics(cache: KVCache, policy: CodecPolicy, *, storage_dtype: str = "
         nbytes = elements = 0
         for i, a in enumerate(arrays):
             x = to_torch(a)
-            x_hat, b, encoded = _through_policy(x.to(getattr(torch, storage_dtype)), policy,
-                                                role, i, n_layers)
+            x_hat, b, encoded = _through_policy(x, policy, role, i, n_layers)
             xf = x.double()
             cos_sum += cosine(xf, x_hat) * (x.numel() // x.shape[-1])
             num += float(((xf - x_hat.double()) ** 2).sum())
@@ -382,8 +384,7 @@ def run_with_past(model: Any, base: Baseline, past: Any,
 def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk: int = 256,
              block_size: int = DEFAULT_BLOCK_SIZE, max_tokens: int | None = None,
              baseline: Baseline | None = None, prompt: str | None = None,
-             max_new_tokens: int = 0, n_queries: int = 16,
-             storage_dtype: str = "bfloat16") -> EvalReport:
+             max_new_tokens: int = 0, n_queries: int = 16) -> EvalReport:
     """Chunked perplexity with a compressed past against the exact run, plus cache metrics.
 
     Pass ``baseline`` (from :func:`run_baseline`) to evaluate many policies on one text.
@@ -409,8 +410,7 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
                 "would read as lossless; give more tokens, a smaller --chunk or --block-size")
 
     ppl, kl = run_with_past(model, base, past, before_last=some_encoded)
-    metrics = cache_metrics(base.cache, policy, storage_dtype=storage_dtype,
-                            queries=base.queries)
+    metrics = cache_metrics(base.cache, policy, queries=base.queries)
     metrics["runtime_resident_bytes"] = past.nbytes()
     gen = None
     if max_new_tokens > 0:

@@ -229,8 +229,20 @@ def test_cli_capture_then_generate(tmp_path, loaded):
                               "--max-new-tokens", "2", "--no-compare"])
     assert res.exit_code == 0 and "time to first token" in res.output
     res = runner.invoke(cli, ["generate", "--cache", str(out), "--prompt", QUESTION,
-                              "--max-new-tokens", "2", "--no-compare", "--runtime-codec", "turbo3"])
+                              "--max-new-tokens", "2", "--no-compare", "--runtime-codec", "turbo3",
+                              "--json"])
     assert res.exit_code == 0, res.output
+    held = json.loads(res.stdout)["runtime_codec"]  # said nothing after --cache
+    assert held["encoded_tokens"] >= 64 and held["tokens"] > held["encoded_tokens"]
+    # a lossy file re-encoded by a lossy runtime codec: refused as `compress` refuses it
+    lossy = tmp_path / "lossy.kvz"
+    assert runner.invoke(cli, ["compress", str(out), "--codec", "turbo4", "-o",
+                               str(lossy)]).exit_code == 0
+    args = ["generate", "--cache", str(lossy), "--prompt", QUESTION, "--max-new-tokens", "1",
+            "--no-compare", "--runtime-codec", "turbo3"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 1 and "already lossy (turbo4)" in res.output, res.output
+    assert runner.invoke(cli, [*args, "--force"]).exit_code == 0
 
 
 def test_cli_refuses_a_foreign_cache(tmp_path, doc_cache):

@@ -85,7 +85,8 @@ def sampling_options(fn: Any) -> Any:
               help="Feed the prompt as is, not as a user turn in the model's chat template.")
 @sampling_options
 @click.option("--force", is_flag=True, help="Restore a cache from another model or tokenizer "
-              "fingerprint anyway; go past the model's context length.")
+              "fingerprint anyway; go past the model's context length; re-encode a lossy "
+              "--cache with a lossy --runtime-codec.")
 @click.option("--no-compare", is_flag=True,
               help="With --cache: skip recomputing the prefix for the time comparison.")
 @click.option("--runtime-codec", default=None,
@@ -123,6 +124,8 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
     if prompt_cache is not None:
         _check_prompt_cache(prompt_cache, engine)
     runtime_policy(runtime_codec)  # a bad codec fails before the model loads
+    if cache_path is not None and runtime_codec and not force:
+        _refuse_requantizing(cache_path, runtime_codec)
     chat = not no_chat_template and cache_path is None
     if engine in ("mlx", "vllm"):
         _other_engine(engine, model_name, dtype, threads, cache_path, text, chat, max_tokens,
@@ -169,6 +172,19 @@ def _runtime_report(held: int, encoded: int, block: int) -> dict[str, int]:
                    f"whole {block}-token blocks past the exact sinks and recent "
                    "window): the cache stayed exact", err=True)
     return {"tokens": held, "encoded_tokens": encoded}
+
+
+def _refuse_requantizing(cache_path: str, runtime_codec: str) -> None:
+    """A lossy ``--cache`` re-encoded by a lossy ``--runtime-codec``: refused, as ``compress``
+    refuses it (a file that is not a .kvz is left to the engine to refuse)."""
+    from kvtool.errors import FormatError
+    from kvtool.formats.transcode import refuse_requantizing
+
+    try:
+        refuse_requantizing(cache_path, runtime_policy(runtime_codec),
+                            f"--runtime-codec {runtime_codec} re-encoding it")
+    except FormatError:
+        return
 
 
 def _generating(loaded: Any, max_tokens: int):
@@ -260,13 +276,20 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
     check_context_length(len(full) + max_tokens, limit, force, loaded.name,
                          f"{cache_path} ({len(cache.token_ids)} tokens) + the prompt + "
                          f"--max-tokens {max_tokens}")
+    made: list[Any] = []  # the --runtime-codec cache, for its report
+    factory = runtime_past_factory(runtime_codec)
     with _generating(loaded, max_tokens):
-        restored = hf.continue_generation(loaded, cache, prompt, max_tokens, force=True,
-                                          past_factory=runtime_past_factory(runtime_codec),
-                                          sampling=sampling)
+        restored = hf.continue_generation(
+            loaded, cache, prompt, max_tokens, force=True, sampling=sampling,
+            past_factory=factory and (lambda c, m: made.append(factory(c, m)) or made[-1]))
     report = {"model": loaded.name, "cache": cache_path, "text": restored.text,
               "read_file_s": round(read_s, 4),
               "restore": restored.to_json() | {"ttft_with_read_s": restored.ttft_s + read_s}}
+    if made:
+        from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
+
+        report["runtime_codec"] = _runtime_report(made[0].get_seq_length(),
+                                                  made[0].encoded_tokens(), DEFAULT_BLOCK_SIZE)
     if not no_compare:
         with _generating(loaded, max_tokens):
             baseline = hf.recompute_generation(loaded, full, max_tokens, sampling=sampling)
