@@ -13,6 +13,8 @@ import pytest
 
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec, list_codecs
+from kvtool.codecs.abc import ArraySpec
+from kvtool.codecs.raw import RawCodec
 from kvtool.codecs.registry import BUILTIN_CODECS
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, crc32_hex, encode_header, parse_container
@@ -114,3 +116,18 @@ def rewrite_header(src: str | os.PathLike, dst: str | os.PathLike, fn) -> None:
     metadata[C.META_HEADER] = raw
     metadata[C.META_HEADER_CRC32] = crc32_hex(raw.encode())
     write_parts(dst, metadata, blobs)
+
+
+class FlatRaw(RawCodec):
+    """raw, but its array has no block axis (as a plugin codec may do)."""
+
+    codec_id = "flatraw-test"
+
+    def expected_arrays(self, shape, dtype):
+        return {"data": ArraySpec((int(np.prod(shape)),), self.dtype or dtype)}
+
+    def _encode(self, xp, x):
+        return {"data": xp.copy(x).reshape(-1)}
+
+    def _decode(self, xp, enc):
+        return enc.arrays["data"].reshape(enc.shape)

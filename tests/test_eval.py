@@ -189,7 +189,7 @@ def test_eval_cli_json(loaded, tmp_path):
                                      "--sink-tokens", "4", "--text", str(text), "--chunk", "64",
                                      "--max-tokens", "160"])
     assert shown.exit_code == 0, shown.output  # the KL the README ranks by, as --json has it
-    kl = next(line for line in shown.output.splitlines() if line.startswith("next token KL"))
+    kl = next(line for line in shown.output.splitlines() if line.startswith("KL "))
     assert f"{data['kl']:.5f}" in kl
     empty = CliRunner().invoke(cli, ["eval", "--codec", "turbo3", "--prompt", " "])
     assert empty.exit_code == 2 and "--prompt is empty" in empty.output, empty.output  # was: the

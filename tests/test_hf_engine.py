@@ -243,6 +243,16 @@ def test_cli_capture_then_generate(tmp_path, loaded):
     res = runner.invoke(cli, args)
     assert res.exit_code == 1 and "already lossy (turbo4)" in res.output, res.output
     assert runner.invoke(cli, [*args, "--force"]).exit_code == 0
+    res = runner.invoke(cli, ["generate", "--prompt-cache", str(lossy), "--prompt", DOC,
+                              "--max-tokens", "1", "--runtime-codec", "turbo3"])
+    assert res.exit_code == 1 and "already lossy (turbo4)" in res.output, res.output
+    res = runner.invoke(cli, ["generate", "--engine", "vllm", "--cache", str(lossy),
+                              "--prompt", QUESTION, "--runtime-codec", "turbo3"])
+    assert res.exit_code == 2 and "needs --engine hf or mlx" in res.output, res.output
+    res = runner.invoke(cli, ["generate", "--prompt-cache", str(tmp_path / "pc.kvz"),
+                              "--prompt", DOC * 3, "--max-tokens", "1", "--runtime-codec",
+                              "turbo3"])
+    assert res.exit_code == 0 and "runtime codec: " in res.output, res.output
 
 
 def test_cli_refuses_a_foreign_cache(tmp_path, doc_cache):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -186,15 +185,7 @@ def test_crop_removes_the_newest_tokens_from_the_window_blocks_and_sinks(spec, n
 def test_crop_pops_a_chunk_that_declares_no_block_axis_whole():
     """A codec whose arrays have no block axis (a plugin's) is cut by decoding the last chunk
     whole: what is kept of it goes back to the window."""
-    from kvtool.codecs.raw import RawCodec
-
-    class FlatRaw(RawCodec):
-        def expected_arrays(self, shape, dtype):
-            spec = super().expected_arrays(shape, dtype)["data"]
-            return {"data": type(spec)((math.prod(shape),), spec.dtype)}
-
-        def _encode(self, xp, x):
-            return {"data": xp.reshape(super()._encode(xp, x)["data"], (-1,))}
+    from kvz_util import FlatRaw
 
     codec = FlatRaw(dtype="float32")
     x = torch.randn(1, 2, 30, 64, generator=torch.Generator().manual_seed(2))
@@ -206,6 +197,27 @@ def test_crop_pops_a_chunk_that_declares_no_block_axis_whole():
     past.crop(-7)  # into the last chunk (blocks 5-6, tokens 20-27): popped, 20-22 kept exact
     assert len(stream.chunks) == 2 and stream.stored == 20 and stream.tail.shape[-2] == 3
     assert torch.equal(past.layers[0].materialize()[0], x[..., :23, :])
+
+
+def test_a_crop_is_refused_whole_and_keeps_what_the_next_update_checks():
+    """A model with sliding-window layers after full ones was left half cropped; a crop
+    dropped the unread-codes tag that the next update checks."""
+    x = torch.randn(1, 2, 20, 64)
+    past = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=2,
+                           sliding_windows=[None, 8], block_size=4)
+    for i in range(2):
+        past.update(x, x, i)
+    with pytest.raises(KvtoolError, match="sliding-window layer"):
+        past.crop(-2)
+    assert [layer.cumulative_length for layer in past.layers] == [20, 20]
+    past.crop(0)  # transformers' crop after every accepted draft: nothing to do
+    full = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4,
+                           attention_from_codes=True)
+    full.update(x, x, 0)
+    full.update(x[..., :3, :], x[..., :3, :], 0)  # tagged: attention was to read the codes
+    full.crop(-2)
+    with pytest.raises(KvtoolError, match="did not read its encoded tokens"):
+        full.update(x[..., :1, :], x[..., :1, :], 0)
 
 
 def test_prompt_lookup_decoding_crops_the_compressed_cache(loaded):

@@ -6,14 +6,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kvz_util import FlatRaw
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig  # noqa: E402
 
-from kvtool.codecs.abc import ArraySpec  # noqa: E402
-from kvtool.codecs.raw import RawCodec  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.hf_runtime import CompressedCache, CompressedLayer  # noqa: E402
 from kvtool.errors import KvtoolError  # noqa: E402
@@ -125,24 +124,9 @@ def test_from_kvcache_of_a_captured_sliding_cache_continues_exactly(model, ids, 
         assert (got - fresh_logits[30:]).abs().max().item() < 1e-4
 
 
-class _FlatRaw(RawCodec):
-    """raw, but its array has no block axis (as a plugin codec may do)."""
-
-    codec_id = "flatraw-test"
-
-    def expected_arrays(self, shape, dtype):
-        return {"data": ArraySpec((int(torch.tensor(shape).prod()),), self.dtype or dtype)}
-
-    def _encode(self, xp, x):
-        return {"data": xp.copy(x).reshape(-1)}
-
-    def _decode(self, xp, enc):
-        return enc.arrays["data"].reshape(enc.shape)
-
-
 def test_a_layout_without_a_block_axis_is_kept_one_chunk_per_block(model, ids, fresh_logits):
     past = CompressedCache(_policy("raw"), config=model.config, block_size=BLOCK)
-    past.layers[:] = [CompressedLayer(_FlatRaw("float32"), _FlatRaw("float32"), 2, 2, BLOCK,
+    past.layers[:] = [CompressedLayer(FlatRaw("float32"), FlatRaw("float32"), 2, 2, BLOCK,
                                       layer.sliding_window) for layer in past.layers]
     got = _chunked(model, ids, past)
     assert (got - fresh_logits).abs().max().item() < 1e-4

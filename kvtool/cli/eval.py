@@ -75,7 +75,7 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
     click.echo(f"text       {report.tokens} tokens in chunks of {report.chunk}")
     click.echo(f"perplexity {report.ppl:.4f}  (baseline {report.baseline_ppl:.4f}, "
                f"{report.delta_ppl_pct:+.3f}%)")
-    click.echo(f"next token KL {report.kl:.5f}  (mean over the compressed run's scored tokens)")
+    click.echo(f"KL         {report.kl:.5f}  (next token, mean over the scored tokens)")
     click.echo(f"bits/elem  {m['bits_per_element']:.3f}  (keys {m['key_bits_per_element']:.3f}, "
                f"values {m['value_bits_per_element']:.3f})")
     click.echo(f"keys       cosine {m['key_cosine']:.5f}  rel. MSE {m['key_rel_mse']:.5f}")

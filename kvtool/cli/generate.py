@@ -124,8 +124,13 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
     if prompt_cache is not None:
         _check_prompt_cache(prompt_cache, engine)
     runtime_policy(runtime_codec)  # a bad codec fails before the model loads
-    if cache_path is not None and runtime_codec and not force:
-        _refuse_requantizing(cache_path, runtime_codec)
+    if engine == "vllm" and runtime_codec:
+        raise click.UsageError("--runtime-codec needs --engine hf or mlx")
+    import os
+
+    for restored in (cache_path, prompt_cache):
+        if restored is not None and runtime_codec and not force and os.path.exists(restored):
+            _refuse_requantizing(restored, runtime_codec)
     chat = not no_chat_template and cache_path is None
     if engine in ("mlx", "vllm"):
         _other_engine(engine, model_name, dtype, threads, cache_path, text, chat, max_tokens,
@@ -174,9 +179,28 @@ def _runtime_report(held: int, encoded: int, block: int) -> dict[str, int]:
     return {"tokens": held, "encoded_tokens": encoded}
 
 
+def _tracked_past(runtime_codec: str | None) -> tuple[Any, list[Any]]:
+    """(``past_factory`` of ``--runtime-codec``, the list it puts the cache it makes in)."""
+    factory, made = runtime_past_factory(runtime_codec), []
+    if factory is None:
+        return None, made
+    return (lambda cache, model: made.append(factory(cache, model)) or made[-1]), made
+
+
+def _made_report(made: list[Any]) -> dict[str, Any]:
+    """``{"runtime_codec": ...}`` of the cache :func:`_tracked_past` made, if it made one."""
+    if not made:
+        return {}
+    from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
+
+    return {"runtime_codec": _runtime_report(made[0].get_seq_length(), made[0].encoded_tokens(),
+                                             DEFAULT_BLOCK_SIZE)}
+
+
 def _refuse_requantizing(cache_path: str, runtime_codec: str) -> None:
-    """A lossy ``--cache`` re-encoded by a lossy ``--runtime-codec``: refused, as ``compress``
-    refuses it (a file that is not a .kvz is left to the engine to refuse)."""
+    """A lossy ``--cache`` (or ``--prompt-cache``) re-encoded by a lossy ``--runtime-codec``:
+    refused, as ``compress`` refuses it (a file that is not a .kvz is left to the engine to
+    refuse)."""
     from kvtool.errors import FormatError
     from kvtool.formats.transcode import refuse_requantizing
 
@@ -213,8 +237,6 @@ def _other_engine(engine: str, model_name: str, dtype: str, threads: int | None,
     """``--engine mlx`` / ``vllm``: their own report functions (greedy only)."""
     if sampling.temperature > 0:
         raise click.UsageError(f"--temperature needs --engine hf ({engine} generates greedily)")
-    if engine == "vllm" and runtime_codec:
-        raise click.UsageError("--runtime-codec needs --engine hf or mlx")
     if engine == "mlx":
         from kvtool.engines import mlx as mlx_engine
 
@@ -276,20 +298,14 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
     check_context_length(len(full) + max_tokens, limit, force, loaded.name,
                          f"{cache_path} ({len(cache.token_ids)} tokens) + the prompt + "
                          f"--max-tokens {max_tokens}")
-    made: list[Any] = []  # the --runtime-codec cache, for its report
-    factory = runtime_past_factory(runtime_codec)
+    factory, made = _tracked_past(runtime_codec)
     with _generating(loaded, max_tokens):
-        restored = hf.continue_generation(
-            loaded, cache, prompt, max_tokens, force=True, sampling=sampling,
-            past_factory=factory and (lambda c, m: made.append(factory(c, m)) or made[-1]))
+        restored = hf.continue_generation(loaded, cache, prompt, max_tokens, force=True,
+                                          sampling=sampling, past_factory=factory)
     report = {"model": loaded.name, "cache": cache_path, "text": restored.text,
               "read_file_s": round(read_s, 4),
-              "restore": restored.to_json() | {"ttft_with_read_s": restored.ttft_s + read_s}}
-    if made:
-        from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE
-
-        report["runtime_codec"] = _runtime_report(made[0].get_seq_length(),
-                                                  made[0].encoded_tokens(), DEFAULT_BLOCK_SIZE)
+              "restore": restored.to_json() | {"ttft_with_read_s": restored.ttft_s + read_s},
+              **_made_report(made)}
     if not no_compare:
         with _generating(loaded, max_tokens):
             baseline = hf.recompute_generation(loaded, full, max_tokens, sampling=sampling)
@@ -335,11 +351,11 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
         save(cache, path, progress=progress_enabled())
     info(f"prompt cache {path}: {action} {len(cache.token_ids)} of {len(ids)} prompt tokens")
     prepare_s = time.perf_counter() - start
+    factory, made = _tracked_past(runtime_codec)
     with _generating(loaded, max_tokens):
         result = hf.continue_generation(loaded, cache, input_ids=ids, max_new_tokens=max_tokens,
-                                        force=True, sampling=sampling,
-                                        past_factory=runtime_past_factory(runtime_codec))
-    return {"model": loaded.name, "text": result.text,
+                                        force=True, sampling=sampling, past_factory=factory)
+    return {"model": loaded.name, "text": result.text, **_made_report(made),
             "prompt_cache": {"path": path, "action": action,
                              "cached_tokens": len(cache.token_ids),
                              "seconds": round(prepare_s, 4)},
@@ -355,6 +371,10 @@ def _output(report: dict[str, Any], as_json: bool) -> None:
     click.echo("---")
     restore, recompute = report.get("restore"), report.get("recompute")
     pc = report.get("prompt_cache")
+    runtime = report.get("runtime_codec")
+    if runtime:
+        click.echo(f"runtime codec: {runtime['encoded_tokens']} of {runtime['tokens']} tokens "
+                   "held encoded")
     if pc:
         done = "restored from" if pc["action"] == "restored" else "saved to"
         click.echo(f"prompt cache: {pc['cached_tokens']} tokens {done} {pc['path']} in "
@@ -369,10 +389,6 @@ def _output(report: dict[str, Any], as_json: bool) -> None:
     if recompute:
         click.echo(f"recompute: time to first token {recompute['ttft_s']:.3f} s "
                    f"(prefill {recompute['prompt_tokens']} tokens)")
-    runtime = report.get("runtime_codec")
-    if runtime:
-        click.echo(f"runtime codec: {runtime['encoded_tokens']} of {runtime['tokens']} tokens "
-                   "held encoded")
     if restore and recompute:
         speedup = recompute["ttft_s"] / max(restore["ttft_with_read_s"], 1e-9)
         same = "identical" if report["same_text"] else "different"
