@@ -4,6 +4,7 @@ and the trade-offs are in :mod:`kvtool.engines.hf_runtime`'s docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -99,12 +100,19 @@ class CompressedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                from_codes: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this forward's K/V; return what attention should see (see the class doc)."""
+        with self._unless_refused():
+            return self._update(key_states, value_states, from_codes)
+
+    @contextlib.contextmanager
+    def _unless_refused(self):
+        """Refuse to change a layer whose update (or crop) failed part-way, and mark it so when
+        the change inside fails: what it holds may no longer match the sequence."""
         if self._refused is not None:
             raise KvtoolError(f"this CompressedCache layer refused an earlier update "
                               f"({self._refused}); what it holds no longer matches the "
                               "sequence: start a new cache")
         try:
-            return self._update(key_states, value_states, from_codes)
+            yield
         except Exception as e:
             self._refused = f"{type(e).__name__}: {str(e)[:120]}"
             raise
@@ -219,15 +227,9 @@ class CompressedLayer(DynamicLayer):
         n = self._to_crop(tokens_to_remove)
         if not n:
             return
-        if self._refused is not None:
-            raise KvtoolError(f"this CompressedCache layer refused an earlier update "
-                              f"({self._refused}): start a new cache")
-        try:
+        with self._unless_refused():
             for stream in self.streams:
                 stream.crop_back(n)  # waits for the encodes' checks: one may fail here
-        except Exception as e:
-            self._refused = f"{type(e).__name__}: {str(e)[:120]}"
-            raise
         self.cumulative_length -= n
         self._view = None  # (the pending tag stays: the next update checks it was read)
 

@@ -301,17 +301,19 @@ class _Stream:
         if n and self.chunks:
             self.settle(wait=True)
             back: list[torch.Tensor] = []  # decoded tokens, oldest first
-            while self.chunks and n > sum(t.shape[-2] for t in back):
+            have = 0  # tokens in ``back``
+            while self.chunks and n > have:
                 last = self.chunks[-1]
                 axis = len(last.shape) - 3
                 total = last.shape[axis]
-                want = min(total, -(-(n - sum(t.shape[-2] for t in back)) // self.block))
+                want = min(total, -(-(n - have) // self.block))
                 if want < total and _blocked(_shapes(last), tuple(last.shape[:axis + 1])):
                     self.chunks[-1] = _blocks(last, axis, 0, total - want)
                     gone = _blocks(last, axis, total - want, total)
                 else:
                     gone = self.chunks.pop()
                 back.insert(0, self.codec.decode(gone).flatten(-3, -2))
+                have += gone.shape[axis] * self.block
                 self.stored -= gone.shape[axis] * self.block
             self.forget_views()
             decoded = torch.cat(back, dim=-2)
