@@ -106,3 +106,25 @@ def test_calibrate_capture_inspect_generate_from_the_cli(gemma, tmp_path, monkey
     assert gen.exit_code == 0, gen.output
     report = json.loads(gen.output)
     assert report["restore"]["cached_tokens"] > 5 and len(report["restore"]["new_token_ids"]) == 3
+
+
+def test_prompt_lookup_decoding_past_the_window_matches_the_dynamic_cache(gemma):
+    """Assisted decoding crops rejected drafts: a sliding layer refused every crop. Past the
+    512-token window, with the encoded store exact (``raw:dtype=float32``), the tokens equal
+    ``DynamicCache``'s."""
+    from transformers import DynamicCache
+
+    text = data_text("eval_text.md")
+    ids = gemma.tokenizer(text, return_tensors="pt").input_ids[:, :560]
+    ids = torch.cat([ids, ids[:, 40:80]], dim=1)  # a repeat the drafts can look up
+    kwargs = dict(max_new_tokens=16, prompt_lookup_num_tokens=8, do_sample=False, top_k=None,
+                  top_p=None, temperature=None, attention_mask=torch.ones_like(ids),
+                  pad_token_id=gemma.tokenizer.eos_token_id)
+    want = gemma.model.generate(ids, past_key_values=DynamicCache(config=gemma.model.config),
+                                **kwargs)
+    past = CompressedCache(CodecPolicy.from_options("raw:dtype=float32", sink_tokens=4),
+                           config=gemma.model.config, block_size=16)
+    assert torch.equal(gemma.model.generate(ids, past_key_values=past, **kwargs), want)
+    sliding = [layer for layer in past.layers if layer.is_sliding]
+    assert {layer.dropped for layer in sliding} == {96}  # 600+ tokens: whole blocks let go of
+    assert all(layer.record_past for layer in sliding)  # asked for by generate, as on its own

@@ -220,6 +220,32 @@ def test_a_crop_is_refused_whole_and_keeps_what_the_next_update_checks():
         full.update(x[..., :1, :], x[..., :1, :], 0)
 
 
+def test_a_sliding_layer_crops_what_it_still_holds_and_all_while_it_records_the_past():
+    """A sliding layer refused every crop; it refuses only one that would need a token it let
+    go of, and with ``activate_past_recording`` (assisted decoding) it lets go at the crop."""
+    x = torch.randn(1, 2, 24, 64)
+    past = CompressedCache(CodecPolicy.from_options("raw:dtype=float32"), num_layers=1,
+                           sliding_windows=[8], block_size=4)
+    layer = past.layers[0]
+    past.update(x[..., :20, :], x[..., :20, :], 0)  # blocks of 4 let go of: holds 12-19
+    assert layer.dropped == 12
+    past.crop(-1)  # the next query (at 19) sees 12-19: still held
+    assert past.get_seq_length() == 19
+    assert torch.equal(layer.materialize()[0], x[..., 12:19, :])
+    with pytest.raises(KvtoolError, match="activate_past_recording"):
+        past.crop(-1)  # the query at 18 would see token 11, gone
+    recorded = CompressedCache(CodecPolicy.from_options("raw:dtype=float32"), num_layers=1,
+                               sliding_windows=[8], block_size=4)
+    recorded.activate_past_recording()  # what transformers' assisted decoding calls
+    layer = recorded.layers[0]
+    recorded.update(x[..., :16, :], x[..., :16, :], 0)
+    recorded.update(x[..., 16:24, :], x[..., 16:24, :], 0)  # 8 drafts: nothing let go of yet
+    assert layer.dropped == 0 and layer.k.stored == 24
+    recorded.crop(-7)  # 7 rejected: 17 kept, then what the query at 17 cannot see goes
+    assert recorded.get_seq_length() == 17 and layer.dropped == 8
+    assert torch.equal(layer.materialize()[0], x[..., 8:17, :])
+
+
 def test_prompt_lookup_decoding_crops_the_compressed_cache(loaded):
     """Assisted and prompt-lookup decoding crop rejected drafts: CompressedCache refused."""
     text = data_text("demo_document.md")[:600]

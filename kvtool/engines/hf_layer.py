@@ -66,6 +66,9 @@ class CompressedLayer(DynamicLayer):
         self.block_size = block_size
         self.cumulative_length = 0
         self.dropped = 0  # the oldest tokens a sliding layer has let go of
+        #: set by transformers' assisted decoding (``activate_past_recording``) before steps it
+        #: may undo: a sliding layer then lets go of tokens at the next crop, not at updates
+        self.record_past = False
         #: whether attention may read this layer's codes (see ``codes_codec``; a sliding
         #: window's mask hides encoded tokens, which the kernel does not do)
         self.codes_capable = codes_codec(key_codec, "key") and codes_codec(value_codec) \
@@ -153,7 +156,7 @@ class CompressedLayer(DynamicLayer):
             keys = keys.view_as(keys)  # a fresh alias: the tag must not stick to the window
             self._pending = tag = CodesTag(view)
             setattr(keys, ATTR, tag)
-        if self.is_sliding:
+        if self.is_sliding and not self.record_past:
             self._slide()
         if self.streams[0].changed() or self.streams[-1].changed():  # the view must not pin
             self._view = None  # chunks an encode has replaced
@@ -218,31 +221,46 @@ class CompressedLayer(DynamicLayer):
         self._pending = self._view = self._refused = None  # empty again: it may take updates
         self.is_initialized = False
 
+    def activate_past_recording(self) -> None:
+        """Keep what a sliding layer would let go of until the next :meth:`crop`, so a crop
+        of the steps since then always leaves the window whole (transformers' assisted
+        decoding calls it through ``Cache.activate_past_recording``)."""
+        self.record_past = True
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest ``-tokens_to_remove`` tokens (a positive value: keep that many),
         as assisted and prompt-lookup decoding do with rejected draft tokens. A crop into
         encoded blocks decodes the kept part of the last one back into the window (it is
         encoded again when the window flushes): a ``recent_tokens`` window at least as long as
-        the drafts keeps every crop in the window, exact."""
+        the drafts keeps every crop in the window, exact. A sliding layer then lets go of what
+        the next query cannot see, as after an update."""
         n = self._to_crop(tokens_to_remove)
-        if not n:
+        if not n and not (self.is_sliding and self.record_past and self.is_initialized):
             return
         with self._unless_refused():
-            for stream in self.streams:
+            for stream in self.streams if n else ():
                 stream.crop_back(n)  # waits for the encodes' checks: one may fail here
-        self.cumulative_length -= n
-        self._view = None  # (the pending tag stays: the next update checks it was read)
+            self.cumulative_length -= n
+            self._view = None  # (the pending tag stays: the next update checks it was read)
+            if self.is_sliding:
+                self._slide()
 
     def _to_crop(self, tokens_to_remove: int) -> int:
-        """How many tokens ``crop(tokens_to_remove)`` removes; a sliding-window layer refuses
-        to remove any (the tokens it let go of are gone)."""
+        """How many tokens ``crop(tokens_to_remove)`` removes; a sliding layer refuses when
+        it has let go of a token the kept ones' next query still sees."""
+        if not self.is_initialized:
+            return 0
         n = -tokens_to_remove if tokens_to_remove <= 0 \
             else max(self.cumulative_length - tokens_to_remove, 0)
-        n = min(n, self.cumulative_length - self.dropped) if self.is_initialized else 0
-        if n > 0 and self.is_sliding:
-            raise KvtoolError("CompressedCache cannot crop a sliding-window layer (the tokens "
-                              "it let go of are gone); assisted decoding needs a DynamicCache")
-        return max(n, 0)
+        n = min(n, self.cumulative_length)
+        kept = self.cumulative_length - n
+        if n > 0 and self.is_sliding and self.dropped > max(kept - self.sliding_window + 1, 0):
+            raise KvtoolError(
+                f"CompressedCache cannot crop {n} tokens from a sliding-window layer: it has "
+                "let go of tokens the kept ones still attend to; call the cache's "
+                "activate_past_recording() before the steps to undo (transformers' assisted "
+                "decoding does)")
+        return n
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._view = None

@@ -15,7 +15,9 @@ policy whose codec is the lossless one) never encode: they behave like ``Dynamic
 Sliding-window layers (Gemma 3: ``layer_types``/``sliding_window`` in the config) keep no sinks
 and let go of whole blocks once they fall out of the window, so they hold fewer than
 ``sliding_window + block_size`` tokens; the mask (``get_mask_sizes``' offset) hides the older
-tokens of a partly visible block. Their attention always decodes, then attends.
+tokens of a partly visible block. Their attention always decodes, then attends. While
+transformers' assisted decoding records the past (``activate_past_recording``), they let go at
+its crops instead, so a rejected draft never takes the window's oldest tokens with it.
 
 Memory/speed trade-off: **no decoded copy is kept**; the resident footprint is the encoded
 bytes plus the full-precision sinks and window (:meth:`CompressedCache.nbytes`). A decoded copy
@@ -174,8 +176,8 @@ class CompressedCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Every layer's newest ``-max_length`` tokens removed (see :meth:`CompressedLayer.crop`),
-        or none when a layer refuses (a sliding-window one): never some layers cropped and
-        others not."""
+        or none when a layer refuses (a sliding-window one that let go of a token the kept
+        ones attend to): never some layers cropped and others not."""
         for layer in self.layers:
             layer._to_crop(max_length)
         super().crop(max_length)
