@@ -70,7 +70,7 @@ def peer_sweep(loaded, baselines, backend: str, nbits: int) -> Sweep | None:
     runs = []
     for name, base in baselines.items():
         past, bits = peer_cache(loaded.model.config, backend, nbits)
-        ppl, kl = run_with_past(loaded.model, base, past)
+        ppl, kl, _ = run_with_past(loaded.model, base, past)
         runs.append({"text": name, "seed": None, "delta_ppl_pct": 100 * (ppl / base.ppl - 1),
                      "kl": kl, "bits_per_element": bits})
     mean, spread, std = aggregate(runs)

@@ -36,6 +36,7 @@ import numpy as np
 from kvtool.codecs import Codec, get_codec
 from kvtool.codecs.turbomix import outlier_count
 from kvtool.errors import KvtoolError
+from kvtool.models import refuse_past_context
 from kvtool.policy import ROLES, CodecPolicy, LayerCodecs
 
 DEFAULT_TOKENS = 512  # calibration tokens in all (prefix + scored)
@@ -152,10 +153,11 @@ class Calibration:
         """Sum of the chosen options' single-layer KLs (the knapsack's objective)."""
         return float(sum(r[f"{role}_kl"] for r in self.rows for role in ROLES))
 
-    def file_extra(self, model: str, fingerprint: str) -> dict[str, Any]:
+    def file_extra(self, model: str, fingerprint: str,
+                   weights: str | None = None) -> dict[str, Any]:
         """What ``kvtool calibrate`` records next to the policy in its JSON file."""
         m = self.measurements
-        return {"calibration": {"model": model, "fingerprint": fingerprint,
+        return {"calibration": {"model": model, "fingerprint": fingerprint, "weights": weights,
                                 "budget_bits": self.budget,
                                 "mean_bits": round(self.mean_bits, 4),
                                 "predicted_kl": self.predicted_kl, "tokens": m.tokens,
@@ -169,6 +171,8 @@ def _calibration_ids(loaded: Any, text: str | None, tokens: int, scored: int, si
 
     ids = loaded.tokenizer(text if text is not None else data_text("eval_text.md"),
                            return_tensors="pt").input_ids[:, :tokens]
+    refuse_past_context(loaded.model.config, ids.shape[1], "the calibration text",
+                        "give fewer --tokens")
     need = scored + max(sinks, DEFAULT_SINKS) + 4
     if scored < 1 or ids.shape[1] < need:
         raise KvtoolError(f"the calibration text has {ids.shape[1]} tokens; it needs at least "
@@ -179,8 +183,9 @@ def _calibration_ids(loaded: Any, text: str | None, tokens: int, scored: int, si
 
 def _cache_key(loaded: Any, ids: Any, scored: int, sinks: int, menu: dict[str, str]) -> str:
     from kvtool import __version__
+    from kvtool.evaluate import KL_TOP
 
-    data = {"model": loaded.fingerprints.get("model"), "dtype": loaded.dtype,
+    data = {"model": loaded.fingerprints.get("model"), "dtype": loaded.dtype, "kl_top": KL_TOP,
             "weights": (getattr(loaded, "info", None) or {}).get("weights"),
             "tokenizer": loaded.fingerprints.get("tokenizer"), "ids": ids[0].tolist(),
             "scored": scored, "sinks": sinks, "menu": menu, "version": __version__}

@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,7 @@ from kvtool.cache import KVCache
 from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE, CompressedCache
 from kvtool.errors import KvtoolError
 from kvtool.kernels import Array, to_torch
+from kvtool.models import refuse_past_context
 from kvtool.policy import ROLES, CodecPolicy
 
 
@@ -249,13 +250,16 @@ def chunked_nll(model: Any, ids: torch.Tensor, past: Any, chunk: int,
     return total, count
 
 
-KL_TOP = 128  # exact next-token probabilities kept per position for the KL
+#: exact next-token probabilities kept per position for the KL: a lower bound, 1-2% under the
+#: full-vocabulary KL of the default model's turbo3/turbo4/quality runs (128 read 15-18% under)
+KL_TOP = 4096
 
 
 def top_logp(logp: torch.Tensor, k: int = KL_TOP) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest log-probabilities of each row and their token ids."""
+    """The ``k`` largest log-probabilities of each row and their token ids (int32: a baseline
+    keeps them for every position)."""
     values, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return values, idx
+    return values, idx.int()
 
 
 def next_token_kl(p_top: torch.Tensor, idx: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
@@ -263,9 +267,9 @@ def next_token_kl(p_top: torch.Tensor, idx: torch.Tensor, q_logp: torch.Tensor) 
 
     ``p_top``/``idx`` from :func:`top_logp` of the exact run; ``q_logp`` the full
     log-probabilities of the compressed run. Merging the tail into one bucket can only lower
-    the KL (data processing); with 128 tokens kept the tail holds a negligible share of it.
+    the KL (data processing): see :data:`KL_TOP`.
     """
-    p_top, q_top = p_top.double(), q_logp.gather(-1, idx).double()
+    p_top, q_top = p_top.double(), q_logp.gather(-1, idx.long()).double()
     head = (p_top.exp() * (p_top - q_top)).sum(-1)
     # a tail below float32 rounding of the sums is no tail (its log ratio would be noise)
     p_rest = (1 - p_top.exp().sum(-1)).clamp_min(1e-12)
@@ -301,6 +305,8 @@ def run_baseline(loaded: Any, text: str | None = None, *, chunk: int = 256,
               return_tensors="pt").input_ids[:, :max_tokens]
     if ids.shape[1] < 2:
         raise KvtoolError("the evaluation text needs at least 2 tokens")
+    refuse_past_context(model.config, ids.shape[1], "the evaluation text",
+                        "give fewer --max-tokens")
     if chunk < 1:
         raise KvtoolError(f"chunk must be >= 1, got {chunk}")
     ids = ids.to(next(model.parameters()).device)
@@ -332,6 +338,8 @@ class EvalReport:
     metrics: dict[str, Any]
     generation: dict[str, Any] | None = None
     kl: float = math.nan  # mean next-token KL(exact ‖ compressed), nats
+    #: the same over the positions after the first chunk (those that attend to the past)
+    kl_past: float = math.nan
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -364,11 +372,20 @@ def compare_generation(loaded: Any, policy: CodecPolicy, prompt: str, max_new_to
             "first_difference": None if a == b else same}
 
 
-def run_with_past(model: Any, base: Baseline, past: Any,
-                  before_last: Any = None) -> tuple[float, float]:
-    """(perplexity, mean next-token KL against ``base``) of ``base``'s text run with ``past``
-    (any transformers ``Cache``: kvtool's, or a peer's such as ``QuantizedCache``);
-    ``before_last()`` runs before the last chunk (the past then holds all it will attend)."""
+class PastRun(NamedTuple):
+    """A text's run with a (compressed) past: perplexity, and the mean next-token KL against
+    the exact run over every scored position and over those after the first chunk alone
+    (which attend to the past; the first chunk's KL is 0 by construction)."""
+
+    ppl: float
+    kl: float
+    kl_past: float
+
+
+def run_with_past(model: Any, base: Baseline, past: Any, before_last: Any = None) -> PastRun:
+    """:class:`PastRun` of ``base``'s text run with ``past`` (any transformers ``Cache``:
+    kvtool's, or a peer's such as ``QuantizedCache``); ``before_last()`` runs before the last
+    chunk (the past then holds all it will attend)."""
     kls: list[torch.Tensor] = []
 
     def on_logp(start: int, logp: torch.Tensor) -> None:
@@ -378,7 +395,9 @@ def run_with_past(model: Any, base: Baseline, past: Any,
 
     nll, count = chunked_nll(model, base.ids, past, base.chunk, on_last_chunk=before_last,
                              on_logp=on_logp)
-    return math.exp(nll / count), float(torch.cat(kls).mean()) if kls else math.nan
+    kl = torch.cat(kls) if kls else torch.empty(0)
+    return PastRun(math.exp(nll / count), float(kl.mean()) if kls else math.nan,
+                   float(kl[base.chunk:].mean()) if kl.numel() > base.chunk else math.nan)
 
 
 def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk: int = 256,
@@ -400,6 +419,10 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
     model = loaded.model
     policy = policy.resolve(base.cache)
     past = CompressedCache(policy, config=model.config, block_size=block_size)
+    if policy.is_lossy() and all(s.codec is None for layer in past.layers
+                                 for s in layer.streams):
+        raise KvtoolError(f"the policy keeps all {len(past.layers)} layers lossless "
+                          "(protected), so the result would read as lossless: protect fewer")
 
     def some_encoded() -> None:  # else "+0.000%" and KL 0 would read as "lossless"
         if not past.encoded_tokens() and policy.is_lossy():
@@ -409,7 +432,7 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
                 f"exact, and blocks of {block_size} are encoded behind them, so the result "
                 "would read as lossless; give more tokens, a smaller --chunk or --block-size")
 
-    ppl, kl = run_with_past(model, base, past, before_last=some_encoded)
+    run = run_with_past(model, base, past, before_last=some_encoded)
     metrics = cache_metrics(base.cache, policy, queries=base.queries)
     metrics["runtime_resident_bytes"] = past.nbytes()
     gen = None
@@ -421,7 +444,8 @@ def evaluate(loaded: Any, policy: CodecPolicy, text: str | None = None, *, chunk
                                  demo_prompt(loaded.tokenizer) if prompt is None else prompt,
                                  max_new_tokens, block_size)
     return EvalReport(policy.to_json(), policy.describe(), int(base.ids.shape[1]), base.chunk,
-                      ppl, base.ppl, 100 * (ppl / base.ppl - 1), metrics, gen, kl)
+                      run.ppl, base.ppl, 100 * (run.ppl / base.ppl - 1), metrics, gen, run.kl,
+                      run.kl_past)
 
 
 def read_text(path: str | Path | None) -> str | None:

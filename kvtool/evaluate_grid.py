@@ -22,7 +22,7 @@ from kvtool.policy import CodecPolicy
 #: the bundled texts: an expository essay and a story with dialogue
 DEFAULT_TEXTS = ("eval_text.md", "story_text.md")
 DEFAULT_SEEDS = (DEFAULT_SEED, 1, 2)
-METRICS = ("delta_ppl_pct", "kl", "bits_per_element", "attention_kl")
+METRICS = ("delta_ppl_pct", "kl", "kl_past", "bits_per_element", "attention_kl")
 
 
 def seed_list(count: int) -> tuple[int, ...]:
@@ -107,13 +107,15 @@ def sweep(loaded: Any, policy: CodecPolicy, baselines: dict[str, Baseline],
             r = evaluate(loaded, policy.with_seed(seed), baseline=base, block_size=block_size)
             run = {"text": name, "seed": seed if seeded else None, "tokens": r.tokens,
                    "ppl": r.ppl, "baseline_ppl": r.baseline_ppl,
-                   "delta_ppl_pct": r.delta_ppl_pct, "kl": r.kl,
+                   "delta_ppl_pct": r.delta_ppl_pct, "kl": r.kl, "kl_past": r.kl_past,
                    "bits_per_element": r.metrics["bits_per_element"],
                    "attention_kl": r.metrics.get("attention_kl", math.nan)}
             runs.append(run)
             if on_run is not None:
                 on_run(run)
     mean, spread, std = aggregate(runs)
+    if seeded:  # named as run under the first seed, never a seed it did not run under
+        policy = policy.with_seed(seeds[0])
     return Sweep(policy.describe(), policy.to_json(), runs, mean, spread, std)
 
 
@@ -151,5 +153,6 @@ def eval_sweep(loaded: Any, policy: CodecPolicy, text_name: str | None, text: st
         return
     for r in s.runs:
         click.echo(f"{r['text']:<16} seed {r['seed']!s:<6} Δppl {r['delta_ppl_pct']:+.3f}%  "
-                   f"KL {r['kl']:.5f}  bits {r['bits_per_element']:.3f}")
+                   f"KL {r['kl']:.5f} (after the first chunk {r['kl_past']:.5f})  "
+                   f"bits {r['bits_per_element']:.3f}")
     click.echo(format_table([s]))

@@ -55,6 +55,25 @@ class LoadedModel:
 
 
 # -- locations --------------------------------------------------------------------------------
+def max_positions(config: Any) -> int | None:
+    """The model's context length (``max_position_embeddings`` of its text config), if known."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def refuse_past_context(config: Any, tokens: int, what: str, shorter: str) -> None:
+    """Refuse a measurement of ``tokens`` positions past the model's context length: the
+    numbers would describe positions the model was never made for."""
+    limit = max_positions(config)
+    if limit is not None and tokens > limit:
+        raise KvtoolError(f"{what} has {tokens} tokens but the model's context length is "
+                          f"{limit} (max_position_embeddings); {shorter}")
+
+
 def cache_dir() -> Path:
     """``KVTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``."""
     if os.environ.get("KVTOOL_CACHE_DIR"):

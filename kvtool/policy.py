@@ -485,15 +485,30 @@ def load_policy(path: str | os.PathLike, model_fingerprint: str | None = None) -
     return policy
 
 
-def _calibrated_for(data: Any) -> tuple[str, str] | None:
-    """(model name, fingerprint) that ``kvtool calibrate`` recorded in a policy file, if any:
-    under ``calibration`` (a per-layer fit) or ``preset_fit`` (a fitted preset)."""
+def _calibrated_for(data: Any) -> tuple[str, str, str | None] | None:
+    """(model name, fingerprint, weights or None) that ``kvtool calibrate`` recorded in a
+    policy file, if any: under ``calibration`` (a per-layer fit) or ``preset_fit`` (a fitted
+    preset)."""
     for section in ("calibration", "preset_fit"):
         record = data.get(section) if isinstance(data, dict) else None
         if isinstance(record, dict) and isinstance(record.get("fingerprint"), str) \
                 and record["fingerprint"]:
-            return str(record.get("model") or "another model")[:80], record["fingerprint"]
+            weights = record.get("weights")
+            return (str(record.get("model") or "another model")[:80], record["fingerprint"],
+                    weights if isinstance(weights, str) and weights else None)
     return None
+
+
+def calibrated_weights(path: str | os.PathLike) -> tuple[str, str] | None:
+    """(model name, weights fingerprint) a policy file was calibrated on, where recorded."""
+    from kvtool.formats.container import parse_json
+
+    try:
+        with open(path, "rb") as f:
+            made_for = _calibrated_for(parse_json(f.read(MAX_POLICY_BYTES), "policy file"))
+    except (OSError, FormatError):
+        return None
+    return (made_for[0], made_for[2]) if made_for and made_for[2] else None
 
 
 def save_policy(policy: CodecPolicy, path: str | os.PathLike,

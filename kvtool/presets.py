@@ -71,6 +71,21 @@ def preset_policy(name: str, model_fingerprint: str | None = None) -> CodecPolic
                      "a policy JSON file (kvtool calibrate writes one)")
 
 
+def fitted_weights(name: str, model_fingerprint: str | None) -> tuple[str, str] | None:
+    """(model name, weights fingerprint) that the policy ``name`` resolves to for this
+    layout was fitted on, where recorded: a preset's fit, or a calibrated policy file."""
+    if name in PRESETS:
+        from kvtool.preset_fit import fitted_entry
+
+        entry = fitted_entry(name, model_fingerprint) or {}
+        weights = entry.get("weights")
+        return (str(entry.get("model"))[:80], weights) if isinstance(weights, str) and weights \
+            else None
+    from kvtool.policy import calibrated_weights
+
+    return calibrated_weights(name) if os.path.isfile(name) else None
+
+
 def presets_table(head_dim: int = 64) -> list[dict[str, Any]]:
     """Every preset: its label, encoded bits/element at ``head_dim`` (mean of keys and values,
     sinks excluded; None, with why in ``unfit``, where its codecs cannot encode that

@@ -196,6 +196,54 @@ def test_eval_cli_json(loaded, tmp_path):
     # demo prompt, silently
 
 
+@needs_model
+def test_kl_is_over_the_vocabulary_and_also_given_where_the_past_is_read(loaded, baseline):
+    """The KL kept the exact run's top 128 tokens and read 15-18% under the full-vocabulary
+    KL; its mean counts the first chunk, which never reads the compressed past (KL 0)."""
+    from transformers import DynamicCache
+
+    from kvtool.engines.hf_runtime import CompressedCache
+    from kvtool.evaluate import chunked_nll, evaluate
+
+    policy = CodecPolicy.from_options("turbo3")
+    report = evaluate(loaded, policy, baseline=baseline)
+    rows = {}
+    for name, past in (("exact", DynamicCache(config=loaded.model.config)),
+                       ("turbo3", CompressedCache(policy, config=loaded.model.config))):
+        logps: list[torch.Tensor] = []
+        chunked_nll(loaded.model, baseline.ids, past, CHUNK,
+                    on_logp=lambda _, lp, into=logps: into.append(lp))
+        rows[name] = torch.cat(logps).double()
+    p, q = rows["exact"], rows["turbo3"]
+    full = (p.exp() * (p - q)).sum(-1)
+    assert float(full[:CHUNK].abs().max()) < 1e-9  # the first chunk cannot differ
+    assert 0.95 * float(full.mean()) < report.kl <= float(full.mean()) * 1.001
+    assert 0.95 * float(full[CHUNK:].mean()) < report.kl_past <= float(full[CHUNK:].mean()) * 1.001
+    assert report.kl_past == pytest.approx(report.kl * (TOKENS - 1) / (TOKENS - 1 - CHUNK))
+
+
+@needs_model
+def test_eval_refuses_what_it_cannot_measure_honestly(loaded, baseline, monkeypatch, runner):
+    """Past the context length; every layer protected (was blamed on the block size); a
+    sweep's own seeds replacing the user's seed=, and its dropping of the continuation."""
+    from kvtool.cli.main import cli
+    from kvtool.errors import KvtoolError
+    from kvtool.evaluate import evaluate, run_baseline
+
+    protected = CodecPolicy.from_options("turbo3", protect_layers=loaded.model.config
+                                         .num_hidden_layers)
+    with pytest.raises(KvtoolError, match="keeps all 30 layers lossless"):
+        evaluate(loaded, protected, baseline=baseline)
+    monkeypatch.setattr(loaded.model.config, "max_position_embeddings", TOKENS - 1)
+    with pytest.raises(KvtoolError, match=f"context length is {TOKENS - 1}"):
+        run_baseline(loaded, chunk=CHUNK, max_tokens=TOKENS)
+    seeded = runner.invoke(cli, ["eval", "--codec", "turbo3:seed=5", "--seeds", "2"])
+    assert seeded.exit_code == 2 and "drop seed=" in seeded.output, seeded.output
+    for extra in (["--prompt", "Hello"], ["--max-new-tokens", "4"]):
+        dropped = runner.invoke(cli, ["eval", "--codec", "turbo3", "--seeds", "2", *extra])
+        assert dropped.exit_code == 2 and "KL and perplexity only" in dropped.output, extra
+
+
 def test_bundled_texts_are_long_enough():
     assert len(data_text("eval_text.md").split()) > 2300
     questions = json.loads(data_text("demo_questions.json"))["questions"]

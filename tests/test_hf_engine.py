@@ -274,6 +274,10 @@ def test_cli_refuses_a_foreign_cache(tmp_path, doc_cache):
     res = runner.invoke(cli, [*args, "--force"])
     assert res.exit_code == 0, res.output
     assert "warning: model fingerprint differs" in res.output
+    res = runner.invoke(cli, ["generate", "--prompt-cache", str(tmp_path / "foreign.kvz"),
+                              "--prompt", QUESTION, "--max-tokens", "1", "--force"])
+    assert res.exit_code == 0, res.output  # was: restored or replaced, without a word
+    assert "warning: model fingerprint differs" in res.output
 
 
 def test_conversion_is_atomic_and_runs_once(tmp_path, monkeypatch):

@@ -30,12 +30,12 @@ def baseline(loaded):
 
 def test_round_trip_cache_is_exact_with_identity_and_lossy_with_manthanquant(loaded, baseline):
     exact = peers.round_trip_cache(loaded.model.config, lambda x: x)
-    ppl, kl = run_with_past(loaded.model, baseline, exact)
+    ppl, kl, _ = run_with_past(loaded.model, baseline, exact)
     assert ppl == pytest.approx(baseline.ppl, rel=1e-6) and kl < 1e-6
     assert exact.get_seq_length() == TOKENS
     past, bits = peers.peer_cache(loaded.model.config, "manthanquant", 3)
     assert bits == 3 + 16 / 64
-    ppl, kl = run_with_past(loaded.model, baseline, past)
+    ppl, kl, _ = run_with_past(loaded.model, baseline, past)
     assert kl > 1e-3 and ppl != pytest.approx(baseline.ppl, rel=1e-3)
     with pytest.raises(ValueError, match="3-bit only"):
         peers.peer_cache(loaded.model.config, "manthanquant", 4)
@@ -61,6 +61,6 @@ def test_quantized_cache_peer_loses_more_at_fewer_bits(loaded, baseline):
     for nbits in (4, 2):
         past, bits = peers.peer_cache(loaded.model.config, backend, nbits)
         assert bits == nbits + 0.5
-        ppl, kls[nbits] = run_with_past(loaded.model, baseline, past)
+        ppl, kls[nbits], _ = run_with_past(loaded.model, baseline, past)
         assert math.isfinite(ppl) and kls[nbits] > 0
     assert kls[2] > 5 * kls[4], kls

@@ -68,6 +68,20 @@ def test_fit_measures_the_menu_within_the_budget(loaded, fits):
     assert fit.fingerprint == loaded.fingerprints["model"]
 
 
+def test_an_alternative_is_chosen_only_when_it_wins_every_paired_run():
+    """A fit over one text and one seed chose an alternative on a KL 2% lower, in the noise."""
+    from kvtool.preset_fit import _wins_every_run
+
+    def runs(*kls):
+        keys = [("a", 1), ("a", 2), ("b", 1), ("b", 2)][:len(kls)]
+        return [{"text": t, "seed": s, "kl": kl} for (t, s), kl in zip(keys, kls, strict=True)]
+
+    assert _wins_every_run(runs(1, 2, 3, 4), runs(2, 3, 4, 5))
+    assert not _wins_every_run(runs(1, 2, 3, 9), runs(2, 3, 4, 5))  # a lower mean, one loss
+    assert not _wins_every_run(runs(1), runs(2))  # one run: noise cannot be told apart
+    assert not _wins_every_run(runs(1, 2), [{"text": "c", "seed": 1, "kl": 5}] * 2)  # unpaired
+
+
 def test_a_fit_changes_the_preset_for_its_model_only(fits):
     alternative = MENUS["balanced"][1]
     save_fit(_fit("balanced", alternative, "fp-a"))
@@ -155,6 +169,9 @@ def test_calibrate_preset_then_capture_and_compress_use_the_fit(loaded, fits, tm
     few = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "64",
                               "--seeds", "1", "--text", str(_text(tmp_path))])
     assert few.exit_code == 1 and "give --tokens 96 or more" in few.output, few.output
+    early = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "64",
+                                "--model", str(tmp_path / "no-such-model")])
+    assert early.exit_code == 1 and "give --tokens 96" in early.output, early.output  # no load
     cal = runner.invoke(cli, ["calibrate", "--preset", "balanced", "--tokens", "96",
                               "--seeds", "1", "--text", str(_text(tmp_path)), "--json"])
     assert cal.exit_code == 0, cal.output
@@ -178,6 +195,34 @@ def test_calibrate_preset_then_capture_and_compress_use_the_fit(loaded, fits, tm
     assert comp.exit_code == 0, comp.output
     with open_kvz(again) as f:
         assert f.header["policy"]["value"] == want.value.get_config()
+
+
+def test_a_fit_to_other_weights_of_the_layout_is_warned_of(loaded, fits, tmp_path, runner):
+    """Fits and calibrated policy files are keyed by KV layout: one measured on a fine-tune
+    (or its base) was applied without a word."""
+    import dataclasses
+
+    from kvtool.cli.main import cli
+    from kvtool.policy import save_policy
+
+    fingerprint, weights = loaded.fingerprints["model"], loaded.info["weights"]
+    fit = dataclasses.replace(_fit("balanced", MENUS["balanced"][1], fingerprint), weights="0" * 64)
+    policy_file = tmp_path / "p.json"
+
+    def fitted_on(measured: str) -> None:
+        save_fit(dataclasses.replace(fit, weights=measured))
+        save_policy(CodecPolicy.from_label("turbo3"), policy_file, {"calibration": {
+            "model": "m", "fingerprint": fingerprint, "weights": measured}})
+
+    warned = "fitted to m, which has this model's KV layout but other weights"
+    for option, value in (("--preset", "balanced"), ("--policy", str(policy_file))):
+        fitted_on("0" * 64)
+        args = ["capture", "--prompt", PROMPT, option, value, "-o", str(tmp_path / "c.kvz")]
+        out = runner.invoke(cli, args)
+        assert out.exit_code == 0 and warned in out.output, out.output
+        fitted_on(weights)  # its own weights: no warning
+        out = runner.invoke(cli, args)
+        assert out.exit_code == 0 and warned not in out.output, out.output
 
 
 def test_calibrate_takes_bits_or_preset(runner):
@@ -211,6 +256,10 @@ def test_a_text_shorter_than_tokens_is_measured_in_chunks_of_its_length(loaded, 
     text = loaded.tokenizer.decode(ids[1:121])
     fit = fit_preset(loaded, "balanced", texts={"short": text}, seeds=(1,))
     assert 96 <= fit.tokens <= 130 and 0 < fit.kl
+    # one run cannot tell the menu's policies apart: the fixed preset stays, whatever won
+    fixed, other = fit.candidates[0], fit.candidates[1]
+    assert fit.label == fixed["label"] == CodecPolicy.from_label(PRESETS["balanced"][0]).describe()
+    assert ("not_chosen" in other) == (other["kl"] < fixed["kl"])
     with pytest.raises(KvtoolError, match="has 4[0-9] tokens"):
         fit_preset(loaded, "balanced", texts={"tiny": loaded.tokenizer.decode(ids[1:46])},
                    seeds=(1,))

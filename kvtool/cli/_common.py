@@ -238,16 +238,6 @@ def read_prompt(prompt: str | None, prompt_file: str | None, *, required: bool =
     return prompt or ""
 
 
-def max_positions(config: Any) -> int | None:
-    """The model's context length (``max_position_embeddings`` of its text config), if known."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def check_context_length(tokens: int, limit: int | None, force: bool, model: str,
                          what: str = "the prompt") -> None:
     """Refuse ``tokens`` beyond the model's ``limit`` (named in the error) unless ``force``."""
@@ -280,6 +270,8 @@ def apply_verbosity(quiet: bool, verbose: bool) -> None:
 
 def context_limit(loaded: Any) -> int | None:
     """The context length of a loaded model of any engine (its config, else config.json)."""
+    from kvtool.models import max_positions
+
     config = getattr(getattr(loaded, "model", None), "config", None)
     if config is not None and not isinstance(config, dict):
         found = max_positions(config)
@@ -301,10 +293,12 @@ def context_limit(loaded: Any) -> int | None:
 
 
 def fitted_for_model(opts: dict[str, Any], policy: Any, model_fingerprint: str | None,
-                     model_name: str) -> Any:
+                     model_name: str, weights: str | None = None) -> Any:
     """``policy`` again once the model is known: where ``--preset NAME`` was fitted to this
     model (``kvtool calibrate --preset NAME``), the fitted policy, said in one info line; a
-    ``--policy`` file calibrated for a model of another KV layout is refused."""
+    ``--policy`` file calibrated for a model of another KV layout is refused, and one fitted
+    to other ``weights`` of this layout (a fine-tune, its base) warned of."""
+    from kvtool.presets import fitted_weights
     from kvtool.progress import info
 
     name = opts.get("preset") or opts.get("policy_file")
@@ -314,4 +308,10 @@ def fitted_for_model(opts: dict[str, Any], policy: Any, model_fingerprint: str |
     if fitted != policy:
         info(f"--preset {name} fitted to {model_name} (kvtool calibrate --preset): "
              f"{fitted.describe()}")
+    made = fitted_weights(name, model_fingerprint) if weights else None
+    if made is not None and made[1] != weights:
+        option = "--preset" if opts.get("preset") else "--policy"
+        info(f"warning: {option} {name} was fitted to {made[0]}, which has this model's KV "
+             "layout but other weights: its choices were measured there; run kvtool "
+             "calibrate on this model to fit them here")
     return fitted

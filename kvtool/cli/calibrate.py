@@ -103,7 +103,8 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
     loaded = load_model(model_name, dtype=dtype)
     cal = calibrate(loaded, bits, text, tokens=tokens or 512, scored=scored, sinks=sink_tokens,
                     menu=options, use_cache=not remeasure)
-    extra = cal.file_extra(loaded.name, loaded.fingerprints.get("model", ""))
+    extra = cal.file_extra(loaded.name, loaded.fingerprints.get("model", ""),
+                           (loaded.info or {}).get("weights"))
     save_policy(cal.policy, output, extra)
     if as_json:
         echo_json({"output": output, "policy": cal.policy.to_json(), **extra})
@@ -125,6 +126,7 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
         BUDGETS,
         DEFAULT_TOKENS,
         MENUS,
+        check_fit_tokens,
         fit_preset,
         format_fit,
         save_fit,
@@ -141,6 +143,7 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
         if len(names) != 1:
             raise click.UsageError("-o/--output takes the policy of one fitted preset")
         check_output_path(output, inputs=(text_file,))
+    check_fit_tokens(tokens or DEFAULT_TOKENS)  # before the model loads
     texts = None if text_file is None else {text_file: read_text_file(text_file)}
     loaded = load_model(model_name, dtype=dtype)
     fits = []

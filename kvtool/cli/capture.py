@@ -115,7 +115,8 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
             cache = capture(loaded.model, loaded.tokenizer, token_ids=ids,
                             model_info=loaded.info)
     capture_s = time.perf_counter() - start
-    policy = fitted_for_model(codec_opts, policy, cache.model.get("fingerprint"), loaded.name)
+    policy = fitted_for_model(codec_opts, policy, cache.model.get("fingerprint"), loaded.name,
+                              cache.model.get("weights"))
     start = time.perf_counter()
     report = save(cache, output, policy, zstd=zstd, entropy=entropy, progress=progress_enabled())
     save_s = time.perf_counter() - start

@@ -53,9 +53,12 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
         raise click.UsageError("--prompt is empty: give text, or leave it out for the demo "
                                "document and a question about it")
     policy = policy_from_options(policy_opts)
+    if seeds > 1:
+        _check_sweep(policy, prompt)
     text = read_text_file(text_file) if text_file is not None else None
     loaded = load_model(model_name, dtype=dtype)
-    policy = fitted_for_model(policy_opts, policy, loaded.fingerprints.get("model"), loaded.name)
+    policy = fitted_for_model(policy_opts, policy, loaded.fingerprints.get("model"), loaded.name,
+                              (loaded.info or {}).get("weights"))
     if seeds > 1:
         from kvtool.evaluate_grid import eval_sweep
 
@@ -75,7 +78,9 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
     click.echo(f"text       {report.tokens} tokens in chunks of {report.chunk}")
     click.echo(f"perplexity {report.ppl:.4f}  (baseline {report.baseline_ppl:.4f}, "
                f"{report.delta_ppl_pct:+.3f}%)")
-    click.echo(f"KL         {report.kl:.5f}  (next token, mean over the scored tokens)")
+    click.echo(f"KL         {report.kl:.5f}  (next token, mean over the {report.tokens - 1} "
+               f"scored tokens; {report.kl_past:.5f} over the {report.tokens - 1 - report.chunk} "
+               "after the first chunk, which attend to the compressed past)")
     click.echo(f"bits/elem  {m['bits_per_element']:.3f}  (keys {m['key_bits_per_element']:.3f}, "
                f"values {m['value_bits_per_element']:.3f})")
     click.echo(f"keys       cosine {m['key_cosine']:.5f}  rel. MSE {m['key_rel_mse']:.5f}")
@@ -102,3 +107,17 @@ def _forward_calls(loaded, text: str | None, chunk: int, max_tokens: int | None,
             ["input_ids"])
     n = min(n, max_tokens) if max_tokens else n
     return 2 * -(-n // chunk) + 2 * max_new_tokens
+
+
+def _check_sweep(policy, prompt: str | None) -> None:
+    """Refuse what ``--seeds N`` would drop: a seed of the user's own (the sweep runs its
+    seeds) and the side-by-side continuation."""
+    from kvtool.evaluate_grid import DEFAULT_SEEDS
+
+    if policy.with_seed(DEFAULT_SEEDS[0]) != policy:
+        raise click.UsageError("--seeds N runs the codecs under N seeds of its own; drop seed= "
+                               "from the codec, or leave out --seeds")
+    given = click.get_current_context().get_parameter_source("max_new_tokens")
+    if prompt is not None or given is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--seeds N measures KL and perplexity only: leave out --prompt "
+                               "and --max-new-tokens, or --seeds")

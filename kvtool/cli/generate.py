@@ -291,9 +291,7 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
     cache = load(cache_path, backend="torch", progress=progress_enabled(),
                  device=_decode_device(loaded))
     read_s = time.perf_counter() - start
-    problems = hf.check_compatible(cache, loaded, force=force)
-    for p in problems:
-        click.echo(f"warning: {p}; restoring anyway (--force)", err=True)
+    _check_compatible(cache, loaded, force)
     full = hf.full_ids_for(cache, loaded.tokenizer, prompt)
     check_context_length(len(full) + max_tokens, limit, force, loaded.name,
                          f"{cache_path} ({len(cache.token_ids)} tokens) + the prompt + "
@@ -314,6 +312,14 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
     return report
 
 
+def _check_compatible(cache: Any, loaded: Any, force: bool) -> None:
+    """Refuse a cache of another model or tokenizer; with ``force``, warn of each difference."""
+    from kvtool.engines import hf
+
+    for problem in hf.check_compatible(cache, loaded, force=force):
+        click.echo(f"warning: {problem}; restoring anyway (--force)", err=True)
+
+
 def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, sampling: Any,
                        force: bool, runtime_codec: str | None) -> dict[str, Any]:
     """``--prompt-cache FILE``: restore FILE when it holds a prefix of the prompt, else prefill
@@ -329,7 +335,7 @@ def _with_prompt_cache(loaded: Any, path: str, ids: list[int], max_tokens: int, 
     if os.path.exists(path):
         cache = load(path, backend="torch", progress=progress_enabled(),
                      device=_decode_device(loaded))
-        hf.check_compatible(cache, loaded, force=force)
+        _check_compatible(cache, loaded, force)
         cached = [int(t) for t in cache.token_ids] if cache.token_ids is not None else None
         prefix = cached is not None and 0 < len(cached) <= len(ids) \
             and ids[:len(cached)] == cached
