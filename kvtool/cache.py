@@ -3,12 +3,13 @@
 Per layer, keys and values are arrays ``[kv_heads, tokens, head_dim]`` (numpy or torch) of one
 sequence. Alongside them: the token ids the cache was computed for, the identity of the model
 (``model``: a JSON-safe dict with at least a ``fingerprint`` of the fields that decide KV layout)
-and a fingerprint of the tokenizer, so a reload can refuse a foreign cache.
+and a fingerprint of the tokenizer, so a reload can refuse a foreign cache; and the lossy steps its
+K/V went through (``lossy_sources``), so that a decoded lossy cache never passes for exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +27,30 @@ def check_prefix(layer: int, stored: int, num_tokens: int, tokens: int | None) -
                          f"(a sliding window): a prefix of {tokens} tokens cannot be cut from it")
 
 
+def holds(stored: str, computed: str) -> bool:
+    """Whether ``stored`` keeps every ``computed`` value exactly (float32 holds all three)."""
+    return stored in (computed, "float32")
+
+
+def cast_label(computed: str | None, stored: str | None) -> str | None:
+    """The lossy source ``"float32->bfloat16"`` of K/V computed in ``computed`` and stored in
+    ``stored``; None when that keeps every value (or either is unknown)."""
+    if computed is None or stored is None or holds(stored, computed):
+        return None
+    return f"{computed}->{stored}"
+
+
+def is_cast(source: str) -> bool:
+    """Whether a lossy source is a dtype cast (:func:`cast_label`), not a codec."""
+    return source.count("->") == 1 and all(
+        d in ("float32", "float16", "bfloat16") for d in source.split("->"))
+
+
+def merge_sources(*groups: Iterable[str | None]) -> list[str]:
+    """Lossy sources, sorted and distinct (Nones dropped)."""
+    return sorted({s for group in groups for s in group if s is not None})
+
+
 @dataclass
 class KVCache:
     keys: list[Array]
@@ -34,6 +59,8 @@ class KVCache:
     model: dict[str, Any] = field(default_factory=dict)
     tokenizer_fingerprint: str | None = None
     layer_info: list[dict[str, Any]] | None = None  # e.g. {"sliding_window": 512} per layer
+    # codec ids and dtype casts ("float32->bfloat16") its K/V went through: not exact
+    lossy_sources: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.keys, self.values = list(self.keys), list(self.values)
@@ -53,6 +80,10 @@ class KVCache:
         if self.layer_info is not None and (len(self.layer_info) != len(self.keys) or not all(
                 info is None or isinstance(info, dict) for info in self.layer_info)):
             raise ValueError("layer_info must hold one dict (or None) per layer")
+        if isinstance(self.lossy_sources, str) or not all(
+                isinstance(x, str) and x for x in self.lossy_sources):
+            raise ValueError("lossy_sources must be a list of non-empty strings")
+        self.lossy_sources = merge_sources(self.lossy_sources)
 
     # -- shape ---------------------------------------------------------------------------------
     @property
@@ -87,10 +118,17 @@ class KVCache:
         return self.map_arrays(lambda a: to_torch(a, device))
 
     def astype(self, dtype: str) -> KVCache:
-        """A copy in ``dtype``; ValueError where a value does not fit (fp16: ±65504)."""
+        """A copy in ``dtype``; ValueError where a value does not fit (fp16: ±65504). A cast
+        that loses precision is added to ``lossy_sources``."""
+        from kvtool.identity import identity_dtype
+
         if dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
         out = self.map_arrays(lambda a: ops_for(a).astype(a, dtype))
+        if self.keys:
+            computed = identity_dtype(self.model) or self.dtype
+            out.lossy_sources = merge_sources(self.lossy_sources, [
+                cast_label(computed, self.dtype), cast_label(computed, dtype)])
         if dtype == "float16":  # bf16 and fp32 reach 3.4e38: the cast would make inf
             for i, (src, dst) in enumerate(zip((*self.keys, *self.values),
                                                (*out.keys, *out.values), strict=True)):

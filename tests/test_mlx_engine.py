@@ -288,6 +288,11 @@ def test_export_import_round_trip(doc_cache, tmp_path):
     lossy = E.import_prompt_cache(packed)
     assert packed.stat().st_size < path.stat().st_size / 2
     assert np.abs(lossy.keys[3] - doc_cache.keys[3]).max() < 0.5 * np.abs(doc_cache.keys[3]).max()
+    # decoded codes, exported again as plain KVCache layers, still say they are lossy
+    assert lossy.lossy_sources == ["turbo4"] and back.lossy_sources == []
+    again = tmp_path / "again.safetensors"
+    E.export_prompt_cache(lossy, again)
+    assert E.import_prompt_cache(again).lossy_sources == ["turbo4"]
 
 
 def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_path,

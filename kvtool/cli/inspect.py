@@ -25,8 +25,19 @@ def size_ratio(ratio: float) -> str:
     return f"{1 / ratio:.2f}x larger"
 
 
-def _codecs(role: dict[str, Any]) -> str:
-    return "+".join(role["codecs"]) or "-"
+def _codecs(role: dict[str, Any], decoded_from_lossy: bool) -> str:
+    """A role's codecs; ``raw*`` where its values were decoded from lossy K/V."""
+    mark = "*" if decoded_from_lossy else ""
+    return "+".join(c + mark * (c == "raw") for c in role["codecs"]) or "-"
+
+
+def _lossy(info: dict[str, Any]) -> str:
+    if not info["lossy_sources"]:
+        return "no: exact K/V of the model's dtype"
+    before = info["decoded_from_lossy"]
+    return ", ".join(info["lossy_sources"]) + (
+        f" (decoded from lossy K/V: {', '.join(before)}; raw* segments are not exact)"
+        if before else "")
 
 
 def _policy(policy: dict[str, Any] | None) -> str:
@@ -63,6 +74,7 @@ def print_info(info: dict[str, Any]) -> None:
         *([("chunk", f"prefix-store chunk {info['store_chunk']['key'][:16]}, tokens from "
                      f"{info['store_chunk']['start']}")] if info["store_chunk"] else []),
         ("policy", _policy(info["policy"])),
+        ("lossy", _lossy(info)),
         ("size", f"{human_bytes(info['file_bytes'])} file, "
                  f"{human_bytes(info['payload_bytes'])} payload, "
                  f"{human_bytes(info['fp16_bytes'])} as fp16"),
@@ -87,7 +99,9 @@ def print_info(info: dict[str, Any]) -> None:
         stored = k["stored_bytes"] + v["stored_bytes"]
         elements = (k["fp16_bytes"] + v["fp16_bytes"]) // 2
         bits = 8 * stored / elements if elements else 0.0
-        click.echo(f"{lay['index']:>5} {lay['tokens']:>7}  {_codecs(k):<22} {_codecs(v):<22} "
+        before = bool(info["decoded_from_lossy"])
+        click.echo(f"{lay['index']:>5} {lay['tokens']:>7}  {_codecs(k, before):<22} "
+                   f"{_codecs(v, before):<22} "
                    f"{stored:>10} {bits:>9.3f}")
     for problem in (verify or {}).get("problems", [])[:20]:
         click.echo(f"problem: {problem}")

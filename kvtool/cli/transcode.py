@@ -117,8 +117,7 @@ def compress_command(src: str, output: str, src_format: str, zstd: bool, zstd_le
         policy = fitted_for_model(opts, policy, model.get("fingerprint"),
                                   str(model.get("name") or src))
         if not force:  # KvtoolMLXCache layers hold codes: decoded, they are lossy already
-            refuse_requantizing(src, policy, "compressing it again",
-                                mlx_engine.prompt_cache_codecs(src))
+            refuse_requantizing(src, policy, "compressing it again", cache.lossy_sources)
         report = save(cache, output, policy, zstd=level, entropy=entropy,
                       progress=progress_enabled())
     else:

@@ -2,10 +2,10 @@
 
 :func:`export_prompt_cache` writes ``KVCache`` layers (stock mlx-lm loads them) or
 :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones holding codes, with kvtool's identity,
-tokenizer fingerprint and token ids in a ``kvtool`` metadata entry, and the ``model`` and
-``tokenizer_config`` entries ``mlx_lm.generate --prompt-cache-file`` reads (:func:`mlx_model`:
-what it loads the model from). :func:`import_prompt_cache` reads either kind back, refusing
-what no writer makes.
+tokenizer fingerprint, token ids and lossy sources in a ``kvtool`` metadata entry, and the
+``model`` and ``tokenizer_config`` entries ``mlx_lm.generate --prompt-cache-file`` reads
+(:func:`mlx_model`: what it loads the model from). :func:`import_prompt_cache` reads either
+kind back, refusing what no writer makes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, merge_sources
 from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
 from kvtool.errors import FormatError, KvtoolError
-from kvtool.formats.header import token_layout_problem
+from kvtool.formats.constants import H_LOSSY_SOURCES
+from kvtool.formats.header import check_lossy_sources, token_layout_problem
 from kvtool.policy import CodecPolicy
 
 METADATA_KEY = "kvtool"  # the user-metadata entry of an exported prompt cache
@@ -87,6 +88,9 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
         values.append(to_numpy(v[0]))
     _check_arrays(path, keys, values)
     extra = _kvtool_metadata(path, user or {}, meta)
+    if any(isinstance(layer, KvtoolMLXCache) for layer in layers):  # decoded codes: lossy
+        extra["lossy_sources"] = merge_sources(extra.get("lossy_sources", []), [
+            c for c in prompt_cache_codecs(path) if c != "raw"])
     try:
         cache = KVCache(keys, values, **extra)
     except ValueError as e:
@@ -159,10 +163,14 @@ def _kvtool_metadata(path: str, user: dict[str, Any], meta: dict[str, str]) -> d
         return {"model": {"name": name} if name else {}}
     try:
         data = json.loads(text)
-        return {"model": dict(data["model"]), "token_ids": data.get("token_ids"),
-                "tokenizer_fingerprint": data.get("tokenizer_fingerprint")}
+        out = {"model": dict(data["model"]), "token_ids": data.get("token_ids"),
+               "tokenizer_fingerprint": data.get("tokenizer_fingerprint")}
     except (TypeError, ValueError, KeyError) as e:
         raise FormatError(f"{path}: unreadable kvtool metadata ({e})") from None
+    if H_LOSSY_SOURCES in data:  # as in a .kvz header
+        check_lossy_sources(data[H_LOSSY_SOURCES], f"{path}: kvtool metadata")
+        out["lossy_sources"] = data[H_LOSSY_SOURCES]
+    return out
 
 
 def mlx_model(cache: KVCache, model: str | None = None) -> str:
@@ -248,6 +256,8 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
             layer.update_and_fetch(k, v)
     data = {"model": cache.model or {}, "tokenizer_fingerprint": cache.tokenizer_fingerprint,
             "token_ids": None if cache.token_ids is None else [int(t) for t in cache.token_ids]}
+    if cache.lossy_sources:  # decoded from a lossy file: an import says so again
+        data[H_LOSSY_SOURCES] = cache.lossy_sources
     # "model" and "tokenizer_config" as mlx_lm.cache_prompt writes them (mlx_lm.generate
     # --prompt-cache-file reads both)
     metadata = {METADATA_KEY: json.dumps(data, sort_keys=True),

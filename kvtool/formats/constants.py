@@ -94,6 +94,11 @@ H_LAYER_INFO = "layer_info"
 #: a prefix-store chunk's place: ``{"key": its chain key, "start": its first token's position}``
 H_STORE_CHUNK = "store_chunk"
 STORE_KEY_RE = r"[0-9a-f]{64}"  # a chain key: sha256, lowercase hex
+#: the lossy steps the K/V went through before this file's codecs (codec ids, dtype casts
+#: ``"float32->bfloat16"``): a sorted list of distinct strings, absent when there were none
+H_LOSSY_SOURCES = "lossy_sources"
+MAX_LOSSY_SOURCES = 64
+MAX_LOSSY_SOURCE_CHARS = 128
 H_LAYERS = "layers"
 H_TENSORS = "tensors"
 

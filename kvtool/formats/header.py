@@ -192,6 +192,19 @@ def check_store_chunk(chunk: Any, num_tokens: int, where: str) -> None:
                           "digits, \"start\": a multiple of num_tokens ≥ 0}")
 
 
+def check_lossy_sources(sources: Any, where: str) -> None:
+    """``lossy_sources`` as a writer records them (optional): a sorted list of distinct
+    non-empty strings, present only when not empty."""
+    if sources is ...:
+        return
+    if (not isinstance(sources, list) or not 1 <= len(sources) <= C.MAX_LOSSY_SOURCES
+            or not all(isinstance(s, str) and 1 <= len(s) <= C.MAX_LOSSY_SOURCE_CHARS
+                       for s in sources) or sources != sorted(set(sources))):
+        raise FormatError(f"{where}: {C.H_LOSSY_SOURCES} must be a sorted list of 1 to "
+                          f"{C.MAX_LOSSY_SOURCES} distinct strings of 1 to "
+                          f"{C.MAX_LOSSY_SOURCE_CHARS} characters")
+
+
 def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
     """Validate the kvz header's schema and cross-check it with the container entries."""
     where = "kvz header"
@@ -218,6 +231,7 @@ def validate_header(header: dict[str, Any], entries: dict[str, Entry]) -> None:
             raise FormatError(f"{where}: token_ids must name a 1-D int32/int64 tensor of "
                               "'count' elements")
     check_store_chunk(header.get(C.H_STORE_CHUNK), num_tokens, where)
+    check_lossy_sources(header.get(C.H_LOSSY_SOURCES, ...), where)
     layers = _get(header, C.H_LAYERS, list, where)
     if len(layers) != num_layers:
         raise FormatError(f"{where}: {len(layers)} layers listed, num_layers is {num_layers}")

@@ -94,6 +94,8 @@ def file_info(f: KvzFile) -> dict[str, Any]:
         "store_chunk": f.store_chunk,
         "dtype": h[C.H_DTYPE],
         "policy": h.get(C.H_LAYER_POLICY) or h.get(C.H_POLICY),
+        "lossy_sources": f.lossy_sources(),
+        "decoded_from_lossy": h.get(C.H_LOSSY_SOURCES, []),
         "codecs": dict(sorted(codecs.items())),
         "file_bytes": f.file_bytes,
         "payload_bytes": payload,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.cache import KVCache, check_prefix
+from kvtool.cache import KVCache, cast_label, check_prefix, merge_sources
 from kvtool.codecs import Codec, Encoded, get_codec
 from kvtool.errors import (
     CodecError,
@@ -128,6 +128,25 @@ class KvzFile:
         if out.size and out.min() < 0:  # no tokenizer makes one; a store would key by it
             raise FormatError(f"{self.path}: token id {int(out.min())} is negative")
         return out
+
+    def lossy_sources(self, dtype: str | None = None) -> list[str]:
+        """What made this file's K/V (decoded as ``dtype``) differ from those computed: the
+        lossy steps its header records before its codecs, its own lossy codecs and every
+        cast to a dtype that does not hold the model's (:func:`~kvtool.cache.cast_label`).
+        Empty: exact in the model's dtype."""
+        from kvtool.identity import identity_dtype
+
+        computed = identity_dtype(self.model) or self.header[C.H_DTYPE]
+        found = [*self.header.get(C.H_LOSSY_SOURCES, []),
+                 cast_label(computed, C.normalize_dtype(dtype))]
+        for layer in self.header[C.H_LAYERS]:
+            for role in C.ROLES:
+                found.append(cast_label(computed, layer[role]["dtype"]))
+                for seg in layer[role]["segments"]:
+                    codec = seg["codec"]
+                    found.append(codec["id"] if codec["id"] != "raw" else cast_label(
+                        computed, codec.get("dtype") or layer[role]["dtype"]))
+        return merge_sources(found)
 
     def _role(self, i: int, role: str) -> dict[str, Any]:
         if not 0 <= i < self.num_layers:
@@ -292,6 +311,9 @@ class KvzFile:
         index = list(range(self.num_layers)) if layers is None else [_index(i) for i in layers]
         for i in index:
             self._role(i, "key")
+        if index != sorted(set(index)):  # saved, layer j would restore into another's place
+            raise ValueError(f"layers must be distinct and in increasing order, got "
+                             f"{str(index)[:60]}")
         tokens = self._prefix(tokens)
         keys, values = [], []
         for i in tqdm(index, desc="decoding", unit="layer", disable=not progress, leave=False):
@@ -305,7 +327,8 @@ class KvzFile:
         try:
             return KVCache(keys, values, token_ids=ids, model=dict(self.model),
                            tokenizer_fingerprint=self.tokenizer_fingerprint,
-                           layer_info=None if info is None else [info[i] for i in index])
+                           layer_info=None if info is None else [info[i] for i in index],
+                           lossy_sources=self.lossy_sources(dtype))
         except ValueError as e:
             raise FormatError(f"{self.path}: {e}") from None
 

@@ -21,7 +21,9 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
     ``policy`` may also be a codec (id, spec or config) used for keys and values alike;
     ``dtype`` converts the decoded arrays first (e.g. ``"float32"`` for ``decompress``);
     ``entropy`` rANS-codes the tensors (as :func:`~kvtool.formats.save`).
-    Model identity, tokenizer fingerprint, token ids and layer_info are carried over.
+    Model identity, tokenizer fingerprint, token ids and layer_info are carried over, and so
+    is every lossy step the K/V went through (:meth:`~kvtool.formats.KvzFile.lossy_sources`):
+    a lossy file decoded to ``raw`` says it is not exact.
     ``src`` and ``dst`` may be the same path (the replacement is atomic).
     """
     if not isinstance(policy, CodecPolicy):
@@ -33,21 +35,24 @@ def transcode(src: str | os.PathLike, dst: str | os.PathLike,
         return write_kvz(dst, layers, num_layers=f.num_layers, policy=policy, model=f.model,
                          tokenizer_fingerprint=f.tokenizer_fingerprint, token_ids=f.token_ids,
                          layer_info=f.layer_info, zstd=zstd, entropy=entropy,
-                         progress=progress)
+                         progress=progress, lossy_sources=f.lossy_sources(dtype))
 
 
 def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str,
-                        codecs: Iterable[str] | None = None) -> None:
-    """Refuse to encode ``src``'s decoded values with a lossy ``policy`` when ``src`` is lossy
-    already: the second quantization's error adds to the first, unseen (the commands that do
-    it take ``--force``). ``doing`` names what would, as in "compressing it again";
-    ``codecs``: the codec ids ``src`` holds, where it is not a .kvz file."""
+                        sources: Iterable[str] | None = None) -> None:
+    """Refuse to encode ``src``'s decoded values with a lossy ``policy`` when ``src`` was
+    quantized already (by its codecs, or before it was decoded to raw): the second
+    quantization's error adds to the first, unseen (the commands that do it take ``--force``).
+    ``doing`` names what would, as in "compressing it again"; ``sources``: ``src``'s lossy
+    sources (:meth:`~kvtool.formats.KvzFile.lossy_sources`), where it is not a .kvz file.
+    A narrowing cast alone (float32 to bfloat16) is no quantization."""
+    from kvtool.cache import is_cast
     from kvtool.errors import KvtoolError
 
-    if codecs is None:
+    if sources is None:
         with open_kvz(src, verify=False) as f:
-            codecs = f.info()["codecs"]
-    lossy = sorted(c for c in codecs if c != "raw")
+            sources = f.lossy_sources()
+    lossy = sorted(c for c in sources if not is_cast(c))
     if lossy and policy.is_lossy():
         raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): {doing} quantizes "
                           "decoded values a second time; use the raw capture instead, or "

@@ -10,14 +10,19 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, merge_sources
 from kvtool.codecs import Codec, Encoded
 from kvtool.errors import CodecError, FormatError
 from kvtool.fileio import atomic_write, check_output_path
 from kvtool.formats import constants as C
 from kvtool.formats.container import Blob, as_bytes, crc32_hex, dtype_name, write_container
 from kvtool.formats.contract import check_identity
-from kvtool.formats.header import check_part_name, check_store_chunk, token_layout_problem
+from kvtool.formats.header import (
+    check_lossy_sources,
+    check_part_name,
+    check_store_chunk,
+    token_layout_problem,
+)
 from kvtool.kernels import Array, ops_for
 from kvtool.policy import CodecPolicy
 
@@ -145,9 +150,11 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
               layer_info: list[dict[str, Any] | None] | None = None,
               zstd: int | bool = False, entropy: bool = False,
               progress: bool = False,
-              store_chunk: dict[str, Any] | None = None) -> dict[str, Any]:
+              store_chunk: dict[str, Any] | None = None,
+              lossy_sources: Iterable[str] = ()) -> dict[str, Any]:
     """Encode ``num_layers`` (keys, values) pairs with ``policy`` and write a .kvz file
-    (``store_chunk``: a prefix-store chunk's key and start, recorded in its header)."""
+    (``store_chunk``: a prefix-store chunk's key and start, recorded in its header;
+    ``lossy_sources``: the lossy steps the K/V went through before, recorded too)."""
     from tqdm.auto import tqdm
 
     from kvtool import __version__
@@ -210,9 +217,13 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         header[C.H_LAYER_POLICY] = policy.to_json()
     if store_chunk is not None:
         header[C.H_STORE_CHUNK] = store_chunk
+    sources = merge_sources(lossy_sources)
+    if sources:  # only then: files of exact K/V stay byte-identical
+        header[C.H_LOSSY_SOURCES] = sources
     try:  # never write what the reader refuses
         check_identity(header)
         check_store_chunk(header.get(C.H_STORE_CHUNK), num_tokens, "store_chunk")
+        check_lossy_sources(header.get(C.H_LOSSY_SOURCES, ...), "lossy_sources")
     except FormatError as e:
         raise ValueError(f"cannot save this cache: {e}") from None
     try:
@@ -265,4 +276,5 @@ def save(cache: KVCache, path: str | os.PathLike, policy: CodecPolicy | None = N
                      num_layers=cache.num_layers, policy=policy, model=cache.model,
                      tokenizer_fingerprint=cache.tokenizer_fingerprint,
                      token_ids=cache.token_ids, layer_info=cache.layer_info, zstd=zstd,
-                     entropy=entropy, progress=progress, store_chunk=store_chunk)
+                     entropy=entropy, progress=progress, store_chunk=store_chunk,
+                     lossy_sources=cache.lossy_sources)

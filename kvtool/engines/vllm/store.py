@@ -398,14 +398,16 @@ class PrefixStore:
                                    else 0)
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
-              token_ids: Sequence[int]) -> int:
+              token_ids: Sequence[int], *, lossy_sources: Sequence[str] = ()) -> int:
         """Encode and write one chunk atomically; its file size. Existing chunks are kept; a
-        symlink in the chunk's place is replaced, never written through."""
+        symlink in the chunk's place is replaced, never written through. ``lossy_sources``:
+        the lossy steps the K/V went through (a pinned file's), recorded in the chunk."""
         from kvtool.formats import save
 
         self._check_writable()
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
-                        model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint)
+                        model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint,
+                        lossy_sources=list(lossy_sources))
         policy = self.chunk_policy(chunk)
         # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
         # symlink, never writing through it); S3: one conditional PUT of the whole object
@@ -465,17 +467,13 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
 
 
 def exact_dtype(f: Any) -> str | None:
-    """The dtype an open .kvz file's K/V are exactly as computed in: the file's own when every
-    segment is stored ``raw`` at its width; None when any is lossy (or narrowed)."""
+    """The dtype an open .kvz file's K/V are exactly as computed in: the model's (else the
+    file's) when every segment is stored ``raw`` at a width that holds it and nothing lossy
+    came before (:meth:`~kvtool.formats.KvzFile.lossy_sources`); None otherwise."""
     from kvtool.formats import constants as C
 
-    for layer in f.header[C.H_LAYERS]:
-        for role in C.ROLES:
-            for seg in layer[role]["segments"]:
-                codec = seg["codec"]
-                if codec.get("id") != "raw" or codec.get("dtype") not in (None,
-                                                                          layer[role]["dtype"]):
-                    return None
+    if f.lossy_sources():
+        return None
     return identity_dtype(f.model) or f.header[C.H_DTYPE]
 
 

@@ -41,9 +41,10 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
                                served_quantization(quantization, quantization_config))
     policy = policy_from_extra(dict(policy_options or {}), cache.model["fingerprint"])
     with open_kvz(path, verify=False) as f:
-        codecs, stored_lossy = f.info()["codecs"], exact_dtype(f) is None
+        stored_lossy = exact_dtype(f) is None
     if not force:
-        refuse_requantizing(path, policy, f"pinning it with {policy.describe()}", codecs)
+        refuse_requantizing(path, policy, f"pinning it with {policy.describe()}",
+                            cache.lossy_sources)
     if stored_lossy and not policy.is_lossy():
         raise KvtoolError(f"{path} is stored lossy: pinning it with {policy.describe()} would "
                           "store its decoded K/V as exact chunks, which lossless servers trust; "
@@ -63,7 +64,7 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     for c in chunks:
         keys = [k[:, c.start:c.stop] for k in cache.keys]
         values = [v[:, c.start:c.stop] for v in cache.values]
-        written += bool(store.write(c, keys, values, ids))
+        written += bool(store.write(c, keys, values, ids, lossy_sources=cache.lossy_sources))
     pins = read_pins(backend)
     source = os.path.realpath(path)
     for c in chunks:
