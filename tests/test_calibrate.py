@@ -142,8 +142,11 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
     result = runner.invoke(cli, ["calibrate", "--bits", "3", "-o", str(out), "--tokens", "40",
                                  "--scored", "6", "--menu", "2b,4b", "--json"])
     assert result.exit_code == 0, result.output
+    assert "--scored 6: a per-layer KL over fewer than 16 tokens is mostly noise" in \
+        result.output  # was written without a word
     written = json.loads(out.read_text())
     assert written["calibration"]["mean_bits"] <= 3.0
+    assert written["calibration"]["weights"] == loaded.info["weights"]
     assert load_policy(out).num_layers == 30
     bad = runner.invoke(cli, ["calibrate", "--bits", "0.5", "-o", str(out), "--tokens", "40",
                               "--scored", "6", "--menu", "2b,4b"])

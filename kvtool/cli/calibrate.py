@@ -44,6 +44,9 @@ def _menu(value: str | None) -> dict[str, str] | None:
     return {n: DEFAULT_MENU[n] for n in names}
 
 
+MIN_SCORED = 16  # scored tokens below which calibrate warns
+
+
 @click.command("calibrate")
 @click.option("--model", "model_name", default="default", show_default=True,
               help="'default' (SmolLM2-135M), a local HF model directory or a .gguf file.")
@@ -103,6 +106,11 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
     loaded = load_model(model_name, dtype=dtype)
     cal = calibrate(loaded, bits, text, tokens=tokens or 512, scored=scored, sinks=sink_tokens,
                     menu=options, use_cache=not remeasure)
+    if scored < MIN_SCORED:
+        from kvtool.progress import info
+
+        info(f"warning: --scored {scored}: a per-layer KL over fewer than {MIN_SCORED} tokens "
+             "is mostly noise, so the policy may not hold on other texts (default 64)")
     extra = cal.file_extra(loaded.name, loaded.fingerprints.get("model", ""),
                            (loaded.info or {}).get("weights"))
     save_policy(cal.policy, output, extra)
