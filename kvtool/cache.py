@@ -80,8 +80,8 @@ class KVCache:
         if self.layer_info is not None and (len(self.layer_info) != len(self.keys) or not all(
                 info is None or isinstance(info, dict) for info in self.layer_info)):
             raise ValueError("layer_info must hold one dict (or None) per layer")
-        if isinstance(self.lossy_sources, str) or not all(
-                isinstance(x, str) and x for x in self.lossy_sources):
+        if isinstance(self.lossy_sources, str) or not isinstance(self.lossy_sources, Iterable) \
+                or not all(isinstance(x, str) and x for x in self.lossy_sources):
             raise ValueError("lossy_sources must be a list of non-empty strings")
         self.lossy_sources = merge_sources(self.lossy_sources)
 

@@ -36,7 +36,7 @@ import numpy as np
 from kvtool.codecs import Codec, get_codec
 from kvtool.codecs.turbomix import outlier_count
 from kvtool.errors import KvtoolError
-from kvtool.models import refuse_past_context
+from kvtool.models import check_context_length, max_positions
 from kvtool.policy import ROLES, CodecPolicy, LayerCodecs
 
 DEFAULT_TOKENS = 512  # calibration tokens in all (prefix + scored)
@@ -171,8 +171,8 @@ def _calibration_ids(loaded: Any, text: str | None, tokens: int, scored: int, si
 
     ids = loaded.tokenizer(text if text is not None else data_text("eval_text.md"),
                            return_tensors="pt").input_ids[:, :tokens]
-    refuse_past_context(loaded.model.config, ids.shape[1], "the calibration text",
-                        "give fewer --tokens")
+    check_context_length(ids.shape[1], max_positions(loaded.model.config), None, loaded.name,
+                         "the calibration text", "give fewer --tokens")
     need = scored + max(sinks, DEFAULT_SINKS) + 4
     if scored < 1 or ids.shape[1] < need:
         raise KvtoolError(f"the calibration text has {ids.shape[1]} tokens; it needs at least "

@@ -27,7 +27,7 @@ from kvtool.cache import KVCache
 from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE, CompressedCache
 from kvtool.errors import KvtoolError
 from kvtool.kernels import Array, to_torch
-from kvtool.models import refuse_past_context
+from kvtool.models import check_context_length, max_positions
 from kvtool.policy import ROLES, CodecPolicy
 
 
@@ -305,8 +305,8 @@ def run_baseline(loaded: Any, text: str | None = None, *, chunk: int = 256,
               return_tensors="pt").input_ids[:, :max_tokens]
     if ids.shape[1] < 2:
         raise KvtoolError("the evaluation text needs at least 2 tokens")
-    refuse_past_context(model.config, ids.shape[1], "the evaluation text",
-                        "give fewer --max-tokens")
+    check_context_length(ids.shape[1], max_positions(model.config), None, loaded.name,
+                         "the evaluation text", "give fewer --max-tokens")
     if chunk < 1:
         raise KvtoolError(f"chunk must be >= 1, got {chunk}")
     ids = ids.to(next(model.parameters()).device)

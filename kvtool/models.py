@@ -65,13 +65,20 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
-def refuse_past_context(config: Any, tokens: int, what: str, shorter: str) -> None:
-    """Refuse a measurement of ``tokens`` positions past the model's context length: the
-    numbers would describe positions the model was never made for."""
-    limit = max_positions(config)
-    if limit is not None and tokens > limit:
-        raise KvtoolError(f"{what} has {tokens} tokens but the model's context length is "
-                          f"{limit} (max_position_embeddings); {shorter}")
+def check_context_length(tokens: int, limit: int | None, force: bool | None, model: str,
+                         what: str = "the prompt", shorter: str = "shorten it") -> None:
+    """Refuse ``tokens`` beyond the model's ``limit`` (named in the error) unless ``force``
+    (None: the command has no --force to offer)."""
+    if limit is None or tokens <= limit:
+        return
+    from kvtool.progress import info
+
+    message = (f"{what} needs {tokens} positions but {model} has a context length of {limit} "
+               "(max_position_embeddings)")
+    if not force:
+        offer = ", or pass --force to go past the limit" if force is False else ""
+        raise KvtoolError(f"{message}; {shorter}{offer}")
+    info(f"warning: {message}; going on (--force)")
 
 
 def cache_dir() -> Path:

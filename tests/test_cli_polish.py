@@ -246,8 +246,8 @@ def test_context_length_refused_with_limit(runner, fast_model, tmp_path):
 
 
 def test_context_length_force_goes_on(capsys):
-    from kvtool.cli._common import check_context_length
     from kvtool.errors import KvtoolError
+    from kvtool.models import check_context_length
 
     check_context_length(10, 8, True, "m")  # --force: a warning, no error
     assert "context length of 8" in capsys.readouterr().err

@@ -223,7 +223,8 @@ def test_kl_is_over_the_vocabulary_and_also_given_where_the_past_is_read(loaded,
 
 
 @needs_model
-def test_eval_refuses_what_it_cannot_measure_honestly(loaded, baseline, monkeypatch, runner):
+def test_eval_refuses_what_it_cannot_measure_honestly(loaded, baseline, monkeypatch, runner,
+                                                      tmp_path):
     """Past the context length; every layer protected (was blamed on the block size); a
     sweep's own seeds replacing the user's seed=, and its dropping of the continuation."""
     from kvtool.cli.main import cli
@@ -235,13 +236,23 @@ def test_eval_refuses_what_it_cannot_measure_honestly(loaded, baseline, monkeypa
     with pytest.raises(KvtoolError, match="keeps all 30 layers lossless"):
         evaluate(loaded, protected, baseline=baseline)
     monkeypatch.setattr(loaded.model.config, "max_position_embeddings", TOKENS - 1)
-    with pytest.raises(KvtoolError, match=f"context length is {TOKENS - 1}"):
+    with pytest.raises(KvtoolError, match=f"context length of {TOKENS - 1} .*; give fewer"):
         run_baseline(loaded, chunk=CHUNK, max_tokens=TOKENS)
     seeded = runner.invoke(cli, ["eval", "--codec", "turbo3:seed=5", "--seeds", "2"])
     assert seeded.exit_code == 2 and "drop seed=" in seeded.output, seeded.output
     for extra in (["--prompt", "Hello"], ["--max-new-tokens", "4"]):
         dropped = runner.invoke(cli, ["eval", "--codec", "turbo3", "--seeds", "2", *extra])
         assert dropped.exit_code == 2 and "KL and perplexity only" in dropped.output, extra
+    text = tmp_path / "t.txt"
+    text.write_text(data_text("eval_text.md")[:1200], encoding="utf-8")
+    monkeypatch.undo()  # the model's own context length again
+    swept = runner.invoke(cli, ["eval", "--codec", "turbo3", "--seeds", "2", "--text", str(text),
+                                "--max-tokens", "160", "--chunk", "64", "--block-size", "16",
+                                "--json"])
+    assert swept.exit_code == 0, swept.output
+    sweep = json.loads(swept.stdout)
+    assert sweep["label"] == "turbo3" and len(sweep["runs"]) == 2
+    assert all(r["kl_past"] > r["kl"] > 0 for r in sweep["runs"])
 
 
 def test_bundled_texts_are_long_enough():

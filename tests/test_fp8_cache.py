@@ -204,7 +204,8 @@ def test_the_connector_refuses_a_lossless_policy_on_an_fp8_cache(codec, refused)
         _vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
             static_forward_context=dict.fromkeys(names, layer))),
         _kv_cache_config=SimpleNamespace(num_blocks=NB), policy=CodecPolicy.from_options(codec),
-        model_info={"num_layers": 2, "head_dim": D, "dtype": "bfloat16"})
+        model_info={"num_layers": 2, "head_dim": D, "dtype": "bfloat16"},
+        store=SimpleNamespace(lossy_sources=[]))
     if refused:
         for _ in range(2):  # the second save or load: the same reason, the table not remade
             with pytest.raises(KvtoolError, match="lossless store policy"):
@@ -214,3 +215,4 @@ def test_the_connector_refuses_a_lossless_policy_on_an_fp8_cache(codec, refused)
     else:
         table = connector_worker.WorkerHalf._layer_table(worker)
         assert [layout.fp8.format for _, layout, _ in table] == ["e5m2", "e5m2"]
+        assert worker.store.lossy_sources == ["fp8_e5m2"]  # its chunks say so

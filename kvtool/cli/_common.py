@@ -238,21 +238,6 @@ def read_prompt(prompt: str | None, prompt_file: str | None, *, required: bool =
     return prompt or ""
 
 
-def check_context_length(tokens: int, limit: int | None, force: bool, model: str,
-                         what: str = "the prompt") -> None:
-    """Refuse ``tokens`` beyond the model's ``limit`` (named in the error) unless ``force``."""
-    if limit is None or tokens <= limit:
-        return
-    from kvtool.errors import KvtoolError
-    from kvtool.progress import info
-
-    message = (f"{what} needs {tokens} positions but {model} has a context length of {limit} "
-               "(max_position_embeddings)")
-    if not force:
-        raise KvtoolError(f"{message}; shorten it, or pass --force to go past the limit")
-    info(f"warning: {message}; going on (--force)")
-
-
 def verbosity_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``-q/--quiet`` and ``-v/--verbose`` as ``quiet``/``verbose`` arguments (see
     :func:`apply_verbosity`)."""

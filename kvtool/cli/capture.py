@@ -10,7 +10,6 @@ import click
 from kvtool.cli._common import (
     DTYPE,
     MAX_THREADS,
-    check_context_length,
     codec_policy_options,
     context_limit,
     echo_json,
@@ -87,6 +86,7 @@ def capture_command(model_name: str, dtype: str | None, threads: int | None, eng
 
     warm_up_async([policy.key, policy.value], dtype)  # overlaps the model's load and prefill
     from kvtool.formats import save
+    from kvtool.models import check_context_length
     from kvtool.progress import progress_enabled
 
     if engine == "vllm":

@@ -78,9 +78,11 @@ def eval_command(model_name: str, text_file: str | None, chunk: int, max_tokens:
     click.echo(f"text       {report.tokens} tokens in chunks of {report.chunk}")
     click.echo(f"perplexity {report.ppl:.4f}  (baseline {report.baseline_ppl:.4f}, "
                f"{report.delta_ppl_pct:+.3f}%)")
+    past = report.tokens - 1 - report.chunk  # scored positions after the first chunk
     click.echo(f"KL         {report.kl:.5f}  (next token, mean over the {report.tokens - 1} "
-               f"scored tokens; {report.kl_past:.5f} over the {report.tokens - 1 - report.chunk} "
-               "after the first chunk, which attend to the compressed past)")
+               "scored tokens" + (f"; {report.kl_past:.5f} over the {past} after the first "
+                                  "chunk, which attend to the compressed past)" if past > 0
+                                  else ")"))
     click.echo(f"bits/elem  {m['bits_per_element']:.3f}  (keys {m['key_bits_per_element']:.3f}, "
                f"values {m['value_bits_per_element']:.3f})")
     click.echo(f"keys       cosine {m['key_cosine']:.5f}  rel. MSE {m['key_rel_mse']:.5f}")

@@ -16,7 +16,6 @@ import click
 
 from kvtool.cli._common import (
     FiniteFloatRange,
-    check_context_length,
     context_limit,
     echo_json,
     handle_errors,
@@ -137,6 +136,7 @@ def generate_command(model_name: str, dtype: str, threads: int | None, engine: s
                       sampling, force, no_compare, runtime_codec, as_json)
         return
     from kvtool.engines import hf
+    from kvtool.models import check_context_length
 
     loaded = load_for_cli(model_name, dtype, threads)
     limit = context_limit(loaded)
@@ -248,6 +248,7 @@ def _other_engine(engine: str, model_name: str, dtype: str, threads: int | None,
     ids = None
     if cache_path is None:  # the whole prompt, templated as the HF engine does (one BOS)
         from kvtool.engines.common import prompt_ids
+        from kvtool.models import check_context_length
 
         ids = prompt_ids(loaded.tokenizer, text, chat)
         check_context_length(len(ids) + max_tokens, context_limit(loaded), force, loaded.name,
@@ -285,6 +286,7 @@ def _restore(loaded: Any, cache_path: str, prompt: str, max_tokens: int, samplin
 
     from kvtool.engines import hf
     from kvtool.formats import load
+    from kvtool.models import check_context_length
     from kvtool.progress import progress_enabled
 
     start = time.perf_counter()

@@ -6,6 +6,7 @@ from collections import Counter
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from kvtool.cache import is_cast
 from kvtool.errors import FormatError
 from kvtool.formats import constants as C
 from kvtool.formats.container import crc32_hex
@@ -95,7 +96,7 @@ def file_info(f: KvzFile) -> dict[str, Any]:
         "dtype": h[C.H_DTYPE],
         "policy": h.get(C.H_LAYER_POLICY) or h.get(C.H_POLICY),
         "lossy_sources": f.lossy_sources(),
-        "decoded_from_lossy": h.get(C.H_LOSSY_SOURCES, []),
+        "decoded_from_lossy": [s for s in h.get(C.H_LOSSY_SOURCES, []) if not is_cast(s)],
         "codecs": dict(sorted(codecs.items())),
         "file_bytes": f.file_bytes,
         "payload_bytes": payload,

@@ -311,9 +311,11 @@ class KvzFile:
         index = list(range(self.num_layers)) if layers is None else [_index(i) for i in layers]
         for i in index:
             self._role(i, "key")
-        if index != sorted(set(index)):  # saved, layer j would restore into another's place
-            raise ValueError(f"layers must be distinct and in increasing order, got "
-                             f"{str(index)[:60]}")
+        if len(index) == self.num_layers and index != list(range(self.num_layers)):
+            # a cache of every layer saves as the model's (a subset does not): reordered or
+            # repeated, layer j would restore into another's place
+            raise ValueError(f"layers lists {self.num_layers} layers, as many as the file "
+                             f"holds, but not each once in order: {str(index)[:60]}")
         tokens = self._prefix(tokens)
         keys, values = [], []
         for i in tqdm(index, desc="decoding", unit="layer", disable=not progress, leave=False):

@@ -217,6 +217,8 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         header[C.H_LAYER_POLICY] = policy.to_json()
     if store_chunk is not None:
         header[C.H_STORE_CHUNK] = store_chunk
+    if isinstance(lossy_sources, str):  # would read as its characters
+        raise TypeError("lossy_sources must be a list of strings, not a string")
     sources = merge_sources(lossy_sources)
     if sources:  # only then: files of exact K/V stay byte-identical
         header[C.H_LOSSY_SOURCES] = sources

@@ -216,6 +216,9 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         self._withheld = WithheldSaves()  # saves computed over failed loads
         self._step = 0  # the number of the step being run
         self._failed_steps: set[int] = set()  # steps whose loads failed, for the scheduler
+        #: the lossy sources of every file loaded into the paged caches so far: vLLM's own
+        #: prefix cache may hand their blocks to any later request, so every capture says so
+        self._loaded_lossy: set[str] = set()
 
     @property
     def requires_kv_delivery(self) -> bool:

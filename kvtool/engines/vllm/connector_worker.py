@@ -23,7 +23,7 @@ from kvtool.engines.vllm.common import (
     saves_full,
     submit,
 )
-from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS
+from kvtool.engines.vllm.fp8_cache import FP8_LOSSLESS, fp8_sources
 from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.layout_probe import vllm_cpu_writer
 from kvtool.engines.vllm.saver import held_bytes, save_failed, write_capture, write_chunks
@@ -88,6 +88,8 @@ class WorkerHalf:
                 self._layers_refused = e
                 raise
             self._layers = layers
+            if self.store is not None:
+                self.store.lossy_sources = fp8_sources(layers)
         return self._layers
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -118,8 +120,9 @@ class WorkerHalf:
             try:
                 if src.start > covered:
                     raise ValueError(f"no source for tokens {covered}..{src.start}")
-                paged_io.load_source(self._layer_table(), spec.block_ids, src, a, b, self.store,
-                                     self.guard, self.model_info, self._on_device())
+                self._loaded_lossy.update(paged_io.load_source(
+                    self._layer_table(), spec.block_ids, src, a, b, self.store, self.guard,
+                    self.model_info, self._on_device()))
             except Exception as e:  # any damage: recompute from here on
                 log.warning("kvtool: cannot load %s (%s: %s); recomputing tokens %d..%d",
                             src.path, type(e).__name__, str(e)[:200], covered, spec.stop)
@@ -195,6 +198,7 @@ class WorkerHalf:
         gather = lambda: paged_io.gather(  # noqa: E731
             self._layer_table(), spec.block_ids, 0, len(spec.token_ids))
         write_capture(spec.capture_path, gather, spec.token_ids, self.model_info,
+                      [*fp8_sources(self._layer_table()), *self._loaded_lossy],
                       self._tokenizer_fingerprint())
 
     def _tokenizer_fingerprint(self) -> str | None:

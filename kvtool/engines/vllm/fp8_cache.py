@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,6 +80,12 @@ class Fp8Cache:
         top = FORMATS[self.format][1]
         scaled = (x.to(torch.float32) / self.scale(role)).clamp(-top, top)
         return scaled.to(self.code_dtype).view(torch.uint8)
+
+
+def fp8_sources(layers: list[tuple[Any, Any, int]]) -> list[str]:
+    """The lossy sources (``"fp8_e4m3"``) of K/V read from these paged caches
+    (:data:`~kvtool.engines.vllm.paged_io.Layers`): their fp8 formats' rounding."""
+    return sorted({f"fp8_{layout.fp8.format}" for _, layout, _ in layers if layout.fp8})
 
 
 def layer_fp8(layer: object, dtype: str) -> Fp8Cache | None:

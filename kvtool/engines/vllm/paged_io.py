@@ -96,17 +96,18 @@ def copy_out(layers: Layers, block_ids: list[int], chunk: Any, store: Any,
 
 
 def load_source(layers: Layers, block_ids: list[int], src: Source, a: int, b: int,
-                store: Any, guard: Any, model_info: dict, on_device: bool) -> None:
+                store: Any, guard: Any, model_info: dict, on_device: bool) -> list[str]:
     """Tokens ``[a, b)`` of ``src`` into the blocks (at their own positions); raises on any
-    failure (the caller recomputes from ``a`` on)."""
+    failure (the caller recomputes from ``a`` on). Returns what made them inexact
+    (:meth:`~kvtool.formats.KvzFile.lossy_sources`)."""
     if on_device:
-        _load_on_device(layers, block_ids, src, a, b, store, guard, model_info)
-        return
+        return _load_on_device(layers, block_ids, src, a, b, store, guard, model_info)
     cache = read_source(src, b - src.start, store, guard, model_info)
     for i, (kv, layout, ratio) in enumerate(layers):
         k, v = cache.layer(i)
         layout.scatter(kv, kernel_block_ids(block_ids, ratio), a,
                        k[:, a - src.start:], v[:, a - src.start:])
+    return cache.lossy_sources
 
 
 def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: dict) -> Any:
@@ -124,7 +125,7 @@ def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: di
 
 
 def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b: int,
-                    store: Any, guard: Any, model_info: dict) -> None:
+                    store: Any, guard: Any, model_info: dict) -> list[str]:
     """:func:`load_source` on the device: the codes read on the host, decoded on the caches'
     device (:func:`~kvtool.engines.vllm.device_io.load_file`); a store chunk's failure is
     handled by :meth:`PrefixStore.read_into` as :func:`read_source`'s."""
@@ -133,13 +134,17 @@ def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b
     targets = [(kv, layout, kernel_block_ids(block_ids, ratio)) for kv, layout, ratio in layers]
     tokens = b - src.start
 
+    found: list[str] = []
+
     def into_cache(f: Any) -> None:
         device_io.load_file(f, targets, src.start, a - src.start, tokens)
+        found.extend(f.lossy_sources())
 
     if src.chunk is not None and store is not None and guard is not None:
         fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
         store.read_into(src.chunk, tokens, fetched, into_cache)
-        return
+        return found
     with pin_file(src.path) as (path, _), open_kvz(path) as f:
         check_file(f, model_info, tokens)
         into_cache(f)
+    return found

@@ -137,9 +137,10 @@ def _evicted(files: int, freed: int) -> None:
 
 
 def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
-                  tokenizer_fingerprint: str | None) -> None:
+                  lossy_sources: list[str], tokenizer_fingerprint: str | None) -> None:
     """A request's whole prompt K/V (``gather()``: keys, values), lossless, at ``path``
-    (``capture_dir``); a failure is logged and counted, never raised."""
+    (``capture_dir``), with what they went through (an fp8 cache's rounding); a failure is
+    logged and counted, never raised."""
     import os
 
     import numpy as np
@@ -150,7 +151,7 @@ def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
     try:
         keys, values = gather()
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids), model=model,
-                        tokenizer_fingerprint=tokenizer_fingerprint)
+                        tokenizer_fingerprint=tokenizer_fingerprint, lossy_sources=lossy_sources)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save(cache, path, codec="raw")  # lossless; callers re-encode
         count("captures")

@@ -136,6 +136,9 @@ class PrefixStore:
         self._warned: set[str] = set()
         self._warned_newer = False
         self._warned_inexact = False
+        #: what this server's K/V went through before the store (an fp8 paged cache's
+        #: rounding, ``"fp8_e4m3"``): recorded in every chunk it writes
+        self.lossy_sources: list[str] = []
 
     # -- keys -------------------------------------------------------------------------------------
     def chunks(self, token_ids: Sequence[int], limit: int | None = None) -> list[Chunk]:
@@ -407,7 +410,7 @@ class PrefixStore:
         self._check_writable()
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint,
-                        lossy_sources=list(lossy_sources))
+                        lossy_sources=[*self.lossy_sources, *lossy_sources])
         policy = self.chunk_policy(chunk)
         # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
         # symlink, never writing through it); S3: one conditional PUT of the whole object
@@ -430,7 +433,8 @@ class PrefixStore:
         return self.backend.write_new(self._name(chunk), lambda path: int(write_kvz(
             path, replay.meta_layers(), num_layers=replay.num_layers, policy=replay,
             model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint, token_ids=ids,
-            zstd=self.zstd, entropy=self.entropy, store_chunk=chunk.place)["file_bytes"]))
+            zstd=self.zstd, entropy=self.entropy, store_chunk=chunk.place,
+            lossy_sources=self.lossy_sources)["file_bytes"]))
 
     def _check_writable(self) -> None:
         if not self.writable:
@@ -468,12 +472,19 @@ def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
 
 def exact_dtype(f: Any) -> str | None:
     """The dtype an open .kvz file's K/V are exactly as computed in: the model's (else the
-    file's) when every segment is stored ``raw`` at a width that holds it and nothing lossy
-    came before (:meth:`~kvtool.formats.KvzFile.lossy_sources`); None otherwise."""
+    file's) when nothing lossy came before or in it
+    (:meth:`~kvtool.formats.KvzFile.lossy_sources`) and every ``raw`` segment is stored at its
+    role's width; None otherwise. (A widened segment may hold an fp8 server's rounded K/V:
+    chunks written before ``lossy_sources`` said so.)"""
     from kvtool.formats import constants as C
 
     if f.lossy_sources():
         return None
+    for layer in f.header[C.H_LAYERS]:
+        for role in C.ROLES:
+            if any(seg["codec"].get("dtype") not in (None, layer[role]["dtype"])
+                   for seg in layer[role]["segments"]):
+                return None
     return identity_dtype(f.model) or f.header[C.H_DTYPE]
 
 
