@@ -266,8 +266,19 @@ def fitted_entry(name: str, fingerprint: str | None) -> dict[str, Any] | None:
                 raise ValueError(f"its {name} policy is not on the preset's menu")
             return {**entry, "label": menu[picked]}
         except (OSError, ValueError, TypeError, AttributeError, KvtoolError) as e:
-            log.warning("kvtool: ignoring the preset fits in %s (%s)", path, str(e)[:120])
+            _warn_once(f"kvtool: ignoring the preset fits in {path} ({str(e)[:120]})")
     return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A damaged fit file is read by each lookup of a command (the policy, then the weights it
+    was fitted on): said once a process."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def _picked_alike(label: str) -> str:

@@ -25,7 +25,7 @@ from kvtool.preset_fit import (  # noqa: E402
     fitted_label,
     save_fit,
 )
-from kvtool.presets import PRESETS, preset_policy  # noqa: E402
+from kvtool.presets import PRESETS, fitted_weights, preset_policy  # noqa: E402
 
 PROMPT = "The lighthouse keeper wrote down every ship that passed the rocks that night."
 
@@ -127,8 +127,10 @@ def test_a_crafted_or_damaged_fit_is_ignored(fits, damage, caplog):
         path.write_text(json.dumps(data))
     with caplog.at_level("WARNING", logger="kvtool"):
         assert fitted_label("balanced", "fp-a") is None
-    assert preset_policy("balanced", "fp-a") == CodecPolicy.from_label(PRESETS["balanced"][0])
-    assert "ignoring the preset fits" in caplog.text
+        assert preset_policy("balanced", "fp-a") == CodecPolicy.from_label(PRESETS["balanced"][0])
+        assert fitted_weights("balanced", "fp-a") is None
+    # said once, though a command reads the file for its policy and again for its weights
+    assert caplog.text.count("ignoring the preset fits") == 1, caplog.text
 
 
 def test_the_shipped_fits_are_valid_menu_choices():
