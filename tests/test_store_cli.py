@@ -320,6 +320,27 @@ def test_pin_encodes_as_the_server_would_with_the_same_options(tmp_path, runner,
         assert "sink=8" in served and policies == {served, codecs}, (policies, served)
 
 
+def test_an_exact_pin_replaces_chunks_stored_lossy_and_keeps_exact_ones(tmp_path, runner):
+    """A chunk a lossy server stored at a prefix's key is never loaded by a lossless server,
+    and was kept by a lossless `store pin` of the exact capture (first writer wins): the pin
+    said it pinned the prefix while every lossless server still computed it."""
+    root, source = tmp_path / "store", str(_pin_source(tmp_path))
+    pin = ["store", "pin", str(root), source, "--chunk-tokens", str(CHUNK)]
+    lossy = runner.invoke(cli, pin)  # the connector's default, lossy policy
+    assert lossy.exit_code == 0 and "(2 written, 0 already stored)" in lossy.output, lossy.output
+    server = PrefixStore(root, MODELS[0], CHUNK, policy_from_extra({"preset": "lossless"}))
+    ids = list(range(600, 632))
+    assert server.lookup(ids) == []  # stored lossy: a lossless server misses
+    exact = runner.invoke(cli, [*pin, "--preset", "lossless"])
+    assert exact.exit_code == 0, exact.output
+    assert "(2 written, 2 of them replacing chunks stored lossy, 0 already stored)" \
+        in exact.output, exact.output
+    assert _chunk_policies(root) == {"raw"} and len(server.lookup(ids)) == 2
+    again = runner.invoke(cli, pin)  # a lossy pin never replaces exact chunks
+    assert again.exit_code == 0 and "(0 written, 2 already stored)" in again.output, again.output
+    assert _chunk_policies(root) == {"raw"}
+
+
 def test_pin_refuses_to_quantize_a_lossy_file_again_unless_forced(tmp_path, runner):
     root = tmp_path / "store"
     lossy = str(_pin_source(tmp_path, "turbo3"))

@@ -203,10 +203,12 @@ def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
         assert store.write(c0, *kv(seed=5), IDS) == 0 and len(calls) == 1  # kept, no PUT
         # a writer that lost the race (the chunk appeared after its check) leaves it alone
         c1 = store.chunks(IDS)[1]
-        put(s3, url, name_of(store, c1), b"first writer's bytes")
+        assert make(url).write(c1, *kv(seed=7), IDS) > 0  # the first writer
+        first = body(s3, url, name_of(store, c1))
+        calls.clear()
         store.backend.exists = lambda name: False
         assert store.write(c1, *kv(seed=1), IDS) == 0
-        assert body(s3, url, name_of(store, c1)) == b"first writer's bytes"
+        assert len(calls) == 1 and body(s3, url, name_of(store, c1)) == first
     finally:
         del client.put_object
         vars(store.backend).pop("exists", None)

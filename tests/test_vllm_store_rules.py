@@ -373,6 +373,34 @@ def test_lossless_store_skips_lossy_and_cast_chunks(tmp_path, caplog):
     assert len(store("bfloat16", "turbo3").lookup(IDS)) == 2
 
 
+def test_a_lossless_server_writes_over_lossy_chunks_and_nothing_else(tmp_path):
+    """A lossless server never loads another server's lossy chunk, and its own saves of that
+    prefix were skipped (the first writer wins): it computed the prefix on every request. Its
+    exact write now replaces a lossy chunk; no write replaces an exact one (of any dtype), and
+    a lossy server's write never replaces anything."""
+    root = tmp_path / "s"
+    lossy_chunks = fill(make(root, codec="turbo3"), 2)
+    lossless = make(root)
+    assert lossless.lookup(IDS) == []
+    for i, c in enumerate(lossless.chunks(IDS)[:2]):
+        assert lossless.write(c, *kv(seed=i), IDS) > 0  # replaced, not skipped
+    assert [c.key for c in make(root).lookup(IDS)] == [c.key for c in lossy_chunks]
+    exact = tree(root)
+    for c in lossy_chunks:
+        assert make(root, codec="turbo3").write(c, *kv(seed=9), IDS) == 0  # kept
+        assert lossless.write(c, *kv(seed=9), IDS) == 0  # exact already: kept
+    assert tree(root) == exact
+
+    def store(dtype: str) -> PrefixStore:
+        return PrefixStore(tmp_path / "d", {**MODEL, "dtype": dtype}, CHUNK,
+                           policy_from_extra({"codec": "raw"}))
+
+    chunk = store("float32").chunks(IDS)[0]
+    assert store("float32").write(chunk, *kv(), IDS) > 0
+    assert store("bfloat16").write(chunk, *kv(), IDS) == 0  # exact in float32: kept
+    assert len(store("float32").lookup(IDS)) == 1
+
+
 def test_request_switches_take_only_booleans(caplog):
     """``"kvtool_load": "false"`` must not read as true (a non-empty string): it is ignored,
     with a warning, and the default holds."""

@@ -309,7 +309,8 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
                 **codec_opts: Any) -> None:
     """Store FILE.kvz's prefix as the server's chunks and keep them: prune and max_bytes never
     remove pinned chunks. Encoded as ``kvtool serve`` with the same codec options would
-    (without any: its default policy)."""
+    (without any: its default policy). An exact FILE pinned with --preset lossless replaces
+    chunks of its prefix that a lossy server stored (a lossless server never loads those)."""
     from kvtool.engines.vllm import store_pins
 
     if chunk_tokens % PIN_BLOCK_MULTIPLE:  # a server rounds it up to whole blocks: never hit
@@ -317,12 +318,13 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
                                  "a server rounds chunk_tokens up to whole KV blocks, so these "
                                  "chunks would be keyed by a size no server uses",
                                  param_hint="'--chunk-tokens'")
-    pinned, written = store_pins.pin_file(root, file, chunk_tokens=chunk_tokens,
+    pinned, written, replaced = store_pins.pin_file(root, file, chunk_tokens=chunk_tokens,
                                           policy_options=connector_options(codec_opts),
                                           force=force, model=model,
                                           quantization=quantization,
                                           quantization_config=quantization_config)
-    click.echo(f"pinned {pinned} chunks of {file} ({written} written, "
+    lossy = f", {replaced} of them replacing chunks stored lossy" if replaced else ""
+    click.echo(f"pinned {pinned} chunks of {file} ({written} written{lossy}, "
                f"{pinned - written} already stored)")
 
 

@@ -189,19 +189,39 @@ class PrefixStore:
     def is_valid(self, chunk: Chunk, token_ids: Sequence[int]) -> bool:
         """Whether the chunk's file exists and its header matches this model and chunk
         (verdicts are remembered per file stamp; a bad file goes to :meth:`reject`)."""
+        verdict = self._verdict(chunk, token_ids)
+        return verdict is not None and self._usable(chunk, *verdict)
+
+    def replace_lossy(self, chunk: Chunk, token_ids: Sequence[int],
+                      lossy_sources: Sequence[str] = ()) -> bool:
+        """Before an exact write (a lossless store's, with nothing lossy before it): remove the
+        chunk's file if it is stored lossy (a lossy server's or pin's), which this store never
+        loads; whether it did. Else the first writer would win and a lossless server would
+        compute that prefix forever. Exact chunks, in any dtype, are never replaced."""
+        if self.exact_dtype is None or self.lossy_sources or lossy_sources:
+            return False
+        verdict = self._verdict(chunk, token_ids)
+        if verdict is None or not verdict[0] or verdict[1] is not None:
+            return False
+        _VERDICTS.pop(chunk.path, None)
+        return self.backend.remove(self._name(chunk)) is not None
+
+    def _verdict(self, chunk: Chunk, token_ids: Sequence[int]) -> tuple[bool, str | None] | None:
+        """(sound?, the dtype its K/V are exact in or None) of the chunk's file; None where it
+        is absent or could not be read (warned of, or rejected)."""
         from kvtool.errors import KvtoolError
 
         stamp = None
         try:
             cached = _VERDICTS.get(chunk.path)
             if cached is not None and self.backend.peek(self._name(chunk)) == cached[0]:
-                return self._usable(chunk, *cached[1:])  # unchanged since (S3: a HEAD)
+                return cached[1:]  # unchanged since (S3: a HEAD)
             with self.pin(chunk) as (path, stamp):
                 if cached is not None and cached[0] == stamp:
-                    return self._usable(chunk, *cached[1:])
+                    return cached[1:]
                 exact = self._check_header(chunk, path, token_ids)
         except (FileNotFoundError, NotADirectoryError):
-            return False
+            return None
         except OSError as e:
             if is_down(e):
                 raise  # the store, not this file: the caller's guard takes it out of service
@@ -209,7 +229,7 @@ class PrefixStore:
         except (KvtoolError, ValueError) as e:
             return self._unreadable(chunk, e, stamp)
         _remember(chunk.path, stamp, True, exact)
-        return self._usable(chunk, True, exact)
+        return True, exact
 
     def _usable(self, chunk: Chunk, ok: bool, exact: str | None) -> bool:
         """A valid chunk, unless this store is lossless and the chunk is not exact in its
@@ -230,8 +250,8 @@ class PrefixStore:
             return True
         return exact is not None and exact == (self.exact_dtype or exact)  # "": dtype unknown
 
-    def _unreadable(self, chunk: Chunk, e: BaseException, stamp: Stamp | None) -> bool:
-        """False, after a warning (unsafe or unopenable file) or :meth:`reject`."""
+    def _unreadable(self, chunk: Chunk, e: BaseException, stamp: Stamp | None) -> None:
+        """None, after a warning (unsafe or unopenable file) or :meth:`reject`."""
         if isinstance(e, UnsafeFileError):
             self._warn_once(chunk, f"kvtool store: ignoring {chunk.path}: {e.strerror}; "
                             "symlinks and special files in the store are never followed")
@@ -239,7 +259,7 @@ class PrefixStore:
             self._warn_once(chunk, f"kvtool store: cannot open {chunk.path} ({e}); skipped")
         else:
             self.reject(chunk, e, stamp)
-        return False
+        return None
 
     def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> str | None:
         """Raise unless the (pinned) file's header can serve ``chunk``; else the dtype its
@@ -402,12 +422,14 @@ class PrefixStore:
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int], *, lossy_sources: Sequence[str] = ()) -> int:
-        """Encode and write one chunk atomically; its file size. Existing chunks are kept; a
-        symlink in the chunk's place is replaced, never written through. ``lossy_sources``:
+        """Encode and write one chunk atomically; its file size. Existing chunks are kept (but
+        for :meth:`replace_lossy`); a symlink in the chunk's place is replaced, never written
+        through. ``lossy_sources``:
         the lossy steps the K/V went through (a pinned file's), recorded in the chunk."""
         from kvtool.formats import save
 
         self._check_writable()
+        self.replace_lossy(chunk, token_ids, lossy_sources)
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint,
                         lossy_sources=[*self.lossy_sources, *lossy_sources])
@@ -427,6 +449,7 @@ class PrefixStore:
         from kvtool.formats.writer import write_kvz
 
         self._check_writable()
+        self.replace_lossy(chunk, token_ids)
         encoded.wait()
         replay = ReplayPolicy(encoded, self.chunk_policy(chunk))
         ids = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
