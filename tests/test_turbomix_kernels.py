@@ -12,6 +12,7 @@ import pytest
 
 from kvtool.codecs import get_codec
 from kvtool.errors import CodecError
+from kvtool.policy import CodecPolicy
 from kvtool.presets import preset_policy
 
 pytest.importorskip("numba")
@@ -32,13 +33,34 @@ OPTIONS = [
     "select=scalar,trellis=true",  # small since 2026-11-30
     "turbomix:bits=2,candidates=4,select=scalar,trellis=true",
     "turbomix:vq=2,candidates=3,select=scalar,norm_bits=8",
+    # the fits kvtool ships (Gemma 3 270M's quality, balanced, small: keys, values)
+    "turbomix:bits=4,outliers=16,outliers_per=64,outlier_bits=6,center=true,candidates=4,"
+    "norm_bits=8",
+    "turbomix:outliers=16,outliers_per=64,candidates=4,norm_bits=8",
+    "turbomix:outliers=32,outliers_per=64,center=true,candidates=4,select=scalar,trellis=true,"
+    "norm_bits=8",
+    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
+    "trellis=true,norm_bits=8",
+    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=4,center=true,candidates=4,"
+    "select=scalar,trellis=true",
+    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
+    "trellis=true",
 ]
 
 
 def test_every_presets_codecs_are_among_the_options():
+    """The fixed presets' codecs, and those of every fit kvtool ships (what ``--preset`` means
+    on a bundled model)."""
+    from kvtool import preset_fit
+
     covered = {json.dumps(get_codec(s).get_config(), sort_keys=True) for s in OPTIONS}
-    for name in ("quality", "balanced", "small"):
-        policy = preset_policy(name)
+    policies = {name: preset_policy(name) for name in ("quality", "balanced", "small")}
+    shipped = sorted(preset_fit.shipped_path("x").parent.glob("preset-fits-*.json"))
+    for path in shipped:
+        for name, entry in json.loads(path.read_text())["presets"].items():
+            policies[f"{path.name} {name}"] = CodecPolicy.from_label(entry["label"])
+    assert len(policies) >= 6
+    for name, policy in policies.items():
         for codec in (policy.key, policy.value):
             assert json.dumps(codec.get_config(), sort_keys=True) in covered, (name, codec)
 
