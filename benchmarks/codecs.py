@@ -13,6 +13,7 @@ row is a peer: the ManthanQuant scheme (norm, ×√D, 8-level Gaussian Lloyd–M
     python benchmarks/codecs.py          # 1M vectors, D=128, every codec and backend
     python benchmarks/codecs.py --vectors 200000 --codecs turbo3,int8 --backends torch+numba
     python benchmarks/codecs.py --codecs quality/k,quality/v,balanced/k,balanced/v,small/k,small/v
+    python benchmarks/codecs.py --codecs "turbomix:bits=2,trellis=true;turbo3" --head-dim 256
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=1 << 16, help="vectors per encode call")
     ap.add_argument("--codecs", default=",".join(list_codecs() + preset_specs()),
-                    help="codec specs, or a preset's key or value codec (quality/k, small/v)")
+                    help="codec specs, or a preset's key or value codec (quality/k, small/v); "
+                         "separated by ';' where a spec has options (turbomix:bits=2,trellis=true)")
     ap.add_argument("--backends", default=",".join(backend_labels()))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")
@@ -160,16 +162,18 @@ def main() -> None:
     copy = memcpy_mbps(x, 5)
     print(f"{args.vectors} vectors × D={args.head_dim} fp16 ({x.nbytes / 1e6:.0f} MB); "
           f"memory copy {copy:.0f} MB/s")
-    header = (f"{'codec':<22}{'backend':<13}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
+    specs = args.codecs.split(";" if ";" in args.codecs else ",")
+    width = max(22, *(len(spec) + 2 for spec in specs))
+    header = (f"{'codec':<{width}}{'backend':<13}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
               f"{'enc MB/s':>10}{'(×copy)':>9}{'dec MB/s':>10}{'(×copy)':>9}")
     print(header)
     print("-" * len(header))
     def show(r: dict) -> None:
-        print(f"{r['codec']:<22}{r['backend']:<13}{r['bits']:>6.3f}{r['ratio']:>7.2f}"
+        print(f"{r['codec']:<{width}}{r['backend']:<13}{r['bits']:>6.3f}{r['ratio']:>7.2f}"
               f"{r['nmse']:>9.5f}{r['cosine']:>8.4f}{r['enc_mbps']:>10.0f}"
               f"{r['enc_mbps'] / copy:>9.3f}{r['dec_mbps']:>10.0f}{r['dec_mbps'] / copy:>9.3f}")
 
-    for spec in args.codecs.split(","):
+    for spec in specs:
         for backend in args.backends.split(","):
             with kernels(backend):
                 show(run_codec(spec, backend, chunks, args.repeats))
