@@ -130,6 +130,20 @@ def run_codec(codec_spec: str, backend: str, chunks: list, repeats: int) -> dict
     }
 
 
+def split_specs(text: str) -> list[str]:
+    """Codec specs from ``--codecs``: separated by ``;``, or by commas, where a piece with an
+    option but no codec name (``trellis=true``) continues the spec before it."""
+    if ";" in text:
+        return [spec.strip() for spec in text.split(";") if spec.strip()]
+    specs: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if specs and "=" in piece and ":" not in piece:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vectors", type=int, default=1 << 20)
@@ -137,7 +151,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1 << 16, help="vectors per encode call")
     ap.add_argument("--codecs", default=",".join(list_codecs() + preset_specs()),
                     help="codec specs, or a preset's key or value codec (quality/k, small/v); "
-                         "separated by ';' where a spec has options (turbomix:bits=2,trellis=true)")
+                         "by commas, or by ';' (turbomix:bits=2,trellis=true;turbo3)")
     ap.add_argument("--backends", default=",".join(backend_labels()))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch and numba threads")
@@ -162,7 +176,7 @@ def main() -> None:
     copy = memcpy_mbps(x, 5)
     print(f"{args.vectors} vectors × D={args.head_dim} fp16 ({x.nbytes / 1e6:.0f} MB); "
           f"memory copy {copy:.0f} MB/s")
-    specs = args.codecs.split(";" if ";" in args.codecs else ",")
+    specs = split_specs(args.codecs)
     width = max(22, *(len(spec) + 2 for spec in specs))
     header = (f"{'codec':<{width}}{'backend':<13}{'bits':>6}{'ratio':>7}{'nMSE':>9}{'cosine':>8}"
               f"{'enc MB/s':>10}{'(×copy)':>9}{'dec MB/s':>10}{'(×copy)':>9}")

@@ -70,8 +70,8 @@ MENUS: dict[str, tuple[str, ...]] = {
         "trellis=true,norm_bits=8 v=turbomix:candidates=4,select=scalar,trellis=true,"
         "norm_bits=8 sink=4",
         # 32 key outliers per 64 channels, four rotations: for keys with many loud channels
-        # (Gemma 3 270M: 32 outliers with one rotation 3.27 b, KL 0.0070 against the fixed
-        # preset's 0.0082, 2048 tokens × 2 texts × 3 seeds; over the budget at head_dim 64)
+        # (Gemma 3 270M: 3.27 b, KL 0.0070 against the fixed preset's 0.0082, 2048 tokens ×
+        # 2 texts × 3 seeds; over the budget at head_dim 64)
         "k=turbomix:outliers=32,outliers_per=64,center=true,candidates=4,select=scalar,"
         "trellis=true,norm_bits=8 v=turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,"
         "candidates=4,select=scalar,trellis=true,norm_bits=8 sink=4",

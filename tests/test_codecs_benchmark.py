@@ -28,4 +28,6 @@ def test_specs_with_options_and_preset_codecs_each_get_a_row():
     assert set(out) == {"turbomix:bits=2,outliers=16,trellis=true", "turbo3", "small/v"}, out
     assert float(out["turbo3"][2]) == pytest.approx(3.125)  # bits/element at D=128
     assert 2.0 < float(out["small/v"][2]) < 2.5  # 2-bit codes, norms, rotation choices
-    assert set(rows("turbo2,turbo4")) == {"turbo2", "turbo4"}  # no option: commas separate
+    # commas separate specs; a piece with an option and no codec name continues the spec
+    assert set(rows("turbo2,turbomix:bits=2,trellis=true,small/k")) == {
+        "turbo2", "turbomix:bits=2,trellis=true", "small/k"}

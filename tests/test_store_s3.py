@@ -214,6 +214,26 @@ def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
         vars(store.backend).pop("exists", None)
 
 
+def test_a_lossless_writer_replaces_a_lossy_chunk_it_judged_and_nothing_newer(s3, url):
+    """On S3 too: a lossless server's write replaces a lossy chunk, by a delete conditional on
+    the ETag it judged; an object rewritten since (another lossless writer's) is left alone."""
+    (chunk,) = fill(make(url, codec="turbo3"), 1)
+    lossless = make(url)
+    assert lossless.lookup(IDS) == []  # judged: stored lossy
+    assert lossless.write(chunk, *kv(seed=2), IDS) > 0
+    assert [c.key for c in make(url).lookup(IDS)] == [chunk.key]
+    name = name_of(lossless, chunk)
+    with lossless.pin(chunk) as (_, judged):
+        pass
+    put(s3, url, name, b"rewritten since")  # another writer's object, a new ETag
+    assert lossless.backend.remove(name, judged) is None
+    assert body(s3, url, name) == b"rewritten since"
+    with lossless.pin(chunk) as (_, now):
+        pass
+    assert lossless.backend.remove(name, now) == len(b"rewritten since")
+    assert name not in objects(s3, url)
+
+
 # -- the store rules --------------------------------------------------------------------------
 def test_writer_quarantines_damaged_chunks(s3, url, caplog):
     store = make(url)

@@ -156,6 +156,20 @@ def test_the_device_path_writes_the_host_paths_files(tmp_path, kind, dtype):
     assert dev.write_encoded(chunk, encoded, IDS) == 0  # an existing chunk is kept
 
 
+def test_the_device_path_of_a_lossless_server_replaces_a_lossy_chunk(tmp_path):
+    """As :meth:`PrefixStore.write` does: a chunk a lossy server stored at the key is one a
+    lossless server never loads, so its codes made on the GPU replace it."""
+    kind, dtype = KIND_DTYPES[0]
+    layers = caches(kind, dtype)
+    lossy = PrefixStore(tmp_path / "s", MODEL, CHUNK, policy_from_extra({"codec": "turbo3"}))
+    chunk = lossy.chunks(IDS)[0]
+    assert lossy.write(chunk, *gather(layers, chunk), IDS) > 0
+    lossless = PrefixStore(tmp_path / "s", MODEL, CHUNK, policy_from_extra({"codec": "raw"}))
+    assert lossless.lookup(IDS) == []
+    save_device(lossless, layers, chunk)  # written (> 0), not kept
+    assert [c.key for c in lossless.lookup(IDS)] == [chunk.key]
+
+
 @pytest.mark.parametrize("extra,options", [
     ({"codec": "raw"}, {}), ({"preset": "balanced"}, {}), ({}, {"entropy": True}),
     ({"codec": "turbo3", "protect_layers": 1}, {}),

@@ -401,6 +401,45 @@ def test_a_lossless_server_writes_over_lossy_chunks_and_nothing_else(tmp_path):
     assert len(store("float32").lookup(IDS)) == 1
 
 
+def test_a_lossy_chunk_that_cannot_be_removed_is_kept_and_later_saves_go_on(tmp_path, caplog,
+                                                                         monkeypatch):
+    """A store that lets a server write but not delete (an S3 policy without DeleteObject,
+    a directory it does not own) keeps the lossy chunk: the write is skipped as before, with
+    one warning, not failed (a failed write stops the rest of a prompt's saves)."""
+    root = tmp_path / "s"
+    lossy_chunks = fill(make(root, codec="turbo3"), 1)
+    lossless = make(root)
+    lossless.lookup(IDS)
+
+    def denied(name, stamp=None):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(lossless.backend, "remove", denied)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        for _ in range(2):
+            assert lossless.write(lossy_chunks[0], *kv(), IDS) == 0
+    assert caplog.text.count("cannot replace the lossy chunk") == 1
+    second = lossless.chunks(IDS)[1]
+    assert lossless.write(second, *kv(seed=1), IDS) > 0
+
+
+def test_a_chunk_rewritten_since_it_was_judged_is_not_removed(tmp_path):
+    """Two lossless servers that judged the same lossy chunk: the second must not remove the
+    exact chunk the first wrote in its place (its stamp is no longer the one judged)."""
+    root = tmp_path / "s"
+    (chunk,) = fill(make(root, codec="turbo3"), 1)
+    store = make(root)
+    with store.pin(chunk) as (_, judged):
+        pass
+    name = store._name(chunk)
+    time.sleep(0.01)
+    os.remove(chunk.path)
+    assert make(root).write(chunk, *kv(seed=4), IDS) > 0  # another writer's, since
+    assert store.backend.remove(name, judged) is None and os.path.exists(chunk.path)
+    with store.pin(chunk) as (_, now):
+        assert store.backend.remove(name, now) > 0 and not os.path.exists(chunk.path)
+
+
 def test_request_switches_take_only_booleans(caplog):
     """``"kvtool_load": "false"`` must not read as true (a non-empty string): it is ignored,
     with a warning, and the default holds."""

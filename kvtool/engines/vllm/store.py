@@ -200,11 +200,22 @@ class PrefixStore:
         compute that prefix forever. Exact chunks, in any dtype, are never replaced."""
         if self.exact_dtype is None or self.lossy_sources or lossy_sources:
             return False
+        self._check_writable()
         verdict = self._verdict(chunk, token_ids)
-        if verdict is None or not verdict[0] or verdict[1] is not None:
+        judged = _VERDICTS.get(chunk.path)
+        if verdict is None or not verdict[0] or verdict[1] is not None or judged is None:
+            return False
+        try:  # only the file judged lossy: another lossless writer's exact chunk is kept
+            removed = self.backend.remove(self._name(chunk), judged[0])
+        except OSError as e:
+            if is_down(e):
+                raise  # the store, not this file: the caller's guard takes it out of service
+            self._warn_once(chunk, f"kvtool store: cannot replace the lossy chunk {chunk.path} "
+                            f"({e}); kept, and its prefix computed by this lossless server",
+                            counter=None)
             return False
         _VERDICTS.pop(chunk.path, None)
-        return self.backend.remove(self._name(chunk)) is not None
+        return removed is not None
 
     def _verdict(self, chunk: Chunk, token_ids: Sequence[int]) -> tuple[bool, str | None] | None:
         """(sound?, the dtype its K/V are exact in or None) of the chunk's file; None where it
@@ -340,10 +351,12 @@ class PrefixStore:
         count("quarantined_files")
         return self.backend.path(f"{QUARANTINE_DIR}/{name}")
 
-    def _warn_once(self, chunk: Chunk, message: str) -> None:
+    def _warn_once(self, chunk: Chunk, message: str, counter: str | None = "invalid_files"
+                   ) -> None:
         if chunk.path not in self._warned:
             self._warned.add(chunk.path)
-            count("invalid_files")
+            if counter:
+                count(counter)
             log.warning("%s", message)
 
     def _name_of(self, key: str) -> str:

@@ -83,7 +83,8 @@ class Backend(Protocol):
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool: ...
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None: ...
     def walk(self, model: str | None = None) -> Iterator[Entry]: ...
-    def remove(self, name: str) -> int | None: ...  # None: not there; OSError: cannot
+    # None: not there (or, with ``stamp``, no longer the file judged); OSError: cannot
+    def remove(self, name: str, stamp: Stamp | None = None) -> int | None: ...
     def read_small(self, name: str) -> bytes | None: ...
     def write_small(self, name: str, data: bytes) -> None: ...
     def collect_garbage(self, model: str) -> tuple[int, int]: ...
@@ -251,10 +252,11 @@ class LocalBackend:
             yield from (e for e in _files(os.path.join(self.location, QUARANTINE_DIR),
                                           f"{QUARANTINE_DIR}/") if e.regular)
 
-    def remove(self, name: str) -> int | None:
+    def remove(self, name: str, stamp: Stamp | None = None) -> int | None:
         """Unlink a regular file (never through a symlinked directory); its size, or None if it
-        was not there (nor a regular file: that is never removed). An ``OSError`` naming the
-        file if it is there but cannot be removed (read-only filesystem, permissions)."""
+        was not there (nor a regular file: that is never removed), or, given the ``stamp`` of
+        the file judged, if it was rewritten since. An ``OSError`` naming the file if it is
+        there but cannot be removed (read-only filesystem, permissions)."""
         parts = name.split("/")
         try:
             dir_fd = open_dir(self.location, parts[:-1])
@@ -264,7 +266,7 @@ class LocalBackend:
             raise with_path(e, self.path(name)) from None
         try:
             st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or (stamp is not None and stamp_of(st) != stamp):
                 return None
             os.unlink(parts[-1], dir_fd=dir_fd)
             return st.st_size

@@ -321,7 +321,7 @@ class S3Backend:
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool:
         """Copy to ``quarantine/dest`` (if the ETag still matches), then delete the original
         only if its ETag is still the one judged: a rewritten object is left alone."""
-        from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         with self._lock:
             known = self._etags.get(name)
@@ -335,23 +335,32 @@ class S3Backend:
                                     CopySourceIfMatch=etag)
         except (BotoCoreError, ClientError) as e:
             raise self._error(e, name, "quarantine") from None
+        if not self._delete_if_match(name, etag, "quarantine"):
+            return False  # rewritten (or removed) meanwhile: judge the new one afresh
+        with self._lock:
+            self._etags.pop(name, None)
+        self._bodies.drop(name)
+        return True
+
+    def _delete_if_match(self, name: str, etag: str, action: str = "remove") -> bool:
+        """Delete the object if its ETag is still ``etag``; False if it was rewritten or
+        removed meanwhile. A server (or botocore) without conditional deletes deletes it."""
+        from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
+
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(name), IfMatch=etag)
         except (ClientError, ParamValidationError) as e:
             code = error_code(e)
             if code in ("PreconditionFailed", "NoSuchKey"):
-                return False  # rewritten (or removed) meanwhile: judge the new one afresh
+                return False
             if code not in UNSUPPORTED_CODES and isinstance(e, ClientError):
-                raise self._error(e, name, "quarantine") from None
-            try:  # a server (or botocore) without conditional deletes
+                raise self._error(e, name, action) from None
+            try:
                 self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
             except (BotoCoreError, ClientError) as e2:
-                raise self._error(e2, name, "quarantine") from None
+                raise self._error(e2, name, action) from None
         except BotoCoreError as e:
-            raise self._error(e, name, "quarantine") from None
-        with self._lock:
-            self._etags.pop(name, None)
-        self._bodies.drop(name)
+            raise self._error(e, name, action) from None
         return True
 
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None:
@@ -406,8 +415,9 @@ class S3Backend:
             yield Entry(e.name, e.size, e.mtime, max(e.mtime, mark))
         yield from quarantined
 
-    def remove(self, name: str) -> int | None:
-        """Delete a chunk and its hit marker; its size, or None if it was not there (any other
+    def remove(self, name: str, stamp: Stamp | None = None) -> int | None:
+        """Delete a chunk and its hit marker; its size, or None if it was not there, or, given
+        the ``stamp`` of the object judged, if its ETag is no longer the one judged (any other
         failure is raised)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -415,10 +425,16 @@ class S3Backend:
             head = self._head(name, "remove")
         except FileNotFoundError:
             return None
-        try:
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
-        except (BotoCoreError, ClientError) as e:
-            raise self._error(e, name, "remove") from None
+        if stamp is not None:
+            with self._lock:
+                known = self._etags.get(name)
+            if known is None or known[0] != stamp or not self._delete_if_match(name, known[1]):
+                return None
+        else:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
+            except (BotoCoreError, ClientError) as e:
+                raise self._error(e, name, "remove") from None
         self._bodies.drop(name)
         with contextlib.suppress(BotoCoreError, ClientError):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(_hit_name(name)))
