@@ -8,6 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from fit_codecs import SHIPPED_FIT_CODECS
 
 from kvtool.codecs import get_codec
 from kvtool.codecs.abc import Encoded
@@ -45,18 +46,7 @@ PRESET_CODECS = [
     "trellis=true",  # small
     "turbomix:bits=2,candidates=4,select=scalar,trellis=true",
     "turbomix:bits=3,outliers=12,outlier_bits=8,center=true",  # 8-bit outliers
-    # the shipped fits to Gemma 3 270M (quality, balanced, small: keys, values)
-    "turbomix:bits=4,outliers=16,outliers_per=64,outlier_bits=6,center=true,candidates=4,"
-    "norm_bits=8",
-    "turbomix:outliers=16,outliers_per=64,candidates=4,norm_bits=8",
-    "turbomix:outliers=32,outliers_per=64,center=true,candidates=4,select=scalar,trellis=true,"
-    "norm_bits=8",
-    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
-    "trellis=true,norm_bits=8",
-    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=4,center=true,candidates=4,"
-    "select=scalar,trellis=true",
-    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
-    "trellis=true",
+    *SHIPPED_FIT_CODECS,  # the fits kvtool ships
 ]
 
 

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from fit_codecs import SHIPPED_FIT_CODECS
 
 from kvtool.codecs import get_codec
 from kvtool.errors import CodecError
@@ -33,18 +34,7 @@ OPTIONS = [
     "select=scalar,trellis=true",  # small since 2026-11-30
     "turbomix:bits=2,candidates=4,select=scalar,trellis=true",
     "turbomix:vq=2,candidates=3,select=scalar,norm_bits=8",
-    # the fits kvtool ships (Gemma 3 270M's quality, balanced, small: keys, values)
-    "turbomix:bits=4,outliers=16,outliers_per=64,outlier_bits=6,center=true,candidates=4,"
-    "norm_bits=8",
-    "turbomix:outliers=16,outliers_per=64,candidates=4,norm_bits=8",
-    "turbomix:outliers=32,outliers_per=64,center=true,candidates=4,select=scalar,trellis=true,"
-    "norm_bits=8",
-    "turbomix:bits=2,outliers=48,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
-    "trellis=true,norm_bits=8",
-    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=4,center=true,candidates=4,"
-    "select=scalar,trellis=true",
-    "turbomix:bits=2,outliers=16,outliers_per=64,outlier_bits=3,candidates=4,select=scalar,"
-    "trellis=true",
+    *SHIPPED_FIT_CODECS,  # the fits kvtool ships
 ]
 
 
