@@ -185,21 +185,29 @@ def test_same_layout_and_bytes_as_the_directory_store(s3, url, tmp_path, monkeyp
 
 
 def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
+    """A new chunk is one HEAD and one conditional PUT, also for a lossless store (which
+    judges a chunk it finds there, to replace a lossy one): nothing is downloaded."""
     store = make(url)
-    calls = []
+    assert store.exact_dtype is not None  # lossless
+    calls, gets = [], []
     client = store.backend.client
-    real_put = client.put_object
+    real_put, real_get = client.put_object, client.get_object
 
     def spy(**kw):
         calls.append(kw)
         return real_put(**kw)
 
-    client.put_object = spy
+    def spy_get(**kw):
+        gets.append(kw)
+        return real_get(**kw)
+
+    client.put_object, client.get_object = spy, spy_get
     try:
         c0 = store.chunks(IDS)[0]
         size = store.write(c0, *kv(), IDS)
         (call,) = calls  # the whole chunk in one PUT: never a partial object
         assert call["IfNoneMatch"] == "*" and len(call["Body"]) == size
+        assert gets == []
         assert store.write(c0, *kv(seed=5), IDS) == 0 and len(calls) == 1  # kept, no PUT
         # a writer that lost the race (the chunk appeared after its check) leaves it alone
         c1 = store.chunks(IDS)[1]
@@ -210,7 +218,7 @@ def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
         assert store.write(c1, *kv(seed=1), IDS) == 0
         assert len(calls) == 1 and body(s3, url, name_of(store, c1)) == first
     finally:
-        del client.put_object
+        del client.put_object, client.get_object
         vars(store.backend).pop("exists", None)
 
 

@@ -401,6 +401,22 @@ def test_a_lossless_server_writes_over_lossy_chunks_and_nothing_else(tmp_path):
     assert len(store("float32").lookup(IDS)) == 1
 
 
+def test_a_lossless_write_that_meets_a_damaged_chunk_quarantines_it_and_writes(tmp_path):
+    """A lossless store judges a file it finds in the chunk's place (it may be stored lossy):
+    a damaged one is quarantined and the chunk written anew, not skipped. A lossy store keeps
+    whatever is there without reading it (its lookups judge it)."""
+    root = tmp_path / "s"
+    c0, c1 = fill(make(root), 2)
+    damaged = b"not a kvz file" * 50
+    for c in (c0, c1):
+        open(c.path, "wb").write(damaged)
+    assert make(root, codec="turbo3").write(c0, *kv(), IDS) == 0
+    assert open(c0.path, "rb").read() == damaged and quarantined(root) == []
+    assert make(root).write(c1, *kv(seed=1), IDS) > 0
+    assert len(quarantined(root)) == 1 and open(c1.path, "rb").read() != damaged
+    assert make(root).is_valid(c1, IDS)
+
+
 def test_a_lossy_chunk_that_cannot_be_removed_is_kept_and_later_saves_go_on(tmp_path, caplog,
                                                                          monkeypatch):
     """A store that lets a server write but not delete (an S3 policy without DeleteObject,

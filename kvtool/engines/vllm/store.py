@@ -194,16 +194,20 @@ class PrefixStore:
 
     def replace_lossy(self, chunk: Chunk, token_ids: Sequence[int],
                       lossy_sources: Sequence[str] = ()) -> bool:
-        """Before an exact write (a lossless store's, with nothing lossy before it): remove the
-        chunk's file if it is stored lossy (a lossy server's or pin's), which this store never
-        loads; whether it did. Else the first writer would win and a lossless server would
-        compute that prefix forever. Exact chunks, in any dtype, are never replaced."""
+        """For an exact write (a lossless store's, with nothing lossy before it) that found a
+        file in the chunk's place: remove it if it is stored lossy (a lossy server's or pin's),
+        which this store never loads; whether the place is free now (a lossy file removed, or
+        a damaged one quarantined by the judging). Else the first writer would win and a
+        lossless server would compute that prefix forever. Exact chunks, in any dtype, are
+        never replaced."""
         if self.exact_dtype is None or self.lossy_sources or lossy_sources:
             return False
         self._check_writable()
         verdict = self._verdict(chunk, token_ids)
+        if verdict is None:  # damaged (then quarantined), unreadable (kept) or gone
+            return not self.exists(chunk)
         judged = _VERDICTS.get(chunk.path)
-        if verdict is None or not verdict[0] or verdict[1] is not None or judged is None:
+        if not verdict[0] or verdict[1] is not None or judged is None:
             return False
         try:  # only the file judged lossy: another lossless writer's exact chunk is kept
             removed = self.backend.remove(self._name(chunk), judged[0])
@@ -435,21 +439,18 @@ class PrefixStore:
 
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int], *, lossy_sources: Sequence[str] = ()) -> int:
-        """Encode and write one chunk atomically; its file size. Existing chunks are kept (but
-        for :meth:`replace_lossy`); a symlink in the chunk's place is replaced, never written
-        through. ``lossy_sources``:
-        the lossy steps the K/V went through (a pinned file's), recorded in the chunk."""
+        """Encode and write one chunk atomically; its file size, or 0 where one is kept.
+        Existing chunks are kept (but for :meth:`replace_lossy`); a symlink in the chunk's
+        place is replaced, never written through. ``lossy_sources``: the lossy steps the K/V
+        went through (a pinned file's), recorded in the chunk."""
         from kvtool.formats import save
 
         self._check_writable()
-        self.replace_lossy(chunk, token_ids, lossy_sources)
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids[chunk.start:chunk.stop]),
                         model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint,
                         lossy_sources=[*self.lossy_sources, *lossy_sources])
         policy = self.chunk_policy(chunk)
-        # local: a temp file in the pinned directory renamed over the chunk's name (replacing a
-        # symlink, never writing through it); S3: one conditional PUT of the whole object
-        return self.backend.write_new(self._name(chunk), lambda path: int(
+        return self._write_new(chunk, token_ids, lossy_sources, lambda path: int(
             save(cache, path, policy, zstd=self.zstd, entropy=self.entropy,
                  store_chunk=chunk.place)["file_bytes"]))
 
@@ -462,15 +463,27 @@ class PrefixStore:
         from kvtool.formats.writer import write_kvz
 
         self._check_writable()
-        self.replace_lossy(chunk, token_ids)
         encoded.wait()
         replay = ReplayPolicy(encoded, self.chunk_policy(chunk))
         ids = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
-        return self.backend.write_new(self._name(chunk), lambda path: int(write_kvz(
+        return self._write_new(chunk, token_ids, (), lambda path: int(write_kvz(
             path, replay.meta_layers(), num_layers=replay.num_layers, policy=replay,
             model=self.model, tokenizer_fingerprint=self.tokenizer_fingerprint, token_ids=ids,
             zstd=self.zstd, entropy=self.entropy, store_chunk=chunk.place,
             lossy_sources=self.lossy_sources)["file_bytes"]))
+
+    def _write_new(self, chunk: Chunk, token_ids: Sequence[int], lossy_sources: Sequence[str],
+                   encode: Callable[[str], int]) -> int:
+        """Publish ``encode(path)``'s file under the chunk's name unless a file is there
+        already; the file's size, or 0 if one was kept. Local: a temp file in the pinned
+        directory linked to the chunk's name (replacing a symlink, never writing through it);
+        S3: one conditional PUT of the whole object. A file found there is judged (and
+        replaced if stored lossy, :meth:`replace_lossy`) only then: a new chunk costs no read."""
+        name = self._name(chunk)
+        size = self.backend.write_new(name, encode)
+        if size or not self.replace_lossy(chunk, token_ids, lossy_sources):
+            return size
+        return self.backend.write_new(name, encode)
 
     def _check_writable(self) -> None:
         if not self.writable:

@@ -64,12 +64,12 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
                           f"({chunk_tokens} tokens)")
     written = replaced = 0
     for c in chunks:
-        removed = store.replace_lossy(c, ids, cache.lossy_sources)
+        existed = store.exists(c)  # then written only in place of a lossy chunk
         keys = [k[:, c.start:c.stop] for k in cache.keys]
         values = [v[:, c.start:c.stop] for v in cache.values]
         wrote = bool(store.write(c, keys, values, ids, lossy_sources=cache.lossy_sources))
         written += wrote
-        replaced += removed and wrote
+        replaced += existed and wrote
     pins = read_pins(backend)
     source = os.path.realpath(path)
     for c in chunks:
