@@ -333,7 +333,7 @@ def test_an_exact_pin_replaces_chunks_stored_lossy_and_keeps_exact_ones(tmp_path
     assert server.lookup(ids) == []  # stored lossy: a lossless server misses
     exact = runner.invoke(cli, [*pin, "--preset", "lossless"])
     assert exact.exit_code == 0, exact.output
-    assert "(2 written, 2 of them replacing chunks stored lossy, 0 already stored)" \
+    assert "(2 written, 2 of them replacing chunks stored lossy or damaged, 0 already stored)" \
         in exact.output, exact.output
     assert _chunk_policies(root) == {"raw"} and len(server.lookup(ids)) == 2
     again = runner.invoke(cli, pin)  # a lossy pin never replaces exact chunks

@@ -181,7 +181,10 @@ def test_newer_versions_skipped_and_left_alone(tmp_path, caplog):
         assert not store.is_valid(c1, IDS)
         assert not store.is_valid(c2, IDS)
         assert store.lookup(IDS) == [c0]
+        for c in (c1, c2):  # a lossless write judges them: kept, not replaced
+            assert store.write(c, *kv(seed=3), IDS) == 0
     assert tree(tmp_path) == snapshot and quarantined(tmp_path) == []
+    assert store.replaced == 0
     assert caplog.text.count("newer kvtool") == 1  # one warning
     assert stats()["newer_files"] - before["newer_files"] == 2
     assert stats()["quarantined_files"] == before["quarantined_files"]
@@ -412,7 +415,8 @@ def test_a_lossless_write_that_meets_a_damaged_chunk_quarantines_it_and_writes(t
         open(c.path, "wb").write(damaged)
     assert make(root, codec="turbo3").write(c0, *kv(), IDS) == 0
     assert open(c0.path, "rb").read() == damaged and quarantined(root) == []
-    assert make(root).write(c1, *kv(seed=1), IDS) > 0
+    lossless = make(root)
+    assert lossless.write(c1, *kv(seed=1), IDS) > 0 and lossless.replaced == 1
     assert len(quarantined(root)) == 1 and open(c1.path, "rb").read() != damaged
     assert make(root).is_valid(c1, IDS)
 

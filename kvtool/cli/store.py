@@ -323,7 +323,8 @@ def pin_command(root: str, file: str, chunk_tokens: int, force: bool, model: str
                                           force=force, model=model,
                                           quantization=quantization,
                                           quantization_config=quantization_config)
-    lossy = f", {replaced} of them replacing chunks stored lossy" if replaced else ""
+    lossy = f", {replaced} of them replacing chunks stored lossy or damaged" if replaced \
+        else ""
     click.echo(f"pinned {pinned} chunks of {file} ({written} written{lossy}, "
                f"{pinned - written} already stored)")
 

@@ -139,6 +139,8 @@ class PrefixStore:
         #: what this server's K/V went through before the store (an fp8 paged cache's
         #: rounding, ``"fp8_e4m3"``): recorded in every chunk it writes
         self.lossy_sources: list[str] = []
+        #: chunks this store wrote in place of a file it removed (stored lossy) or quarantined
+        self.replaced = 0
 
     # -- keys -------------------------------------------------------------------------------------
     def chunks(self, token_ids: Sequence[int], limit: int | None = None) -> list[Chunk]:
@@ -196,10 +198,10 @@ class PrefixStore:
                       lossy_sources: Sequence[str] = ()) -> bool:
         """For an exact write (a lossless store's, with nothing lossy before it) that found a
         file in the chunk's place: remove it if it is stored lossy (a lossy server's or pin's),
-        which this store never loads; whether the place is free now (a lossy file removed, or
-        a damaged one quarantined by the judging). Else the first writer would win and a
-        lossless server would compute that prefix forever. Exact chunks, in any dtype, are
-        never replaced."""
+        which this store never loads; whether the place is free now (a lossy file removed, a
+        damaged one quarantined by the judging, or none there any more). Else the first writer
+        would win and a lossless server would compute that prefix forever. Exact chunks, in
+        any dtype, are never replaced."""
         if self.exact_dtype is None or self.lossy_sources or lossy_sources:
             return False
         self._check_writable()
@@ -483,7 +485,9 @@ class PrefixStore:
         size = self.backend.write_new(name, encode)
         if size or not self.replace_lossy(chunk, token_ids, lossy_sources):
             return size
-        return self.backend.write_new(name, encode)
+        size = self.backend.write_new(name, encode)
+        self.replaced += size > 0
+        return size
 
     def _check_writable(self) -> None:
         if not self.writable:

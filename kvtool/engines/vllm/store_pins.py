@@ -20,8 +20,8 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
              quantization_config: str | None = None) -> tuple[int, int, int]:
     """Store a .kvz's full chunks as the connector would (same keys, for its model) and pin
     them; (chunks pinned, chunks written, of those the ones that replaced a chunk stored
-    lossy: an exact file pinned losslessly replaces another server's lossy chunks, which a
-    lossless server never loads). ``policy_options``: the connector's codec options
+    lossy or damaged: an exact file pinned losslessly replaces another server's lossy chunks,
+    which a lossless server never loads). ``policy_options``: the connector's codec options
     new chunks are encoded with (default: none, its default policy); a lossy policy refuses
     a file that is already lossy unless ``force``. ``model``: the model the server runs (a
     directory, a Hub id or ``default``), whose checkpoint keys the chunks, as loaded with
@@ -62,20 +62,18 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     if not chunks:
         raise KvtoolError(f"{path}: {len(ids)} tokens is less than one chunk "
                           f"({chunk_tokens} tokens)")
-    written = replaced = 0
+    written = 0
     for c in chunks:
-        existed = store.exists(c)  # then written only in place of a lossy chunk
         keys = [k[:, c.start:c.stop] for k in cache.keys]
         values = [v[:, c.start:c.stop] for v in cache.values]
         wrote = bool(store.write(c, keys, values, ids, lossy_sources=cache.lossy_sources))
         written += wrote
-        replaced += existed and wrote
     pins = read_pins(backend)
     source = os.path.realpath(path)
     for c in chunks:
         pins[c.key] = {"file": source, "model": store.fingerprint[:16]}
     write_pins(backend, pins)
-    return len(chunks), written, replaced
+    return len(chunks), written, store.replaced
 
 
 def served_quantization(quantization: str | None, config: str | None) -> str | None:
