@@ -67,6 +67,54 @@ def compile_workers(**env: str) -> list[str]:
     return ["-n", str(min(8, cores // 2))]
 
 
+def kernel_module(name: str, cuda: bool) -> tuple[ModuleType, ModuleType, bool]:
+    """``(triton, the kernel module, in_process)`` for a case file: on CUDA, the module as
+    installed; else a private copy compiled for the interpreter. ``TRITON_INTERPRET`` must be
+    set when ``@triton.jit`` decorates (triton's library when triton is first imported, ours
+    when the module is), so it is set around both imports and then restored: set in the main
+    test process it would interpret every later kernel, vLLM's included. ``in_process``: the
+    kernels can run here (compiled, or triton itself interpreted: the case file was run in a
+    fresh process, :func:`run_case_file`)."""
+    import pytest
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        triton = pytest.importorskip("triton")
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if cuda:
+            module = importlib.import_module(name)
+        else:
+            origin = importlib.util.find_spec(name).origin
+            spec = importlib.util.spec_from_file_location(f"_{name.replace('.', '_')}"
+                                                          "_interpreted", origin)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return triton, module, cuda or isinstance(triton.language.max, InterpretedFunction)
+
+
+def use_interpreter(monkeypatch: Any, cuda: bool, in_process: bool, runner: str) -> None:
+    """A case file's autouse fixture: without CUDA, fail unless triton is interpreted in this
+    process (``runner``: the test that runs the file in a fresh one), and set
+    ``TRITON_INTERPRET`` for the case (triton also reads it at launch)."""
+    import pytest
+
+    if cuda:
+        return
+    if not in_process:
+        pytest.fail(f"triton was imported without TRITON_INTERPRET=1 before this module: run "
+                    f"this file through {runner}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 def run_case_file(cases: Path, *args: str, **env: str) -> str:
     """pytest's output for a Triton case file run in a fresh process (``TRITON_INTERPRET``
     must be set before triton is imported); fails with its output unless it passed."""

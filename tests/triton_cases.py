@@ -7,8 +7,9 @@ later Triton kernel, vLLM's included, into an interpreted one) and with ``-m gpu
 
 The interpreter needs the variable when ``@triton.jit`` decorates: for triton's own library
 (``tl.max``, ``tl.sum``...) when triton is first imported, for ours when the module is. So this
-file sets it before it imports triton, loads a private copy of the module, and sets it again
-around each test (triton also reads it at launch).
+file sets it before it imports triton, loads a private copy of the module
+(:func:`gpu_util.kernel_module`), and sets it again around each test (triton also reads it at
+launch).
 
 References are float64 torch on the kernels' device (the exact cells, values, scores and
 attention of the codes), plus the numpy codec on a sample of rows. Decoded 16-bit values may
@@ -31,51 +32,25 @@ timing, ~15 s. With the process start (~10 s), about 100 s.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from types import ModuleType
-
 import numpy as np
 import pytest
 from conftest import relative_mse
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
-_saved_env = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    def _load() -> ModuleType:
-        if CUDA:
-            from kvtool.kernels import triton_cuda
-
-            return triton_cuda
-        origin = importlib.util.find_spec("kvtool.kernels.triton_cuda").origin
-        spec = importlib.util.spec_from_file_location("_kvtool_triton_interpreted", origin)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    tc = _load()
-finally:
-    if _saved_env is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_env
 
 from gpu_util import (  # noqa: E402
     assert_checks_deferred,
     autotuned,
     defer_cpu_checks,
     kept_configs,
+    kernel_module,
     pin_config,
     pin_kept_config,
+    use_interpreter,
 )
+
+triton, tc, IN_PROCESS = kernel_module("kvtool.kernels.triton_cuda", CUDA)
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.abc import Encoded  # noqa: E402
@@ -87,20 +62,14 @@ from kvtool.kernels.bitpack import unpack_bits  # noqa: E402
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SEED = 0x1234
-#: the kernels can run in this process (compiled on CUDA, or fully interpreted)
-IN_PROCESS = CUDA or isinstance(triton.language.max, InterpretedFunction)
 #: the split of fp32 centroids into two bf16 pieces for 16-bit outputs: within this fraction of
 #: the vector's norm (see the module docstring)
 TWO_PIECES = 2.0**-17
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(request, monkeypatch):
-    if not CUDA:
-        if not IN_PROCESS:
-            pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module: "
-                        "run this file through tests/test_triton_kernels.py")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _interpreter(monkeypatch):
+    use_interpreter(monkeypatch, CUDA, IN_PROCESS, "tests/test_triton_kernels.py")
 
 
 # -- helpers: float64 references on the device ---------------------------------------------------

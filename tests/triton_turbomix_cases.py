@@ -25,51 +25,24 @@ process start (~10 s), about 165 s.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from types import ModuleType
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
-_saved_env = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    def _load() -> ModuleType:
-        if CUDA:
-            from kvtool.kernels import triton_turbomix
-
-            return triton_turbomix
-        origin = importlib.util.find_spec("kvtool.kernels.triton_turbomix").origin
-        spec = importlib.util.spec_from_file_location("_kvtool_triton_turbomix_interpreted",
-                                                      origin)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-    tm = _load()
-finally:
-    if _saved_env is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_env
 
 from gpu_util import (  # noqa: E402
     assert_checks_deferred,
     autotuned,
     defer_cpu_checks,
     kept_configs,
+    kernel_module,
     pin_config,
     pin_first_config,
+    use_interpreter,
 )
+
+triton, tm, IN_PROCESS = kernel_module("kvtool.kernels.triton_turbomix", CUDA)
 
 from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.codecs.abc import Encoded  # noqa: E402
@@ -78,7 +51,6 @@ from kvtool.errors import CodecError  # noqa: E402
 from kvtool.kernels import to_numpy, to_torch  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
-IN_PROCESS = CUDA or isinstance(triton.language.max, InterpretedFunction)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: (quantiser and bit options, head_dim, center, candidates, norm_bits): quantiser × outliers
@@ -104,12 +76,8 @@ CASES = [(f"turbomix:{opts},center={str(center if keep else not center).lower()}
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(request, monkeypatch):
-    if not CUDA:
-        if not IN_PROCESS:
-            pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module: "
-                        "run this file through tests/test_triton_turbomix.py")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _interpreter(monkeypatch):
+    use_interpreter(monkeypatch, CUDA, IN_PROCESS, "tests/test_triton_turbomix.py")
 
 
 # -- helpers -------------------------------------------------------------------------------------
