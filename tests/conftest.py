@@ -154,6 +154,26 @@ def relative_mse(x, x_hat) -> float:
     return float(((x - x_hat) ** 2).sum() / (x**2).sum())
 
 
+def assert_codes_agree(mine: dict, ref: dict, *, codes: float = 2e-3,
+                       fp16_norms: float = 0.01) -> None:
+    """Two encodings' arrays (name: numpy array) agree: the same names, shapes and dtypes;
+    codes and uint8 norms differ only where a value sits within float rounding of a decision
+    (at most a ``codes`` share), fp16 norms (summed in another order) by one step (at most a
+    ``fp16_norms`` share); everything else is equal."""
+    assert mine.keys() == ref.keys()
+    for name, a in ref.items():
+        a, b = np.asarray(a), np.asarray(mine[name])
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        wrong = float(np.mean(a != b))
+        if name.startswith("norms") and a.dtype == np.float16:
+            assert wrong <= fp16_norms, (name, wrong)
+            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
+                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
+                                         + 1e-30)
+            continue
+        assert wrong <= (codes if name.startswith(("codes", "norms")) else 0.0), (name, wrong)
+
+
 @pytest.fixture(scope="session")
 def loaded():
     """The default model (SmolLM2-135M-Instruct, float32), loaded once for the whole session."""

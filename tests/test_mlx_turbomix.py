@@ -8,6 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import assert_codes_agree
 from fit_codecs import SHIPPED_FIT_CODECS
 
 from kvtool.codecs import get_codec
@@ -90,20 +91,8 @@ def mlx_decode(spec: str, enc: Encoded, dtype: str = "float32") -> np.ndarray:
 
 
 def agree(mine: Encoded, ref: Encoded) -> None:
-    assert mine.arrays.keys() == ref.arrays.keys()
-    for name, a in ref.arrays.items():
-        b = np.array(mine.arrays[name])
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        wrong = float(np.mean(a != b))
-        if name.startswith("norms") and a.dtype == np.float16:
-            # summed in another order: a norm may round to the neighbouring fp16 value
-            assert wrong <= 0.002, (name, wrong)
-            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
-                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
-                                         + 1e-30)
-            continue
-        # codes (and uint8 norms): only where a value sits within float rounding of a decision
-        assert wrong <= (5e-4 if name.startswith(("codes", "norms")) else 0.0), (name, wrong)
+    assert_codes_agree({k: np.array(v) for k, v in mine.arrays.items()}, ref.arrays,
+                       codes=5e-4, fp16_norms=0.002)
 
 
 def check(spec: str, x: np.ndarray) -> None:

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import assert_codes_agree
 from fit_codecs import SHIPPED_FIT_CODECS
 
 from kvtool.codecs import get_codec
@@ -72,20 +73,7 @@ def keys(shape=(2, 3, 150, 64), seed=0, dtype=np.float16) -> np.ndarray:
 
 
 def agree(fused, ref) -> None:
-    assert fused.arrays.keys() == ref.arrays.keys()
-    for name, a in ref.arrays.items():
-        a, b = np.asarray(a), np.asarray(fused.arrays[name])
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        wrong = float(np.mean(a != b))
-        if name.startswith("norms") and a.dtype == np.float16:
-            # summed in another order: a norm may round to the neighbouring fp16 value
-            assert wrong <= 0.01, (name, wrong)
-            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
-                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
-                                         + 1e-30)
-            continue
-        # codes (and uint8 norms): only where a value sits within float rounding of a decision
-        assert wrong <= (2e-3 if name.startswith(("codes", "norms")) else 0.0), (name, wrong)
+    assert_codes_agree(fused.arrays, ref.arrays)
 
 
 @pytest.mark.parametrize("spec", OPTIONS)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_codes_agree
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
@@ -106,20 +107,8 @@ def _np(t) -> np.ndarray:
 
 
 def agree(mine: dict, ref: Encoded) -> None:
-    """Same arrays; codes and uint8 norms differ only where a value sits within float rounding
-    of a decision (≤ 0.2%), fp16 norms by one step (≤ 1%), everything else exactly."""
-    assert mine.keys() == ref.arrays.keys()
-    for key, a in ref.arrays.items():
-        a, b = np.asarray(a), _np(mine[key])
-        assert a.shape == b.shape and a.dtype == b.dtype, key
-        wrong = float(np.mean(a != b))
-        if key.startswith("norms") and a.dtype == np.float16:
-            assert wrong <= 0.01, (key, wrong)
-            np.testing.assert_array_less(np.abs(a.astype(np.float32) - b.astype(np.float32)),
-                                         1.01 * np.spacing(np.maximum(a, b)).astype(np.float32)
-                                         + 1e-30)
-            continue
-        assert wrong <= (2e-3 if key.startswith(("codes", "norms")) else 0.0), (key, wrong)
+    """:func:`conftest.assert_codes_agree` of the kernels' tensors and the reference's arrays."""
+    assert_codes_agree({k: _np(v) for k, v in mine.items()}, ref.arrays)
 
 
 def close(ours, want, dtype: str = "float32") -> None:
