@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 from kvtool.errors import CodecError
-from kvtool.policy import CodecPolicy, load_policy
+from kvtool.policy import CodecPolicy
+from kvtool.policy_files import load_policy
 
 #: name → (policy label, what was measured): ``python benchmarks/quality.py``, SmolLM2-135M
 #: float32, mean over 3 rotation seeds × the 2 bundled texts (2048 tokens, chunks of 256),
@@ -81,7 +82,7 @@ def fitted_weights(name: str, model_fingerprint: str | None) -> tuple[str, str] 
         weights = entry.get("weights")
         return (str(entry.get("model"))[:80], weights) if isinstance(weights, str) and weights \
             else None
-    from kvtool.policy import calibrated_weights
+    from kvtool.policy_files import calibrated_weights
 
     return calibrated_weights(name) if os.path.isfile(name) else None
 

@@ -117,7 +117,7 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
     from kvtool.engines.hf import capture
     from kvtool.engines.hf_runtime import CompressedCache
     from kvtool.formats import load, save
-    from kvtool.policy import load_policy
+    from kvtool.policy_files import load_policy
 
     monkeypatch.setattr(calibrate_module, "_cache_path",
                         lambda loaded, key: tmp_path / "cache" / f"{key[:16]}.json")

@@ -21,7 +21,7 @@ MODEL32 = {"name": "synthetic", "architecture": "LlamaForCausalLM", "fingerprint
 
 
 def _exact_dtype(path) -> str | None:
-    from kvtool.engines.vllm.store import exact_dtype
+    from kvtool.engines.vllm.chunk_checks import exact_dtype
 
     with open_kvz(path) as f:
         return exact_dtype(f)

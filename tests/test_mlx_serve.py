@@ -203,7 +203,8 @@ def test_store_keeps_only_the_served_models_caches(tmp_path):
 def test_a_policy_file_calibrated_for_another_model_is_refused(runner, tmp_path):
     """The launcher resolves the policy as the vLLM connector does, with the model's
     fingerprint: a calibrated file records its model's, and another model refuses it."""
-    from kvtool.policy import CodecPolicy, save_policy
+    from kvtool.policy import CodecPolicy
+    from kvtool.policy_files import save_policy
 
     path = tmp_path / "policy.json"
     save_policy(CodecPolicy.from_label("k=turbo4 v=turbo3"), path,

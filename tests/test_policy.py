@@ -82,7 +82,7 @@ def test_per_layer_codecs_win_over_protect_and_base():
 
 
 def test_per_layer_round_trips_json_label_and_file(tmp_path):
-    from kvtool.policy import load_policy, save_policy
+    from kvtool.policy_files import load_policy, save_policy
     from kvtool.presets import preset_policy
 
     policy = CodecPolicy.from_json(LAYERED)
@@ -124,7 +124,7 @@ def test_bad_per_layer_policies_are_one_line_codec_errors(change, message):
 
 def test_a_policy_file_calibrated_for_another_model_is_refused_for_it(tmp_path):
     from kvtool.errors import ModelMismatchError
-    from kvtool.policy import load_policy, save_policy
+    from kvtool.policy_files import load_policy, save_policy
     from kvtool.presets import preset_policy
 
     policy = CodecPolicy.from_label("k=turbo4 v=turbo3")
@@ -140,7 +140,7 @@ def test_a_policy_file_calibrated_for_another_model_is_refused_for_it(tmp_path):
 
 
 def test_bad_policy_files(tmp_path):
-    from kvtool.policy import load_policy
+    from kvtool.policy_files import load_policy
 
     for text, message in [("{", "not a JSON policy file"), ("[1]", "JSON object"),
                           ('{"value": "raw"}', "'key'"),

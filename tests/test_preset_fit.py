@@ -205,7 +205,7 @@ def test_a_fit_to_other_weights_of_the_layout_is_warned_of(loaded, fits, tmp_pat
     import dataclasses
 
     from kvtool.cli.main import cli
-    from kvtool.policy import save_policy
+    from kvtool.policy_files import save_policy
 
     fingerprint, weights = loaded.fingerprints["model"], loaded.info["weights"]
     fit = dataclasses.replace(_fit("balanced", MENUS["balanced"][1], fingerprint), weights="0" * 64)

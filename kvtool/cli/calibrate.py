@@ -57,7 +57,7 @@ MIN_SCORED = 16  # scored tokens below which calibrate warns
                    "model: measure each preset's menu within its budget and keep the least "
                    "KL; --preset NAME then uses it for this model everywhere.")
 @click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
-              help="Policy JSON file to write (kvtool.policy.load_policy reads it; the vLLM "
+              help="Policy JSON file to write (kvtool.policy_files.load_policy reads it; the vLLM "
                    "connector takes it as its preset); with --preset, optional (one preset).")
 @click.option("--text", "text_file", type=click.Path(dir_okay=False), default=None,
               help="UTF-8 calibration text (default: the bundled eval text; with --preset, "
@@ -91,7 +91,7 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
     from kvtool.calibrate import calibrate, format_table
     from kvtool.fileio import check_output_path, read_text_file
     from kvtool.models import load_model
-    from kvtool.policy import save_policy
+    from kvtool.policy_files import save_policy
 
     if (bits is None) == (presets is None):
         raise click.UsageError("give --bits (a per-layer policy) or --preset (fit presets)")
@@ -129,7 +129,8 @@ def _fit_presets(model_name: str, presets: str, output: str | None, text_file: s
     from kvtool.evaluate_grid import seed_list
     from kvtool.fileio import check_output_path, read_text_file
     from kvtool.models import load_model
-    from kvtool.policy import CodecPolicy, save_policy
+    from kvtool.policy import CodecPolicy
+    from kvtool.policy_files import save_policy
     from kvtool.preset_fit import (
         BUDGETS,
         DEFAULT_TOKENS,

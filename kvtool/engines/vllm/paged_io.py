@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from kvtool.engines.vllm import device_io
+from kvtool.engines.vllm.chunk_checks import check_file
 from kvtool.engines.vllm.common import Source, check_cache, log
 from kvtool.engines.vllm.fp8_cache import layer_fp8
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.layout_probe import Writer, cpu_layout
 from kvtool.engines.vllm.safeio import pin_file
-from kvtool.engines.vllm.store import check_file
 
 #: per layer: (paged cache, its layout, kernel blocks per scheduler block)
 Layers = Sequence[tuple[torch.Tensor, PagedLayout, int]]

@@ -55,8 +55,8 @@ def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
     (:func:`~kvtool.engines.vllm.common.unservable`), a note when its K/V will be cast to
     the server's ``dtype`` or it is longer than a prompt can be, and whether it is stored
     lossy (answers that reuse it are then not exact, whatever the store's policy)."""
+    from kvtool.engines.vllm.chunk_checks import exact_dtype
     from kvtool.engines.vllm.common import shape_problem, unservable
-    from kvtool.engines.vllm.store import exact_dtype
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
     from kvtool.identity import cast_note, other_weights, same_model

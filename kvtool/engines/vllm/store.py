@@ -44,16 +44,15 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.engines.vllm.common import check_cache, count, log, refuse_unservable
+from kvtool.engines.vllm.chunk_checks import check_file, check_header, refusal_reason
+from kvtool.engines.vllm.common import check_cache, count, log
 from kvtool.engines.vllm.guard import is_down
 from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, in_memory
-from kvtool.engines.vllm.store_admin import misplaced
 from kvtool.engines.vllm.store_backend import (
     QUARANTINE_DIR,
     Backend,
@@ -62,7 +61,7 @@ from kvtool.engines.vllm.store_backend import (
     open_backend,
 )
 from kvtool.fileio import TEMP_SUFFIX
-from kvtool.identity import identity_dtype, portable_identity, same_model
+from kvtool.identity import identity_dtype, portable_identity
 from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
@@ -236,7 +235,7 @@ class PrefixStore:
             with self.pin(chunk) as (path, stamp):
                 if cached is not None and cached[0] == stamp:
                     return cached[1:]
-                exact = self._check_header(chunk, path, token_ids)
+                exact = check_header(path, self.model, chunk, token_ids)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
@@ -278,27 +277,6 @@ class PrefixStore:
             self.reject(chunk, e, stamp)
         return None
 
-    def _check_header(self, chunk: Chunk, path: str, token_ids: Sequence[int]) -> str | None:
-        """Raise unless the (pinned) file's header can serve ``chunk``; else the dtype its
-        K/V are exact in (:func:`exact_dtype`)."""
-        from kvtool.formats import open_kvz
-
-        with open_kvz(path) as f:
-            if not same_model(f.model, self.model):
-                raise ValueError("it belongs to another model")
-            if f.num_tokens != chunk.stop - chunk.start:
-                raise ValueError(f"it holds {f.num_tokens} tokens, not "
-                                 f"{chunk.stop - chunk.start}")
-            ids = f.token_ids
-            want = np.asarray(token_ids[chunk.start:chunk.stop], dtype=np.int64)
-            if ids is None or not np.array_equal(ids, want):
-                raise ValueError("it holds other token ids")
-            problem = misplaced(f.store_chunk, chunk.key, chunk.start)
-            if problem:  # same ids after another prefix: other K/V
-                raise ValueError(problem)
-            refuse_unservable(f)  # its partial windows would land in the wrong slots
-            return exact_dtype(f)
-
     def reject(self, chunk: Chunk, error: BaseException, stamp: Stamp | None = None) -> None:
         """A chunk that failed its header check or its load (``stamp``: the file as read).
 
@@ -339,7 +317,7 @@ class PrefixStore:
         if not moved:
             _remember(chunk.path, stamp, False)
         log.warning("kvtool store: ignoring %s: %s; the prefix will be recomputed%s",
-                    chunk.path, _reason(error, chunk.path),
+                    chunk.path, refusal_reason(error, chunk.path),
                     f" (moved to {moved})" if moved else "" if self.writable
                     else " (read-only store: left in place)")
 
@@ -404,7 +382,8 @@ class PrefixStore:
     def read_into(self, chunk: Chunk, tokens: int, fetched: Fetched | None,
                   consume: Callable[[Any], None]) -> None:
         """:meth:`read` for the CUDA path: the chunk's file opened from ``fetched`` (default:
-        :meth:`fetch` now), checked as :meth:`read` checks it (:func:`check_file`) and handed
+        :meth:`fetch` now), checked as :meth:`read` checks it
+        (:func:`~kvtool.engines.vllm.chunk_checks.check_file`) and handed
         to ``consume`` (:func:`~kvtool.engines.vllm.device_io.load_file`), which decodes its
         first ``tokens`` where they go. A failure of the file — in the checks, or a
         :class:`FormatError` in ``consume`` (a checksum, a code no writer stores) — is passed
@@ -512,46 +491,9 @@ class PrefixStore:
         return files, freed
 
 
-def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
-    """Raise ValueError unless an open .kvz file (:class:`~kvtool.formats.KvzFile`) can serve
-    its first ``tokens`` to ``model``: what ``load(tokens=...)`` and then
-    :func:`~kvtool.engines.vllm.common.check_cache` refuse, without decoding anything."""
-    if not 0 <= tokens <= f.num_tokens:
-        raise ValueError(f"prefix of {tokens} tokens from a file of {f.num_tokens}")
-    check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
-                                token_ids=f.token_ids, layer_info=f.layer_info,
-                                header=f.header), model, tokens)
-
-
-def exact_dtype(f: Any) -> str | None:
-    """The dtype an open .kvz file's K/V are exactly as computed in: the model's (else the
-    file's) when nothing lossy came before or in it
-    (:meth:`~kvtool.formats.KvzFile.lossy_sources`) and every ``raw`` segment is stored at its
-    role's width; None otherwise. (A widened segment may hold an fp8 server's rounded K/V:
-    chunks written before ``lossy_sources`` said so.)"""
-    from kvtool.formats import constants as C
-
-    if f.lossy_sources():
-        return None
-    for layer in f.header[C.H_LAYERS]:
-        for role in C.ROLES:
-            if any(seg["codec"].get("dtype") not in (None, layer[role]["dtype"])
-                   for seg in layer[role]["segments"]):
-                return None
-    return identity_dtype(f.model) or f.header[C.H_DTYPE]
-
-
 def _remember(path: str, stamp: Stamp | None, ok: bool, exact: str | None = None) -> None:
     if stamp is None:
         return
     if len(_VERDICTS) >= MAX_VERDICTS:
         _VERDICTS.clear()
     _VERDICTS[path] = (stamp, ok, exact)
-
-
-def _reason(error: BaseException, path: str) -> str:
-    """Why a chunk was refused, in words (a ValueError is a content mismatch)."""
-    from kvtool.errors import KvtoolError
-
-    text = str(error).replace(f"{path}: ", "")
-    return text if not isinstance(error, KvtoolError) else f"it is damaged ({text})"

@@ -26,8 +26,9 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     a file that is already lossy unless ``force``. ``model``: the model the server runs (a
     directory, a Hub id or ``default``), whose checkpoint keys the chunks, as loaded with
     vLLM's ``quantization`` and ``quantization_config`` (JSON; :func:`served_identity`)."""
+    from kvtool.engines.vllm.chunk_checks import exact_dtype
     from kvtool.engines.vllm.common import policy_from_extra, unservable
-    from kvtool.engines.vllm.store import PrefixStore, exact_dtype
+    from kvtool.engines.vllm.store import PrefixStore
     from kvtool.formats import load, open_kvz
     from kvtool.formats.transcode import refuse_requantizing
 
