@@ -121,9 +121,18 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
+#: bytes of ``path``'s name a temp name keeps: with the host (64), the pid, a random part and
+#: the suffix, the temp name stays within the 255 bytes a file name may have
+TEMP_NAME_BYTES = 150
+
+
 def temp_prefix(path: str) -> str:
-    """The name prefix of this process's temp files for ``path`` (see the module docstring)."""
-    return f".{os.path.basename(path)}.{host_name()}.{os.getpid()}."
+    """The name prefix of this process's temp files for ``path`` (see the module docstring):
+    its name cut to :data:`TEMP_NAME_BYTES`, or a legal long name could not be written."""
+    name = os.path.basename(path)
+    while len(os.fsencode(name)) > TEMP_NAME_BYTES:
+        name = name[:-1]
+    return f".{name}.{host_name()}.{os.getpid()}."
 
 
 def temp_name(path: str) -> str:

@@ -94,7 +94,13 @@ def model_identity(config: Any, name: str | None = None, dtype: str | None = Non
     archs = getattr(config, "architectures", None) or [layout["architecture"]]
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if dtype is None:
-        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+        dtype = str(getattr(config, "dtype", None) or "float32")
+    from kvtool.formats.constants import normalize_dtype
+
+    try:
+        dtype = normalize_dtype(dtype)
+    except ValueError:  # not a dtype K/V are computed in ("float8_e4m3fn", "auto"): unknown
+        dtype = None
     return {
         "name": name or getattr(config, "_name_or_path", None) or layout["architecture"],
         "architecture": architecture or archs[0],
@@ -161,6 +167,21 @@ def identity_dtype(model: dict[str, Any] | None) -> str | None:
 
     dtype = model.get("dtype") or layout.get("dtype")
     return dtype if dtype in FLOAT_DTYPES else None  # a crafted {"x": 1} or "int8" says nothing
+
+
+def dtype_problem(model: dict[str, Any] | None) -> str | None:
+    """What is wrong with the dtype an identity declares (``dtype``, or a pre-split
+    ``layout.dtype``), if anything: null or a kvtool float dtype name only. An alias or other
+    name would say nothing (:func:`identity_dtype`), and a cast would then read as exact."""
+    model = model or {}
+    layout = model.get("layout") if isinstance(model.get("layout"), dict) else {}
+    from kvtool.formats.constants import FLOAT_DTYPES
+
+    for name, value in (("dtype", model.get("dtype")), ("layout.dtype", layout.get("dtype"))):
+        if value is not None and value not in FLOAT_DTYPES:
+            return (f"model.{name} is {json.dumps(value)[:40]}, not null or one of "
+                    f"{', '.join(FLOAT_DTYPES)}")
+    return None
 
 
 def portable_identity(model: dict[str, Any]) -> dict[str, Any]:

@@ -64,11 +64,11 @@ class CodecPolicy:
         if not self.layers:  # a uniform policy fits any model
             object.__setattr__(self, "num_layers", None)
             return
-        if not _is_count(self.num_layers) or not self.num_layers:
+        if not is_count(self.num_layers) or not self.num_layers:
             raise CodecError("a policy with per-layer codecs needs num_layers (an integer >= 1)")
         seen: set[int] = set()
         for index, own in self.layers:
-            if not _is_count(index) or index >= self.num_layers:
+            if not is_count(index) or index >= self.num_layers:
                 raise CodecError(f"policy: layer index {index!r} is out of range for "
                                  f"{self.num_layers} layers")
             if index in seen:
@@ -102,8 +102,9 @@ class CodecPolicy:
         counts = {"protect_layers": protect_layers, "sink_tokens": sink_tokens,
                   "recent_tokens": recent_tokens, "auto_sinks": auto_sinks}
         for name, n in counts.items():
-            if n is not None and not _is_count(n):  # 0.5 or True: written, then refused
-                raise CodecError(f"{name} must be an integer >= 0, got {str(n)[:40]!r}")
+            if n is not None and not is_count(n):  # 0.5 or True: written, then refused
+                raise CodecError(f"{name} must be an integer from 0 to {MAX_COUNT}, got "
+                                 f"{str(n)[:40]!r}")
         given = {name: n for name, n in counts.items() if n is not None}
         if preset is not None:
             from kvtool.presets import preset_policy
@@ -231,7 +232,7 @@ class CodecPolicy:
                 raise CodecError(f"policy: {name!r} (a codec) is missing")
         lossless = _codec(data.get("lossless", "raw"), "lossless")
         num_layers = data.get("num_layers")
-        if num_layers is not None and not _is_count(num_layers):
+        if num_layers is not None and not is_count(num_layers):
             raise CodecError(f"policy: num_layers must be an integer >= 0, got {num_layers!r}")
         return cls(
             key=_codec(data["key"], "key"),
@@ -381,14 +382,21 @@ def _layer_labels(layers: tuple[tuple[int, LayerCodecs], ...]) -> list[str]:
     return [f"L{_spans(ix)}{suffix}={text}" for (suffix, text), ix in groups.items()]
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+#: the largest count a policy holds (the command-line flags' bound): past 64 bits, a JSON
+#: number other readers of a file's header would choke on
+MAX_COUNT = 2**31 - 1
+
+
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is a policy count: an integer (not a bool) from 0 to MAX_COUNT."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
 def _count(data: dict[str, Any], name: str) -> int:
     value = data.get(name, 0)
-    if not _is_count(value):
-        raise CodecError(f"policy: {name} must be an integer >= 0, got {str(value)[:40]!r}")
+    if not is_count(value):
+        raise CodecError(f"policy: {name} must be an integer from 0 to {MAX_COUNT}, got "
+                         f"{str(value)[:40]!r}")
     return value
 
 

@@ -143,6 +143,18 @@ def turbo_file(tmp_path_factory):
     return path
 
 
+def _drop_everywhere(header, key):
+    """Remove ``key`` from every codec config in the header (segments and policy alike)."""
+    if isinstance(header, dict):
+        if isinstance(header.get("id"), str):
+            header.pop(key, None)
+        for value in header.values():
+            _drop_everywhere(value, key)
+    elif isinstance(header, list):
+        for value in header:
+            _drop_everywhere(value, key)
+
+
 def _edit(src, dst, fn):
     rewrite_header(src, dst, fn)
     return dst
@@ -161,6 +173,24 @@ def _edit(src, dst, fn):
         center="maybe"), "center must be true or false"),
     ("aliased tensor", lambda h: h["layers"][1]["key"]["segments"][1]["tensors"].update(
         norms="layers.0.key.1.norms"), "is not named|backs both"),
+    ("seed left to the reader's default", lambda h: _drop_everywhere(h, "seed"),
+     "lacks 'seed'"),
+    ("codec_version left out", lambda h: _drop_everywhere(h, "codec_version"),
+     "lacks 'codec_version'"),
+    ("model dtype an alias", lambda h: h["model"].update(dtype="fp32"),
+     "model.dtype is \"fp32\""),
+    ("model dtype not a float", lambda h: h["model"].update(dtype=5), "model.dtype is 5"),
+    ("model name not text", lambda h: h["model"].update(name="\ud800"),
+     "unpaired surrogate"),
+    ("policy and layer_policy", lambda h: h.update(layer_policy=dict(
+        h["policy"], num_layers=2, layers={"0": {"key": h["policy"]["key"]}})),
+     "only with policy null"),
+    ("layer_policy with no layers", lambda h: h.update(
+        layer_policy=dict(h["policy"], num_layers=2, layers={}), policy=None),
+     "invalid layer_policy \\(no per-layer codecs"),
+    ("layer_policy of another layer count", lambda h: h.update(layer_policy=dict(
+        h["policy"], num_layers=3, layers={"0": {"key": h["policy"]["key"]}}), policy=None),
+     "invalid layer_policy .*for 3 layers"),
 ])
 def test_header_edits_that_no_writer_makes_are_refused(turbo_file, tmp_path, name, fn, message):
     bad = _edit(turbo_file, tmp_path / "bad.kvz", fn)

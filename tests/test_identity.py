@@ -69,6 +69,21 @@ def test_fingerprint_ignores_dtype_and_keeps_it_aside():
     assert same_model(f32, bf16) and identity_key(f32) == f32["fingerprint"]
 
 
+def test_the_identitys_dtype_is_a_float_name_or_unknown(tmp_path):
+    """An identity's dtype is what a lossless store's exactness is judged by: an alias or a
+    non-float name would read as "unknown" and a cast as exact, so writers normalise it, write
+    null where the K/V's dtype is not known, and refuse a crafted one."""
+    assert model_identity(llama(), dtype="torch.float16")["dtype"] == "float16"
+    assert model_identity(llama(), dtype="fp32")["dtype"] == "float32"
+    assert model_identity(llama(), dtype="float8_e4m3fn")["dtype"] is None
+    kv = [np.zeros((2, 3, 16), np.float32)] * 2
+    cache = KVCache(kv, kv,
+                    model={**model_identity(llama(num_hidden_layers=2)), "dtype": "fp32"})
+    with pytest.raises(ValueError, match="model.dtype is \"fp32\""):
+        save(cache, tmp_path / "x.kvz", codec="raw")
+    assert not (tmp_path / "x.kvz").exists()
+
+
 def test_pre_split_identities_are_seen_through():
     new = model_identity(llama(), dtype="bfloat16")
     old = pre_split(model_identity(llama(), dtype="float32"), "float32")

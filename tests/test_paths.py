@@ -238,6 +238,18 @@ def test_stale_temps_are_collected_by_the_next_write(tmp_path):
     assert fileio.remove_stale_temps(str(tmp_path)) == (0, 0)
 
 
+@pytest.mark.parametrize("name", ["z" * 251 + ".kvz", "é" * 125 + ".kvz"])
+def test_a_legal_long_output_name_is_written(runner, kvz, tmp_path, monkeypatch, name):
+    """A 255-byte file name is legal; its temp file (the name, the host, the pid, a random
+    part) would not be, so the temp name keeps only the start of it."""
+    monkeypatch.setattr(fileio, "host_name", lambda: "h" * 64)
+    out = tmp_path / name
+    result = runner.invoke(cli, ["compress", str(kvz), "-o", str(out), "--codec", "turbo3"])
+    assert result.exit_code == 0, result.output
+    assert load(out).num_tokens == load(kvz).num_tokens
+    assert sorted(os.listdir(tmp_path)) == sorted([name, kvz.name])  # no temp file left
+
+
 def test_inspect_refuses_special_files(runner, fifo):
     for src, kind in [(fifo, "FIFO"), ("/dev/null", "character device")]:
         line = one_line_error(runner.invoke(cli, ["inspect", str(src)]), 1)

@@ -149,7 +149,11 @@ def test_bad_policy_files(tmp_path):
                           ('{"key": "raw", "value": "raw", "sink_token": 4}',
                            "unknown policy key 'sink_token'; did you mean 'sink_tokens'"),
                           ('{"key": "raw", "value": "raw", "sink": 4}',  # a label's spelling
-                           "unknown policy key 'sink'; in a policy file it is 'sink_tokens'")]:
+                           "unknown policy key 'sink'; in a policy file it is 'sink_tokens'"),
+                          ('{"key": "raw", "value": "raw", "sink_tokens": 99999999999999999999}',
+                           "sink_tokens must be an integer from 0 to 2147483647"),
+                          ('{"key": "raw", "value": "raw", "auto_sinks": 2147483648}',
+                           "auto_sinks must be an integer from 0")]:
         (tmp_path / "bad.json").write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(CodecError, match=message):
             load_policy(tmp_path / "bad.json")
@@ -218,7 +222,7 @@ def test_preset_outliers_scale_with_head_dim():
 def test_counts_are_integers_at_least_zero_with_or_without_a_preset(options):
     """``protect_layers=0.5`` was saved, then refused by the reader; with a preset, negative
     counts reached the encoder."""
-    with pytest.raises(CodecError, match="must be an integer >= 0"):
+    with pytest.raises(CodecError, match="must be an integer from 0 to"):
         CodecPolicy.from_options("turbo3", **options)
 
 

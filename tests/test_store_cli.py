@@ -359,7 +359,8 @@ def test_pin_refuses_to_quantize_a_lossy_file_again_unless_forced(tmp_path, runn
     assert forced.exit_code == 0 and "pinned 2 chunks" in forced.output, forced.output
 
 
-@pytest.mark.parametrize("damage", [b'{"trunc', b'["a list"]', b'{"k": {"model": "x"}}', b"\xff"])
+@pytest.mark.parametrize("damage", [b'{"trunc', b'["a list"]', b'{"k": {"model": "x"}}', b"\xff",
+                                    b'{"k": {"file": "a"}, "k": {"file": "b"}}'])
 def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, runner, damage):
     """Read as "no pins", a damaged pins.json made prune delete the pinned chunks and a new
     pin overwrite the others: it is refused in one line, and nothing is removed or written."""

@@ -9,6 +9,7 @@ spaces to a multiple of 8; then the data section, where each tensor occupies
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from collections.abc import Callable, Iterable
@@ -126,11 +127,24 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: a surrogate escape (``\\ud800``), or a surrogate in a str: a pair of them is one character
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+
+
 def parse_json(raw: bytes | str, what: str) -> Any:
-    """Strict JSON (no NaN/Infinity, no duplicate keys); any failure is a FormatError."""
+    """Strict JSON (no NaN/Infinity, no duplicate keys, no lone surrogate escape: a string
+    that is not text, which no writer makes and printing it would fail on); any failure is a
+    FormatError."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        data = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        if _SURROGATE.search(text):  # rare: only then is the decoded text checked
+            try:
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds an unpaired surrogate escape (\\udXXX): not "
+                                 "text") from None
+        return data
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise FormatError(f"{what} is not valid JSON: {str(e)[:120]}") from None
 

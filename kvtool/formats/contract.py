@@ -61,16 +61,20 @@ class Deadline:
                               f"{C.MAX_HEADER_SECONDS:.0f} s (corrupt or hostile file)")
 
 
-def _check_budget(header: dict[str, Any], file_bytes: int, limit: int) -> None:
+def _check_budget(header: dict[str, Any], file_bytes: int, limit: int, given_by: str | None
+                  ) -> None:
+    """Refuse a file that would decode to over ``limit`` bytes (``given_by``: what set the
+    limit, None for the default's ratio to the file size)."""
     decoded = sum(prod(layer[r]["shape"]) * C.ITEMSIZE[layer[r]["dtype"]]
                   for layer in header[C.H_LAYERS] for r in C.ROLES)
     stored = sum(prod(t["shape"]) * C.ITEMSIZE[t["dtype"]]
                  for t in header[C.H_TENSORS].values())
     worst = max(decoded, stored)
     if worst > limit:
+        source = given_by or (f"{C.MAX_DECODED_RATIO}x the file size, at least "
+                              f"{C.MIN_DECODED_LIMIT >> 20} MiB")
         raise FormatError(f"the file ({file_bytes} bytes) would decode to {worst} bytes, over "
-                          f"the limit of {limit} ({C.MAX_DECODED_RATIO}x the file size, at "
-                          f"least {C.MIN_DECODED_LIMIT >> 20} MiB); set {C.ENV_MAX_DECODED} "
+                          f"the limit of {limit} ({source}); set {C.ENV_MAX_DECODED} "
                           "to a larger number of bytes if this cache is really that large")
 
 
@@ -104,6 +108,9 @@ def _check_one_policy(header: dict[str, Any], key: str,
     try:
         policy = CodecPolicy.from_json(header[key])
         policy.check_layers(num_layers)
+        if key == C.H_LAYER_POLICY and (not policy.layers or policy.num_layers != num_layers):
+            raise ValueError(f"per-layer codecs for {policy.num_layers} layers, where the file "
+                             f"has {num_layers}" if policy.layers else "no per-layer codecs")
     except (KvtoolError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise FormatError(f"kvz header: invalid {key} ({str(e)[:120]})") from None
     for i, layer in enumerate(header[C.H_LAYERS]):
@@ -121,9 +128,12 @@ def _check_one_policy(header: dict[str, Any], key: str,
 def check_identity(header: dict[str, Any]) -> None:
     """The layers' shapes agree with the KV layout the model identity declares (when it does):
     a writer stores the arrays of the model it names."""
-    from kvtool.identity import canonical_sha256, valid_weights
+    from kvtool.identity import canonical_sha256, dtype_problem, valid_weights
 
     model = header[C.H_MODEL]
+    problem = dtype_problem(model)
+    if problem:
+        raise FormatError(f"kvz header: {problem}")
     if not valid_weights(model.get("weights")):
         raise FormatError("kvz header: model.weights must be a sha256 hex digest or null")
     layout = model.get("layout")
@@ -182,7 +192,12 @@ def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes
     """
     deadline = Deadline()
     check_identity(header)
-    _check_budget(header, file_bytes, decoded_limit(file_bytes, max_decoded_bytes))
+    if header.get(C.H_LAYER_POLICY) is not None and header.get(C.H_POLICY) is not None:
+        raise FormatError("kvz header: a layer_policy is written only with policy null")
+    _check_budget(header, file_bytes, decoded_limit(file_bytes, max_decoded_bytes),
+                  "the caller's limit" if max_decoded_bytes is not None
+                  else C.ENV_MAX_DECODED if os.environ.get(C.ENV_MAX_DECODED, "").strip()
+                  else None)
     table = header[C.H_TENSORS]
     owner: dict[str, str] = {}
     ids = header.get(C.H_TOKEN_IDS)

@@ -216,6 +216,12 @@ class KvzFile:
             except Exception as e:  # a plugin's constructor rejecting a corrupt config
                 raise FormatError(f"invalid config for codec {config.get('id')!r}: "
                                   f"{type(e).__name__}: {e}") from None
+            missing = sorted(set(self._codecs[key].get_config()) - set(config))
+            if missing:  # filled from this reader's defaults, which a later one may change
+                del self._codecs[key]
+                raise FormatError(f"the config of codec {config.get('id')!r} lacks "
+                                  f"{', '.join(map(repr, missing))}: a writer records every "
+                                  "parameter, so a file never depends on a reader's defaults")
         return self._codecs[key]
 
     # -- encoded and decoded layers ----------------------------------------------------------------

@@ -162,6 +162,10 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
     check_output_path(os.fspath(path))  # before the encoding work, not after it
     if not all(isinstance(k, str) for k in (model or {})):  # JSON would turn 1 into "1"
         raise ValueError("model info keys must be strings")
+    from kvtool.identity import dtype_problem
+
+    if dtype_problem(model):
+        raise ValueError(f"model info: {dtype_problem(model)}")
     if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
         raise ValueError("tokenizer_fingerprint must be a string or None, got "
                          f"{type(tokenizer_fingerprint).__name__}")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtool.errors import KvtoolError, did_you_mean
+from kvtool.policy import MAX_COUNT, is_count
 
 MAX_CHUNK_TOKENS = 1 << 20  # a chunk longer than any context: nothing would ever be stored
 MAX_STATS_INTERVAL = 86400.0  # seconds
@@ -40,7 +41,7 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _BOOL = (lambda value: isinstance(value, bool)), "true or false"
 _TEXT = _text, "a non-empty string"
-_COUNT = _count, "an integer >= 0"
+_COUNT = is_count, f"an integer from 0 to {MAX_COUNT}"
 _CODEC = (lambda value: _text(value) or isinstance(value, dict)), \
     "a codec (an id, id:opt=val,... or a JSON object)"
 _SECONDS = (lambda value: not isinstance(value, (bool, str)),

@@ -390,10 +390,13 @@ def read_pins(root: str | os.PathLike | Backend) -> dict[str, Any]:
         _pins_unknown(backend, f"cannot be read ({e.strerror or e})")
     if raw is None:
         return {}
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        _pins_unknown(backend, f"is damaged (not JSON: {e})")
+    from kvtool.errors import FormatError
+    from kvtool.formats.container import parse_json
+
+    try:  # strict: a chunk key given twice would be read as its last entry
+        data = parse_json(raw, PINS_FILE)
+    except FormatError as e:
+        _pins_unknown(backend, f"is damaged ({e})")
     if isinstance(data, dict) and all(
             isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("file"), str)
             for k, v in data.items()):
