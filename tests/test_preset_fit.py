@@ -230,9 +230,10 @@ def test_a_fit_to_other_weights_of_the_layout_is_warned_of(loaded, fits, tmp_pat
 def test_calibrate_takes_bits_or_preset(runner):
     from kvtool.cli.main import cli
 
-    for args in ([], ["--bits", "3", "--preset", "quality", "-o", "p.json"]):
+    for args, both in (([], False), (["--bits", "3", "--preset", "quality", "-o", "p.json"], True)):
         result = runner.invoke(cli, ["calibrate", *args])
         assert result.exit_code == 2 and "--bits" in result.output
+        assert ("not both" in result.output) == both, result.output
     result = runner.invoke(cli, ["calibrate", "--preset", "tiny"])
     assert result.exit_code == 2 and "unknown tiny" in result.output
     result = runner.invoke(cli, ["calibrate", "--bits", "3"])

@@ -540,6 +540,48 @@ def test_rejected_credentials_and_denied_access_say_so(auth_s3, runner, monkeypa
     assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("url, message", [
+    ("s3:///x", "no bucket name"),
+    ("s3://bad_bucket!/x", "'bad_bucket!' is not a bucket name"),
+    ("s3://" + "b" * 256 + "/x", "is not a bucket name"),
+])
+def test_a_url_without_a_valid_bucket_is_refused_before_any_request(s3, url, message):
+    """botocore refuses such a name in a multi-line message of its own, per request."""
+    with pytest.raises(KvtoolError, match=message) as info:
+        S3Backend(url)
+    assert "\n" not in str(info.value)
+
+
+def test_an_endpoint_that_answers_a_bare_404_is_not_called_a_missing_object(s3):
+    """A web server that is not S3 (or a wrong path on one) answers every request 404
+    without an S3 error code: the store check says so, not "no such object"."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = do_PUT = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(KvtoolError, match=f"^no store at s3://b/p: {endpoint} answered a "
+                           "listing of bucket b with a bare 404 \\(no such bucket, or not an "
+                           "S3 endpoint\\)$"):
+            S3Backend("s3://b/p", {"endpoint_url": endpoint}).check()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_missing_bucket_is_not_a_miss(s3, caplog):
     url = "s3://no-such-kvtool-bucket/x"
     backend = S3Backend(url)

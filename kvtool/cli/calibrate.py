@@ -94,7 +94,8 @@ def calibrate_command(model_name: str, bits: float | None, presets: str | None,
     from kvtool.policy_files import save_policy
 
     if (bits is None) == (presets is None):
-        raise click.UsageError("give --bits (a per-layer policy) or --preset (fit presets)")
+        raise click.UsageError("give --bits (a per-layer policy) or --preset (fit presets)"
+                               + (", not both" if bits is not None else ""))
     if presets is not None:
         _fit_presets(model_name, presets, output, text_file, tokens, seeds, dtype, as_json)
         return

@@ -57,6 +57,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -94,6 +95,8 @@ from kvtool.fileio import host_name
 
 HITS_DIR = "hits"
 HIT_INTERVAL = 300.0  # seconds between two hit marks of one chunk by one process
+#: the bucket names botocore sends (it refuses others in a multi-line error of its own)
+BUCKET_NAME = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
 BUCKET_CHECK_INTERVAL = 60.0  # seconds between two checks that a HEAD's 404 is not the bucket's
 
 
@@ -117,6 +120,9 @@ class S3Backend:
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
             raise KvtoolError(f"{url}: no bucket name (expected s3://bucket/prefix)")
+        if not BUCKET_NAME.match(bucket):  # botocore's own rule, said before any request
+            raise KvtoolError(f"{url}: {bucket[:80]!r} is not a bucket name (letters, digits, "
+                              "'.', '-' and '_', up to 255)")
         self.location = url.rstrip("/")
         self.bucket, self.prefix = bucket, (prefix.strip("/") + "/" if prefix.strip("/") else "")
         self.writable = writable
@@ -463,6 +469,11 @@ class S3Backend:
             if isinstance(error, MissingBucketError):
                 raise KvtoolError(f"no store at {self.location}: the bucket {self.bucket} "
                                   "does not exist") from None
+            if isinstance(error, FileNotFoundError):  # a listing has no object to miss
+                raise KvtoolError(f"no store at {self.location}: "
+                                  f"{self.client.meta.endpoint_url} answered a listing of "
+                                  f"bucket {self.bucket} with a bare 404 (no such bucket, or "
+                                  "not an S3 endpoint)") from None
             raise KvtoolError(error.strerror or str(error)) from None
         self._bucket_found()
 
