@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.codecs import Codec, get_codec
+from kvtool.codecs import Codec, codec_for_role, get_codec
 from kvtool.codecs.turbomix import outlier_count
 from kvtool.errors import KvtoolError
 from kvtool.models import check_context_length, max_positions
@@ -69,7 +69,7 @@ def outlier_channels(head_dim: int, fraction: float = OUTLIER_FRACTION) -> int:
 
 def menu_codec(spec: str, role: str, head_dim: int) -> Codec:
     """The codec a menu entry means for ``role`` at ``head_dim``."""
-    codec = get_codec(spec.format(outliers=outlier_channels(head_dim))).for_role(role)
+    codec = codec_for_role(spec.format(outliers=outlier_channels(head_dim)), role)
     config = codec.get_config()
     if role == "key" and "center" in config and codec.codec_id == "turbomix":
         codec = get_codec({**config, "center": True})

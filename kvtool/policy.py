@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtool.codecs import Codec, get_codec
+from kvtool.codecs import Codec, codec_for_role, get_codec
 from kvtool.codecs.params import is_digits
 from kvtool.errors import CodecError
 
@@ -61,6 +61,15 @@ class CodecPolicy:
     num_layers: int | None = None
 
     def __post_init__(self) -> None:
+        for role in ("key", "value", "lossless"):
+            if not isinstance(getattr(self, role), Codec):  # "turbo3": get_codec() it first
+                raise CodecError(f"policy: {role} must be a Codec, got "
+                                 f"{type(getattr(self, role)).__name__}")
+        for name in ("protect_layers", "sink_tokens", "recent_tokens", "auto_sinks"):
+            n = getattr(self, name)
+            if not is_count(n):  # -1, 0.5 or True would be written, then refused by load
+                raise CodecError(f"{name} must be an integer from 0 to {MAX_COUNT}, got "
+                                 f"{str(n)[:40]!r}")
         if not self.layers:  # a uniform policy fits any model
             object.__setattr__(self, "num_layers", None)
             return
@@ -101,10 +110,6 @@ class CodecPolicy:
         """
         counts = {"protect_layers": protect_layers, "sink_tokens": sink_tokens,
                   "recent_tokens": recent_tokens, "auto_sinks": auto_sinks}
-        for name, n in counts.items():
-            if n is not None and not is_count(n):  # 0.5 or True: written, then refused
-                raise CodecError(f"{name} must be an integer from 0 to {MAX_COUNT}, got "
-                                 f"{str(n)[:40]!r}")
         given = {name: n for name, n in counts.items() if n is not None}
         if preset is not None:
             from kvtool.presets import preset_policy
@@ -112,13 +117,13 @@ class CodecPolicy:
             base_policy = preset_policy(preset, model_fingerprint)
             return replace(
                 base_policy,
-                key=get_codec(key_codec or codec or base_policy.key).for_role("key"),
-                value=get_codec(value_codec or codec or base_policy.value).for_role("value"),
+                key=codec_for_role(key_codec or codec or base_policy.key, "key"),
+                value=codec_for_role(value_codec or codec or base_policy.value, "value"),
                 **given)
         base = codec if codec is not None else "raw"
         return cls(
-            key=get_codec(key_codec if key_codec is not None else base).for_role("key"),
-            value=get_codec(value_codec if value_codec is not None else base).for_role("value"),
+            key=codec_for_role(key_codec if key_codec is not None else base, "key"),
+            value=codec_for_role(value_codec if value_codec is not None else base, "value"),
             **given,
         )
 
@@ -346,7 +351,7 @@ def _parse_layer_part(key: str, value: str, own: dict[int, dict[str, Codec]],
             raise CodecError(f"policy label {label!r}: L{span} is not a range of layers "
                              f"0-{num_layers - 1} (first-last, first <= last)")
         indices += range(a, b + 1)
-    codecs = {role: get_codec(value).for_role(role) for role in roles}
+    codecs = {role: codec_for_role(value, role) for role in roles}
     for i in indices:
         for role in roles:
             if role in own.get(i, {}):
@@ -400,13 +405,14 @@ def _count(data: dict[str, Any], name: str) -> int:
     return value
 
 
-def _codec(value: Any, where: str) -> Codec:
-    """A codec from a policy's JSON (config object or ``id:opt=val`` string), or CodecError."""
+def _codec(value: Any, where: str, role: str | None = None) -> Codec:
+    """A codec from a policy's JSON (config object or ``id:opt=val`` string), shaped for
+    ``role`` if given (:func:`~kvtool.codecs.codec_for_role`), or CodecError."""
     if not isinstance(value, (str, dict)):
         raise CodecError(f"policy: {where} must be a codec (an object or a string), got "
                          f"{type(value).__name__}")
     try:
-        return get_codec(value)
+        return get_codec(value) if role is None else codec_for_role(value, role)
     except CodecError as e:
         raise CodecError(f"policy: {where}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:
@@ -429,7 +435,7 @@ def _layers_from_json(data: Any, lossless: Codec) -> tuple[tuple[int, LayerCodec
         if not isinstance(spec, dict) or not spec or set(spec) - set(ROLES):
             raise CodecError(f"policy: {where} must be \"lossless\" or an object with "
                              "\"key\" and/or \"value\" codecs")
-        codecs = {r: c if isinstance(c, Codec) else _codec(c, f"{where} {r}").for_role(r)
+        codecs = {r: c if isinstance(c, Codec) else _codec(c, f"{where} {r}", r)
                   for r, c in spec.items()}
         out.append((int(index), LayerCodecs(codecs.get("key"), codecs.get("value"))))
     return tuple(out)

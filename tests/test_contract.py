@@ -324,9 +324,20 @@ def test_decode_refuses_a_relabelled_encoding_and_non_float_dtypes(codec_id):
                                                                      "int32")):
         with pytest.raises(CodecError, match="not what it writes|cannot decode to"):
             codec.decode(bad)
-    for dtype in ("int8", "float64", "bogus"):
-        with pytest.raises(CodecError, match="cannot decode to"):
-            codec.decode(enc, dtype)
+    for dtype in ("int8", "float64", "bogus", np.dtype("float16"), np.float32):
+        with pytest.raises(CodecError, match="cannot decode to"):  # a numpy dtype object
+            codec.decode(enc, dtype)  # equals its name, then failed a lookup (KeyError)
+    with pytest.raises(CodecError, match="dtype\\('float32'\\)"):
+        codec.decode(Encoded(enc.arrays, enc.shape, np.dtype("float32")))
+    torch = pytest.importorskip("torch")
+    first = next(iter(enc.arrays))
+    for odd in (torch.from_numpy(np.ascontiguousarray(enc.arrays[first])),
+                enc.arrays[first].tolist()):
+        if len(enc.arrays) == 1 and not isinstance(odd, list):
+            continue  # one array is one backend
+        mixed = Encoded({**enc.arrays, first: odd}, enc.shape, enc.dtype)
+        with pytest.raises(CodecError, match="arrays of one backend"):
+            codec.decode(mixed)
     assert codec.decode(enc, "float32").shape == (2, 16, 64)
 
 

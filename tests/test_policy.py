@@ -40,6 +40,22 @@ def test_label_and_json_round_trip():
     assert CodecPolicy.from_options().key == get_codec("raw")
 
 
+@pytest.mark.parametrize("label", ["k=kivi2:axis=token", "v=kivi4:axis=channel",
+                                   "kivi2 layers=2 L1.k=kivi2:axis=token"])
+def test_an_option_a_label_names_is_kept_over_the_roles_default(label):
+    """KIVI's keys go per channel and values per token unless the label says otherwise; an
+    explicit ``axis`` was replaced by the role's, so the label and JSON forms disagreed."""
+    policy = CodecPolicy.from_label(label)
+    axis = label.rpartition("axis=")[2]
+    assert axis in (policy.key.get_config().get("axis"), policy.value.get_config().get("axis"),
+                    *(c.get_config().get("axis") for _, own in policy.layers for c in
+                      (own.key, own.value) if c is not None))
+    assert CodecPolicy.from_label(policy.describe()) == policy
+    assert CodecPolicy.from_json(policy.to_json()) == policy
+    plain = CodecPolicy.from_label(label.replace(f":axis={axis}", ""))
+    assert plain != policy  # the role's default is another axis
+
+
 @pytest.mark.parametrize("lossless", ["turbo2", "raw:dtype=float16", "turbo4:seed=7"])
 def test_a_policy_whose_lossless_codec_is_not_raw_says_so_in_its_label(lossless):
     """The label a file and a report carry names the codec of protected layers and tokens;
@@ -224,6 +240,27 @@ def test_counts_are_integers_at_least_zero_with_or_without_a_preset(options):
     counts reached the encoder."""
     with pytest.raises(CodecError, match="must be an integer from 0 to"):
         CodecPolicy.from_options("turbo3", **options)
+
+
+@pytest.mark.parametrize("fields", [{"protect_layers": True}, {"sink_tokens": -3},
+                                    {"recent_tokens": 10**12}, {"auto_sinks": 2.5}])
+def test_a_policy_built_by_hand_checks_its_counts_too(tmp_path, fields):
+    """A ``CodecPolicy`` made directly (not through from_options) was written, replacing a
+    good file, and then refused by load (or failed mid-encode with another codec's shape)."""
+    from kvz_util import synthetic_cache
+
+    from kvtool.formats import load, save
+
+    t3 = get_codec("turbo3")
+    path = tmp_path / "a.kvz"
+    save(synthetic_cache(layers=2, tokens=8), path, codec="turbo3")
+    before = path.read_bytes()
+    with pytest.raises(CodecError, match="must be an integer from 0 to"):
+        save(synthetic_cache(layers=2, tokens=8), path,
+             policy=CodecPolicy(key=t3, value=t3, **fields))
+    assert path.read_bytes() == before and load(path).num_layers == 2
+    with pytest.raises(CodecError, match="key must be a Codec, got str"):
+        CodecPolicy(key="turbo3", value=t3)
 
 
 @pytest.mark.parametrize("label,message", [

@@ -3,6 +3,7 @@
 from kvtool.codecs.abc import Codec, Encoded
 from kvtool.codecs.registry import (
     ENTRY_POINT_GROUP,
+    codec_for_role,
     get_codec,
     list_codecs,
     parse_codec_spec,
@@ -14,6 +15,7 @@ __all__ = [
     "Codec",
     "Encoded",
     "ENTRY_POINT_GROUP",
+    "codec_for_role",
     "get_codec",
     "list_codecs",
     "parse_codec_spec",

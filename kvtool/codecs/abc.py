@@ -162,9 +162,9 @@ class Codec(ABC):
         Every backend saturates a float16 output at ±65504: a lossy reconstruction of a value
         near fp16's limit can land past it, and must not become ±inf."""
         dtype = dtype or enc.dtype
-        if dtype not in _FLOATS:
-            raise CodecError(f"{self.codec_id}: cannot decode to {str(dtype)[:20]!r}; expected "
-                             "float32, float16 or bfloat16")
+        if not isinstance(dtype, str) or dtype not in _FLOATS:  # np.dtype("f4") == "float32"
+            raise CodecError(f"{self.codec_id}: cannot decode to {_named(dtype)}; expected "
+                             "float32, float16 or bfloat16 (a name)")
         self.check_encoded(enc)
         first = next(iter(enc.arrays.values()))
         xp = ops_for(first)
@@ -174,9 +174,15 @@ class Codec(ABC):
         """:class:`CodecError` unless ``enc`` holds exactly the arrays this codec writes for its
         shape and dtype (:meth:`expected_arrays`): another codec's output, a relabelled shape
         or a non-float dtype would otherwise decode into garbage through reshapes."""
-        if enc.dtype not in _FLOATS:
-            raise CodecError(f"{self.codec_id}: encoded dtype {str(enc.dtype)[:20]!r} is not "
-                             "float32, float16 or bfloat16")
+        if not isinstance(enc.dtype, str) or enc.dtype not in _FLOATS:
+            raise CodecError(f"{self.codec_id}: encoded dtype {_named(enc.dtype)} is not "
+                             "float32, float16 or bfloat16 (a name)")
+        kinds = {ops_for(a) for a in enc.arrays.values()}
+        if len(kinds) > 1 or not all(hasattr(a, "shape") and hasattr(a, "dtype")
+                                     for a in enc.arrays.values()):
+            kinds_given = sorted({type(a).__name__ for a in enc.arrays.values()})
+            raise CodecError(f"codec {self.codec_id!r}: the encoded arrays must be arrays of "
+                             f"one backend, got {kinds_given}")
         want = {k: (spec.dtype, tuple(spec.shape))
                 for k, spec in self.expected_arrays(tuple(enc.shape), enc.dtype).items()}
         got = {k: (ops_for(a).dtype_name(a), tuple(int(n) for n in a.shape))
@@ -209,3 +215,8 @@ class Codec(ABC):
         """x̂ in ``dtype``, saturating at float16's ±65504 (see :meth:`decode`). Codecs able to
         write ``dtype`` directly override this (it saves a float32 copy of the whole output)."""
         return xp.astype(self._decode(xp, enc), dtype, saturate=True)
+
+
+def _named(dtype: Any) -> str:
+    """A dtype as given, in words: ``'int8'`` for a name, ``dtype('float16')`` for an object."""
+    return repr(dtype[:20]) if isinstance(dtype, str) else repr(dtype)[:40]

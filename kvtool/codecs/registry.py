@@ -149,6 +149,19 @@ def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
         raise CodecError(f"invalid options for codec {codec_id!r}: {e}") from e
 
 
+def codec_for_role(spec: str | dict[str, Any] | Codec, role: str) -> Codec:
+    """:func:`get_codec` shaped for ``role`` (:meth:`Codec.for_role`: KIVI's keys per channel,
+    values per token), keeping every option that ``spec`` names: ``kivi2:axis=token`` for keys
+    stays per token. A Codec given as it is takes the role's shape."""
+    codec = get_codec(spec)
+    shaped = codec.for_role(role)
+    if shaped is codec or isinstance(spec, Codec):
+        return shaped
+    config = parse_codec_spec(spec) if isinstance(spec, str) else dict(spec)
+    given = {k: v for k, v in config.items() if k not in ("id", "codec_version")}
+    return get_codec({**shaped.get_config(), **given}) if given else shaped
+
+
 def codec_options(cls: type[Codec]) -> dict[str, Any]:
     """The options a codec class takes, with their defaults (``inspect.Parameter.empty``: none)."""
     import inspect
