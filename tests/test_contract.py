@@ -341,12 +341,17 @@ def test_decode_refuses_a_relabelled_encoding_and_non_float_dtypes(codec_id):
     assert codec.decode(enc, "float32").shape == (2, 16, 64)
 
 
-def test_scores_refuse_a_query_without_its_row_axis():
-    x = synthetic_cache(layers=1, dtype="float32").keys[0]
-    for codec_id in ("turbo3", "int8"):
+def test_scores_refuse_a_query_without_its_row_axis_or_of_another_shape():
+    x = synthetic_cache(layers=1, dtype="float32").keys[0]  # [heads, tokens, D]
+    heads, _, dim = x.shape
+    for codec_id in ("turbo3", "int8", "turbomix"):
         codec = get_codec(codec_id)
-        with pytest.raises(CodecError, match=r"queries \[\.\.\., M, D\]"):
-            codec.scores(np.ones(x.shape[-1], np.float32), codec.encode(x))
+        enc = codec.encode(x)
+        for q in (np.ones(dim, np.float32), np.ones((heads, 3, dim // 2), np.float32),
+                  np.ones((heads + 3, 3, dim), np.float32)):  # numpy's own errors, before
+            with pytest.raises(CodecError, match=r"queries \[\.\.\., M, D\] that broadcast"):
+                codec.scores(q, enc)
+        assert codec.scores(np.ones((1, 3, dim), np.float32), enc).shape == (heads, 3, x.shape[1])
 
 
 @pytest.mark.parametrize("spec", ["turbo3", "turbo3:center=true", "int8", "turbomix"])

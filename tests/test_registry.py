@@ -57,6 +57,20 @@ def test_unknown_codec_names_it_and_mentions_plugins():
         get_codec("nope")
 
 
+@pytest.mark.parametrize("where", ["codec", "label", "k="])
+def test_a_preset_where_a_codec_goes_is_named_a_preset(where):
+    """``balanced sink=2`` or ``k=balanced`` said "unknown codec 'balanced'"."""
+    from kvtool.policy import CodecPolicy
+
+    with pytest.raises(CodecError, match=r"^'balanced' is a preset .* not a codec: .*--preset "
+                                         "balanced"):
+        if where == "codec":
+            get_codec("balanced")
+        else:
+            CodecPolicy.from_label("balanced sink=2" if where == "label" else "k=balanced")
+    assert CodecPolicy.from_label("balanced") == CodecPolicy.from_options(preset="balanced")
+
+
 def test_bad_options_and_future_versions():
     with pytest.raises(CodecError, match="no option 'colour'"):
         get_codec("turbo3", colour="red")

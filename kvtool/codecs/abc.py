@@ -197,12 +197,24 @@ class Codec(ABC):
         The default decodes; codecs that can do better (turbo) override it. The scores are on
         ``q``'s backend and device, wherever the codes are.
         """
-        if q.ndim < 2:
-            raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
-                             f"{tuple(q.shape)}")
+        self.check_query(q, enc)
         xp = ops_for(q)
         k = self.decode(enc.like(q), "float32")
         return xp.matmul(xp.astype(q, "float32"), xp.swap_last(k))
+
+    def check_query(self, q: Array, enc: Encoded) -> None:
+        """:class:`CodecError` unless queries ``q[..., M, D]`` can be scored against ``enc``
+        (keys ``[..., N, D]``): the same ``D``, and leading axes that broadcast."""
+        import numpy as np
+
+        shape, keys = tuple(q.shape), tuple(enc.shape)
+        try:
+            if len(shape) < 2 or len(keys) < 2 or shape[-1] != keys[-1]:
+                raise ValueError
+            np.broadcast_shapes(shape[:-2], keys[:-2])
+        except ValueError:
+            raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D] that broadcast "
+                             f"against the keys {list(keys)}, got {list(shape)}") from None
 
     @abstractmethod
     def _encode(self, xp: Any, x: Array) -> dict[str, Array]: ...

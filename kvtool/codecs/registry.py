@@ -71,6 +71,14 @@ def _resolve(codec_id: str) -> type[Codec]:
     table = _load_table()
     target = table.get(codec_id)
     if target is None:
+        from kvtool.presets import PRESETS  # here, not at import: presets import codecs
+
+        if codec_id in PRESETS:
+            raise UnknownCodecError(
+                f"{codec_id!r} is a preset (a whole policy: a codec per role, sinks, protected "
+                f"layers), not a codec: give it as a preset (--preset {codec_id}, "
+                f"CodecPolicy.from_label({codec_id!r}) alone, or "
+                f"CodecPolicy.from_options(preset={codec_id!r}, ...) to change its counts)")
         hint = did_you_mean(str(codec_id), table)
         raise UnknownCodecError(f"unknown codec {codec_id!r}{hint} (not built in and no "
                                 "installed plugin provides it through the entry-point group "

@@ -176,9 +176,7 @@ class TurboCodec(Codec):
         """q·k̂ for every stored key without materialising k̂: rotate q once, gather centroids."""
         from kvtool.kernels import ops_for
 
-        if q.ndim < 2:
-            raise CodecError(f"{self.codec_id}: scores takes queries [..., M, D], got "
-                             f"{tuple(q.shape)}")
+        self.check_query(q, enc)
         xp = ops_for(q)
         dim, enc = enc.shape[-1], enc.like(q)
         q = xp.astype(q, "float32")

@@ -149,6 +149,7 @@ class KvzFile:
         return merge_sources(found)
 
     def _role(self, i: int, role: str) -> dict[str, Any]:
+        i = _index(i)
         if not 0 <= i < self.num_layers:
             raise IndexError(f"layer {i} out of range: the file has {self.num_layers} layers")
         if role not in C.ROLES:
