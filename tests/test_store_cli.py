@@ -363,14 +363,21 @@ def test_pin_refuses_to_quantize_a_lossy_file_again_unless_forced(tmp_path, runn
                                     b'{"k": {"file": "a"}, "k": {"file": "b"}}'])
 def test_a_damaged_pins_file_stops_every_removal_and_is_never_overwritten(root, runner, damage):
     """Read as "no pins", a damaged pins.json made prune delete the pinned chunks and a new
-    pin overwrite the others: it is refused in one line, and nothing is removed or written."""
+    pin overwrite the others: it is refused in one line, and nothing is removed or written.
+    Reading the store goes on, with a warning: it is how one finds out what is wrong."""
     (root / "pins.json").write_bytes(damage)
     files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    for args in (["prune", str(root), "--max-bytes", "0"], ["stats", str(root)],
+    for args in (["prune", str(root), "--max-bytes", "0"],
                  ["unpin", str(root), str(root / "x.kvz")]):
         out = runner.invoke(cli, ["store", *args])
         assert out.exit_code != 0 and "pins.json is damaged" in out.output, out.output
         assert len(out.output.strip().splitlines()) == 1, out.output
+    for args in (["stats", str(root)], ["ls", str(root)], ["verify", str(root)]):
+        out = runner.invoke(cli, ["store", *args])
+        assert out.exit_code == 0 and "warning: " in out.output, out.output
+        assert "pins.json is damaged" in out.output and "chunks" in out.output, out.output
+    with pytest.raises(KvtoolError, match="pins.json is damaged"):  # the server's eviction
+        store_admin.eviction_order(store_admin.scan(root))
     with pytest.raises(KvtoolError, match="pins.json is damaged"):
         store_pins.pin_file(root, str(root / "x.kvz"))
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files

@@ -25,7 +25,10 @@ def _store_line(store: str | None) -> str:
 
     if "://" not in store and not os.path.isdir(store):  # an s3:// URL is scanned
         return f"{store} (new)"
-    info = store_admin.stats(store_admin.scan(store))
+    found = store_admin.scan(store)
+    if found.pins_problem:  # serving goes on; eviction and pinning refuse
+        click.echo(f"warning: {found.pins_problem}", err=True)
+    info = store_admin.stats(found)
     return f"{store} ({info['chunks']} chunks, {human_bytes(info['bytes'])})"
 
 

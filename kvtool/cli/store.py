@@ -72,10 +72,17 @@ def _when(ts: float) -> str:
     return "just now"
 
 
-def _scan(root: str):
+def _scan(root: str, *, removing: bool = False):
+    """The store's scan; a damaged pins file is warned of to read it, refused to remove from
+    it (a pinned chunk would read as unpinned)."""
     from kvtool.engines.vllm import store_admin
 
-    return store_admin.scan(root)
+    found = store_admin.scan(root)
+    if found.pins_problem and removing:
+        raise KvtoolError(found.pins_problem)
+    if found.pins_problem:
+        click.echo(f"warning: {found.pins_problem}", err=True)
+    return found
 
 
 @click.group("store")
@@ -228,7 +235,7 @@ def prune_command(root: str, max_bytes: int | None, older_than: float | None,
     from kvtool.engines.vllm import store_admin
     from kvtool.engines.vllm.stats_files import FOLDED, STATS_DIR, fold_ended
 
-    found = _scan(root)
+    found = _scan(root, removing=True)
     now = time.time()
     aged = store_admin.quarantine_plan(found, older_than=quarantine_older_than, now=now)
     failures: list[store_admin.RemoveError] = []

@@ -89,6 +89,9 @@ class StoreScan:
     quarantined_bytes: int = 0
     ignored: int = 0  # symlinks, special files, names not of the store's layout
     pins: dict[str, Any] = dataclasses.field(default_factory=dict)  # chunk key → pin record
+    #: why the pins file could not be read (:func:`read_pins`' error): then ``pins`` is empty,
+    #: and nothing may be pruned (:func:`eviction_order` refuses), but the store can be read
+    pins_problem: str | None = None
     backend: Backend | None = None
     quarantine: list[Entry] = dataclasses.field(default_factory=list)
     temps: list[Entry] = dataclasses.field(default_factory=list)
@@ -135,7 +138,11 @@ def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None,
     if missing_ok and not is_url(backend.location) and not os.path.lexists(backend.location):
         return StoreScan(backend.location, [], backend=backend)
     backend.check()
-    out = StoreScan(backend.location, [], pins=read_pins(backend), backend=backend)
+    out = StoreScan(backend.location, [], backend=backend)
+    try:
+        out.pins = read_pins(backend)
+    except KvtoolError as e:  # the chunks can still be listed, read and verified
+        out.pins_problem = str(e)
     try:
         entries = list(backend.walk())
     except OSError as e:
@@ -161,7 +168,8 @@ def scan(root: str | os.PathLike | Backend, storage_options: dict | None = None,
         else:
             out.ignored += 1
     out.models = sorted(models)
-    if not (missing_ok or out.chunks or out.temps or out.quarantine or out.models or out.pins):
+    if not (missing_ok or out.chunks or out.temps or out.quarantine or out.models or out.pins
+            or out.pins_problem):
         refuse_foreign(backend)  # a server's own scans (missing_ok) take the root it was given
     return out
 
@@ -375,7 +383,10 @@ def remove(items: Sequence[StoredChunk | Entry], root: str | os.PathLike | Backe
 
 
 def eviction_order(found: StoreScan) -> list[StoredChunk]:
-    """Unpinned chunks, least recently hit first: the order in which chunks are evicted."""
+    """Unpinned chunks, least recently hit first: the order in which chunks are evicted (a
+    :class:`KvtoolError` when the pins file could not be read: every chunk may be pinned)."""
+    if found.pins_problem:
+        raise KvtoolError(found.pins_problem)
     return sorted((c for c in found.chunks if not c.pinned), key=lambda c: (c.last_hit, c.path))
 
 
