@@ -113,6 +113,31 @@ def test_writer_quarantines_damaged_chunks(tmp_path, caplog):
     assert store.lookup(IDS) == [c0, c1, c2]
 
 
+def test_a_damaged_chunk_whose_quarantine_failed_is_replaced_once_it_works(tmp_path, caplog,
+                                                                           monkeypatch):
+    """A quarantine folder that cannot be written (a symlink, a read-only mount) kept the
+    damaged file, and every later write found the place taken: the prefix was computed on
+    every request until a restart. The write now quarantines it again, warned of once."""
+    store = make(tmp_path)
+    c0, c1, _ = fill(store)
+    open(c1.path, "wb").write(b"not a kvz file" * 50)
+    real = store.backend.quarantine
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "quarantine")
+
+    monkeypatch.setattr(store.backend, "quarantine", refuse)
+    keys, values = kv(seed=1)
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        assert store.lookup(IDS) == [c0]  # damaged: skipped, and kept
+        assert store.write(c1, keys, values, IDS) == 0 and store.write(c1, keys, values, IDS) == 0
+    assert os.path.exists(c1.path) and quarantined(tmp_path) == []
+    assert caplog.text.count("cannot quarantine") == 1
+    monkeypatch.setattr(store.backend, "quarantine", real)
+    assert store.write(c1, keys, values, IDS) > 0 and len(quarantined(tmp_path)) == 1
+    assert store.lookup(IDS)[:2] == [c0, c1]
+
+
 def test_poisoned_chunk_refused_and_quarantined(tmp_path):
     store = make(tmp_path, codec="turbo3")
     c0, c1, _ = fill(store)

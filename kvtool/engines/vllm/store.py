@@ -66,10 +66,12 @@ from kvtool.policy import CodecPolicy
 
 HASH_TAG = b"kvtool-prefix-store-v1"
 MAX_VERDICTS = 1 << 16
-# per chunk path: (stamp of the file judged, usable?, the dtype it is exact in or None). Shared
-# by the process's stores, so that a chunk the worker half failed to load is skipped by the
-# scheduler half's next lookup.
+# per chunk path: (stamp of the file judged, usable?, the dtype it is exact in or None; for an
+# unusable file, DAMAGED where it is damaged and was kept: its quarantine failed). Shared by the
+# process's stores, so that a chunk the worker half failed to load is skipped by the scheduler
+# half's next lookup.
 _VERDICTS: dict[str, tuple[Stamp, bool, str | None]] = {}
+DAMAGED = "damaged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +195,23 @@ class PrefixStore:
         verdict = self._verdict(chunk, token_ids)
         return verdict is not None and self._usable(chunk, *verdict)
 
-    def replace_lossy(self, chunk: Chunk, token_ids: Sequence[int],
-                      lossy_sources: Sequence[str] = ()) -> bool:
-        """For an exact write (a lossless store's, with nothing lossy before it) that found a
-        file in the chunk's place: remove it if it is stored lossy (a lossy server's or pin's),
-        which this store never loads; whether the place is free now (a lossy file removed, a
-        damaged one quarantined by the judging, or none there any more). Else the first writer
-        would win and a lossless server would compute that prefix forever. Exact chunks, in
-        any dtype, are never replaced."""
+    def _free_place(self, chunk: Chunk, token_ids: Sequence[int],
+                    lossy_sources: Sequence[str] = ()) -> bool:
+        """For a write that found a file in the chunk's place: whether the place is free now.
+
+        A damaged file that was kept (its quarantine failed: a read-only or symlinked
+        quarantine folder) is quarantined again, so that it is replaced once that works.
+        For an exact write (a lossless store's, with nothing lossy before it): a file stored
+        lossy (a lossy server's or pin's), which this store never loads, is removed, and a
+        damaged one is quarantined by the judging. Else the first writer would win and a
+        lossless server would compute that prefix forever. Exact chunks, in any dtype, and
+        sound chunks for a lossy write, are never replaced."""
+        self._check_writable()
+        judged = _VERDICTS.get(chunk.path)
+        if judged is not None and not judged[1] and judged[2] == DAMAGED:
+            return bool(self._quarantine(chunk, judged[0])) or not self.exists(chunk)
         if self.exact_dtype is None or self.lossy_sources or lossy_sources:
             return False
-        self._check_writable()
         verdict = self._verdict(chunk, token_ids)
         if verdict is None:  # damaged (then quarantined), unreadable (kept) or gone
             return not self.exists(chunk)
@@ -315,7 +323,7 @@ class PrefixStore:
         count("invalid_files")
         moved = self.writable and self._quarantine(chunk, stamp)
         if not moved:
-            _remember(chunk.path, stamp, False)
+            _remember(chunk.path, stamp, False, DAMAGED)
         log.warning("kvtool store: ignoring %s: %s; the prefix will be recomputed%s",
                     chunk.path, refusal_reason(error, chunk.path),
                     f" (moved to {moved})" if moved else "" if self.writable
@@ -328,8 +336,9 @@ class PrefixStore:
         try:
             if not self.backend.quarantine(self._name(chunk), name, stamp):
                 return None  # rewritten since it was read: judge the new file afresh
-        except OSError as e:
-            log.warning("kvtool store: cannot quarantine %s (%s)", chunk.path, e)
+        except OSError as e:  # tried again at the chunk's next write: said once
+            self._warn_once(chunk, f"kvtool store: cannot quarantine {chunk.path} ({e})",
+                            counter=None)
             return None
         _VERDICTS.pop(chunk.path, None)
         count("quarantined_files")
@@ -421,7 +430,7 @@ class PrefixStore:
     def write(self, chunk: Chunk, keys: list[Any], values: list[Any],
               token_ids: Sequence[int], *, lossy_sources: Sequence[str] = ()) -> int:
         """Encode and write one chunk atomically; its file size, or 0 where one is kept.
-        Existing chunks are kept (but for :meth:`replace_lossy`); a symlink in the chunk's
+        Existing chunks are kept (but for :meth:`_free_place`); a symlink in the chunk's
         place is replaced, never written through. ``lossy_sources``: the lossy steps the K/V
         went through (a pinned file's), recorded in the chunk."""
         from kvtool.formats import save
@@ -459,10 +468,11 @@ class PrefixStore:
         already; the file's size, or 0 if one was kept. Local: a temp file in the pinned
         directory linked to the chunk's name (replacing a symlink, never writing through it);
         S3: one conditional PUT of the whole object. A file found there is judged (and
-        replaced if stored lossy, :meth:`replace_lossy`) only then: a new chunk costs no read."""
+        replaced if stored lossy or damaged, :meth:`_free_place`) only then: a new chunk costs no
+        read."""
         name = self._name(chunk)
         size = self.backend.write_new(name, encode)
-        if size or not self.replace_lossy(chunk, token_ids, lossy_sources):
+        if size or not self._free_place(chunk, token_ids, lossy_sources):
             return size
         size = self.backend.write_new(name, encode)
         self.replaced += size > 0
