@@ -235,6 +235,20 @@ def test_the_connector_budget_evicts_lru_down_to_low_water(tmp_path):
         StoreBudget(tmp_path, 0)
 
 
+def test_a_bound_below_one_chunk_drops_saves_instead_of_evicting_everything(tmp_path):
+    """``--max-store-bytes`` under one chunk file made every save evict the store, then the
+    chunk it had just written: encoding and disk work for nothing, and never a hit."""
+    from kvtool.engines.vllm.store_budget import NoRoom
+
+    store, chunks = fill(tmp_path, MODELS[0], 2)
+    size = os.path.getsize(chunks[0].path)
+    budget = StoreBudget(tmp_path, max_bytes=size // 2)
+    budget.added(size)  # a file of this size was written
+    with pytest.raises(NoRoom, match=f"a chunk file takes ~{size} bytes, more than max_bytes"):
+        budget.reserve(size)
+    assert {c.path for c in store_admin.scan(tmp_path).chunks} <= {c.path for c in chunks}
+
+
 def test_pin_stores_a_prefix_as_server_chunks_that_prune_keeps(tmp_path, runner):
     import numpy as np
 

@@ -87,6 +87,9 @@ class StoreBudget:
                 return 0, 0
             if self._estimate is not None and self._estimate + nbytes <= self.max_bytes:
                 return 0, 0
+            if self._file_bytes > self.max_bytes:  # it would evict everything, itself next
+                raise NoRoom(f"a chunk file takes ~{self._file_bytes} bytes, more than "
+                             f"max_bytes {self.max_bytes}: raise the bound (--max-store-bytes)")
             now = time.time()
             if self._estimate is not None and now < self._backoff_until:
                 raise NoRoom(f"the store holds ~{self._estimate} bytes, a write of ~{nbytes} "
