@@ -334,3 +334,21 @@ print(before - anon())
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert int(run.stdout) > 150e6, run.stdout
+
+
+def test_a_chunk_that_cannot_be_written_is_warned_of_once_and_counted_each_time(caplog):
+    """A directory in a chunk's place failed the write at every request of that prefix, with a
+    warning each time."""
+    import logging
+    from types import SimpleNamespace
+
+    from kvtool.engines.vllm.saver import save_failed
+
+    chunk = SimpleNamespace(path=f"/store/m/ab/{time.time_ns()}.kvz")
+    before = stats()["save_failures"]
+    with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
+        for _ in range(3):
+            save_failed(chunk, IsADirectoryError(errno.EISDIR, "Is a directory"))
+        save_failed(chunk, PermissionError(errno.EACCES, "Permission denied"))
+    assert stats()["save_failures"] == before + 4
+    assert caplog.text.count("cannot write") == 2 and "said once for this chunk" in caplog.text

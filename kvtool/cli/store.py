@@ -197,7 +197,7 @@ def verify_command(root: str, as_json: bool) -> None:
                                                            disable=None))
     bad, gone = report.damaged, report.gone
     if as_json:
-        echo_json({"chunks": len(found.chunks), "gone": gone,
+        echo_json({"chunks": len(found.chunks), "gone": gone, "ignored": found.ignored,
                    "damaged": [{"path": p, "problem": why} for p, why in bad]})
     else:
         for path in gone:
@@ -206,7 +206,10 @@ def verify_command(root: str, as_json: bool) -> None:
             click.echo(f"DAMAGED {path}: {why}")
         checked = len(found.chunks) - len(gone)
         click.echo(f"{checked - len(bad)} of {checked} chunks ok"
-                   + (f"; {len(gone)} removed during the scan" if gone else ""))
+                   + (f"; {len(gone)} removed during the scan" if gone else "")
+                   + (f"; {found.ignored} other entries ignored (symlinks, directories or "
+                      "special files in chunks' places, names not of the store's layout)"
+                      if found.ignored else ""))
     if bad:
         raise SystemExit(4)
 

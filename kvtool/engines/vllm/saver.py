@@ -160,7 +160,20 @@ def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
         count("save_failures")
 
 
+#: (chunk path, error type) already warned of: a place that cannot be written (a directory
+#: there, a read-only mount) fails at every request of that prefix
+_WARNED_WRITES: set[tuple[str, str]] = set()
+
+
 def save_failed(chunk: Any, e: BaseException) -> None:
-    log.warning("kvtool: cannot write %s (%s: %s); the prefix stays unstored",
-                chunk.path, type(e).__name__, str(e)[:200])
+    """Count a chunk write that failed; warn once per chunk and kind of error (then debug)."""
     count("save_failures")
+    key = (chunk.path, type(e).__name__)
+    first = key not in _WARNED_WRITES
+    if first:
+        if len(_WARNED_WRITES) >= 1 << 16:
+            _WARNED_WRITES.clear()
+        _WARNED_WRITES.add(key)
+    (log.warning if first else log.debug)(
+        "kvtool: cannot write %s (%s: %s); the prefix stays unstored%s", chunk.path,
+        type(e).__name__, str(e)[:200], " (said once for this chunk)" if first else "")
