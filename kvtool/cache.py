@@ -140,6 +140,9 @@ class KVCache:
 
     def prefix(self, tokens: int) -> KVCache:
         """The cache of the first ``tokens`` tokens (full-attention layers)."""
+        if isinstance(tokens, bool) or not hasattr(tokens, "__index__"):
+            raise TypeError(f"prefix takes an integer number of tokens, got {tokens!r}")
+        tokens = tokens.__index__()
         if not 0 <= tokens <= self.num_tokens:
             raise ValueError(f"prefix of {tokens} tokens from a cache of {self.num_tokens}")
         for i, k in enumerate(self.keys):

@@ -398,3 +398,30 @@ def test_policies_a_runtime_cache_cannot_apply_are_refused():
     CompressedCache(CodecPolicy.from_options("turbo3"), config=eager)  # None: decodes first
     eager._attn_implementation = None  # a config no model was built from: not chosen yet
     CompressedCache(CodecPolicy.from_options("turbo3"), config=eager, attention_from_codes=True)
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    """A codec name for the policy, a fractional block size or layer count, a float crop or
+    prefix: these failed inside torch or with another field's message."""
+    import numpy as np
+
+    from kvtool.formats import load, save
+
+    policy = CodecPolicy.from_label("turbo3")
+    with pytest.raises(KvtoolError, match="takes a CodecPolicy, not str"):
+        CompressedCache("turbo3", num_layers=2)
+    for kwargs, name in (({"num_layers": 2.5}, "num_layers"), ({"num_layers": 0}, "num_layers"),
+                         ({"num_layers": 2, "block_size": 2.5}, "block_size"),
+                         ({"num_layers": 2, "block_size": True}, "block_size")):
+        with pytest.raises(KvtoolError, match=f"{name} must be an integer >= 1"):
+            CompressedCache(policy, **kwargs)
+    with pytest.raises(TypeError, match="crop takes an integer"):
+        CompressedCache(policy, num_layers=2).crop(30.0)
+    kv = [np.zeros((2, 4, 16), np.float32)] * 2
+    cache = KVCache(kv, kv)
+    with pytest.raises(TypeError, match="prefix takes an integer"):
+        cache.prefix(2.5)
+    assert cache.prefix(np.int64(3)).num_tokens == 3
+    path = tmp_path / "bytes.kvz"
+    save(cache, bytes(path))  # a bytes path, as load takes one
+    assert load(bytes(path)).num_tokens == 4

@@ -124,6 +124,12 @@ class CompressedCache(Cache):
                  block_size: int = DEFAULT_BLOCK_SIZE, attention_from_codes: bool | None = None):
         if (config is None) == (num_layers is None):
             raise KvtoolError("CompressedCache needs exactly one of config or num_layers")
+        if not isinstance(policy, CodecPolicy):  # "turbo3": a codec, not a policy
+            raise KvtoolError(f"CompressedCache takes a CodecPolicy, not "
+                              f"{type(policy).__name__} (CodecPolicy.from_label({policy!r:.40}))")
+        for name, n in (("num_layers", num_layers), ("block_size", block_size)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise KvtoolError(f"CompressedCache: {name} must be an integer >= 1, got {n!r}")
         if config is not None:
             windows = _layer_windows(config)
         else:
@@ -178,6 +184,8 @@ class CompressedCache(Cache):
         """Every layer's newest ``-max_length`` tokens removed (see :meth:`CompressedLayer.crop`),
         or none when a layer refuses (a sliding-window one that let go of a token the kept
         ones attend to): never some layers cropped and others not."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"crop takes an integer number of tokens, got {max_length!r}")
         for layer in self.layers:
             layer._to_crop(max_length)
         super().crop(max_length)

@@ -159,7 +159,8 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
 
     from kvtool import __version__
 
-    check_output_path(os.fspath(path))  # before the encoding work, not after it
+    path = os.fsdecode(path)  # str, bytes or PathLike, as load takes
+    check_output_path(path)  # before the encoding work, not after it
     if not all(isinstance(k, str) for k in (model or {})):  # JSON would turn 1 into "1"
         raise ValueError("model info keys must be strings")
     from kvtool.identity import dtype_problem
