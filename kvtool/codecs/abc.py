@@ -177,15 +177,15 @@ class Codec(ABC):
         if not isinstance(enc.dtype, str) or enc.dtype not in _FLOATS:
             raise CodecError(f"{self.codec_id}: encoded dtype {_named(enc.dtype)} is not "
                              "float32, float16 or bfloat16 (a name)")
-        kinds = {ops_for(a) for a in enc.arrays.values()}
-        if len(kinds) > 1 or not all(hasattr(a, "shape") and hasattr(a, "dtype")
-                                     for a in enc.arrays.values()):
+        ops = {k: ops_for(a) for k, a in enc.arrays.items()}
+        if len(set(ops.values())) > 1 or not all(hasattr(a, "shape") and hasattr(a, "dtype")
+                                                 for a in enc.arrays.values()):
             kinds_given = sorted({type(a).__name__ for a in enc.arrays.values()})
             raise CodecError(f"codec {self.codec_id!r}: the encoded arrays must be arrays of "
                              f"one backend, got {kinds_given}")
         want = {k: (spec.dtype, tuple(spec.shape))
                 for k, spec in self.expected_arrays(tuple(enc.shape), enc.dtype).items()}
-        got = {k: (ops_for(a).dtype_name(a), tuple(int(n) for n in a.shape))
+        got = {k: (ops[k].dtype_name(a), tuple(int(n) for n in a.shape))
                for k, a in enc.arrays.items()}
         if got != want:
             raise CodecError(f"codec {self.codec_id!r}: arrays {got} are not what it writes for "

@@ -32,21 +32,23 @@ from kvtool.formats.container import Entry, is_int
 SegmentSpecs = dict[tuple[int, str, int], dict[str, ArraySpec] | None]
 
 
-def decoded_limit(file_bytes: int, max_decoded_bytes: int | None = None) -> int:
-    """The most bytes a file of ``file_bytes`` may decode to (see :data:`C.ENV_MAX_DECODED`)."""
-    if max_decoded_bytes is None:
-        env = os.environ.get(C.ENV_MAX_DECODED, "").strip()
-        if env:
-            try:
-                max_decoded_bytes = int(float(env))
-            except (ValueError, OverflowError):
-                max_decoded_bytes = 0
-            if max_decoded_bytes <= 0:  # the environment's fault, not the file's
-                raise KvtoolError(f"{C.ENV_MAX_DECODED}={env[:40]!r} is not a positive number "
-                                  "of bytes")
+def decoded_limit(file_bytes: int, max_decoded_bytes: int | None = None) -> tuple[int, str]:
+    """The most bytes a file of ``file_bytes`` may decode to (see :data:`C.ENV_MAX_DECODED`),
+    and what set it, in words."""
     if max_decoded_bytes is not None:
-        return int(max_decoded_bytes)
-    return max(C.MIN_DECODED_LIMIT, C.MAX_DECODED_RATIO * file_bytes)
+        return int(max_decoded_bytes), "the caller's limit"
+    env = os.environ.get(C.ENV_MAX_DECODED, "").strip()
+    if env:
+        try:
+            limit = int(float(env))
+        except (ValueError, OverflowError):
+            limit = 0
+        if limit <= 0:  # the environment's fault, not the file's
+            raise KvtoolError(f"{C.ENV_MAX_DECODED}={env[:40]!r} is not a positive number "
+                              "of bytes")
+        return limit, C.ENV_MAX_DECODED
+    return (max(C.MIN_DECODED_LIMIT, C.MAX_DECODED_RATIO * file_bytes),
+            f"{C.MAX_DECODED_RATIO}x the file size, at least {C.MIN_DECODED_LIMIT >> 20} MiB")
 
 
 class Deadline:
@@ -61,20 +63,17 @@ class Deadline:
                               f"{C.MAX_HEADER_SECONDS:.0f} s (corrupt or hostile file)")
 
 
-def _check_budget(header: dict[str, Any], file_bytes: int, limit: int, given_by: str | None
-                  ) -> None:
+def _check_budget(header: dict[str, Any], file_bytes: int, limit: int, given_by: str) -> None:
     """Refuse a file that would decode to over ``limit`` bytes (``given_by``: what set the
-    limit, None for the default's ratio to the file size)."""
+    limit, :func:`decoded_limit`)."""
     decoded = sum(prod(layer[r]["shape"]) * C.ITEMSIZE[layer[r]["dtype"]]
                   for layer in header[C.H_LAYERS] for r in C.ROLES)
     stored = sum(prod(t["shape"]) * C.ITEMSIZE[t["dtype"]]
                  for t in header[C.H_TENSORS].values())
     worst = max(decoded, stored)
     if worst > limit:
-        source = given_by or (f"{C.MAX_DECODED_RATIO}x the file size, at least "
-                              f"{C.MIN_DECODED_LIMIT >> 20} MiB")
         raise FormatError(f"the file ({file_bytes} bytes) would decode to {worst} bytes, over "
-                          f"the limit of {limit} ({source}); set {C.ENV_MAX_DECODED} "
+                          f"the limit of {limit} ({given_by}); set {C.ENV_MAX_DECODED} "
                           "to a larger number of bytes if this cache is really that large")
 
 
@@ -194,10 +193,7 @@ def check_contract(header: dict[str, Any], entries: dict[str, Entry], file_bytes
     check_identity(header)
     if header.get(C.H_LAYER_POLICY) is not None and header.get(C.H_POLICY) is not None:
         raise FormatError("kvz header: a layer_policy is written only with policy null")
-    _check_budget(header, file_bytes, decoded_limit(file_bytes, max_decoded_bytes),
-                  "the caller's limit" if max_decoded_bytes is not None
-                  else C.ENV_MAX_DECODED if os.environ.get(C.ENV_MAX_DECODED, "").strip()
-                  else None)
+    _check_budget(header, file_bytes, *decoded_limit(file_bytes, max_decoded_bytes))
     table = header[C.H_TENSORS]
     owner: dict[str, str] = {}
     ids = header.get(C.H_TOKEN_IDS)

@@ -165,8 +165,9 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
         raise ValueError("model info keys must be strings")
     from kvtool.identity import dtype_problem
 
-    if dtype_problem(model):
-        raise ValueError(f"model info: {dtype_problem(model)}")
+    problem = dtype_problem(model)
+    if problem:
+        raise ValueError(f"model info: {problem}")
     if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
         raise ValueError("tokenizer_fingerprint must be a string or None, got "
                          f"{type(tokenizer_fingerprint).__name__}")
