@@ -344,6 +344,37 @@ def test_a_refused_update_ends_the_layer():
     assert torch.equal(keys, fresh) and cache.get_seq_length() == 3
 
 
+def test_an_update_of_another_shape_is_refused_by_name_and_changes_nothing():
+    """Keys of other heads, head_dim or batch, values of another length or dtype, 3-D states
+    and a layer index past the last failed inside torch ("Sizes of tensors must match"), and
+    ended the layer; a beam repeat changes the batch the layer takes."""
+    gen = torch.Generator().manual_seed(2)
+    cache = CompressedCache(CodecPolicy.from_options("turbo3"), num_layers=1, block_size=4)
+    first = torch.randn(1, 2, 9, 64, generator=gen)
+    cache.update(first, first, 0)
+    bad = [((1, 3, 2, 64), (1, 3, 2, 64), "holds batch x kv_heads \\(1, 2\\), head_dims 64/64"),
+           ((1, 2, 2, 32), (1, 2, 2, 32), "head_dims 64/64"),
+           ((2, 2, 2, 64), (2, 2, 2, 64), "holds batch x kv_heads"),
+           ((2, 2, 64), (2, 2, 64), "must be a 4-D tensor"),
+           ((1, 2, 2, 64), (1, 2, 3, 64), "differ in batch, heads, tokens")]
+    for kshape, vshape, match in bad:
+        with pytest.raises(KvtoolError, match=match):
+            cache.update(torch.randn(kshape, generator=gen), torch.randn(vshape, generator=gen), 0)
+    with pytest.raises(KvtoolError, match="differ in batch, heads, tokens, dtype"):
+        cache.update(first[..., :1, :], first[..., :1, :].half(), 0)
+    with pytest.raises(KvtoolError, match="layer_idx 1 is not one of its 1 layers"):
+        cache.update(first, first, 1)
+    step = torch.randn(1, 2, 1, 64, generator=gen)
+    keys, _ = cache.update(step, step, 0)  # the refusals changed nothing
+    assert keys.shape == (1, 2, 10, 64) and torch.equal(keys[..., -1:, :], step)
+    cache.batch_repeat_interleave(3)
+    beams = torch.randn(3, 2, 1, 64, generator=gen)
+    keys, _ = cache.update(beams, beams, 0)
+    assert keys.shape == (3, 2, 11, 64)
+    with pytest.raises(KvtoolError, match=r"holds batch x kv_heads \(3, 2\)"):
+        cache.update(step, step, 0)
+
+
 def test_from_kvcache_refuses_a_cache_shaped_for_another_model(loaded, prompt_ids):
     """A .kvz of another layout restored with --force --runtime-codec crashed mid-forward
     ("Sizes of tensors must match"); to_dynamic_cache named the mismatch."""

@@ -82,6 +82,8 @@ class CompressedLayer(DynamicLayer):
         #: the view of the store as the streams last returned it (until the store changes)
         self._view: tuple[Any, Any, CodesView] | None = None
         self._refused: str | None = None  # why an update failed: the layer takes no more
+        #: (batch, kv_heads), key and value head_dim of the first update: later ones match
+        self._held_shapes: tuple[tuple[int, ...], int, int] | None = None
 
     @property
     def k(self) -> _Stream:
@@ -103,8 +105,31 @@ class CompressedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                from_codes: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this forward's K/V; return what attention should see (see the class doc)."""
+        self._check_states(key_states, value_states)  # before: a refused call changes nothing
         with self._unless_refused():
             return self._update(key_states, value_states, from_codes)
+
+    def _check_states(self, key_states: Any, value_states: Any) -> None:
+        """Refuse states that cannot extend this layer, by name: not 4-D torch tensors
+        (batch, kv heads, tokens, head_dim), keys and values of other batch, heads, tokens,
+        dtype or device, or another batch, heads or head_dim than the layer holds."""
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                what = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise KvtoolError(f"CompressedCache.update: {name} must be a 4-D tensor "
+                                  f"(batch, kv_heads, tokens, head_dim), got {what}")
+        k, v = key_states, value_states
+        if k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
+            raise KvtoolError(f"CompressedCache.update: keys {tuple(k.shape)} {k.dtype} on "
+                              f"{k.device} and values {tuple(v.shape)} {v.dtype} on "
+                              f"{v.device} differ in batch, heads, tokens, dtype or device")
+        held = self._held_shapes
+        if held is None:
+            self._held_shapes = (tuple(k.shape[:2]), k.shape[-1], v.shape[-1])
+        elif held != (tuple(k.shape[:2]), k.shape[-1], v.shape[-1]):
+            raise KvtoolError(f"CompressedCache.update: this layer holds batch x kv_heads "
+                              f"{held[0]}, head_dims {held[1]}/{held[2]}; got keys "
+                              f"{tuple(k.shape)} and values {tuple(v.shape)}")
 
     @contextlib.contextmanager
     def _unless_refused(self):
@@ -219,6 +244,7 @@ class CompressedLayer(DynamicLayer):
             s.reset()
         self.cumulative_length = self.dropped = 0
         self._pending = self._view = self._refused = None  # empty again: it may take updates
+        self._held_shapes = None
         self.is_initialized = False
 
     def activate_past_recording(self) -> None:
@@ -267,6 +293,10 @@ class CompressedLayer(DynamicLayer):
         if self.is_initialized:
             for s in self.streams:
                 s.map_batch(fn, 1 if self.joint else 0)
+        if self._held_shapes is not None:  # the batch it now holds (beams repeated, selected)
+            (batch, heads), kdim, vdim = self._held_shapes
+            batch = fn(torch.empty(batch, 0)).shape[0]
+            self._held_shapes = ((batch, heads), kdim, vdim)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda a: a.index_select(0, beam_idx.to(a.device)))

@@ -200,6 +200,10 @@ class CompressedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) \
+                or not 0 <= layer_idx < len(self.layers):
+            raise KvtoolError(f"CompressedCache.update: layer_idx {layer_idx!r} is not one of "
+                              f"its {len(self.layers)} layers")
         layer = self.layers[layer_idx]
         armed = self.attention_from_codes is True or layer_idx in self._armed_layers
         self._armed_layers.discard(layer_idx)
