@@ -199,6 +199,25 @@ def test_header_edits_that_no_writer_makes_are_refused(turbo_file, tmp_path, nam
     assert "\n" not in str(e.value)
 
 
+def test_a_number_past_float_range_is_refused(turbo_file, tmp_path):
+    """``1e999`` is valid JSON that parsed to inf: the file loaded, and saving its cache again
+    failed ("Out of range float values")."""
+    import json
+
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.formats.container import crc32_hex
+
+    metadata, blobs = read_parts(turbo_file)
+    header = json.loads(metadata["kvz.header"])
+    header["model"]["temperature"] = 12345.5
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).replace("12345.5", "1e999")
+    metadata.update({"kvz.header": raw, "kvz.header_crc32": crc32_hex(raw.encode())})
+    write_parts(tmp_path / "inf.kvz", metadata, blobs)
+    with pytest.raises(FormatError, match="number 1e999 overflows a float"):
+        open_kvz(tmp_path / "inf.kvz")
+
+
 def test_unreferenced_tensor_is_refused_in_a_known_version(turbo_file, tmp_path):
     from kvz_util import read_parts, write_parts
 
@@ -211,6 +230,33 @@ def test_unreferenced_tensor_is_refused_in_a_known_version(turbo_file, tmp_path)
     metadata["kvz.format_version"] = "1.9"  # a newer minor version may add tensors: ignored
     write_parts(tmp_path / "y.kvz", metadata, [*blobs, Blob("extra", "U8", (3,), b"abc")])
     load(tmp_path / "y.kvz")
+
+
+def test_a_policy_a_reader_cannot_check_is_shown_as_declared(turbo_file, tmp_path):
+    """A newer minor version's policy may produce other segments, so it is not checked; inspect
+    then said ``policy raw`` beside ``lossy turbo3``, from a policy its segments contradict."""
+    from click.testing import CliRunner
+    from kvz_util import read_parts, write_parts
+
+    from kvtool.cli.main import cli
+    from kvtool.formats.info import file_info
+
+    def contradict(h):
+        h["policy"]["key"] = h["policy"]["lossless"]
+
+    bad = _edit(turbo_file, tmp_path / "bad.kvz", contradict)
+    with pytest.raises(FormatError, match="not the ones the file's policy"):
+        open_kvz(bad)
+    with open_kvz(turbo_file) as f:
+        assert file_info(f)["policy_unchecked"] is None
+    metadata, blobs = read_parts(bad)
+    metadata["kvz.format_version"] = "1.9"
+    write_parts(tmp_path / "newer.kvz", metadata, blobs)
+    load(tmp_path / "newer.kvz")  # decoded from its segments
+    with open_kvz(tmp_path / "newer.kvz") as f:
+        assert "newer than this reader" in file_info(f)["policy_unchecked"]
+    out = CliRunner().invoke(cli, ["inspect", str(tmp_path / "newer.kvz")]).output
+    assert "(declared, not checked: format 1.9 is newer than this reader's)" in out
 
 
 def test_negative_norm_is_refused_on_decode(turbo_file, tmp_path):
@@ -412,3 +458,22 @@ def test_a_float16_decode_saturates_at_65504_and_never_gives_inf(spec, backend, 
         assert np.isfinite(y).all(), f"{spec}: {int((~np.isfinite(y)).sum())} values are inf"
         wide = to_numpy(codec.decode(enc, "float32"))
         np.testing.assert_array_equal(y, np.clip(wide, -65504, 65504).astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype, value", [("float16", 1e6), ("float16", 0.1),
+                                          ("bfloat16", 1.0 + 2.0 ** -10)])
+def test_widened_raw_data_that_its_roles_dtype_cannot_hold_is_refused(tmp_path, dtype, value):
+    """``raw:dtype=float32`` in a float16 role stores float16 values: one that is not (1e6,
+    0.1) loaded clipped or rounded in float16 and unchanged in float32, from a file that read
+    as exact."""
+    src = tmp_path / "wide.kvz"
+    save(synthetic_cache(layers=1, tokens=6, dim=8, dtype=dtype), src, codec="raw:dtype=float32")
+    assert load(src).lossy_sources == []
+
+    def edit(arr):
+        arr[3] = value
+
+    bad = _tensor_edited(src, tmp_path / "bad.kvz", "layers.0.value.0.data", np.float32, edit)
+    for read in (dtype, "float32"):
+        with pytest.raises(FormatError, match=f"not {dtype} values"):
+            load(bad, dtype=read)

@@ -668,3 +668,32 @@ def test_a_weights_fingerprint_is_a_sha256_digest_or_absent(tmp_path):
                        lambda h, bad=bad: h["model"].update(weights=bad))
         with pytest.raises(FormatError, match="model.weights must be a sha256"):
             load(tmp_path / "edited.kvz")
+
+
+def test_the_specs_worked_example_is_what_the_writer_writes(tmp_path):
+    """docs/format.md section 11 is a real dump: the same cache saved today gives the file
+    size, header length, header checksum and tensor checksums it shows."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md")).read()
+    example = doc[doc.index("## 11. Worked example"):]
+    rng = np.random.default_rng(0)
+    keys, values = (rng.standard_normal((2, 4, 8)).astype(np.float16) for _ in range(2))
+    cache = KVCache([keys], [values], token_ids=np.array([1, 2, 3, 4]),
+                    model={"name": "example", "architecture": "LlamaForCausalLM",
+                           "fingerprint": "3f2a9c4e1b7d5a60"},
+                    tokenizer_fingerprint="9b1e44c0a2f3d815")
+    path = tmp_path / "example.kvz"
+    save(cache, path, key_codec="turbo3", value_codec="raw", sink_tokens=1)
+    data = path.read_bytes()
+    size, first8, length = re.search(
+        r"File: (\d+) bytes; first 8 bytes ([0-9a-f]{16}) = header length (\d+)", example).groups()
+    assert (len(data), data[:8].hex(), int.from_bytes(data[:8], "little")) == (
+        int(size), first8, int(length))
+    with open_kvz(path) as f:
+        header_crc = f.metadata["kvz.header_crc32"]
+        tensor_crcs = {name: t["crc32"] for name, t in f.header["tensors"].items()}
+    assert f'"kvz.header_crc32": "{header_crc}"' in example
+    for name, crc in tensor_crcs.items():  # the raw ones: a codec's floats may differ by a
+        if not name.endswith(("data", "tokens")):  # rounding on another CPU's float paths
+            continue
+        assert re.search(rf'"{re.escape(name)}": {{"compression": "none", "crc32": "{crc}"',
+                         example), name

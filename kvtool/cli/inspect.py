@@ -73,7 +73,9 @@ def print_info(info: dict[str, Any]) -> None:
         ("layers", f"{info['num_layers']} x [{shape}] {info['dtype']}"),
         *([("chunk", f"prefix-store chunk {info['store_chunk']['key'][:16]}, tokens from "
                      f"{info['store_chunk']['start']}")] if info["store_chunk"] else []),
-        ("policy", _policy(info["policy"])),
+        ("policy", _policy(info["policy"]) + (f" (declared, not checked: "
+                                                f"{info['policy_unchecked']})"
+                                                if info.get("policy_unchecked") else "")),
         ("lossy", _lossy(info)),
         ("size", f"{human_bytes(info['file_bytes'])} file, "
                  f"{human_bytes(info['payload_bytes'])} payload, "

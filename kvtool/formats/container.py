@@ -14,7 +14,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from math import prod
+from math import isfinite, prod
 from typing import Any, BinaryIO
 
 import ml_dtypes
@@ -118,6 +118,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not isfinite(value):  # 1e999: valid JSON, but a float no writer can serialise
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
@@ -132,12 +139,13 @@ _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
 
 
 def parse_json(raw: bytes | str, what: str) -> Any:
-    """Strict JSON (no NaN/Infinity, no duplicate keys, no lone surrogate escape: a string
-    that is not text, which no writer makes and printing it would fail on); any failure is a
-    FormatError."""
+    """Strict JSON (no NaN/Infinity nor a number past float range, no duplicate keys, no lone
+    surrogate escape: a string that is not text, which no writer makes and printing it would
+    fail on); any failure is a FormatError."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        data = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicates)
         if _SURROGATE.search(text):  # rare: only then is the decoded text checked
             try:
                 json.dumps(data, ensure_ascii=False).encode("utf-8")

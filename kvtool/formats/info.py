@@ -95,6 +95,7 @@ def file_info(f: KvzFile) -> dict[str, Any]:
         "store_chunk": f.store_chunk,
         "dtype": h[C.H_DTYPE],
         "policy": h.get(C.H_LAYER_POLICY) or h.get(C.H_POLICY),
+        "policy_unchecked": f.policy_unchecked,
         "lossy_sources": f.lossy_sources(),
         "decoded_from_lossy": [s for s in h.get(C.H_LOSSY_SOURCES, []) if not is_cast(s)],
         "codecs": dict(sorted(codecs.items())),

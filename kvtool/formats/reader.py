@@ -94,6 +94,19 @@ class KvzFile:
 
     # -- header views ------------------------------------------------------------------------------
     @property
+    def policy_unchecked(self) -> str | None:
+        """Why the header's policy was not checked against the segments, which a reader does
+        only in a format minor it implements and with every codec installed (None: checked,
+        or no policy). Decoding reads the segments either way."""
+        if self.header.get(C.H_POLICY) is None and self.header.get(C.H_LAYER_POLICY) is None:
+            return None
+        if parse_version(self.format_version)[1] > C.FORMAT_MINOR:
+            return f"format {self.format_version} is newer than this reader's"
+        if None in self._specs.values():
+            return "a segment's codec is not installed"
+        return None
+
+    @property
     def num_layers(self) -> int:
         return self.header[C.H_NUM_LAYERS]
 
@@ -245,6 +258,7 @@ class KvzFile:
                     raise FormatError(f"{self.path}: {e}") from None
             try:
                 self.codec(seg["codec"]).check_stored(arrays)
+                _check_widened(seg, arrays)
             except CodecError as e:
                 raise FormatError(f"{self.path}: layer {i} {role} segment {j}: {e}") from None
             out.append((seg, Encoded(arrays, tuple(seg["shape"]), seg["dtype"])))
@@ -361,6 +375,21 @@ def _count(n: Any, what: str) -> int:
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"{what} must be an integer, got {n!r}")
     return n.__index__()
+
+
+def _check_widened(seg: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """A ``raw`` segment stored wider than its role (``raw:dtype=float32`` in a float16 role)
+    holds the role's values converted, exactly: any other value is one no writer stores, and
+    the file would read as exact while a read in the role's dtype rounds or clips it."""
+    codec, role = seg["codec"], seg["dtype"]
+    if codec["id"] != "raw" or codec.get("dtype") != "float32" or role == "float32":
+        return
+    data = arrays["data"]
+    with np.errstate(over="ignore"):
+        same = np.array_equal(data.astype(np_dtype(role)).astype(np.float32), data)
+    if not same:
+        raise CodecError(f"raw float32 data holds values that are not {role} values, which its "
+                         f"{role} role's writer stores exactly")
 
 
 def _index(i: Any) -> int:
