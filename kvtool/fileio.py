@@ -242,7 +242,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], int], *,
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         if isinstance(e, OSError) and e.errno is not None and _is_ours(e.filename, target):
-            e.filename, e.filename2 = path, None  # name the user's file, not the temp
+            e.filename = path  # name the user's file, not the temp
+            del e.filename2  # (None would print as "-> None")
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
         dir_fd = os.open(directory, os.O_RDONLY)

@@ -163,7 +163,7 @@ def test_store_keeps_only_the_served_models_caches(tmp_path):
     import numpy as np
 
     from kvtool.engines.mlx_cache import KvtoolMLXCache
-    from kvtool.engines.mlx_serve import _prompt_cache_class
+    from kvtool.engines.mlx_store import prompt_cache_class as _prompt_cache_class
     from kvtool.policy import CodecPolicy
 
     policy = CodecPolicy.from_options("turbo3")

@@ -198,6 +198,7 @@ def test_enospc_names_the_file_and_keeps_the_old_one(runner, kvz, tmp_path, monk
     with pytest.raises(OSError) as info:
         atomic_write(out, lambda f: f.write(b"new"))
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(out)
+    assert str(info.value).endswith(f"No space left on device: '{out}'")  # not "-> None"
     monkeypatch.undo()
     assert out.read_bytes() == b"old" and _temps(tmp_path) == []
 

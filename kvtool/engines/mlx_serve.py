@@ -11,10 +11,11 @@ module patches ``mlx_lm.server`` and hands over to its ``main``:
   ``KvtoolMLXCache`` does not support);
 * models load as ``kvtool.engines.mlx.load_mlx`` does (the RoPE settings of transformers-5
   configs, the chosen dtype), and the names ``default`` / the served model name map to it;
-* with ``--store DIR`` the LRU prompt cache persists: every entry it keeps is also written to
-  ``DIR`` as an mlx-lm prompt-cache file (``save_prompt_cache``, codes only), files of evicted
-  entries are removed, and a restarted server loads the files of the same model, dtype and
-  policy back, so a returning conversation's prefix is not recomputed.
+* with ``--store DIR`` the LRU prompt cache persists (:mod:`kvtool.engines.mlx_store`): every
+  entry it keeps is also written to ``DIR`` as an mlx-lm prompt-cache file
+  (``save_prompt_cache``, codes only, checksummed), files of evicted entries are removed, and a
+  restarted server loads the files of the same model, dtype and policy back, so a returning
+  conversation's prefix is not recomputed. One server owns a store at a time.
 
 The vLLM launcher (:mod:`kvtool.engines.vllm.serve`) returns the same
 :class:`~kvtool.engines.vllm.serve.ServePlan`.
@@ -23,11 +24,9 @@ The vLLM launcher (:mod:`kvtool.engines.vllm.serve`) returns the same
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import json
-import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,11 +40,8 @@ ENTRY_POINT = "kvtool.engines.mlx_serve"
 _OWN_ARGS = {"--model": "--model", "--served-model-name": None, "--dtype": "--dtype",
              "--kvtool-policy": "codec options (--codec, --preset, ...)", "--store": "--store",
              "--host": "--host", "--port": "--port"}
-STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
-STORE_VERSION = 1
 BLOCK_ARG = "--kvtool-block-size"
 MAX_BLOCK_SIZE = 1 << 16
-log = logging.getLogger("kvtool.mlx_serve")
 
 
 def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
@@ -73,8 +69,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     if store is not None and (not store.strip() or URL_SCHEME.match(store)):
         raise KvtoolError(f"--store {store[:80]}: the mlx engine's store is a local directory "
                           "(an s3:// store is vLLM's)")
-    if store and os.path.lexists(store) and not os.path.isdir(store):
-        raise KvtoolError(f"--store {store}: not a directory")
+    if store:
+        _check_store_path(store)
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"mlx-lm serves Hugging Face model directories, not GGUF files "
@@ -105,6 +101,26 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     return out
 
 
+def _check_store_path(store: str) -> None:
+    """Refuse a ``--store`` that is not a directory the server could create and write, or a
+    directory of other files (a model directory, the user's home: a mistyped path)."""
+    from kvtool.engines.mlx_store import foreign_entries
+
+    if os.path.lexists(store) and not os.path.isdir(store):
+        raise KvtoolError(f"--store {store}: not a directory")
+    existing = os.path.abspath(store)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise KvtoolError(f"--store {store}: cannot be created or written here ({existing} is "
+                          f"{'not a directory' if not os.path.isdir(existing) else 'read-only'})")
+    foreign = foreign_entries(store)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise KvtoolError(f"--store {store}: holds files that are not stored prompt caches "
+                          f"({shown}); give a new or empty directory")
+
+
 def _config(location: Path) -> Any:
     """The model directory's transformers config (no weights loaded)."""
     from transformers import AutoConfig
@@ -113,110 +129,6 @@ def _config(location: Path) -> Any:
 
 
 # -- the patches --------------------------------------------------------------------------------
-def _prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None) -> type:
-    """mlx-lm's ``LRUPromptCache`` that logs what it keeps and, with ``store``, persists it."""
-    from mlx_lm.models.cache import LRUPromptCache
-
-    class KvtoolPromptCache(LRUPromptCache):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._files: dict[tuple[Any, tuple[int, ...]], str] = {}
-            if store:
-                os.makedirs(store, exist_ok=True)
-                self._load_store()
-
-        def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any],
-                         **kwargs: Any) -> None:
-            super().insert_cache(model, tokens, prompt_cache, **kwargs)
-            kinds = sorted({type(c).__name__ for c in prompt_cache})
-            log.info("kvtool: kept %d tokens in %s layers (%.2f MiB resident)", len(tokens),
-                     "/".join(kinds), sum(c.nbytes for c in prompt_cache) / 2**20)
-            if store:
-                self._save(model, tokens, prompt_cache, kwargs.get("cache_type", "assistant"))
-                self._forget_evicted()
-
-        def trim_to(self, *args: Any, **kwargs: Any) -> None:
-            """mlx-lm's server trims by bytes (``--prompt-cache-bytes``) while it generates:
-            the stored files of what it drops go too, or a restart would load them again."""
-            super().trim_to(*args, **kwargs)
-            if store:
-                self._forget_evicted()
-
-        # -- the store ---------------------------------------------------------------------------
-        def _live(self) -> set[tuple[Any, tuple[int, ...]]]:
-            return {(m, tuple(t)) for lru in self._lru._lrus.values() for m, t in lru}
-
-        def _save(self, model: Any, tokens: list[int], layers: list[Any],
-                  cache_type: str) -> None:
-            from mlx_lm.models.cache import save_prompt_cache
-
-            from kvtool.fileio import atomic_write
-
-            if tuple(model)[:1] != (identity["path"],):
-                return  # another model a request named: the file would carry our identity
-            data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
-                    "weights": identity.get("weights"), "dtype": identity["dtype"],
-                    "policy": policy.to_json(),
-                    "model_key": list(model), "tokens": [int(t) for t in tokens],
-                    "cache_type": cache_type}
-            digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-            path = os.path.join(store, f"{digest[:32]}.safetensors")
-            if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
-                return  # stored already: the same tokens' K/V, not rewritten on every request
-
-            def write(f: Any) -> int:
-                save_prompt_cache(f, layers, {STORE_KEY: json.dumps(data, sort_keys=True)})
-                return f.tell()
-
-            try:
-                atomic_write(path, write)
-            except (OSError, KvtoolError) as e:
-                log.warning("kvtool: could not store a prompt cache in %s: %s", store, e)
-                return
-            self._files[(model, tuple(tokens))] = path
-
-        def _forget_evicted(self, delete: bool = True) -> None:
-            live = self._live()
-            for key in [k for k in self._files if k not in live]:
-                path = self._files.pop(key)
-                if delete:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-
-        def _load_store(self) -> None:
-            import mlx.core as mx
-            from mlx_lm.models.cache import load_prompt_cache
-
-            found = sorted(Path(store).glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
-            loaded = 0
-            for path in found:
-                try:
-                    layers, meta = load_prompt_cache(str(path), return_metadata=True)
-                    data = json.loads(meta[STORE_KEY])
-                    # evaluated here: a lazy array of this thread's stream cannot be evaluated
-                    # in the server's generation thread
-                    mx.eval([c.state for c in layers])
-                except Exception as e:  # a damaged or foreign file: leave it, say so
-                    log.warning("kvtool: skipping %s (not a stored prompt cache: %s)", path, e)
-                    continue
-                if (data.get("version"), data.get("fingerprint"), data.get("weights"),
-                        data.get("dtype"), data.get("policy")) != (
-                        STORE_VERSION, identity["fingerprint"], identity.get("weights"),
-                        identity["dtype"], policy.to_json()):
-                    continue  # another model (or checkpoint), dtype or policy: not ours
-                key = (identity["path"], *data["model_key"][1:])
-                super().insert_cache(key, data["tokens"], layers,
-                                     cache_type=data.get("cache_type", "assistant"))
-                self._files[(key, tuple(data["tokens"]))] = str(path)
-                loaded += 1
-            # what did not fit is left on disk: another server on this store may hold it, and
-            # this one never wrote it
-            self._forget_evicted(delete=False)
-            log.info("kvtool: prompt-cache store %s: %d cached prompts loaded", store, loaded)
-
-    return KvtoolPromptCache
-
-
 def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
             store: str | None = None, block_size: int | None = None) -> None:
     """Patch ``mlx_lm.server`` to run on kvtool's cache (see the module docstring)."""
@@ -226,6 +138,7 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     from kvtool.checkpoint import weights_fingerprint
     from kvtool.engines.mlx import MX_DTYPES, rope_config
     from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, make_kvtool_cache
+    from kvtool.engines.mlx_store import prompt_cache_class
     from kvtool.identity import model_identity
 
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
@@ -272,7 +185,7 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     server.make_prompt_cache = make_prompt_cache
     server.ModelProvider.__init__ = provider_init
     server.ModelProvider._load = load_model
-    server.LRUPromptCache = _prompt_cache_class(policy, identity, store)
+    server.LRUPromptCache = prompt_cache_class(policy, identity, store)
     # printed: mlx_lm.server configures logging (--log-level) only once it starts
     print(f"kvtool: mlx-lm prompt caches are KvtoolMLXCache ({policy.describe()}, {dtype})",
           file=sys.stderr, flush=True)
@@ -290,19 +203,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(MX_DTYPES))
     ap.add_argument("--kvtool-policy", required=True, help="CodecPolicy JSON")
     ap.add_argument("--store", help="directory the prompt cache persists in")
-    ap.add_argument(BLOCK_ARG, type=int,
+    ap.add_argument(BLOCK_ARG, "--kvtool_block_size", type=int,
                     help="tokens per encoded block of KvtoolMLXCache (default: 64)")
     args, rest = ap.parse_known_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from kvtool.engines.mlx_store import SAVING, lock_store
+
+    if args.store:
+        try:
+            lock = lock_store(args.store)  # noqa: F841 (held while the server runs)
+        except KvtoolError as e:
+            sys.exit(f"kvtool serve: {e}")
     policy = CodecPolicy.from_json(json.loads(args.kvtool_policy))
     install(policy, model_path=args.model, dtype=args.dtype,
             names=["default", *args.served_model_name], store=args.store,
             block_size=args.kvtool_block_size)
     from mlx_lm import server
 
+    # a SIGTERM stops the server as Ctrl-C does: the generation thread finishes its request
+    # and the store write that follows it
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
-    server.main()
+    try:
+        server.main()
+    finally:
+        SAVING.acquire(timeout=60)  # a write in progress ends before the process does
 
 
 if __name__ == "__main__":

@@ -1,0 +1,288 @@
+"""``kvtool serve --engine mlx --store DIR``: mlx-lm's LRU prompt cache, persisted.
+
+Every entry the server's ``LRUPromptCache`` keeps is also a file ``DIR/<32 hex>.safetensors``
+(mlx-lm's ``save_prompt_cache``: the layers' ``state``, so codes for ``KvtoolMLXCache``
+layers), and a restarted server loads the files of its own model, checkpoint, dtype and policy
+back. A file carries, in its metadata:
+
+* ``kvtool_serve``: JSON of the entry (store version, model fingerprint and weights, dtype,
+  policy, mlx-lm's model key, the token ids, the cache type). Its sha256 names the file, so a
+  file whose entry changed (a flipped token id) no longer matches its name;
+* ``kvtool_serve_sum``: sha256 over every stored array (name, dtype, shape, bytes), so a
+  flipped byte of K/V is caught before it is served.
+
+A file that fails either check, or cannot be read as one, is moved to ``DIR/quarantine/``; a
+file of another model, dtype or policy is left alone (a server of that model may use it). One
+server owns a store at a time (``DIR/.lock``): its evictions delete the files of what it drops.
+Symbolic links, FIFOs and other non-regular entries are never read, and a save replaces a link
+rather than writing through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import KvtoolError
+
+STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
+SUM_KEY = "kvtool_serve_sum"  # sha256 of its arrays
+STORE_VERSION = 1
+QUARANTINE = "quarantine"
+LOCK_FILE = ".lock"
+SUFFIX = ".safetensors"
+#: held while a file is written: a shutdown waits for it (no temp file or lost entry left)
+SAVING = threading.Lock()
+log = logging.getLogger("kvtool.mlx_serve")
+
+
+def foreign_entries(store: str) -> list[str]:
+    """The entries of an existing ``store`` directory that a prompt-cache store does not hold
+    (a mistyped path: a model directory, the user's home): hidden names, ``lost+found``,
+    ``quarantine`` and ``*.safetensors`` files are the store's."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return []
+    return sorted(n for n in names if not n.startswith(".") and n not in (QUARANTINE, "lost+found")
+                  and not (n.endswith(SUFFIX) and len(n) == 32 + len(SUFFIX)))
+
+
+def lock_store(store: str) -> Any:
+    """Create ``store`` and take its lock for this process (held until it exits); a
+    :class:`KvtoolError` when that fails or another server holds it."""
+    import fcntl
+
+    try:
+        os.makedirs(store, exist_ok=True)
+        handle = open(os.path.join(store, LOCK_FILE), "a+")  # noqa: SIM115 (held until exit)
+    except OSError as e:
+        raise KvtoolError(f"--store {store}: cannot create the store ({e.strerror or e})") \
+            from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip()[:20]
+        handle.close()
+        raise KvtoolError(f"--store {store}: another kvtool serve --engine mlx (pid "
+                          f"{owner or '?'}) uses this store; one server owns a store at a "
+                          "time") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def arrays_sum(arrays: dict[str, Any]) -> str:
+    """sha256 over mx ``arrays`` by name: each name, dtype, shape and bytes."""
+    import mlx.core as mx
+    import numpy as np
+
+    h = hashlib.sha256(b"kvtool-mlx-store-1\n")
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}\0{a.dtype}\0{list(a.shape)}\0".encode())
+        h.update(np.array(mx.view(mx.contiguous(a), mx.uint8)).tobytes())
+    return h.hexdigest()
+
+
+def entry_name(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32] + SUFFIX
+
+
+class Damaged(Exception):
+    """A stored file that cannot be what a server wrote: quarantined."""
+
+
+def _checked_entry(data: Any, path: Path) -> dict[str, Any]:
+    """``data`` (the parsed ``kvtool_serve`` entry) as a server writes it, else :class:`Damaged`."""
+    if not isinstance(data, dict):
+        raise Damaged("its entry is not a JSON object")
+    tokens, key = data.get("tokens"), data.get("model_key")
+    if not (isinstance(tokens, list) and tokens and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
+        raise Damaged("its token ids are not a list of token ids")
+    if not (isinstance(key, list) and key) or not isinstance(data.get("cache_type"), str):
+        raise Damaged("its model key or cache type is missing")
+    if entry_name(data) != path.name:
+        raise Damaged("its name does not match its entry (a changed token id, model or policy)")
+    return data
+
+
+def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None) -> type:
+    """mlx-lm's ``LRUPromptCache`` that logs what it keeps and, with ``store``, persists it."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    ours = (STORE_VERSION, identity["fingerprint"], identity.get("weights"), identity["dtype"],
+            policy.to_json())
+
+    class KvtoolPromptCache(LRUPromptCache):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._files: dict[tuple[Any, tuple[int, ...]], str] = {}
+            if store:
+                os.makedirs(store, exist_ok=True)
+                self._load_store()
+
+        def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any],
+                         **kwargs: Any) -> None:
+            super().insert_cache(model, tokens, prompt_cache, **kwargs)
+            kinds = sorted({type(c).__name__ for c in prompt_cache})
+            log.info("kvtool: kept %d tokens in %s layers (%.2f MiB resident)", len(tokens),
+                     "/".join(kinds), sum(c.nbytes for c in prompt_cache) / 2**20)
+            if store:
+                try:
+                    self._save(model, tokens, prompt_cache, kwargs.get("cache_type", "assistant"))
+                finally:
+                    self._forget_evicted()
+
+        def trim_to(self, *args: Any, **kwargs: Any) -> None:
+            """mlx-lm's server trims by bytes (``--prompt-cache-bytes``) while it generates:
+            the stored files of what it drops go too, or a restart would load them again."""
+            super().trim_to(*args, **kwargs)
+            if store:
+                self._forget_evicted()
+
+        # -- the store ---------------------------------------------------------------------------
+        def _live(self) -> set[tuple[Any, tuple[int, ...]]]:
+            return {(m, tuple(t)) for lru in self._lru._lrus.values() for m, t in lru}
+
+        def _save(self, model: Any, tokens: list[int], layers: list[Any],
+                  cache_type: str) -> None:
+            import mlx.core as mx
+            from mlx.utils import tree_flatten
+            from mlx_lm.models.cache import save_prompt_cache
+
+            from kvtool.fileio import atomic_write
+
+            if tuple(model)[:1] != (identity["path"],):
+                return  # another model a request named: the file would carry our identity
+            data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
+                    "weights": identity.get("weights"), "dtype": identity["dtype"],
+                    "policy": policy.to_json(),
+                    "model_key": list(model), "tokens": [int(t) for t in tokens],
+                    "cache_type": cache_type}
+            path = os.path.join(store, entry_name(data))
+            if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
+                return  # stored already: the same tokens' K/V, not rewritten on every request
+            try:
+                arrays = dict(tree_flatten([c.state for c in layers]))
+                if not all(isinstance(a, mx.array) for a in arrays.values()):
+                    raise KvtoolError("a layer's state holds more than arrays")
+                meta = {STORE_KEY: json.dumps(data, sort_keys=True), SUM_KEY: arrays_sum(arrays)}
+
+                def write(f: Any) -> int:
+                    save_prompt_cache(f, layers, meta)
+                    return f.tell()
+
+                with SAVING:
+                    atomic_write(path, write, follow_symlinks=False)
+            except Exception as e:  # the answer went out already: the store misses an entry
+                log.warning("kvtool: could not store a prompt cache in %s: %s: %s", store,
+                            type(e).__name__, e)
+                return
+            self._files[(model, tuple(tokens))] = path
+
+        def _forget_evicted(self, delete: bool = True) -> None:
+            live = self._live()
+            for key in [k for k in self._files if k not in live]:
+                path = self._files.pop(key)
+                if delete:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+        def _read(self, path: Path) -> tuple[list[Any], dict[str, Any]] | None:
+            """The layers and entry of a stored file of this server's model, dtype and policy;
+            None for another's; :class:`Damaged` for one no server wrote."""
+            import mlx.core as mx
+            from mlx_lm.models.cache import load_prompt_cache
+
+            try:
+                arrays, flat = mx.load(str(path), return_metadata=True)
+                layers, meta = load_prompt_cache(str(path), return_metadata=True)
+            except Exception as e:
+                raise Damaged(f"unreadable: {str(e)[:120]}") from None
+            if STORE_KEY not in meta:
+                raise Damaged("not a stored prompt cache")
+            try:
+                data = _checked_entry(json.loads(meta[STORE_KEY]), path)
+            except ValueError:
+                raise Damaged("its entry is not JSON") from None
+            if (data.get("version"), data.get("fingerprint"), data.get("weights"),
+                    data.get("dtype"), data.get("policy")) != ours:
+                return None  # another model (or checkpoint), dtype or policy: not ours
+            if SUM_KEY in meta and meta[SUM_KEY] != arrays_sum(arrays):  # (older files: none)
+                raise Damaged("its arrays do not match their checksum")
+            offsets = {int(getattr(c, "offset", -1)) for c in layers}
+            want = identity.get("num_layers")
+            if offsets != {len(data["tokens"])} or (want is not None and len(layers) != want):
+                raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
+                              f"for {len(data['tokens'])} token ids")
+            # evaluated here: a lazy array of this thread's stream cannot be evaluated in the
+            # server's generation thread
+            mx.eval([c.state for c in layers])
+            return layers, data
+
+        def _quarantine(self, path: Path, why: str) -> None:
+            try:
+                os.makedirs(os.path.join(store, QUARANTINE), exist_ok=True)
+                os.replace(path, os.path.join(store, QUARANTINE, path.name))
+                log.warning("kvtool: %s: %s; moved to %s/", path, why, QUARANTINE)
+            except OSError as e:
+                log.warning("kvtool: %s: %s; kept (cannot quarantine it: %s)", path, why, e)
+
+        def _load_store(self) -> None:
+            from kvtool.fileio import remove_stale_temps
+
+            with contextlib.suppress(OSError):
+                remove_stale_temps(store)  # a killed server's writes
+            found = []
+            for path in Path(store).glob("*" + SUFFIX):
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue  # gone since the listing
+                if not stat.S_ISREG(st.st_mode):  # a link, FIFO or directory: never opened
+                    log.warning("kvtool: skipping %s (not a regular file)", path)
+                    continue
+                found.append((st.st_mtime, str(path)))
+            loaded = other = damaged = 0
+            for _, name in sorted(found):  # oldest first: a newer copy of an entry wins
+                path = Path(name)
+                try:
+                    entry = self._read(path)
+                except Damaged as e:
+                    self._quarantine(path, str(e))
+                    damaged += 1
+                    continue
+                if entry is None:
+                    other += 1
+                    continue
+                layers, data = entry
+                key = (identity["path"], *data["model_key"][1:])
+                tokens = tuple(data["tokens"])
+                older = self._files.get((key, tokens))
+                if older is not None:  # the same entry twice (another model path): one stays
+                    with contextlib.suppress(OSError):
+                        os.unlink(older)
+                    loaded -= 1
+                super().insert_cache(key, data["tokens"], layers, cache_type=data["cache_type"])
+                self._files[(key, tokens)] = str(path)
+                loaded += 1
+            # what did not fit stays on disk (a restart with a larger cache loads it); this
+            # server did not write it
+            self._forget_evicted(delete=False)
+            log.info("kvtool: prompt-cache store %s: %d cached prompts loaded, %d files of "
+                     "another model, dtype or policy left alone, %d damaged", store, loaded,
+                     other, damaged)
+
+    return KvtoolPromptCache

@@ -1,0 +1,188 @@
+"""``kvtool serve --engine mlx --store``: damaged, foreign and crafted store entries (a hostile
+sweep found a restarted server serving a flipped byte's K/V, or a flipped token id's entry for
+another prompt, and crashing or hanging on a symlink, a FIFO or a bad entry)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+import numpy as np  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from kvtool.cli.main import cli  # noqa: E402
+from kvtool.engines.mlx_cache import KvtoolMLXCache  # noqa: E402
+from kvtool.engines.mlx_store import (  # noqa: E402
+    QUARANTINE,
+    STORE_KEY,
+    SUM_KEY,
+    entry_name,
+    lock_store,
+    prompt_cache_class,
+)
+from kvtool.errors import KvtoolError  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+POLICY = CodecPolicy.from_options("turbo3")
+IDENTITY = {"fingerprint": "fp", "dtype": "float32", "path": "/models/served", "num_layers": 2}
+MODEL = ("/models/served", None, None)
+
+
+def _layers(seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    out = [KvtoolMLXCache.for_layer(POLICY, i, 2, block_size=4) for i in range(2)]
+    for c in out:
+        x = mx.array(rng.standard_normal((1, 2, 6, 16)).astype(np.float32))
+        c.update_and_fetch(x, x)
+    return out
+
+
+def _store(path, tokens_list):
+    cache = prompt_cache_class(POLICY, IDENTITY, str(path))()
+    for i, tokens in enumerate(tokens_list):
+        cache.insert_cache(MODEL, tokens, _layers(i))
+    return sorted(path.glob("*.safetensors"))
+
+
+def _rewrite(path, edit_arrays=None, edit_entry=None):
+    """``path`` written again with its arrays or entry changed (mlx-lm's layout kept)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays = {k: np.array(v) for k, v in arrays.items()}
+    if edit_arrays:
+        edit_arrays(arrays)
+    if edit_entry:
+        entry = json.loads(meta[f"0.{STORE_KEY}"])
+        edit_entry(entry)
+        meta[f"0.{STORE_KEY}"] = json.dumps(entry, sort_keys=True)
+    os.unlink(path)
+    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in arrays.items()}, meta)
+
+
+def test_a_flipped_byte_or_token_id_is_quarantined_not_served(tmp_path):
+    store = tmp_path / "store"
+    files = _store(store, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]])
+    assert len(files) == 3
+    meta = mx.load(str(files[0]), return_metadata=True)[1]
+    assert f"0.{SUM_KEY}" in meta and files[0].name == entry_name(
+        json.loads(meta[f"0.{STORE_KEY}"]))
+
+    def flip(arrays):
+        name = next(k for k in sorted(arrays) if k.endswith("norms"))
+        arrays[name].view(np.uint8).reshape(-1)[1] ^= 0x40
+
+    def other_token(entry):
+        entry["tokens"][2] += 1
+
+    _rewrite(files[0], edit_arrays=flip)
+    _rewrite(files[1], edit_entry=other_token)
+    again = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    assert len(again) == 1  # the intact third entry
+    assert sorted(p.name for p in (store / QUARANTINE).iterdir()) == sorted(
+        p.name for p in files[:2])
+    assert again.fetch_nearest_cache(MODEL, [7, 8, 10, 10, 11, 12, 1])[0] is None
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "fifo", "null entry", "no tokens",
+                                  "not ours", "directory"])
+def test_a_bad_entry_is_skipped_and_the_store_still_loads(tmp_path, kind):
+    store = tmp_path / "store"
+    good, victim = _store(store, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    bad = store / ("b" * 32 + ".safetensors")
+    if kind == "dangling link":
+        bad.symlink_to(tmp_path / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(bad)  # opening it would block the start
+    elif kind == "directory":
+        bad.mkdir()
+    else:
+        edit = {"null entry": lambda e: e.clear(), "no tokens": lambda e: e.pop("tokens"),
+                "not ours": lambda e: e.update(fingerprint="other")}[kind]
+        _rewrite(victim, edit_entry=edit)
+        if kind == "not ours":  # another server's file: named after its entry
+            entry = json.loads(mx.load(str(victim), return_metadata=True)[1][
+                f"0.{STORE_KEY}"])
+            victim = victim.rename(store / entry_name(entry))
+        if kind == "null entry":
+            arrays, meta = mx.load(str(victim), return_metadata=True)
+            meta[f"0.{STORE_KEY}"] = "null"
+            os.unlink(victim)
+            mx.save_safetensors(str(victim), arrays, meta)
+    again = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    assert len(again) == (2 if kind in ("dangling link", "fifo", "directory") else 1)
+    if kind == "not ours":  # another model's entry is left alone, not quarantined
+        assert victim.exists() and not (store / QUARANTINE).exists()
+
+
+def test_a_save_replaces_a_link_in_its_place_and_never_writes_through(tmp_path):
+    store = tmp_path / "store"
+    name = _store(store, [[1, 2, 3, 4, 5, 6]])[0].name
+    os.unlink(store / name)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious data")
+    (store / name).symlink_to(victim)
+    cache = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    cache.insert_cache(MODEL, [1, 2, 3, 4, 5, 6], _layers(0))
+    assert victim.read_text() == "precious data"
+    assert not (store / name).is_symlink() and len(
+        prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
+
+
+def test_a_copy_of_an_entry_is_loaded_once_and_removed(tmp_path):
+    store = tmp_path / "store"
+    first = _store(store, [[1, 2, 3, 4, 5, 6]])[0]
+    other_path = ("/elsewhere/served", None, None)  # the same model moved: another file name
+    cache = prompt_cache_class(POLICY, dict(IDENTITY, path=other_path[0]), str(store))()
+    cache.insert_cache(other_path, [1, 2, 3, 4, 5, 6], _layers(0))
+    assert len(list(store.glob("*.safetensors"))) == 2
+    again = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    assert len(again) == 1 and len(list(store.glob("*.safetensors"))) == 1
+    assert not first.exists()  # the older copy went
+
+
+def test_a_failed_save_is_warned_and_evictions_still_leave_the_store(tmp_path, caplog,
+                                                                     monkeypatch):
+    import kvtool.engines.mlx_store as mlx_store
+
+    store = tmp_path / "store"
+    cache = prompt_cache_class(POLICY, IDENTITY, str(store))(max_size=1)
+    cache.insert_cache(MODEL, [1, 2, 3, 4, 5, 6], _layers(0))
+    monkeypatch.setattr(mlx_store, "arrays_sum", lambda arrays: 1 / 0)
+    cache.insert_cache(MODEL, [7, 8, 9, 10, 11, 12], _layers(1))
+    assert "could not store a prompt cache" in caplog.text and "ZeroDivisionError" in caplog.text
+    assert not list(store.glob("*.safetensors"))  # the evicted entry's file went all the same
+
+
+def test_one_server_owns_a_store(tmp_path):
+    store = str(tmp_path / "store")
+    held = lock_store(store)
+    try:
+        with pytest.raises(KvtoolError, match=rf"another kvtool serve --engine mlx \(pid "
+                                              rf"{os.getpid()}\) uses this store"):
+            lock_store(store)
+    finally:
+        held.close()
+    lock_store(store).close()  # released: the next server takes it
+
+
+def test_a_store_path_that_cannot_be_one_is_refused_before_the_start(tmp_path):
+    runner = CliRunner()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    for store, message in ((model_dir, "holds files that are not stored prompt caches "
+                                       "\\(config.json\\)"),
+                           (tmp_path / "file" / "x", "cannot be created or written here"),
+                           (tmp_path / "file", "not a directory")):
+        out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--store", str(store)])
+        assert out.exit_code != 0 and len(out.output.strip().splitlines()) == 1, out.output
+        assert re.search(message, out.output), out.output
+    ok = tmp_path / "new" / "store"
+    out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--store", str(ok)])
+    assert out.exit_code == 0, out.output
+    assert not ok.exists()  # a dry run creates nothing
