@@ -186,13 +186,15 @@ def refuse_foreign(root: str | os.PathLike | Backend) -> None:
     names = [n for n in backend.root_names()  # "": an S3 console's folder marker
              if n and not n.startswith(".") and n != "lost+found"]
     own = (QUARANTINE_DIR, PINS_FILE, STATS_DIR, HITS_DIR)
-    if not names or any(MODEL_DIR.match(n) or n.startswith(own) for n in names):
-        return
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    if all(_MLX_ENTRY.match(n) for n in names):
+    mlx = [n for n in names if _MLX_ENTRY.match(n)]  # (its quarantine/ is named like ours)
+    if mlx and not any(MODEL_DIR.match(n) for n in names) \
+            and all(n in mlx or n == QUARANTINE_DIR for n in names):
         raise KvtoolError(f"{backend.location} is an mlx-lm prompt-cache store (kvtool serve "
                           "--engine mlx): the kvtool store commands manage the vLLM "
                           "connector's stores")
+    if not names or any(MODEL_DIR.match(n) or n.startswith(own) for n in names):
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     raise KvtoolError(f"{backend.location} holds no kvtool store: none of its entries ({shown}) "
                       f"is a store's (model directories of 16 hex digits, {QUARANTINE_DIR}/, "
                       f"{STATS_DIR}/, {PINS_FILE}); check the path")
