@@ -186,3 +186,19 @@ def test_a_store_path_that_cannot_be_one_is_refused_before_the_start(tmp_path):
     out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--store", str(ok)])
     assert out.exit_code == 0, out.output
     assert not ok.exists()  # a dry run creates nothing
+
+
+def test_an_entry_of_a_lora_adapter_trained_again_is_not_served(tmp_path):
+    """mlx-lm keys prompts by the adapter's path: an adapter trained again at that path gives
+    other K/V, and its old entries were served after a restart."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapters.safetensors").write_bytes(b"first")
+    store = tmp_path / "store"
+    key = ("/models/served", str(adapter), None)
+    cache = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    cache.insert_cache(key, [1, 2, 3, 4, 5, 6], _layers(0))
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
+    (adapter / "adapters.safetensors").write_bytes(b"second, retrained")
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert not list(store.glob("*.safetensors"))  # removed: it never fits again

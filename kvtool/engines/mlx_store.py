@@ -95,12 +95,33 @@ def arrays_sum(arrays: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def files_stamp(location: Any) -> str | None:
+    """sha256 over the names, sizes and modification times of the files under ``location`` (a
+    LoRA adapter's directory or file): an adapter trained again at the same path gives its
+    prompts other K/V. None for no adapter; a path that cannot be read stamps as itself."""
+    if location is None:
+        return None
+    root = Path(str(location))
+    h = hashlib.sha256(str(root).encode())
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    for path in files:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            h.update(f"\0{path.relative_to(root) if path != root else ''}\0{st.st_size}\0"
+                     f"{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
 def entry_name(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:32] + SUFFIX
 
 
 class Damaged(Exception):
     """A stored file that cannot be what a server wrote: quarantined."""
+
+
+class Stale(Exception):
+    """A stored file of this server's model whose K/V no longer fit it: removed."""
 
 
 def _checked_entry(data: Any, path: Path) -> dict[str, Any]:
@@ -171,6 +192,9 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],
                     "cache_type": cache_type}
+            adapter = files_stamp(tuple(model)[1] if len(tuple(model)) > 1 else None)
+            if adapter is not None:
+                data["adapter"] = adapter
             path = os.path.join(store, entry_name(data))
             if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
                 return  # stored already: the same tokens' K/V, not rewritten on every request
@@ -202,7 +226,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
         def _read(self, path: Path) -> tuple[list[Any], dict[str, Any]] | None:
             """The layers and entry of a stored file of this server's model, dtype and policy;
-            None for another's; :class:`Damaged` for one no server wrote."""
+            None for another's; :class:`Damaged` for one no server wrote, :class:`Stale` for
+            one whose LoRA adapter changed."""
             import mlx.core as mx
             from mlx_lm.models.cache import load_prompt_cache
 
@@ -220,6 +245,9 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             if (data.get("version"), data.get("fingerprint"), data.get("weights"),
                     data.get("dtype"), data.get("policy")) != ours:
                 return None  # another model (or checkpoint), dtype or policy: not ours
+            key = data["model_key"]
+            if data.get("adapter") != files_stamp(key[1] if len(key) > 1 else None):
+                raise Stale("its LoRA adapter changed or is gone")
             if SUM_KEY in meta and meta[SUM_KEY] != arrays_sum(arrays):  # (older files: none)
                 raise Damaged("its arrays do not match their checksum")
             offsets = {int(getattr(c, "offset", -1)) for c in layers}
@@ -263,6 +291,11 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                 except Damaged as e:
                     self._quarantine(path, str(e))
                     damaged += 1
+                    continue
+                except Stale as e:
+                    log.info("kvtool: removing %s (%s)", path, e)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                     continue
                 if entry is None:
                     other += 1
