@@ -365,7 +365,8 @@ def test_an_update_of_another_shape_is_refused_by_name_and_changes_nothing():
     with pytest.raises(KvtoolError, match="layer_idx 1 is not one of its 1 layers"):
         cache.update(first, first, 1)
     step = torch.randn(1, 2, 1, 64, generator=gen)
-    keys, _ = cache.update(step, step, 0)  # the refusals changed nothing
+    keys, _ = cache.update(step, step, torch.tensor(0))  # the refusals changed nothing; an
+    # index of another integer type (numpy's, a 0-d tensor) is one
     assert keys.shape == (1, 2, 10, 64) and torch.equal(keys[..., -1:, :], step)
     cache.batch_repeat_interleave(3)
     beams = torch.randn(3, 2, 1, 64, generator=gen)

@@ -43,10 +43,15 @@ def _layers(seed: int = 0) -> list:
 
 
 def _store(path, tokens_list):
+    """The files of entries ``tokens_list`` written by a server, in that order."""
     cache = prompt_cache_class(POLICY, IDENTITY, str(path))()
     for i, tokens in enumerate(tokens_list):
         cache.insert_cache(MODEL, tokens, _layers(i))
-    return sorted(path.glob("*.safetensors"))
+    by_tokens = {}
+    for file in path.glob("*.safetensors"):
+        entry = json.loads(mx.load(str(file), return_metadata=True)[1][f"0.{STORE_KEY}"])
+        by_tokens[tuple(entry["tokens"])] = file
+    return [by_tokens[tuple(t)] for t in tokens_list]
 
 
 def _rewrite(path, edit_arrays=None, edit_entry=None):
@@ -139,6 +144,7 @@ def test_a_copy_of_an_entry_is_loaded_once_and_removed(tmp_path):
     cache = prompt_cache_class(POLICY, dict(IDENTITY, path=other_path[0]), str(store))()
     cache.insert_cache(other_path, [1, 2, 3, 4, 5, 6], _layers(0))
     assert len(list(store.glob("*.safetensors"))) == 2
+    os.utime(first, (1e9, 1e9))  # older for sure (a timestamp's tick may hold both writes)
     again = prompt_cache_class(POLICY, IDENTITY, str(store))()
     assert len(again) == 1 and len(list(store.glob("*.safetensors"))) == 1
     assert not first.exists()  # the older copy went
@@ -167,6 +173,60 @@ def test_one_server_owns_a_store(tmp_path):
     finally:
         held.close()
     lock_store(store).close()  # released: the next server takes it
+    other = tmp_path / "other"
+    other.mkdir()
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious data")
+    (other / ".lock").symlink_to(victim)  # never written through
+    with pytest.raises(KvtoolError, match="cannot create the store or its .lock"):
+        lock_store(str(other))
+    assert victim.read_text() == "precious data"
+
+
+def test_other_servers_files_are_left_alone_even_when_this_one_cannot_read_them(tmp_path):
+    """A newer kvtool's layer config (or a plug-in codec not installed here) made an entry of
+    another model unreadable, and it went to quarantine: the entry is judged first."""
+    store = tmp_path / "store"
+    path = _store(store, [[1, 2, 3, 4, 5, 6]])[0]
+
+    def newer(arrays):
+        name = next(k for k in arrays if k.endswith("kvtool"))
+        config = json.loads(arrays[name].tobytes().decode())
+        arrays[name] = np.frombuffer(json.dumps(dict(config, version=99)).encode(), np.uint8)
+
+    def another_model(entry):
+        entry["fingerprint"] = "another"
+
+    _rewrite(path, edit_arrays=newer, edit_entry=another_model)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    named = path.rename(store / entry_name(json.loads(meta[f"0.{STORE_KEY}"])))
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert named.exists() and not (store / QUARANTINE).exists()
+
+
+def test_a_file_without_the_checksum_its_entry_requires_is_quarantined(tmp_path):
+    store = tmp_path / "store"
+    path = _store(store, [[1, 2, 3, 4, 5, 6]])[0]
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    del meta[f"0.{SUM_KEY}"]
+    os.unlink(path)
+    mx.save_safetensors(str(path), arrays, meta)
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert (store / QUARANTINE / path.name).exists()
+
+
+def test_a_draft_models_layers_after_the_models_own_load(tmp_path):
+    """mlx-lm appends a draft model's cache layers (``--draft-model``): more layers than the
+    model has, which the layer count check must not take for damage."""
+    store = tmp_path / "store"
+    key = ("/models/served", None, "/models/draft")
+    cache = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    cache.insert_cache(key, [1, 2, 3, 4, 5, 6], _layers(0) + _layers(1))
+    again = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    assert len(again) == 1 and not (store / QUARANTINE).exists()
+    cache.insert_cache(MODEL, [7, 8, 9, 10, 11, 12], _layers(0) + _layers(1))  # no draft
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
+    assert len(list((store / QUARANTINE).iterdir())) == 1
 
 
 def test_a_store_path_that_cannot_be_one_is_refused_before_the_start(tmp_path):

@@ -75,6 +75,7 @@ is read back asynchronously (:mod:`kvtool.kernels.device_checks`) and a failure 
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -200,13 +201,16 @@ class CompressedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) \
-                or not 0 <= layer_idx < len(self.layers):
+        try:
+            index = -1 if isinstance(layer_idx, bool) else operator.index(layer_idx)
+        except TypeError:
+            index = -1
+        if not 0 <= index < len(self.layers):
             raise KvtoolError(f"CompressedCache.update: layer_idx {layer_idx!r} is not one of "
                               f"its {len(self.layers)} layers")
-        layer = self.layers[layer_idx]
-        armed = self.attention_from_codes is True or layer_idx in self._armed_layers
-        self._armed_layers.discard(layer_idx)
+        layer = self.layers[index]
+        armed = self.attention_from_codes is True or index in self._armed_layers
+        self._armed_layers.discard(index)
         return layer.update(key_states, value_states, *args,
                             from_codes=armed and layer.codes_capable
                             and self._uses_codes_now(key_states.device),

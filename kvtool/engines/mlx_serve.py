@@ -221,14 +221,15 @@ def main(argv: list[str] | None = None) -> None:
             block_size=args.kvtool_block_size)
     from mlx_lm import server
 
-    # a SIGTERM stops the server as Ctrl-C does: the generation thread finishes its request
-    # and the store write that follows it
+    # a SIGTERM stops the server as Ctrl-C does: mlx-lm's server then joins its generation
+    # thread, which finishes its request and the store write that follows it
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
     try:
         server.main()
-    finally:
-        SAVING.acquire(timeout=60)  # a write in progress ends before the process does
+    finally:  # (a second signal cut that join short) a write in progress ends first
+        if SAVING.acquire(timeout=60):
+            SAVING.release()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ rather than writing through it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -62,16 +63,24 @@ def lock_store(store: str) -> Any:
 
     try:
         os.makedirs(store, exist_ok=True)
-        handle = open(os.path.join(store, LOCK_FILE), "a+")  # noqa: SIM115 (held until exit)
+        fd = os.open(os.path.join(store, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK
+                     | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
-        raise KvtoolError(f"--store {store}: cannot create the store ({e.strerror or e})") \
-            from None
+        raise KvtoolError(f"--store {store}: cannot create the store or its {LOCK_FILE} "
+                          f"({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KvtoolError(f"--store {store}: its {LOCK_FILE} is not a regular file")
+    handle = os.fdopen(fd, "r+")
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         handle.seek(0)
-        owner = handle.read().strip()[:20]
+        owner = handle.read().strip()[:20] if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) \
+            else None
         handle.close()
+        if owner is None:
+            raise KvtoolError(f"--store {store}: cannot lock it ({e.strerror or e})") from None
         raise KvtoolError(f"--store {store}: another kvtool serve --engine mlx (pid "
                           f"{owner or '?'}) uses this store; one server owns a store at a "
                           "time") from None
@@ -191,7 +200,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     "weights": identity.get("weights"), "dtype": identity["dtype"],
                     "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],
-                    "cache_type": cache_type}
+                    "cache_type": cache_type, "sum": 1}  # "sum": its checksum is required
             adapter = files_stamp(tuple(model)[1] if len(tuple(model)) > 1 else None)
             if adapter is not None:
                 data["adapter"] = adapter
@@ -233,13 +242,13 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
             try:
                 arrays, flat = mx.load(str(path), return_metadata=True)
-                layers, meta = load_prompt_cache(str(path), return_metadata=True)
             except Exception as e:
                 raise Damaged(f"unreadable: {str(e)[:120]}") from None
-            if STORE_KEY not in meta:
+            entry = flat.get(f"0.{STORE_KEY}")  # mlx-lm flattens [metadata, classes, scalars]
+            if entry is None:
                 raise Damaged("not a stored prompt cache")
             try:
-                data = _checked_entry(json.loads(meta[STORE_KEY]), path)
+                data = _checked_entry(json.loads(entry), path)
             except ValueError:
                 raise Damaged("its entry is not JSON") from None
             if (data.get("version"), data.get("fingerprint"), data.get("weights"),
@@ -248,11 +257,21 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             key = data["model_key"]
             if data.get("adapter") != files_stamp(key[1] if len(key) > 1 else None):
                 raise Stale("its LoRA adapter changed or is gone")
-            if SUM_KEY in meta and meta[SUM_KEY] != arrays_sum(arrays):  # (older files: none)
+            stored_sum = flat.get(f"0.{SUM_KEY}")
+            if data.get("sum") and stored_sum is None:
+                raise Damaged("its checksum is missing")
+            if stored_sum is not None and stored_sum != arrays_sum(arrays):  # older: none
                 raise Damaged("its arrays do not match their checksum")
-            offsets = {int(getattr(c, "offset", -1)) for c in layers}
+            try:
+                layers = load_prompt_cache(str(path))
+            except Exception as e:
+                raise Damaged(f"unreadable: {str(e)[:120]}") from None
             want = identity.get("num_layers")
-            if offsets != {len(data["tokens"])} or (want is not None and len(layers) != want):
+            drafts = len(key) > 2 and key[2] is not None  # a draft model's layers follow
+            main = layers[:want] if want is not None else layers
+            offsets = {int(getattr(c, "offset", -1)) for c in main}
+            if offsets != {len(data["tokens"])} or (want is not None and (
+                    len(layers) < want or (len(layers) > want and not drafts))):
                 raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
                               f"for {len(data['tokens'])} token ids")
             # evaluated here: a lazy array of this thread's stream cannot be evaluated in the
