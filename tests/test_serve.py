@@ -30,6 +30,25 @@ def dry_run(runner, *args: str) -> dict:
     return json.loads(out.output)
 
 
+def test_a_port_in_use_is_refused_before_the_engine_starts(runner, monkeypatch):
+    """A server on a taken port loaded its model, then died with a traceback."""
+    import socket
+
+    def started(*args):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(os, "execve", started)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for engine in ("mlx", "vllm"):
+            out = runner.invoke(cli, ["serve", "--engine", engine, "--port", port])
+            assert out.exit_code == 1 and f"--port {port}: cannot listen there" in out.output, \
+                out.output
+        assert dry_run(runner, "--port", port)["url"].endswith(f":{port}/v1")  # (a dry run)
+
+
 def test_command_line_has_connector_cpu_defaults_and_passthrough(runner, tmp_path):
     plan = dry_run(runner, "--store", str(tmp_path), "--port", "8123", "--codec", "raw",
                    "--max-store-bytes", "1GB", "--store-timeout", "0.5", "--",
@@ -144,6 +163,9 @@ def test_a_dry_run_refuses_what_the_server_would_refuse_or_ignore(runner, loaded
     assert "give --store" in refused("--max-store-bytes", "2GB")
     assert "--store is empty" in refused("--store", "")
     assert "--host is empty" in refused("--host", "")
+    for host in ("bad!host", "999.1.1.1"):  # mlx_lm.server hung on one after a traceback
+        assert "not an address to listen on" in refused("--host", host)
+        assert "not an address to listen on" in refused("--engine", "mlx", "--host", host)
     assert "sets --kv-transfer-config itself" in refused("--", "--kv-transfer-config", "{}")
     for dotted in ("--kv-transfer-config.kv_role", "--kv_transfer_config.kv_connector_extra_"
                    "config.store_path"):  # vLLM reads either as a whole new config
