@@ -157,7 +157,7 @@ def test_a_failed_save_is_warned_and_evictions_still_leave_the_store(tmp_path, c
     store = tmp_path / "store"
     cache = prompt_cache_class(POLICY, IDENTITY, str(store))(max_size=1)
     cache.insert_cache(MODEL, [1, 2, 3, 4, 5, 6], _layers(0))
-    monkeypatch.setattr(mlx_store, "arrays_sum", lambda arrays: 1 / 0)
+    monkeypatch.setattr(mlx_store, "arrays_sum", lambda *args: 1 / 0)
     cache.insert_cache(MODEL, [7, 8, 9, 10, 11, 12], _layers(1))
     assert "could not store a prompt cache" in caplog.text and "ZeroDivisionError" in caplog.text
     assert not list(store.glob("*.safetensors"))  # the evicted entry's file went all the same
@@ -262,3 +262,40 @@ def test_an_entry_of_a_lora_adapter_trained_again_is_not_served(tmp_path):
     (adapter / "adapters.safetensors").write_bytes(b"second, retrained")
     assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
     assert not list(store.glob("*.safetensors"))  # removed: it never fits again
+
+
+def test_a_relabelled_layer_class_is_quarantined_not_a_crash_at_every_start(tmp_path):
+    """mlx-lm rebuilds each layer by the class name in the file's metadata: ``KVCache`` in
+    place of ``KvtoolMLXCache`` loaded, then crashed the start with a traceback."""
+    store = tmp_path / "store"
+    path = _store(store, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])[0]
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    meta["1.0"] = "KVCache"
+    os.unlink(path)
+    mx.save_safetensors(str(path), arrays, meta)
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
+    assert (store / QUARANTINE / path.name).exists()
+
+
+def test_quarantine_is_never_a_link_out_of_the_store(tmp_path, caplog):
+    store = tmp_path / "store"
+    path = _store(store, [[1, 2, 3, 4, 5, 6]])[0]
+    path.write_bytes(b"damaged")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store / QUARANTINE).symlink_to(outside)
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert path.exists() and not list(outside.iterdir())
+    assert "cannot quarantine it" in caplog.text and "is a symbolic link" in caplog.text
+
+
+def test_a_start_among_many_bad_files_warns_of_twenty_then_counts(tmp_path, caplog):
+    from kvtool.engines.mlx_store import MAX_FILE_WARNINGS
+
+    store = tmp_path / "store"
+    store.mkdir()
+    for i in range(MAX_FILE_WARNINGS + 5):
+        (store / f"{i:032x}.safetensors").write_bytes(b"junk")
+    prompt_cache_class(POLICY, IDENTITY, str(store))()
+    warned = [r for r in caplog.records if "moved to quarantine" in r.getMessage()]
+    assert len(warned) == MAX_FILE_WARNINGS and "and 5 more files" in caplog.text

@@ -191,6 +191,21 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
           file=sys.stderr, flush=True)
 
 
+_STOPPING: list[int] = []
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """The first SIGINT or SIGTERM stops the server (mlx-lm's server catches the
+    KeyboardInterrupt and joins its generation thread); a second one exits at once. Python
+    exiting while the generation thread runs mlx aborts the process instead."""
+    if _STOPPING:
+        os._exit(128 + signum)
+    _STOPPING.append(signum)
+    print("kvtool: stopping (a second signal exits at once)",
+          file=sys.stderr, flush=True)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m kvtool.engines.mlx_serve``: kvtool's options, then mlx_lm.server's."""
     from kvtool.engines.mlx import MX_DTYPES
@@ -223,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # a SIGTERM stops the server as Ctrl-C does: mlx-lm's server then joins its generation
     # thread, which finishes its request and the store write that follows it
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
     try:
         server.main()

@@ -39,6 +39,7 @@ STORE_VERSION = 1
 QUARANTINE = "quarantine"
 LOCK_FILE = ".lock"
 SUFFIX = ".safetensors"
+MAX_FILE_WARNINGS = 20  # per start: then a count
 #: held while a file is written: a shutdown waits for it (no temp file or lost entry left)
 SAVING = threading.Lock()
 log = logging.getLogger("kvtool.mlx_serve")
@@ -66,8 +67,9 @@ def lock_store(store: str) -> Any:
         fd = os.open(os.path.join(store, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK
                      | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
+        why = f"{LOCK_FILE} is a symbolic link" if e.errno == errno.ELOOP else e.strerror or e
         raise KvtoolError(f"--store {store}: cannot create the store or its {LOCK_FILE} "
-                          f"({e.strerror or e})") from None
+                          f"({why})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise KvtoolError(f"--store {store}: its {LOCK_FILE} is not a regular file")
@@ -91,12 +93,14 @@ def lock_store(store: str) -> Any:
     return handle
 
 
-def arrays_sum(arrays: dict[str, Any]) -> str:
-    """sha256 over mx ``arrays`` by name: each name, dtype, shape and bytes."""
+def arrays_sum(arrays: dict[str, Any], classes: list[str]) -> str:
+    """sha256 over the layers' class names and mx ``arrays`` by name: each name, dtype, shape
+    and bytes (what mlx-lm's ``load_prompt_cache`` rebuilds the layers from)."""
     import mlx.core as mx
     import numpy as np
 
     h = hashlib.sha256(b"kvtool-mlx-store-1\n")
+    h.update(json.dumps(classes).encode())
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}\0{a.dtype}\0{list(a.shape)}\0".encode())
@@ -211,7 +215,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                 arrays = dict(tree_flatten([c.state for c in layers]))
                 if not all(isinstance(a, mx.array) for a in arrays.values()):
                     raise KvtoolError("a layer's state holds more than arrays")
-                meta = {STORE_KEY: json.dumps(data, sort_keys=True), SUM_KEY: arrays_sum(arrays)}
+                meta = {STORE_KEY: json.dumps(data, sort_keys=True),
+                        SUM_KEY: arrays_sum(arrays, [type(c).__name__ for c in layers])}
 
                 def write(f: Any) -> int:
                     save_prompt_cache(f, layers, meta)
@@ -260,32 +265,45 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             stored_sum = flat.get(f"0.{SUM_KEY}")
             if data.get("sum") and stored_sum is None:
                 raise Damaged("its checksum is missing")
-            if stored_sum is not None and stored_sum != arrays_sum(arrays):  # older: none
-                raise Damaged("its arrays do not match their checksum")
+            classes = [flat[f"1.{i}"] for i in range(len(flat)) if f"1.{i}" in flat]
+            if stored_sum is not None and stored_sum != arrays_sum(arrays, classes):
+                raise Damaged("its arrays do not match their checksum")  # (older: no sum)
             try:
                 layers = load_prompt_cache(str(path))
-            except Exception as e:
-                raise Damaged(f"unreadable: {str(e)[:120]}") from None
-            want = identity.get("num_layers")
-            drafts = len(key) > 2 and key[2] is not None  # a draft model's layers follow
-            main = layers[:want] if want is not None else layers
-            offsets = {int(getattr(c, "offset", -1)) for c in main}
-            if offsets != {len(data["tokens"])} or (want is not None and (
-                    len(layers) < want or (len(layers) > want and not drafts))):
-                raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
-                              f"for {len(data['tokens'])} token ids")
-            # evaluated here: a lazy array of this thread's stream cannot be evaluated in the
-            # server's generation thread
-            mx.eval([c.state for c in layers])
+                want = identity.get("num_layers")
+                drafts = len(key) > 2 and key[2] is not None  # a draft model's layers follow
+                main = layers[:want] if want is not None else layers
+                offsets = {int(getattr(c, "offset", -1)) for c in main}
+                if offsets != {len(data["tokens"])} or (want is not None and (
+                        len(layers) < want or (len(layers) > want and not drafts))):
+                    raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
+                                  f"for {len(data['tokens'])} token ids")
+                # evaluated here: a lazy array of this thread's stream cannot be evaluated in
+                # the server's generation thread
+                mx.eval([c.state for c in layers])
+            except Damaged:
+                raise
+            except Exception as e:  # layers mlx-lm rebuilt from what no server wrote
+                raise Damaged(f"unreadable: {type(e).__name__}: {str(e)[:120]}") from None
             return layers, data
 
         def _quarantine(self, path: Path, why: str) -> None:
+            folder = os.path.join(store, QUARANTINE)
             try:
-                os.makedirs(os.path.join(store, QUARANTINE), exist_ok=True)
+                if os.path.islink(folder):  # never moved out of the store through a link
+                    raise OSError(f"{folder} is a symbolic link")
+                os.makedirs(folder, exist_ok=True)
                 os.replace(path, os.path.join(store, QUARANTINE, path.name))
-                log.warning("kvtool: %s: %s; moved to %s/", path, why, QUARANTINE)
+                self._warn_file("kvtool: %s: %s; moved to %s/", path, why, QUARANTINE)
             except OSError as e:
-                log.warning("kvtool: %s: %s; kept (cannot quarantine it: %s)", path, why, e)
+                self._warn_file("kvtool: %s: %s; kept (cannot quarantine it: %s)", path, why, e)
+
+        def _warn_file(self, message: str, *args: Any) -> None:
+            """One start's warnings of bad files: the first :data:`MAX_FILE_WARNINGS`, then
+            a count (a store of thousands of junk files logs a screenful, not thousands)."""
+            self._file_warnings = getattr(self, "_file_warnings", 0) + 1
+            if self._file_warnings <= MAX_FILE_WARNINGS:
+                log.warning(message, *args)
 
         def _load_store(self) -> None:
             from kvtool.fileio import remove_stale_temps
@@ -299,7 +317,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                 except OSError:
                     continue  # gone since the listing
                 if not stat.S_ISREG(st.st_mode):  # a link, FIFO or directory: never opened
-                    log.warning("kvtool: skipping %s (not a regular file)", path)
+                    self._warn_file("kvtool: skipping %s (not a regular file)", path)
                     continue
                 found.append((st.st_mtime, str(path)))
             loaded = other = damaged = 0
@@ -333,6 +351,9 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             # what did not fit stays on disk (a restart with a larger cache loads it); this
             # server did not write it
             self._forget_evicted(delete=False)
+            unsaid = getattr(self, "_file_warnings", 0) - MAX_FILE_WARNINGS
+            if unsaid > 0:
+                log.warning("kvtool: ... and %d more files skipped or quarantined", unsaid)
             log.info("kvtool: prompt-cache store %s: %d cached prompts loaded, %d files of "
                      "another model, dtype or policy left alone, %d damaged", store, loaded,
                      other, damaged)
