@@ -78,10 +78,9 @@ def lock_store(store: str) -> Any:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         handle.seek(0)
-        owner = handle.read().strip()[:20] if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK) \
-            else None
+        owner = handle.read().strip()[:20]
         handle.close()
-        if owner is None:
+        if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):  # (NFS without locks: ENOLCK)
             raise KvtoolError(f"--store {store}: cannot lock it ({e.strerror or e})") from None
         raise KvtoolError(f"--store {store}: another kvtool serve --engine mlx (pid "
                           f"{owner or '?'}) uses this store; one server owns a store at a "
@@ -158,11 +157,21 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
     ours = (STORE_VERSION, identity["fingerprint"], identity.get("weights"), identity["dtype"],
             policy.to_json())
+    stamps: dict[Any, str | None] = {}  # adapter path -> files_stamp, once per server
+
+    def adapter_stamp(model_key: Any) -> str | None:
+        """The stamp of a model key's LoRA adapter (its second item), taken the first time
+        this server sees it: mlx-lm loads an adapter once, and every request saves."""
+        location = tuple(model_key)[1] if len(tuple(model_key)) > 1 else None
+        if location not in stamps:
+            stamps[location] = files_stamp(location)
+        return stamps[location]
 
     class KvtoolPromptCache(LRUPromptCache):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._files: dict[tuple[Any, tuple[int, ...]], str] = {}
+            self._file_warnings = 0  # bad files warned of at this start (see _warn_file)
             if store:
                 os.makedirs(store, exist_ok=True)
                 self._load_store()
@@ -205,7 +214,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],
                     "cache_type": cache_type, "sum": 1}  # "sum": its checksum is required
-            adapter = files_stamp(tuple(model)[1] if len(tuple(model)) > 1 else None)
+            adapter = adapter_stamp(model)
             if adapter is not None:
                 data["adapter"] = adapter
             path = os.path.join(store, entry_name(data))
@@ -243,7 +252,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             None for another's; :class:`Damaged` for one no server wrote, :class:`Stale` for
             one whose LoRA adapter changed."""
             import mlx.core as mx
-            from mlx_lm.models.cache import load_prompt_cache
+            from mlx.utils import tree_unflatten
+            from mlx_lm.models import cache as mlx_cache
 
             try:
                 arrays, flat = mx.load(str(path), return_metadata=True)
@@ -260,7 +270,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     data.get("dtype"), data.get("policy")) != ours:
                 return None  # another model (or checkpoint), dtype or policy: not ours
             key = data["model_key"]
-            if data.get("adapter") != files_stamp(key[1] if len(key) > 1 else None):
+            if data.get("adapter") != adapter_stamp(key):
                 raise Stale("its LoRA adapter changed or is gone")
             stored_sum = flat.get(f"0.{SUM_KEY}")
             if data.get("sum") and stored_sum is None:
@@ -269,7 +279,11 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             if stored_sum is not None and stored_sum != arrays_sum(arrays, classes):
                 raise Damaged("its arrays do not match their checksum")  # (older: no sum)
             try:
-                layers = load_prompt_cache(str(path))
+                # what load_prompt_cache does, from the arrays read once (a server's files
+                # hold arrays only: its saves refuse other state)
+                states = tree_unflatten(list(arrays.items()))
+                layers = [getattr(mlx_cache, c).from_state(state)
+                          for c, state in zip(classes, states, strict=True)]
                 want = identity.get("num_layers")
                 drafts = len(key) > 2 and key[2] is not None  # a draft model's layers follow
                 main = layers[:want] if want is not None else layers
@@ -301,7 +315,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
         def _warn_file(self, message: str, *args: Any) -> None:
             """One start's warnings of bad files: the first :data:`MAX_FILE_WARNINGS`, then
             a count (a store of thousands of junk files logs a screenful, not thousands)."""
-            self._file_warnings = getattr(self, "_file_warnings", 0) + 1
+            self._file_warnings += 1
             if self._file_warnings <= MAX_FILE_WARNINGS:
                 log.warning(message, *args)
 
@@ -351,7 +365,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             # what did not fit stays on disk (a restart with a larger cache loads it); this
             # server did not write it
             self._forget_evicted(delete=False)
-            unsaid = getattr(self, "_file_warnings", 0) - MAX_FILE_WARNINGS
+            unsaid = self._file_warnings - MAX_FILE_WARNINGS
             if unsaid > 0:
                 log.warning("kvtool: ... and %d more files skipped or quarantined", unsaid)
             log.info("kvtool: prompt-cache store %s: %d cached prompts loaded, %d files of "
