@@ -105,6 +105,27 @@ def check_output_path(path: str, inputs: tuple[str | None, ...] = ()) -> str:
     return real
 
 
+def check_store_dir(store: str, *, create: bool = False) -> None:
+    """Raise :class:`KvtoolError` unless ``store`` is a directory a server could create and
+    write (a server saves every prompt it computes). ``create``: make it now, so that what
+    ``os.access`` cannot tell (root on ``/proc``, a full or stale mount) is found before the
+    engine starts, not at its first save."""
+    if os.path.lexists(store) and not os.path.isdir(store):
+        raise KvtoolError(f"--store {store}: not a directory (a store is a directory, or an "
+                          "s3:// URL where the engine takes one)")
+    existing = os.path.abspath(store)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise KvtoolError(f"--store {store}: cannot be created or written here ({existing} is "
+                          f"{'not a directory' if not os.path.isdir(existing) else 'read-only'})")
+    if create:
+        try:
+            os.makedirs(store, exist_ok=True)
+        except OSError as e:
+            raise KvtoolError(f"--store {store}: cannot be created ({e.strerror or e})") from None
+
+
 def read_text_file(path: str) -> str:
     """The UTF-8 text of the regular file ``path``; one-line :class:`KvtoolError` otherwise."""
     check_input_file(path)

@@ -93,11 +93,42 @@ def test_a_count_of_zero_replaces_the_presets_in_serve_and_store_pin(runner, tmp
         assert "sink=" not in json.loads(mlx.output)["policy"]
 
 
-def test_a_store_that_is_a_file_is_refused(runner, tmp_path):
+def test_a_store_that_is_a_file_or_under_one_is_refused(runner, tmp_path):
     (tmp_path / "file.kvz").write_bytes(b"x")
-    out = runner.invoke(cli, ["serve", "--dry-run", "--store", str(tmp_path / "file.kvz")])
-    assert out.exit_code != 0 and "not a directory" in out.output, out.output
-    assert len(out.output.strip().splitlines()) == 1
+    for store, message in ((tmp_path / "file.kvz", "not a directory"),
+                           (tmp_path / "file.kvz" / "x", "cannot be created or written here")):
+        out = runner.invoke(cli, ["serve", "--dry-run", "--store", str(store)])
+        assert out.exit_code != 0 and message in out.output, out.output
+        assert len(out.output.strip().splitlines()) == 1
+
+
+def test_a_store_that_cannot_be_created_is_refused_before_the_engine_starts(
+        runner, tmp_path, monkeypatch):
+    """What ``os.access`` cannot tell (root on /proc, a stale mount) is found by creating the
+    store before the engine starts; a dry run creates nothing."""
+    import os
+    import socket
+
+    store = tmp_path / "new" / "store"
+    with socket.socket() as probe:  # a port free now (a privileged one needs root)
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+
+    def refuse(path, *args, **kwargs):
+        raise OSError(2, "No such file or directory", str(path))
+
+    def never(*args):
+        raise AssertionError("the engine started")
+
+    assert runner.invoke(cli, ["serve", "--dry-run", "--store", str(store)]).exit_code == 0
+    assert not store.exists()
+    monkeypatch.setattr(os, "makedirs", refuse)
+    monkeypatch.setattr(os, "execve", never)
+    for engine in ("vllm", "mlx"):
+        out = runner.invoke(cli, ["serve", "--engine", engine, "--port", port,
+                                  "--store", str(store)])
+        assert out.exit_code != 0, out.output
+        assert f"--store {store}: cannot be created (No such file" in out.output, out.output
 
 
 def test_pins_of_another_dtype_are_cast_and_of_another_model_refused(runner, loaded,

@@ -112,6 +112,10 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
                           pins=pins, engine_args=engine_args)
     # scanned in both dry runs: an unreachable bucket or a foreign directory fails either way
     store_line = _store_line(plan.store) if engine == "vllm" else plan.store
+    if not dry_run and plan.store and "://" not in plan.store:  # not at the first save
+        from kvtool.fileio import check_store_dir
+
+        check_store_dir(plan.store, create=True)
     if dry_run and as_json:
         echo_json({"argv": plan.argv, "url": plan.url, "model": plan.model, "store": plan.store,
                    "policy": plan.policy, "lossy": plan.lossy, "pins": plan.pins,

@@ -105,15 +105,9 @@ def _check_store_path(store: str) -> None:
     """Refuse a ``--store`` that is not a directory the server could create and write, or a
     directory of other files (a model directory, the user's home: a mistyped path)."""
     from kvtool.engines.mlx_store import foreign_entries
+    from kvtool.fileio import check_store_dir
 
-    if os.path.lexists(store) and not os.path.isdir(store):
-        raise KvtoolError(f"--store {store}: not a directory")
-    existing = os.path.abspath(store)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise KvtoolError(f"--store {store}: cannot be created or written here ({existing} is "
-                          f"{'not a directory' if not os.path.isdir(existing) else 'read-only'})")
+    check_store_dir(store)
     foreign = foreign_entries(store)
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")

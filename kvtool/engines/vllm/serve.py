@@ -338,12 +338,11 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     options = given_options(policy_options)
     connector: dict[str, Any] = {"model_name": name, **options}
     if store:
-        if "://" not in store and os.path.lexists(store) and not os.path.isdir(store):
-            raise KvtoolError(f"--store {store}: not a directory (a store is a directory, or "
-                              "an s3:// URL)")
         if "://" not in store:  # a bucket is checked when the banner scans it
             from kvtool.engines.vllm.store_admin import refuse_foreign
+            from kvtool.fileio import check_store_dir
 
+            check_store_dir(store)
             refuse_foreign(store)
         connector["store_path"] = store
     if not store and (max_store_bytes is not None or store_timeout is not None):
