@@ -199,6 +199,9 @@ def test_a_directory_of_other_files_is_not_an_empty_store(tmp_path, runner):
     (mlx / ".lock").write_text("1")
     out = runner.invoke(cli, ["store", "stats", str(mlx)])
     assert out.exit_code != 0 and "mlx-lm prompt-cache store" in out.output, out.output
+    (mlx / f"{'ab' * 16}.safetensors").unlink()  # its one entry quarantined: still the mlx's
+    out = runner.invoke(cli, ["store", "prune", str(mlx), "--max-bytes", "1"])
+    assert out.exit_code != 0 and "mlx-lm prompt-cache store" in out.output, out.output
     assert store_admin.scan(junk, missing_ok=True).chunks == []  # a server's own budget scan
     (tmp_path / "empty" / "lost+found").mkdir(parents=True)  # a volume's mount point
     (tmp_path / "empty" / ".snapshot").write_text("x")

@@ -50,7 +50,8 @@ from kvtool.errors import KvtoolError
 from kvtool.fileio import TEMP_SUFFIX, is_stale_temp
 
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
-_MLX_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")  # kvtool.engines.mlx_serve's files
+_MLX_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")  # kvtool.engines.mlx_store's files
+_MLX_LOCK = ".lock"  # its server's lock (kvtool.engines.mlx_store.LOCK_FILE): none of ours
 _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.kvz
 #: a unit is required (a bare 30 would be seconds to us and days to a reader) and lowercase
 #: (``30M``: minutes or months?); ASCII digits only
@@ -183,11 +184,12 @@ def refuse_foreign(root: str | os.PathLike | Backend) -> None:
     from kvtool.engines.vllm.store_s3 import HITS_DIR
 
     backend = backend_of(root)
-    names = [n for n in backend.root_names()  # "": an S3 console's folder marker
+    every = backend.root_names()
+    names = [n for n in every  # "": an S3 console's folder marker
              if n and not n.startswith(".") and n != "lost+found"]
     own = (QUARANTINE_DIR, PINS_FILE, STATS_DIR, HITS_DIR)
     mlx = [n for n in names if _MLX_ENTRY.match(n)]  # (its quarantine/ is named like ours)
-    if mlx and not any(MODEL_DIR.match(n) for n in names) \
+    if (mlx or _MLX_LOCK in every) and not any(MODEL_DIR.match(n) for n in names) \
             and all(n in mlx or n == QUARANTINE_DIR for n in names):
         raise KvtoolError(f"{backend.location} is an mlx-lm prompt-cache store (kvtool serve "
                           "--engine mlx): the kvtool store commands manage the vLLM "
