@@ -27,6 +27,16 @@ def check_prefix(layer: int, stored: int, num_tokens: int, tokens: int | None) -
                          f"(a sliding window): a prefix of {tokens} tokens cannot be cut from it")
 
 
+def every_layer_slides(layer_info: Sequence[Any] | None, num_layers: int) -> bool:
+    """Whether ``layer_info`` names a sliding window (an integer ≥ 1) for each of
+    ``num_layers`` layers (Mistral-7B-v0.1, Phi-3-mini-4k): then no layer holds every token,
+    and the token ids count the sequence."""
+    infos = list(layer_info) if layer_info is not None else []
+    return num_layers > 0 and len(infos) == num_layers and all(
+        isinstance(info, dict) and isinstance(w := info.get("sliding_window"), int)
+        and not isinstance(w, bool) and w >= 1 for info in infos)
+
+
 def holds(stored: str, computed: str) -> bool:
     """Whether ``stored`` keeps every ``computed`` value exactly (float32 holds all three)."""
     return stored in (computed, "float32")
@@ -92,8 +102,13 @@ class KVCache:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the longest layer (sliding-window layers may hold fewer)."""
-        return max((int(k.shape[1]) for k in self.keys), default=0)
+        """Tokens of the longest layer (sliding-window layers may hold fewer); where every
+        layer slides, the sequence's, which its token ids count."""
+        longest = max((int(k.shape[1]) for k in self.keys), default=0)
+        if self.token_ids is not None and len(self.token_ids) > longest \
+                and every_layer_slides(self.layer_info, self.num_layers):
+            return len(self.token_ids)
+        return longest
 
     @property
     def dtype(self) -> str:

@@ -272,10 +272,12 @@ def _measure_kl(model: Any, ids: Any, scored: int, sinks: int, codecs: dict[str,
 
     from kvtool.cache import KVCache
     from kvtool.engines.hf import to_dynamic_cache
+    from kvtool.engines.hf_runtime import attention_windows
     from kvtool.evaluate import _through_policy, next_token_kl, top_logp
     from kvtool.progress import bar
 
     prefix = int(ids.shape[1]) - scored
+    attention_windows(model.config)  # a hybrid model's other layers hold no K/V
     past = DynamicCache(config=model.config)
     model(input_ids=ids[:, :prefix], past_key_values=past, use_cache=True)
     exact = {"key": [layer.keys[0].clone() for layer in past.layers],

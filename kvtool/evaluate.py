@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvtool.cache import KVCache
-from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE, CompressedCache
+from kvtool.engines.hf_runtime import DEFAULT_BLOCK_SIZE, CompressedCache, attention_windows
 from kvtool.errors import KvtoolError
 from kvtool.kernels import Array, to_torch
 from kvtool.models import check_context_length, max_positions
@@ -309,6 +309,7 @@ def run_baseline(loaded: Any, text: str | None = None, *, chunk: int = 256,
                          "the evaluation text", "give fewer --max-tokens")
     if chunk < 1:
         raise KvtoolError(f"chunk must be >= 1, got {chunk}")
+    attention_windows(model.config)  # a hybrid model's other layers hold no K/V
     ids = ids.to(next(model.parameters()).device)
     past = DynamicCache(config=model.config)
     capture = _QueryCapture(model, min(n_queries, ids.shape[1])) if n_queries else None

@@ -26,6 +26,9 @@ def canonical_sha256(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+KEY_SHAPING_FIELDS = ("no_rope_layers", "use_qk_norm", "attention_chunk_size")
+
+
 def kv_layout(config: Any) -> dict[str, Any]:
     """The config fields that must match for a KV cache to fit a model, JSON-safe (the input of
     the fingerprint). The dtype is not one of them: it converts (see :func:`cast_note`)."""
@@ -48,6 +51,11 @@ def kv_layout(config: Any) -> dict[str, Any]:
         "sliding_window": sliding if layer_types is None or not uniform else None,
         "layer_types": None if uniform else list(layer_types),
         "num_kv_shared_layers": getattr(text, "num_kv_shared_layers", None),
+        # fields few models set, hashed only where set (every other model's fingerprint stays):
+        # which layers rotate their keys (SmolLM3, Llama 4: NoPE layers), a weightless key
+        # norm (Llama 4), chunked attention
+        **{name: getattr(text, name) for name in KEY_SHAPING_FIELDS
+           if getattr(text, name, None) is not None},
     }, default=str))
 
 

@@ -68,6 +68,21 @@ def layer_types(model: Any) -> list[dict[str, Any]] | None:
     return info if any(info) else None
 
 
+def check_capturable(config: Any) -> None:
+    """A :class:`KvtoolError` for a model whose cache a ``.kvz`` file cannot hold: a hybrid
+    model's non-attention layers, or multi-head latent attention (DeepSeek-V2/V3, Kimi K2),
+    whose cache is a compressed latent and its RoPE part, not per-head keys and values."""
+    from kvtool.engines.hf_runtime import attention_windows
+
+    attention_windows(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):
+        raise KvtoolError(f"{getattr(config, 'model_type', 'this model')} uses multi-head latent "
+                          f"attention (MLA): its cache is a {text.kv_lora_rank}-wide latent and "
+                          "a RoPE key part, not per-head keys and values, which a .kvz file "
+                          "does not hold yet (--runtime-codec and kvtool eval work on it)")
+
+
 @torch.inference_mode()
 def capture(model: Any, tokenizer: Any, text: str | None = None, *,
             token_ids: Any = None, model_info: dict | None = None) -> KVCache:
@@ -79,6 +94,7 @@ def capture(model: Any, tokenizer: Any, text: str | None = None, *,
     ids = encode_text(tokenizer, text) if text is not None else [int(t) for t in token_ids]
     if not ids:
         raise KvtoolError("nothing to capture: the prompt has no tokens")
+    check_capturable(model.config)
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     past = DynamicCache(config=model.config)

@@ -91,19 +91,24 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def _layer_windows(config: Any) -> list[int | None]:
-    """Per layer: the sliding window of a ``sliding_attention`` layer, None for full attention."""
+def attention_windows(config: Any) -> list[int | None]:
+    """Per layer: the window of a sliding-window attention layer, None for full attention, as
+    transformers' ``DynamicCache`` lays them out (a ``sliding_window`` with no ``layer_types``:
+    every layer slides, as in Mistral-7B-v0.1). A :class:`KvtoolError` for a model whose cache
+    holds other layers (a hybrid model's convolution, linear-attention or state-space layers
+    keep no K/V to compress or store; chunked attention is another mask)."""
     text = _text_config(config)
-    n = int(text.num_hidden_layers)
-    types = getattr(text, "layer_types", None) or ["full_attention"] * n
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None) or int(text.num_hidden_layers) * [
+        "sliding_attention" if window is not None else "full_attention"]
     other = sorted(set(types) - {"full_attention", "sliding_attention"})
     if other:
-        raise KvtoolError("CompressedCache supports full and sliding-window attention layers; "
-                          f"this model has {other} layers")
-    window = getattr(text, "sliding_window", None)
-    if "sliding_attention" in types and not window:
+        raise KvtoolError("kvtool handles full and sliding-window attention layers; this "
+                          f"model ({getattr(config, 'model_type', '?')}) also has {other} "
+                          "layers, which it does not")
+    if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
         raise KvtoolError("the model has sliding_attention layers but no sliding_window")
-    return [int(window) if t == "sliding_attention" else None for t in types]
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 class CompressedCache(Cache):
@@ -132,7 +137,7 @@ class CompressedCache(Cache):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise KvtoolError(f"CompressedCache: {name} must be an integer >= 1, got {n!r}")
         if config is not None:
-            windows = _layer_windows(config)
+            windows = attention_windows(config)
         else:
             windows = list(sliding_windows or [None] * int(num_layers))
             if len(windows) != num_layers:

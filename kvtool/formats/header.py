@@ -11,6 +11,7 @@ import re
 from math import prod
 from typing import Any
 
+from kvtool.cache import every_layer_slides
 from kvtool.errors import FormatError, NewerVersionError
 from kvtool.formats import constants as C
 from kvtool.formats.container import Entry, check_shape, crc32_hex, is_int, parse_json
@@ -156,13 +157,16 @@ def _check_role(role: Any, where: str, num_tokens: int, table: dict[str, Any]) -
 
 def token_layout_problem(lengths: list[int], num_tokens: int, ids_count: int | None,
                          layer_info: list[Any] | None) -> str | None:
-    """Why a cache's token counts disagree, or None: ``num_tokens`` is the longest layer's,
-    a shorter layer is a sliding-window one (``layer_info``: a ``sliding_window`` ≥ 1) that
+    """Why a cache's token counts disagree, or None: ``num_tokens`` is the longest layer's
+    (where every layer has a sliding window, it MAY exceed it: the token ids' count), a shorter
+    layer is a sliding-window one (``layer_info``: a ``sliding_window`` ≥ 1) that
     holds at least the last ``sliding_window - 1`` tokens (what the next step attends to), and
     the token ids, if any, are one per token. A file that breaks this loads but is wrong:
     its chunks would be keyed by ids that have no K/V, its restore would lack tokens."""
     longest = max(lengths, default=0)
-    if num_tokens != longest:
+    slid = num_tokens > longest and ids_count == num_tokens \
+        and every_layer_slides(layer_info, len(lengths))  # no layer holds every token
+    if num_tokens != longest and not slid:
         return f"num_tokens is {num_tokens}, but the longest layer holds {longest} tokens"
     infos = list(layer_info) if layer_info is not None else [None] * len(lengths)
     for i, (n, info) in enumerate(zip(lengths, infos, strict=False)):

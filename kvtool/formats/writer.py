@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.cache import KVCache, merge_sources
+from kvtool.cache import KVCache, every_layer_slides, merge_sources
 from kvtool.codecs import Codec, Encoded
 from kvtool.errors import CodecError, FormatError
 from kvtool.fileio import atomic_write, check_output_path
@@ -202,6 +202,9 @@ def write_kvz(path: str | os.PathLike, layers: Iterable[tuple[Array, Array]], *,
             bar.update(1)
     if len(layer_entries) != num_layers:
         raise ValueError(f"expected {num_layers} layers, got {len(layer_entries)}")
+    if ids_entry is not None and ids_entry["count"] > num_tokens \
+            and every_layer_slides(layer_info, num_layers):
+        num_tokens = ids_entry["count"]  # no layer holds every token: the sequence's length
     problem = token_layout_problem([e["key"]["shape"][1] for e in layer_entries], num_tokens,
                                    None if ids_entry is None else ids_entry["count"], layer_info)
     if problem:
