@@ -26,8 +26,9 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes
 
 
 def golden_cache(layers: int = 3, dtype: str = "float16", quantized: bool = False,
-                 tokens: int = 12):
-    """The deterministic synthetic cache every golden file encodes (2 heads, 12 tokens, D=32)."""
+                 tokens: int = 12, window: int | None = None, sequence: int | None = None):
+    """The deterministic synthetic cache every golden file encodes (2 heads, 12 tokens, D=32);
+    ``window``: every layer a sliding-window one, holding the last ``tokens`` of ``sequence``."""
     from kvtool.cache import KVCache
 
     rng = np.random.default_rng(20240607)
@@ -43,9 +44,9 @@ def golden_cache(layers: int = 3, dtype: str = "float16", quantized: bool = Fals
         values.append(v.astype(NP_DTYPES[dtype]))
     model = {"name": "golden-synthetic", "architecture": "LlamaForCausalLM",
              "fingerprint": "0123456789abcdef"}
-    return KVCache(keys, values, token_ids=np.arange(100, 100 + tokens), model=model,
-                   tokenizer_fingerprint="fedcba9876543210",
-                   layer_info=[{"sliding_window": None}] * layers)
+    return KVCache(keys, values, token_ids=np.arange(100, 100 + (sequence or tokens)),
+                   model=model, tokenizer_fingerprint="fedcba9876543210",
+                   layer_info=[{"sliding_window": window}] * layers)
 
 
 def goldens() -> dict[str, dict[str, Any]]:
@@ -85,6 +86,9 @@ def goldens() -> dict[str, dict[str, Any]]:
         "key": "turbo3", "value": "turbo2", "sink_tokens": 1, "num_layers": 4,
         "layers": {"0": "lossless", "2": {"key": "turbo4"},
                    "3": {"key": "turbomix:bits=2,center=true", "value": "turbo4"}}}}}
+    # every layer sliding (Mistral-7B-v0.1): num_tokens is the sequence's, past every layer
+    specs["every-layer-sliding"] = {"cache": {"window": 13, "sequence": 20},
+                                    "save": {"codec": "turbo3", "sink_tokens": 1}}
     return specs
 
 
