@@ -36,6 +36,13 @@ ARCHS = {  # config class, its options beyond BASE
                                  "num_local_experts": 2, "num_experts_per_tok": 1}),
     "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
     "mistral_every_layer_sliding": ("MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "starcoder2": ("Starcoder2Config", {}),
+    "cohere2": ("Cohere2Config", {"sliding_window": WINDOW,
+                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 2, "num_experts_per_tok": 1,
+                                     "moe_intermediate_size": 32}),
 }
 
 
