@@ -27,6 +27,13 @@ def check_prefix(layer: int, stored: int, num_tokens: int, tokens: int | None) -
                          f"(a sliding window): a prefix of {tokens} tokens cannot be cut from it")
 
 
+def has_sliding_layers(layer_info: Sequence[Any] | None) -> bool:
+    """Whether ``layer_info`` names a sliding window for any layer (``{}`` and
+    ``{"sliding_window": None}`` are full attention)."""
+    return any(isinstance(info, dict) and info.get("sliding_window") is not None
+               for info in layer_info or ())
+
+
 def every_layer_slides(layer_info: Sequence[Any] | None, num_layers: int) -> bool:
     """Whether ``layer_info`` names a sliding window (an integer ≥ 1) for each of
     ``num_layers`` layers (Mistral-7B-v0.1, Phi-3-mini-4k): then no layer holds every token,

@@ -32,7 +32,12 @@ from kvtool.codecs import get_codec  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines import mlx as E  # noqa: E402
 from kvtool.engines.mlx_cache import KvtoolMLXCache, make_kvtool_cache  # noqa: E402
-from kvtool.errors import FormatError, ModelMismatchError, PrefixMismatchError  # noqa: E402
+from kvtool.errors import (  # noqa: E402
+    FormatError,
+    KvtoolError,
+    ModelMismatchError,
+    PrefixMismatchError,
+)
 from kvtool.formats import load, open_kvz, save  # noqa: E402
 from kvtool.identity import canonical_sha256  # noqa: E402
 from kvtool.policy import CodecPolicy  # noqa: E402
@@ -106,6 +111,17 @@ def test_restore_matches_recompute(lm, doc_cache, baseline):
     assert out.cached_tokens == len(doc_cache.token_ids)
     assert out.prompt_tokens == baseline.prompt_tokens
     assert np.abs(out.first_logits - baseline.first_logits).max() < 1e-4
+
+
+def test_layer_info_naming_no_window_is_full_attention(lm, doc_cache, baseline):
+    """``{"sliding_window": None}`` per layer (what a writer may record for full attention)
+    restores; a layer with a window is refused by name."""
+    full = dataclasses.replace(doc_cache, layer_info=[{"sliding_window": None}] * 30)
+    assert E.continue_generation(lm, full, QUESTION, NEW).new_token_ids == \
+        baseline.new_token_ids
+    slid = dataclasses.replace(doc_cache, layer_info=[{"sliding_window": 512}] + [{}] * 29)
+    with pytest.raises(KvtoolError, match="does not support sliding-window caches"):
+        E.continue_generation(lm, slid, QUESTION, NEW)
 
 
 def test_hf_capture_continues_in_mlx(lm, loaded, doc_cache, baseline, tmp_path):

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, has_sliding_layers
 from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
     KvtoolMLXCache,
@@ -180,7 +180,7 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
     fit the model's layers.
     """
     n = check_layers(model)
-    if cache.layer_info and any(cache.layer_info):
+    if has_sliding_layers(cache.layer_info):
         raise KvtoolError("the mlx engine does not support sliding-window caches")
     if cache.num_layers != n:
         raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has {n}")

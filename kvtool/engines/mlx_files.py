@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache, merge_sources
+from kvtool.cache import KVCache, has_sliding_layers, merge_sources
 from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
 from kvtool.errors import FormatError, KvtoolError
@@ -237,7 +237,7 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
     if not os.fspath(path).endswith(".safetensors"):
         raise KvtoolError(f"{os.fspath(path)}: name an mlx-lm prompt cache *.safetensors "
                           "(mlx-lm picks the file format by that extension)")
-    if cache.layer_info and any(cache.layer_info):
+    if has_sliding_layers(cache.layer_info):
         raise KvtoolError("mlx-lm prompt caches of sliding-window layers are not supported")
     loads_from = mlx_model(cache, model)
     n, total = cache.num_layers, cache.num_tokens

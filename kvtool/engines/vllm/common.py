@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtool.cache import has_sliding_layers
 from kvtool.engines.vllm.safeio import UnsafeFileError, confine, pin_file
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ def unservable(f: Any) -> str | None:
     window."""
     if f.token_ids is None:
         return "it stores no token ids"
-    if f.layer_info and any(f.layer_info):
+    if has_sliding_layers(f.layer_info):
         return "it has sliding-window layers"
     return None
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, has_sliding_layers
 from kvtool.engines.hf import GenerationResult, encode_text, recompute_ids
 from kvtool.errors import KvtoolError
 
@@ -250,7 +250,7 @@ def read_header(cache_path: str | os.PathLike) -> KVCache:
     from kvtool.formats import open_kvz
 
     with open_kvz(cache_path) as f:
-        if f.layer_info and any(f.layer_info):
+        if has_sliding_layers(f.layer_info):
             raise KvtoolError("vLLM restore does not support sliding-window caches yet")
         return KVCache([], [], token_ids=f.token_ids, model=dict(f.model),
                        tokenizer_fingerprint=f.tokenizer_fingerprint)
