@@ -283,12 +283,14 @@ def _measure_kl(model: Any, ids: Any, scored: int, sinks: int, codecs: dict[str,
     exact = {"key": [layer.keys[0].clone() for layer in past.layers],
              "value": [layer.values[0].clone() for layer in past.layers]}
     num_layers = len(exact["key"])
+    prefix_ids = ids[0, :prefix].cpu().numpy()  # the positions, where every layer has slid
 
     def restored(replace_role: str | None = None, layer: int = 0, x_hat: Any = None):
         arrays = {r: list(exact[r]) for r in ROLES}
         if replace_role is not None:
             arrays[replace_role][layer] = x_hat
-        return to_dynamic_cache(KVCache(arrays["key"], arrays["value"]), model)
+        return to_dynamic_cache(KVCache(arrays["key"], arrays["value"], token_ids=prefix_ids),
+                                model)
 
     def scored_logp(cache: Any, rows: int):
         logits = model(input_ids=ids[:, prefix:].expand(rows, -1), past_key_values=cache,

@@ -51,11 +51,12 @@ def kv_layout(config: Any) -> dict[str, Any]:
         "sliding_window": sliding if layer_types is None or not uniform else None,
         "layer_types": None if uniform else list(layer_types),
         "num_kv_shared_layers": getattr(text, "num_kv_shared_layers", None),
-        # fields few models set, hashed only where set (every other model's fingerprint stays):
+        # fields few models set, hashed only where set and not False (Cohere's
+        # use_qk_norm=False: every other model's fingerprint stays):
         # which layers rotate their keys (SmolLM3, Llama 4: NoPE layers), a weightless key
         # norm (Llama 4), chunked attention
         **{name: getattr(text, name) for name in KEY_SHAPING_FIELDS
-           if getattr(text, name, None) is not None},
+           if getattr(text, name, None) not in (None, False)},
     }, default=str))
 
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import kvtool  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
-from kvtool.engines.hf_runtime import CompressedCache  # noqa: E402
+from kvtool.engines.hf_runtime import CompressedCache, attention_windows  # noqa: E402
 from kvtool.errors import KvtoolError  # noqa: E402
 from kvtool.formats.header import token_layout_problem  # noqa: E402
 from kvtool.identity import kv_layout, model_fingerprint  # noqa: E402
@@ -29,8 +29,8 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             eos_token_id=2)
 ARCHS = {  # config class, its options beyond BASE
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "qwen2": ("Qwen2Config", {}),
-    "phi3": ("Phi3Config", {}),
+    "qwen2": ("Qwen2Config", {"sliding_window": WINDOW, "use_sliding_window": False}),
+    "phi3_every_layer_sliding": ("Phi3Config", {"sliding_window": WINDOW}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW}),
     "gpt_oss": ("GptOssConfig", {"head_dim": 16, "sliding_window": WINDOW,
                                  "num_local_experts": 2, "num_experts_per_tok": 1}),
@@ -71,10 +71,12 @@ def test_a_lossless_file_continues_every_architecture_exactly(arch, ids, tmp_pat
     next token's logits of a forward over the whole prompt."""
     model = tiny(ARCHS[arch][0], **ARCHS[arch][1])
     prompt, fresh = ids[:-1], next_logits(model, ids)
+    dynamic = [(info or {}).get("sliding_window") for info in hf.layer_types(model) or [{}] * 2]
+    assert attention_windows(model.config) == dynamic  # CompressedCache's layers: DynamicCache's
     kvtool.save(hf.capture(model, None, token_ids=prompt), tmp_path / "c.kvz")
     cache = kvtool.load(tmp_path / "c.kvz", backend="torch")
     assert cache.num_tokens == len(cache.token_ids) == PROMPT
-    if arch.startswith("mistral"):  # every layer kept only its window of the prompt
+    if arch.endswith("every_layer_sliding"):  # every layer kept only its window of the prompt
         assert [int(k.shape[1]) for k in cache.keys] == [WINDOW - 1] * 2
     restored = next_logits(model, ids, hf.to_dynamic_cache(cache, model))
     torch.testing.assert_close(restored, fresh, atol=1e-4, rtol=1e-4)
@@ -150,3 +152,65 @@ def test_nope_layers_are_part_of_the_fingerprint():
     assert kv_layout(a)["no_rope_layers"] == [1, 0]
     llama = kv_layout(transformers.LlamaConfig(**BASE))
     assert not {"no_rope_layers", "use_qk_norm", "attention_chunk_size"} & set(llama)
+    cohere = {norm: kv_layout(transformers.CohereConfig(**BASE, use_qk_norm=norm))
+              for norm in (False, True)}  # Command-R: False, as every file before
+    assert "use_qk_norm" not in cohere[False] and cohere[True]["use_qk_norm"] is True
+
+
+def test_a_window_shorter_than_the_models_is_refused(ids):
+    """A file whose layers claim a smaller window than the model's, and hold only that, would
+    be attended as if older tokens were never there: refused by the model's window."""
+    from kvtool.cache import KVCache
+    from kvtool.errors import ModelMismatchError
+
+    model = tiny("MistralConfig", head_dim=16, sliding_window=WINDOW)
+    full = hf.capture(model, None, token_ids=ids[:-1])
+    short = KVCache([k[:, -3:] for k in full.keys], [v[:, -3:] for v in full.values],
+                    token_ids=full.token_ids, model=full.model,
+                    layer_info=[{"sliding_window": 4}] * 2)
+    assert short.num_tokens == PROMPT  # the format allows it: windows of 4 hold their last 3
+    message = "layer 0 holds 3 of 40 tokens, fewer than the last 15 its sliding window of 16"
+    with pytest.raises(ModelMismatchError, match=message):
+        hf.to_dynamic_cache(short, model)
+    with pytest.raises(ModelMismatchError, match=message):
+        CompressedCache.from_kvcache(short, CodecPolicy.from_options("raw"), model)
+
+
+def test_a_file_past_the_window_moves_between_hf_and_mlx(tmp_path):
+    """mlx-lm keeps Gemma 3's local layers in a RotatingKVCache: a file captured by either
+    engine, past the window and not, continues in the other as that engine's own recompute;
+    the compressed mlx cache, which has no sliding layers, refuses one by name."""
+    pytest.importorskip("mlx_lm")
+    import shutil
+
+    from kvtool.engines import mlx as E
+    from kvtool.models import ensure_default_converted, load_model
+
+    torch.manual_seed(0)  # mlx-lm's gemma3_text: a global layer every sliding_window_pattern (6)
+    config = transformers.Gemma3TextConfig(
+        **{**BASE, "vocab_size": 49152, "num_hidden_layers": 6, "num_attention_heads": 2,
+           "num_key_value_heads": 1}, head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path / "gemma")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
+        shutil.copy(ensure_default_converted() / name, tmp_path / "gemma")
+    lm, loaded = E.load_mlx(str(tmp_path / "gemma"), dtype="float32"), \
+        load_model(str(tmp_path / "gemma"), dtype="float32")
+    ids = list(range(100, 160))
+    mlx_base = E.recompute_generation(lm, input_ids=ids, max_new_tokens=6).new_token_ids
+    hf_base = hf.recompute_generation(loaded, input_ids=ids, max_new_tokens=6).new_token_ids
+    for cut in (50, WINDOW - 1, 10):  # slid, just full, not yet
+        from_hf = hf.capture(loaded.model, loaded.tokenizer, token_ids=ids[:cut],
+                             model_info=loaded.info)
+        kvtool.save(from_hf, tmp_path / "hf.kvz")
+        from_hf = kvtool.load(tmp_path / "hf.kvz")
+        assert E.continue_generation(lm, from_hf, input_ids=ids,
+                                     max_new_tokens=6).new_token_ids == mlx_base
+        from_mlx = E.capture(lm, token_ids=ids[:cut])
+        assert [k.shape for k in from_mlx.keys] == [k.shape for k in from_hf.keys]
+        assert from_mlx.layer_info == from_hf.layer_info
+        assert hf.continue_generation(loaded, from_mlx, input_ids=ids,
+                                      max_new_tokens=6).new_token_ids == hf_base
+    with pytest.raises(KvtoolError, match="keeps sliding-window caches uncompressed"):
+        E.continue_generation(lm, from_hf, input_ids=ids, max_new_tokens=6,
+                              policy=CodecPolicy.from_options("turbo3"))

@@ -115,12 +115,13 @@ def test_restore_matches_recompute(lm, doc_cache, baseline):
 
 def test_layer_info_naming_no_window_is_full_attention(lm, doc_cache, baseline):
     """``{"sliding_window": None}`` per layer (what a writer may record for full attention)
-    restores; a layer with a window is refused by name."""
+    restores; a layer whose window the model's does not have is refused, naming both."""
     full = dataclasses.replace(doc_cache, layer_info=[{"sliding_window": None}] * 30)
     assert E.continue_generation(lm, full, QUESTION, NEW).new_token_ids == \
         baseline.new_token_ids
     slid = dataclasses.replace(doc_cache, layer_info=[{"sliding_window": 512}] + [{}] * 29)
-    with pytest.raises(KvtoolError, match="does not support sliding-window caches"):
+    with pytest.raises(KvtoolError, match="layer 0: the cache has a sliding window of 512, "
+                                          "the model full attention"):
         E.continue_generation(lm, slid, QUESTION, NEW)
 
 

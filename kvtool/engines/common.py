@@ -125,6 +125,22 @@ def full_ids_for(cache: KVCache, tokenizer: Any, prompt: str | None = None,
     return full
 
 
+def check_window(layer: int, held: int, total: int, window: int) -> None:
+    """A :class:`ModelMismatchError` unless a sliding-window layer holding ``held`` of a
+    ``total``-token sequence holds the last tokens its window of ``window`` attends to (the
+    model's window: a file's own ``layer_info`` may claim a smaller one)."""
+    if held < min(total, window - 1):
+        raise ModelMismatchError(f"layer {layer} holds {held} of {total} tokens, fewer than "
+                                 f"the last {min(total, window - 1)} its sliding window of "
+                                 f"{window} attends to")
+
+
+def holds_every_token(cache: KVCache) -> bool:
+    """Whether every layer of ``cache`` holds all its tokens (no sliding window has slid), so
+    that a prompt it covers whole can be continued by feeding its last token again."""
+    return all(int(k.shape[1]) == len(cache.token_ids) for k in cache.keys)
+
+
 def recompute_ids(tokenizer: Any, input_ids: Any = None, prompt: str | None = None) -> list[int]:
     """The ids a recompute baseline runs: ``input_ids``, else ``prompt`` tokenized fresh."""
     if input_ids is None:

@@ -33,8 +33,10 @@ from kvtool.engines.common import (  # noqa: F401 (kvtool.engines.hf.* names cal
     GenerationResult,
     chat_prompt,
     check_compatible,
+    check_window,
     encode_text,
     full_ids_for,
+    holds_every_token,
     prompt_ids,
     recompute_ids,
 )
@@ -149,6 +151,7 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
         check_layer(i, k, v, want, dtype)
         sliding = getattr(layer, "sliding_window", None) if layer.is_sliding else None
         if sliding:
+            check_window(i, int(k.shape[1]), total, int(sliding))
             k, v = k[:, -(sliding - 1):], v[:, -(sliding - 1):]
         elif k.shape[1] != total:
             raise ModelMismatchError(f"layer {i} holds {k.shape[1]} of {total} tokens (a "
@@ -158,12 +161,6 @@ def to_dynamic_cache(cache: KVCache, model: Any = None, dtype: Any = None,
         if sliding:
             layer.cumulative_length = total
     return out
-
-
-def holds_every_token(cache: KVCache) -> bool:
-    """Whether every layer of ``cache`` holds all its tokens (no sliding window has slid), so
-    that a prompt it covers whole can be continued by feeding its last token again."""
-    return all(int(k.shape[1]) == len(cache.token_ids) for k in cache.keys)
 
 
 def kv_shape(model: Any) -> tuple[int, int]:

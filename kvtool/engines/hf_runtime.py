@@ -237,7 +237,7 @@ class CompressedCache(Cache):
         Usable as ``past_factory`` of :func:`kvtool.engines.hf.continue_generation` via
         ``lambda c, m: CompressedCache.from_kvcache(c, policy, m)``.
         """
-        from kvtool.engines.hf import _total_tokens, check_layer, kv_shape
+        from kvtool.engines.hf import _total_tokens, check_layer, check_window, kv_shape
         from kvtool.kernels import to_torch
 
         policy = policy.resolve(cache)  # sink=auto: counted on the cache it holds
@@ -261,6 +261,7 @@ class CompressedCache(Cache):
             check_layer(i, k, v, want, dtype)  # as to_dynamic_cache: not a crash mid-forward
             k, v = (a[None].to(device=device, dtype=dtype) for a in (k, v))
             if layer.is_sliding:  # the last window - 1 tokens are all the next step can see
+                check_window(i, int(k.shape[-2]), total, layer.sliding_window)
                 keep = layer.sliding_window - 1
                 k, v = k[..., -keep:, :], v[..., -keep:, :]
             elif k.shape[-2] != total:

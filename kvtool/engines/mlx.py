@@ -7,7 +7,9 @@
   for the same model (in any dtype: cast, with a logged note) is accepted here, and one
   captured here is accepted there.
 * :func:`capture` prefills a prompt and returns a :class:`~kvtool.cache.KVCache` (numpy
-  ``[kv_heads, tokens, head_dim]`` in the model's dtype, token ids, identity).
+  ``[kv_heads, tokens, head_dim]`` in the model's dtype, token ids, identity); a
+  sliding-window layer (mlx-lm's ``RotatingKVCache``: Gemma 3) gives the window's last tokens,
+  as transformers keeps them, and :func:`to_prompt_cache` refills one from them.
 * :func:`to_prompt_cache` rebuilds an mlx-lm prompt cache (``KVCache`` layers, or
   :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones under a policy);
   :func:`continue_generation` feeds only the tokens after the cached prefix to
@@ -35,6 +37,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from kvtool.cache import KVCache, has_sliding_layers
+from kvtool.engines.common import check_window
 from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
     KvtoolMLXCache,
@@ -143,16 +146,72 @@ def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None)
     ids = encode_text(loaded.tokenizer, text) if text is not None else [int(t) for t in token_ids]
     if not ids:
         raise KvtoolError("nothing to capture: the prompt has no tokens")
-    check_layers(loaded.model)
+    windows = sliding_windows(loaded.model)
     layers = mlx_cache.make_prompt_cache(loaded.model)
     for i in range(0, len(ids), PREFILL_STEP):
         # the logits stay unevaluated: only what the cache needs is computed
         loaded.model(mx.array([ids[i:i + PREFILL_STEP]]), cache=layers)
         mx.eval([c.state for c in layers])
-    keys = [to_numpy(c.keys[0, :, :c.offset, :]) for c in layers]
-    values = [to_numpy(c.values[0, :, :c.offset, :]) for c in layers]
-    return KVCache(keys, values, token_ids=np.asarray(ids, dtype=np.int64),
-                   model=dict(loaded.info), tokenizer_fingerprint=loaded.fingerprints["tokenizer"])
+    keys, values = zip(*(_held(c) for c in layers), strict=True)
+    return KVCache(list(keys), list(values), token_ids=np.asarray(ids, dtype=np.int64),
+                   model=dict(loaded.info), tokenizer_fingerprint=loaded.fingerprints["tokenizer"],
+                   layer_info=[{"sliding_window": w} if w else {} for w in windows]
+                   if any(windows) else None)
+
+
+# -- sliding-window layers (mlx-lm's RotatingKVCache) ----------------------------------------
+def sliding_windows(model: Any) -> list[int | None]:
+    """Per layer: the window of an mlx-lm ``RotatingKVCache`` layer (Gemma 3's local layers),
+    None for a full-attention ``KVCache``; a :class:`KvtoolError` for other cache layers."""
+    if not hasattr(model, "make_cache"):
+        return [None] * len(model.layers)
+    windows: list[int | None] = []
+    for layer in model.make_cache():
+        if type(layer) is mlx_cache.KVCache:
+            windows.append(None)
+        elif type(layer) is mlx_cache.RotatingKVCache and layer.keep == 0:
+            windows.append(int(layer.max_size))
+        else:
+            raise KvtoolError("kvtool's mlx engine supports KVCache and sliding-window "
+                              f"RotatingKVCache layers; this model's cache uses "
+                              f"{type(layer).__name__}")
+    return windows
+
+
+def _held(layer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's K/V ``[kv_heads, tokens, head_dim]`` in position order: a sliding-window
+    layer's last ``max_size - 1`` (what the next token attends to, as transformers keeps)."""
+    if type(layer) is mlx_cache.KVCache:
+        return tuple(to_numpy(a[0, :, :layer.offset, :]) for a in (layer.keys, layer.values))
+    size, idx = int(layer.keys.shape[2]), layer._idx
+    kept = min(layer.offset, layer.max_size - 1)
+
+    def ordered(a: mx.array) -> np.ndarray:
+        if idx < size and idx < layer.offset:  # a ring that has wrapped: oldest from idx
+            a = mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=2)
+        else:
+            a = a[..., :idx, :]
+        return to_numpy(a[0, :, a.shape[2] - kept:, :])
+
+    return ordered(layer.keys), ordered(layer.values)
+
+
+def _attention(window: int | None) -> str:
+    return "full attention" if window is None else f"a sliding window of {window}"
+
+
+def _restore_sliding(layer: Any, index: int, k: mx.array, v: mx.array, total: int) -> None:
+    """Fill a ``RotatingKVCache`` with the last tokens of a ``total``-token sequence, as its
+    own prefill leaves it: a ring of ``max_size`` slots, the next one free, ``offset`` total."""
+    window = int(layer.max_size)
+    check_window(index, int(k.shape[2]), total, window)
+    if total < window - 1:  # nothing slid yet
+        layer.update_and_fetch(k, v)
+        return
+    k, v = k[:, :, k.shape[2] - (window - 1):], v[:, :, v.shape[2] - (window - 1):]
+    free = mx.zeros((*k.shape[:2], 1, k.shape[3]), k.dtype)
+    layer.state = (mx.concatenate([k, free], axis=2), mx.concatenate([v, free], axis=2),
+                   total, 0, window, window - 1)
 
 
 # -- restore ----------------------------------------------------------------------------------
@@ -179,23 +238,33 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
     encode the restored tokens now. Raises :class:`ModelMismatchError` when the cache cannot
     fit the model's layers.
     """
-    n = check_layers(model)
-    if has_sliding_layers(cache.layer_info):
-        raise KvtoolError("the mlx engine does not support sliding-window caches")
+    windows = sliding_windows(model)
+    if policy is not None and (any(windows) or has_sliding_layers(cache.layer_info)):
+        raise KvtoolError("the mlx engine keeps sliding-window caches uncompressed: restore "
+                          "this one without a codec (--runtime-codec)")
+    n = check_layers(model) if policy is not None else len(windows)
     if cache.num_layers != n:
         raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has {n}")
     want, dtype = _kv_shape(model), model_dtype(model)
     total = len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
     layers = (make_kvtool_cache(model, policy, block_size=block_size, mirror=mirror)
-              if policy is not None else [mlx_cache.KVCache() for _ in range(n)])
-    for i, layer in enumerate(layers):
+              if policy is not None else mlx_cache.make_prompt_cache(model))
+    infos = cache.layer_info or [None] * n
+    for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
         k, v = (_to_mx(a, dtype) for a in cache.layer(i))
         if want is not None and (k.shape[1], k.shape[3]) != want:
             raise ModelMismatchError(f"layer {i}: cache has {k.shape[1]} KV heads × head_dim "
                                      f"{k.shape[3]}, model has {want[0]} × {want[1]}")
-        if k.shape[2] != total:
+        stored = (infos[i] or {}).get("sliding_window")
+        if stored != window:
+            raise ModelMismatchError(f"layer {i}: the cache has {_attention(stored)}, the "
+                                     f"model {_attention(window)}")
+        if window is None and k.shape[2] != total:
             raise ModelMismatchError(f"layer {i} holds {k.shape[2]} of {total} tokens")
-        layer.update_and_fetch(k, v)
+        if window is None:
+            layer.update_and_fetch(k, v)
+        else:
+            _restore_sliding(layer, i, k, v, total)
     mx.eval([c.state for c in layers])
     return layers
 
@@ -233,11 +302,19 @@ def continue_generation(loaded: MLXModel, cache: KVCache, prompt: str | None = N
     :class:`~kvtool.engines.common.GenerationResult`; its ``first_logits`` are mlx-lm's
     log-probabilities (numpy float32) of the first new token.
     """
-    from kvtool.engines.common import GenerationResult, check_compatible, full_ids_for
+    from kvtool.engines.common import (
+        GenerationResult,
+        check_compatible,
+        full_ids_for,
+        holds_every_token,
+    )
 
     check_compatible(cache, loaded, force=force)
     full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
     if len(full) == len(cache.token_ids):  # generation needs one uncached token
+        if not holds_every_token(cache):
+            raise KvtoolError("the prompt adds no tokens to a sliding-window cache; "
+                              "give a prompt to continue from")
         cache = cache.prefix(len(full) - 1)
     start = time.perf_counter()
     layers = to_prompt_cache(cache, loaded.model, policy, block_size=block_size, mirror=mirror)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
+from kvtool.engines.mlx_store import LOCK_FILE as MLX_LOCK_FILE
 from kvtool.engines.vllm.store_backend import (
     MODEL_DIR,
     PINS_FILE,
@@ -51,7 +52,6 @@ from kvtool.fileio import TEMP_SUFFIX, is_stale_temp
 
 _CHUNK = re.compile(r"^[0-9a-f]{64}\.kvz$")
 _MLX_ENTRY = re.compile(r"^[0-9a-f]{32}\.safetensors$")  # kvtool.engines.mlx_store's files
-_MLX_LOCK = ".lock"  # its server's lock (kvtool.engines.mlx_store.LOCK_FILE): none of ours
 _QUARANTINED_AT = re.compile(r"\.(\d{10,20})\.kvz$")  # <model>-<key>.<time_ns>.kvz
 #: a unit is required (a bare 30 would be seconds to us and days to a reader) and lowercase
 #: (``30M``: minutes or months?); ASCII digits only
@@ -189,7 +189,7 @@ def refuse_foreign(root: str | os.PathLike | Backend) -> None:
              if n and not n.startswith(".") and n != "lost+found"]
     own = (QUARANTINE_DIR, PINS_FILE, STATS_DIR, HITS_DIR)
     mlx = [n for n in names if _MLX_ENTRY.match(n)]  # (its quarantine/ is named like ours)
-    if (mlx or _MLX_LOCK in every) and not any(MODEL_DIR.match(n) for n in names) \
+    if (mlx or MLX_LOCK_FILE in every) and not any(MODEL_DIR.match(n) for n in names) \
             and all(n in mlx or n == QUARANTINE_DIR for n in names):
         raise KvtoolError(f"{backend.location} is an mlx-lm prompt-cache store (kvtool serve "
                           "--engine mlx): the kvtool store commands manage the vLLM "
