@@ -74,10 +74,10 @@ def check_capturable(config: Any) -> None:
     """A :class:`KvtoolError` for a model whose cache a ``.kvz`` file cannot hold: a hybrid
     model's non-attention layers, or multi-head latent attention (DeepSeek-V2/V3, Kimi K2),
     whose cache is a compressed latent and its RoPE part, not per-head keys and values."""
-    from kvtool.engines.hf_runtime import attention_windows
+    from kvtool.engines.hf_runtime import _text_config, attention_windows
 
     attention_windows(config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     if getattr(text, "kv_lora_rank", None):
         raise KvtoolError(f"{getattr(config, 'model_type', 'this model')} uses multi-head latent "
                           f"attention (MLA): its cache is a {text.kv_lora_rank}-wide latent and "

@@ -41,7 +41,6 @@ from kvtool.engines.common import check_window
 from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
     KvtoolMLXCache,
-    check_layers,
     make_kvtool_cache,
     to_numpy,
 )
@@ -242,7 +241,7 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
     if policy is not None and (any(windows) or has_sliding_layers(cache.layer_info)):
         raise KvtoolError("the mlx engine keeps sliding-window caches uncompressed: restore "
                           "this one without a codec (--runtime-codec)")
-    n = check_layers(model) if policy is not None else len(windows)
+    n = len(windows)  # (every layer a KVCache under a policy: a RotatingKVCache is refused)
     if cache.num_layers != n:
         raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has {n}")
     want, dtype = _kv_shape(model), model_dtype(model)
@@ -259,12 +258,12 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
         if stored != window:
             raise ModelMismatchError(f"layer {i}: the cache has {_attention(stored)}, the "
                                      f"model {_attention(window)}")
-        if window is None and k.shape[2] != total:
-            raise ModelMismatchError(f"layer {i} holds {k.shape[2]} of {total} tokens")
-        if window is None:
-            layer.update_and_fetch(k, v)
-        else:
+        if window is not None:
             _restore_sliding(layer, i, k, v, total)
+        elif k.shape[2] != total:
+            raise ModelMismatchError(f"layer {i} holds {k.shape[2]} of {total} tokens")
+        else:
+            layer.update_and_fetch(k, v)
     mx.eval([c.state for c in layers])
     return layers
 
