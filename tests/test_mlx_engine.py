@@ -332,11 +332,21 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
 
     def shifted(*a, **k):  # as a crafted file's state would set it: past its arrays
         loaded, meta = real_load(*a, **k)
-        loaded[2].offset = loaded[2].keys.shape[2] + 5
+        for layer in loaded:  # every layer: one count, past the arrays
+            layer.offset = layer.keys.shape[2] + 5
         return loaded, meta
 
     monkeypatch.setattr(mlx_cache, "load_prompt_cache", shifted)
-    with pytest.raises(FormatError, match="layer 2 holds .* tokens, its offset says"):
+    with pytest.raises(FormatError, match="layer 0 holds .* tokens, its offset says"):
+        E.import_prompt_cache(path)
+
+    def one_shifted(*a, **k):  # one layer's count differs from the others'
+        loaded, meta = real_load(*a, **k)
+        loaded[2].offset += 1
+        return loaded, meta
+
+    monkeypatch.setattr(mlx_cache, "load_prompt_cache", one_shifted)
+    with pytest.raises(FormatError, match="its layers hold .* tokens, not one count"):
         E.import_prompt_cache(path)
     monkeypatch.setattr(mlx_cache, "load_prompt_cache", real_load)
     # K/V no mlx-lm writes: one layer's keys in another dtype (bytes relabelled), a NaN

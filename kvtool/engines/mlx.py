@@ -11,7 +11,8 @@
   sliding-window layer (mlx-lm's ``RotatingKVCache``: Gemma 3) gives the window's last tokens,
   as transformers keeps them, and :func:`to_prompt_cache` refills one from them.
 * :func:`to_prompt_cache` rebuilds an mlx-lm prompt cache (``KVCache`` layers, or
-  :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones under a policy);
+  :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones under a policy, sliding-window
+  layers exact);
   :func:`continue_generation` feeds only the tokens after the cached prefix to
   ``mlx_lm.generate_step`` and generates greedily; :func:`recompute_generation` is the baseline.
 * :func:`import_prompt_cache` / :func:`export_prompt_cache` convert mlx-lm prompt-cache
@@ -36,12 +37,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache, has_sliding_layers
+from kvtool.cache import KVCache
 from kvtool.engines.common import check_window
 from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
     KvtoolMLXCache,
+    fill_ring,
     make_kvtool_cache,
+    ring_tokens,
+    sliding_windows,
     to_numpy,
 )
 from kvtool.engines.mlx_files import (  # noqa: F401  (METADATA_KEY re-exported)
@@ -159,58 +163,16 @@ def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None)
 
 
 # -- sliding-window layers (mlx-lm's RotatingKVCache) ----------------------------------------
-def sliding_windows(model: Any) -> list[int | None]:
-    """Per layer: the window of an mlx-lm ``RotatingKVCache`` layer (Gemma 3's local layers),
-    None for a full-attention ``KVCache``; a :class:`KvtoolError` for other cache layers."""
-    if not hasattr(model, "make_cache"):
-        return [None] * len(model.layers)
-    windows: list[int | None] = []
-    for layer in model.make_cache():
-        if type(layer) is mlx_cache.KVCache:
-            windows.append(None)
-        elif type(layer) is mlx_cache.RotatingKVCache and layer.keep == 0:
-            windows.append(int(layer.max_size))
-        else:
-            raise KvtoolError("kvtool's mlx engine supports KVCache and sliding-window "
-                              f"RotatingKVCache layers; this model's cache uses "
-                              f"{type(layer).__name__}")
-    return windows
-
-
 def _held(layer: Any) -> tuple[np.ndarray, np.ndarray]:
     """A layer's K/V ``[kv_heads, tokens, head_dim]`` in position order: a sliding-window
     layer's last ``max_size - 1`` (what the next token attends to, as transformers keeps)."""
     if type(layer) is mlx_cache.KVCache:
         return tuple(to_numpy(a[0, :, :layer.offset, :]) for a in (layer.keys, layer.values))
-    size, idx = int(layer.keys.shape[2]), layer._idx
-    kept = min(layer.offset, layer.max_size - 1)
-
-    def ordered(a: mx.array) -> np.ndarray:
-        if idx < size and idx < layer.offset:  # a ring that has wrapped: oldest from idx
-            a = mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=2)
-        else:
-            a = a[..., :idx, :]
-        return to_numpy(a[0, :, a.shape[2] - kept:, :])
-
-    return ordered(layer.keys), ordered(layer.values)
+    return tuple(to_numpy(a[0]) for a in ring_tokens(layer))
 
 
 def _attention(window: int | None) -> str:
     return "full attention" if window is None else f"a sliding window of {window}"
-
-
-def _restore_sliding(layer: Any, index: int, k: mx.array, v: mx.array, total: int) -> None:
-    """Fill a ``RotatingKVCache`` with the last tokens of a ``total``-token sequence, as its
-    own prefill leaves it: a ring of ``max_size`` slots, the next one free, ``offset`` total."""
-    window = int(layer.max_size)
-    check_window(index, int(k.shape[2]), total, window)
-    if total < window - 1:  # nothing slid yet
-        layer.update_and_fetch(k, v)
-        return
-    k, v = k[:, :, k.shape[2] - (window - 1):], v[:, :, v.shape[2] - (window - 1):]
-    free = mx.zeros((*k.shape[:2], 1, k.shape[3]), k.dtype)
-    layer.state = (mx.concatenate([k, free], axis=2), mx.concatenate([v, free], axis=2),
-                   total, 0, window, window - 1)
 
 
 # -- restore ----------------------------------------------------------------------------------
@@ -233,15 +195,13 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
                     block_size: int = DEFAULT_BLOCK_SIZE, mirror: bool = False) -> list[Any]:
     """An mlx-lm prompt cache holding ``cache`` (batch 1) for ``model``.
 
-    Without ``policy``: plain ``KVCache`` layers; with one: ``KvtoolMLXCache`` layers that
-    encode the restored tokens now. Raises :class:`ModelMismatchError` when the cache cannot
+    Without ``policy``: the model's own layers; with one: :func:`make_kvtool_cache`'s
+    (``KvtoolMLXCache`` full-attention layers that encode the restored tokens now, exact
+    sliding-window rings). Raises :class:`ModelMismatchError` when the cache cannot
     fit the model's layers.
     """
     windows = sliding_windows(model)
-    if policy is not None and (any(windows) or has_sliding_layers(cache.layer_info)):
-        raise KvtoolError("the mlx engine keeps sliding-window caches uncompressed: restore "
-                          "this one without a codec (--runtime-codec)")
-    n = len(windows)  # (every layer a KVCache under a policy: a RotatingKVCache is refused)
+    n = len(windows)
     if cache.num_layers != n:
         raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has {n}")
     want, dtype = _kv_shape(model), model_dtype(model)
@@ -259,7 +219,8 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
             raise ModelMismatchError(f"layer {i}: the cache has {_attention(stored)}, the "
                                      f"model {_attention(window)}")
         if window is not None:
-            _restore_sliding(layer, i, k, v, total)
+            check_window(i, int(k.shape[2]), total, window)
+            fill_ring(layer, k, v, total)
         elif k.shape[2] != total:
             raise ModelMismatchError(f"layer {i} holds {k.shape[2]} of {total} tokens")
         else:
@@ -359,7 +320,8 @@ def generate_report(loaded: MLXModel, cache_path: str | None, prompt: str, max_n
         if layers is not None:  # what the compressed layers held, as the HF engine reports
             report["runtime_codec"] = {
                 "tokens": layers[0].offset,
-                "encoded_tokens": max((s.stored for c in layers for s in c.streams), default=0)}
+                "encoded_tokens": max((s.stored for c in layers if isinstance(c, KvtoolMLXCache)
+                                       for s in c.streams), default=0)}
         return report
     from kvtool.formats import load
 

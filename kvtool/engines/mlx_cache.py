@@ -11,6 +11,10 @@ oldest whole blocks are encoded (one ``encode`` call) and joined to the encoded 
 values share one stacked stream when they share a codec (one encode/decode call per layer).
 Protected layers, and a lossless policy, hold a plain mlx-lm ``KVCache`` (bit-identical output).
 Tokens of the current forward are returned exactly; they are compressed for later steps.
+A sliding-window layer (Gemma 3's local layers) stays mlx-lm's own exact ``RotatingKVCache``
+(:func:`make_kvtool_cache`): it holds at most its window and a prefill step whatever the
+context, so the full-attention layers hold what grows (unlike the HF ``CompressedCache``, which
+encodes sliding layers too).
 
 Codecs run on numpy (mx arrays go through ``np.array`` and back through ``mx.array``): the
 numba kernels decode a layer's store in milliseconds, where mlx's reference BLAS on Linux runs
@@ -302,28 +306,94 @@ def _read_config(v: Any) -> dict[str, Any]:
     return config
 
 
-def check_layers(model: Any) -> int:
-    """The model's layer count; a KvtoolError unless every layer is a full-attention KVCache."""
-    if hasattr(model, "make_cache"):
-        kinds = sorted({type(c).__name__ for c in model.make_cache()})
-        if kinds != ["KVCache"]:
-            raise KvtoolError(f"kvtool's mlx engine supports full-attention KVCache layers only; "
-                              f"this model's cache uses {', '.join(kinds)}")
-    return len(model.layers)
+def sliding_windows(model: Any) -> list[int | None]:
+    """Per layer: the window of an mlx-lm ``RotatingKVCache`` layer (Gemma 3's local layers),
+    None for a full-attention ``KVCache``; a :class:`KvtoolError` for other cache layers."""
+    if not hasattr(model, "make_cache"):
+        return [None] * len(model.layers)
+    windows: list[int | None] = []
+    for layer in model.make_cache():
+        if type(layer) is mlx_cache.KVCache:
+            windows.append(None)
+        elif type(layer) is mlx_cache.RotatingKVCache and layer.keep == 0:
+            windows.append(int(layer.max_size))
+        else:
+            raise KvtoolError("kvtool's mlx engine supports KVCache and sliding-window "
+                              f"RotatingKVCache layers; this model's cache uses "
+                              f"{type(layer).__name__}")
+    return windows
+
+
+def ring_tokens(layer: Any) -> tuple[mx.array, mx.array]:
+    """A ``RotatingKVCache``'s keys and values ``[B, heads, tokens, dim]`` in position order:
+    the last ``max_size - 1`` tokens (all the next token attends to, as transformers keeps
+    them), or every token before the window fills."""
+    size, idx = int(layer.keys.shape[2]), layer._idx
+    kept = min(layer.offset, layer.max_size - 1)
+
+    def ordered(a: mx.array) -> mx.array:
+        if idx < size and idx < layer.offset:  # a ring that has wrapped: oldest from idx
+            a = mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=2)
+        else:
+            a = a[..., :idx, :]
+        return a[..., a.shape[2] - kept:, :]
+
+    return ordered(layer.keys), ordered(layer.values)
+
+
+def fill_ring(layer: Any, keys: mx.array, values: mx.array, total: int) -> None:
+    """Fill an empty ``RotatingKVCache`` with the last tokens ``[B, heads, tokens, dim]`` of a
+    ``total``-token sequence as its own prefill leaves it: a ring of ``max_size`` slots, the
+    next one free, ``offset`` total (the caller checks they are the window's last tokens)."""
+    window = int(layer.max_size)
+    if total < window - 1:  # nothing slid yet
+        layer.update_and_fetch(keys, values)
+        return
+    keys, values = (a[:, :, a.shape[2] - (window - 1):] for a in (keys, values))
+    free = mx.zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
+    layer.state = (mx.concatenate([keys, free], axis=2), mx.concatenate([values, free], axis=2),
+                   total, 0, window, window - 1)
+
+
+def ring_problem(layer: Any, window: int | None, tokens: int) -> str | None:
+    """Why ``layer`` (a ``RotatingKVCache`` read from a file) is not a ring the model's
+    sliding-window layer of ``window`` (None: not known) could hold after ``tokens`` tokens,
+    or None: one that holds too few of the window's tokens, or another window, would attend
+    to the wrong ones."""
+    keys, values = layer.keys, layer.values
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4
+            and values.shape[:3] == keys.shape[:3]):
+        return "its keys and values are not [batch, heads, tokens, dim] of one length"
+    size, offset, idx, window_held = int(keys.shape[2]), layer.offset, layer._idx, layer.max_size
+    if layer.keep != 0 or window_held < 2 or window not in (None, window_held):
+        return f"a window of {window_held} (keep {layer.keep}); the model's is {window}"
+    if offset != tokens:
+        return f"offset {offset} for {tokens} tokens"
+    if offset < window_held and not idx == offset <= size <= window_held:
+        return f"ring index {idx} of {size} slots for {offset} tokens"
+    if offset >= window_held and not (window_held - 1 <= size <= offset and 0 <= idx <= size):
+        return f"ring index {idx} of {size} slots for {offset} tokens"
+    return None
 
 
 def make_kvtool_cache(model: Any, policy: CodecPolicy, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                      mirror: bool = False) -> list[KvtoolMLXCache]:
-    """A compressed prompt cache for ``model`` (one :class:`KvtoolMLXCache` per layer)::
+                      mirror: bool = False) -> list[Any]:
+    """A compressed prompt cache for ``model``: a :class:`KvtoolMLXCache` per full-attention
+    layer and, per sliding-window layer (Gemma 3's local layers), mlx-lm's own exact
+    ``RotatingKVCache`` of the model's window, which never holds more than that window
+    (and the last prefill step), whatever the context::
 
         cache = make_kvtool_cache(model, CodecPolicy.from_options("turbo4", recent_tokens=64))
         mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
     """
-    n = check_layers(model)
-    return [KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size, mirror=mirror)
-            for i in range(n)]
+    windows = sliding_windows(model)
+    n = len(windows)
+    return [mlx_cache.RotatingKVCache(max_size=w) if w is not None else
+            KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size, mirror=mirror)
+            for i, w in enumerate(windows)]
 
 
 mlx_cache.KvtoolMLXCache = KvtoolMLXCache  # load_prompt_cache resolves classes by name there
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "make_kvtool_cache", "to_mlx", "to_numpy"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "fill_ring", "make_kvtool_cache", "ring_problem",
+           "ring_tokens", "sliding_windows", "to_mlx", "to_numpy"]

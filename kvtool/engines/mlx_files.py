@@ -1,7 +1,8 @@
 """mlx-lm prompt-cache files (``mlx_lm``'s ``save_prompt_cache``) to and from a KVCache.
 
 :func:`export_prompt_cache` writes ``KVCache`` layers (stock mlx-lm loads them) or
-:class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones holding codes, with kvtool's identity,
+:class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` ones holding codes (a sliding-window layer:
+mlx-lm's ``RotatingKVCache`` ring of the window's last tokens, either way), with kvtool's identity,
 tokenizer fingerprint, token ids and lossy sources in a ``kvtool`` metadata entry, and the
 ``model`` and ``tokenizer_config`` entries ``mlx_lm.generate --prompt-cache-file`` reads
 (:func:`mlx_model`: what it loads the model from). :func:`import_prompt_cache` reads either
@@ -17,9 +18,17 @@ from typing import Any
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache, has_sliding_layers, merge_sources
+from kvtool.cache import KVCache, merge_sources
 from kvtool.codecs.params import is_digits
-from kvtool.engines.mlx_cache import DEFAULT_BLOCK_SIZE, KvtoolMLXCache, to_numpy
+from kvtool.engines.common import check_window
+from kvtool.engines.mlx_cache import (
+    DEFAULT_BLOCK_SIZE,
+    KvtoolMLXCache,
+    fill_ring,
+    ring_problem,
+    ring_tokens,
+    to_numpy,
+)
 from kvtool.errors import FormatError, KvtoolError
 from kvtool.formats.constants import H_LOSSY_SOURCES
 from kvtool.formats.header import check_lossy_sources, token_layout_problem
@@ -45,9 +54,9 @@ def _read_header(path: str) -> dict[str, str]:
         raise FormatError(f"{path}: not an mlx-lm prompt cache (its metadata names no cache "
                           "classes the way mlx-lm's save_prompt_cache writes them)")
     for i, name in enumerate(classes):
-        if name not in ("KVCache", "KvtoolMLXCache"):
-            raise FormatError(f"{path}: layer {i} is a {name}; kvtool reads KVCache and "
-                              "KvtoolMLXCache layers only")
+        if name not in ("KVCache", "KvtoolMLXCache", "RotatingKVCache"):
+            raise FormatError(f"{path}: layer {i} is a {name}; kvtool reads KVCache, "
+                              "RotatingKVCache and KvtoolMLXCache layers only")
     return meta
 
 
@@ -72,22 +81,22 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     except Exception as e:
         raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
                           f"{e})") from None
-    keys, values = [], []
+    keys, values, windows = [], [], []
+    offsets = {int(getattr(layer, "offset", -1)) for layer in layers}
+    if len(offsets) != 1:
+        raise FormatError(f"{path}: its layers hold {sorted(offsets)[:4]} tokens, not one count")
     for i, layer in enumerate(layers):
-        k, v = (layer.materialize() if isinstance(layer, KvtoolMLXCache)
-                else (None, None) if layer.empty() else layer.keys_and_values())
-        if k is None or k.shape[2] == 0:
-            raise FormatError(f"{path}: layer {i} holds no tokens")
+        k, v = _layer_tokens(path, i, layer)
         if k.shape[0] != 1:
             raise FormatError(f"{path}: layer {i} holds a batch of {k.shape[0]} (kvtool reads "
                               "batch 1)")
-        if k.shape[2] != layer.offset:
-            raise FormatError(f"{path}: layer {i} holds {k.shape[2]} tokens, its offset says "
-                              f"{layer.offset}")
         keys.append(to_numpy(k[0]))
         values.append(to_numpy(v[0]))
+        windows.append(int(layer.max_size) if type(layer) is mlx_cache.RotatingKVCache else None)
     _check_arrays(path, keys, values)
     extra = _kvtool_metadata(path, user or {}, meta)
+    if any(windows):
+        extra["layer_info"] = [{"sliding_window": w} if w else {} for w in windows]
     if any(isinstance(layer, KvtoolMLXCache) for layer in layers):  # decoded codes: lossy
         extra["lossy_sources"] = merge_sources(extra.get("lossy_sources", []), [
             c for c in prompt_cache_codecs(path) if c != "raw"])
@@ -114,6 +123,25 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     if problem:
         raise FormatError(f"{path}: {problem}")
     return cache
+
+
+def _layer_tokens(path: str, i: int, layer: Any) -> tuple[Any, Any]:
+    """A layer's keys and values ``[B, heads, tokens, dim]`` in position order (a ring's:
+    the last tokens of its window); a FormatError for one that holds none or not its offset's."""
+    if type(layer) is mlx_cache.RotatingKVCache:
+        problem = ring_problem(layer, None, int(layer.offset))
+        if problem:
+            raise FormatError(f"{path}: layer {i}: a sliding-window layer with {problem}")
+        k, v = ring_tokens(layer)
+    else:
+        k, v = (layer.materialize() if isinstance(layer, KvtoolMLXCache)
+                else (None, None) if layer.empty() else layer.keys_and_values())
+        if k is not None and k.shape[2] != layer.offset:
+            raise FormatError(f"{path}: layer {i} holds {k.shape[2]} tokens, its offset says "
+                              f"{layer.offset}")
+    if k is None or k.shape[2] == 0:
+        raise FormatError(f"{path}: layer {i} holds no tokens")
+    return k, v
 
 
 def _check_arrays(path: str, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
@@ -237,20 +265,22 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
     if not os.fspath(path).endswith(".safetensors"):
         raise KvtoolError(f"{os.fspath(path)}: name an mlx-lm prompt cache *.safetensors "
                           "(mlx-lm picks the file format by that extension)")
-    if has_sliding_layers(cache.layer_info):
-        raise KvtoolError("mlx-lm prompt caches of sliding-window layers are not supported")
     loads_from = mlx_model(cache, model)
-    n, total = cache.num_layers, cache.num_tokens
-    if policy is not None:
-        layers: list[Any] = [KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size)
-                             for i in range(n)]
-    else:
-        layers = [mlx_cache.KVCache() for _ in range(n)]
-    for i, layer in enumerate(layers):
+    n = cache.num_layers
+    total = len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
+    windows = [(info or {}).get("sliding_window") for info in cache.layer_info or [None] * n]
+    layers: list[Any] = [
+        mlx_cache.RotatingKVCache(max_size=w) if w is not None  # as the model's make_cache
+        else KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size) if policy is not None
+        else mlx_cache.KVCache() for i, w in enumerate(windows)]
+    for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
         k, v = (to_mlx(a)[None] for a in cache.layer(i))
-        if k.shape[2] != total:
+        if window is not None:
+            check_window(i, int(k.shape[2]), total, window)
+            fill_ring(layer, k, v, total)
+        elif k.shape[2] != total:
             raise KvtoolError(f"layer {i} holds {k.shape[2]} of {total} tokens")
-        if policy is None:
+        elif policy is None:
             layer.state = (k, v, total)  # exactly the tokens (update_and_fetch pads to 256)
         else:
             layer.update_and_fetch(k, v)

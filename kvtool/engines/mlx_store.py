@@ -2,8 +2,10 @@
 
 Every entry the server's ``LRUPromptCache`` keeps is also a file ``DIR/<32 hex>.safetensors``
 (mlx-lm's ``save_prompt_cache``: the layers' ``state``, so codes for ``KvtoolMLXCache``
-layers), and a restarted server loads the files of its own model, checkpoint, dtype and policy
-back. A file carries, in its metadata:
+layers, and a sliding-window layer's ``RotatingKVCache`` ring with its four integers), and a
+restarted server loads the files of its own model, checkpoint, dtype and policy back, each
+ring checked against the model's window (:func:`~kvtool.engines.mlx_cache.ring_problem`). A
+file carries, in its metadata:
 
 * ``kvtool_serve``: JSON of the entry (store version, model fingerprint and weights, dtype,
   policy, mlx-lm's model key, the token ids, the cache type). Its sha256 names the file, so a
@@ -103,8 +105,49 @@ def arrays_sum(arrays: dict[str, Any], classes: list[str]) -> str:
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}\0{a.dtype}\0{list(a.shape)}\0".encode())
-        h.update(np.array(mx.view(mx.contiguous(a), mx.uint8)).tobytes())
+        h.update(np.array(mx.view(mx.contiguous(a).reshape(-1), mx.uint8)).tobytes())
     return h.hexdigest()
+
+
+RING_CLASS = "RotatingKVCache"  # a sliding-window layer: state (keys, values, offset, keep,
+RING_SCALARS = (2, 3, 4, 5)  # max_size, ring index), the four integers after the arrays
+
+
+def state_arrays(layers: list[Any]) -> dict[str, Any]:
+    """The layers' states by name as ``save_prompt_cache`` writes them: arrays, and a ring's
+    integers as 0-d arrays (a KvtoolError for any other value: it could not be checked)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out = {}
+    for name, a in tree_flatten([c.state for c in layers]):
+        if isinstance(a, bool) or not isinstance(a, (mx.array, int)):
+            raise KvtoolError("a layer's state holds more than arrays and integers")
+        out[name] = a if isinstance(a, mx.array) else mx.array(a)
+    return out
+
+
+def ring_scalars(arrays: dict[str, Any], classes: list[str],
+                 flat: dict[str, str]) -> dict[str, int]:
+    """The integers of the file's ring layers by name; :class:`Damaged` unless they, and only
+    they, are listed as mlx-lm's scalars and each is a 0-d integer array."""
+    import mlx.core as mx
+
+    want = {f"{i}.{j}" for i, c in enumerate(classes) if c == RING_CLASS for j in RING_SCALARS}
+    listed: dict[str, str] = {}
+    j = 1
+    while f"2.{j}.0" in flat:  # mlx-lm's [metadata, classes, ["", (name, type), ...]]
+        listed[flat[f"2.{j}.0"]] = flat.get(f"2.{j}.1", "")
+        j += 1
+    if set(listed) != want or set(listed.values()) - {"scalar"}:
+        raise Damaged("its scalars are not a sliding-window layer's four integers")
+    out = {}
+    for name in want:
+        a = arrays.get(name)
+        if a is None or a.ndim != 0 or a.dtype not in (mx.int32, mx.int64):
+            raise Damaged(f"state {name} is not an integer")
+        out[name] = int(a.item())
+    return out
 
 
 def files_stamp(location: Any) -> str | None:
@@ -201,8 +244,6 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
         def _save(self, model: Any, tokens: list[int], layers: list[Any],
                   cache_type: str) -> None:
-            import mlx.core as mx
-            from mlx.utils import tree_flatten
             from mlx_lm.models.cache import save_prompt_cache
 
             from kvtool.fileio import atomic_write
@@ -221,9 +262,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
                 return  # stored already: the same tokens' K/V, not rewritten on every request
             try:
-                arrays = dict(tree_flatten([c.state for c in layers]))
-                if not all(isinstance(a, mx.array) for a in arrays.values()):
-                    raise KvtoolError("a layer's state holds more than arrays")
+                arrays = state_arrays(layers)
                 meta = {STORE_KEY: json.dumps(data, sort_keys=True),
                         SUM_KEY: arrays_sum(arrays, [type(c).__name__ for c in layers])}
 
@@ -281,7 +320,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             try:
                 # what load_prompt_cache does, from the arrays read once (a server's files
                 # hold arrays only: its saves refuse other state)
-                states = tree_unflatten(list(arrays.items()))
+                states = tree_unflatten(list({**arrays, **ring_scalars(arrays, classes, flat)}
+                                             .items()))
                 layers = [getattr(mlx_cache, c).from_state(state)
                           for c, state in zip(classes, states, strict=True)]
                 want = identity.get("num_layers")
@@ -292,6 +332,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                         len(layers) < want or (len(layers) > want and not drafts))):
                     raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
                                   f"for {len(data['tokens'])} token ids")
+                self._check_windows(layers, len(main), len(data["tokens"]))
                 # evaluated here: a lazy array of this thread's stream cannot be evaluated in
                 # the server's generation thread
                 mx.eval([c.state for c in layers])
@@ -300,6 +341,24 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             except Exception as e:  # layers mlx-lm rebuilt from what no server wrote
                 raise Damaged(f"unreadable: {type(e).__name__}: {str(e)[:120]}") from None
             return layers, data
+
+        def _check_windows(self, layers: list[Any], main: int, tokens: int) -> None:
+            """Each of the model's ``main`` layers a ring exactly where the model's window is
+            (``identity["windows"]``); every ring, a draft model's too, a sound one."""
+            from kvtool.engines.mlx_cache import ring_problem
+
+            windows = identity.get("windows")
+            for i, layer in enumerate(layers):
+                ring = type(layer).__name__ == RING_CLASS
+                window = windows[i] if windows is not None and i < main else None
+                if windows is not None and i < main and ring != (window is not None):
+                    raise Damaged(f"layer {i}: {'a sliding-window' if ring else 'a full'} "
+                                  f"attention layer where the model's has "
+                                  f"{'full attention' if ring else 'a sliding window'}")
+                problem = ring and ring_problem(layer, window,
+                                                tokens if i < main else int(layer.offset))
+                if problem:
+                    raise Damaged(f"layer {i}: a sliding-window layer with {problem}")
 
         def _quarantine(self, path: Path, why: str) -> None:
             folder = os.path.join(store, QUARANTINE)

@@ -1,0 +1,239 @@
+"""Sliding-window models (Gemma 3) on the mlx engine, on a tiny random-init Gemma 3 (window 16;
+no weights): mlx-lm keeps the local layers in a ``RotatingKVCache``. A file captured by HF or
+mlx-lm, past the window and not, continues in the other as that engine's own recompute; the
+compressed mlx cache keeps those layers exact and compresses the global ones; mlx-lm prompt-cache
+files carry the rings both ways; ``kvtool serve --engine mlx --store`` keeps them across a
+restart and refuses a ring crafted to attend to the wrong tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+import numpy as np  # noqa: E402
+from mlx_lm.models import cache as mlx_cache  # noqa: E402
+
+import kvtool  # noqa: E402
+from kvtool.engines import hf  # noqa: E402
+from kvtool.engines import mlx as E  # noqa: E402
+from kvtool.engines.mlx_cache import make_kvtool_cache, ring_tokens  # noqa: E402
+from kvtool.engines.mlx_store import (  # noqa: E402
+    QUARANTINE,
+    STORE_KEY,
+    SUM_KEY,
+    arrays_sum,
+    prompt_cache_class,
+)
+from kvtool.errors import FormatError  # noqa: E402
+from kvtool.policy import CodecPolicy  # noqa: E402
+
+WINDOW = 16
+IDS = list(range(100, 160))
+CUTS = (50, WINDOW - 1, 10)  # slid, just full, not yet
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """The tiny Gemma 3 loaded by mlx-lm and by transformers, and both engines' greedy tokens
+    for ``IDS``. mlx-lm's gemma3_text puts a global layer every ``sliding_window_pattern``
+    (6) layers: layers 0-4 slide, layer 5 is global."""
+    from kvtool.models import ensure_default_converted, load_model
+
+    path = tmp_path_factory.mktemp("gemma") / "gemma"
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
+        shutil.copy(ensure_default_converted() / name, path)
+    lm, loaded = E.load_mlx(str(path), dtype="float32"), load_model(str(path), dtype="float32")
+    return {"path": path, "lm": lm, "hf": loaded,
+            "mlx_base": E.recompute_generation(lm, input_ids=IDS, max_new_tokens=6)
+            .new_token_ids,
+            "hf_base": hf.recompute_generation(loaded, input_ids=IDS, max_new_tokens=6)
+            .new_token_ids}
+
+
+def _hf_capture(gemma, cut):
+    loaded = gemma["hf"]
+    return hf.capture(loaded.model, loaded.tokenizer, token_ids=IDS[:cut], model_info=loaded.info)
+
+
+def test_a_file_past_the_window_moves_between_hf_and_mlx(gemma, tmp_path):
+    lm = gemma["lm"]
+    for cut in CUTS:
+        kvtool.save(_hf_capture(gemma, cut), tmp_path / "hf.kvz")
+        from_hf = kvtool.load(tmp_path / "hf.kvz")
+        assert E.continue_generation(lm, from_hf, input_ids=IDS,
+                                     max_new_tokens=6).new_token_ids == gemma["mlx_base"]
+        from_mlx = E.capture(lm, token_ids=IDS[:cut])
+        assert [k.shape for k in from_mlx.keys] == [k.shape for k in from_hf.keys]
+        assert from_mlx.layer_info == from_hf.layer_info
+        assert hf.continue_generation(gemma["hf"], from_mlx, input_ids=IDS,
+                                      max_new_tokens=6).new_token_ids == gemma["hf_base"]
+
+
+def test_the_compressed_cache_keeps_the_rings_exact_and_encodes_the_global_layer(gemma):
+    """``--runtime-codec`` and ``kvtool serve --engine mlx`` on Gemma 3: the local layers are
+    mlx-lm's own rings, bit-identical to a plain prefill's; the global layer holds codes."""
+    lm = gemma["lm"]
+    policy = CodecPolicy.from_options("turbo3")
+    plain, ours = mlx_cache.make_prompt_cache(lm.model), make_kvtool_cache(lm.model, policy,
+                                                                          block_size=4)
+    assert [type(c).__name__ for c in ours] == ["RotatingKVCache"] * 5 + ["KvtoolMLXCache"]
+    for cache in (plain, ours):
+        lm.model(mx.array([IDS]), cache=cache)
+    for a, b in zip(plain[:5], ours[:5], strict=True):
+        assert all(np.array_equal(np.array(x), np.array(y))
+                   for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
+    assert ours[5].nbytes < plain[5].nbytes / 3  # codes, not float32 K/V
+    # every token kept exact (the recent window holds the prompt): mlx-lm's own tokens, from a
+    # fresh cache and from a restored file
+    exact = CodecPolicy.from_options("turbo3", recent_tokens=256)
+    fresh = make_kvtool_cache(lm.model, exact)
+    assert E.recompute_generation(lm, input_ids=IDS, max_new_tokens=6,
+                                  prompt_cache=fresh).new_token_ids == gemma["mlx_base"]
+    for cut in CUTS:
+        restored = E.continue_generation(lm, _hf_capture(gemma, cut), input_ids=IDS,
+                                         max_new_tokens=6, policy=exact)
+        assert restored.new_token_ids == gemma["mlx_base"]
+    lossy = E.continue_generation(lm, _hf_capture(gemma, 50), input_ids=IDS, max_new_tokens=6,
+                                  policy=CodecPolicy.from_options("turbo4", recent_tokens=0))
+    assert len(lossy.new_token_ids) == 6
+
+
+@pytest.mark.parametrize("codec", [None, "turbo3"])
+def test_an_mlx_lm_prompt_cache_file_carries_the_rings_both_ways(gemma, tmp_path, codec):
+    """``decompress --to mlx`` / ``compress --from mlx`` of a Gemma 3 cache: stock mlx-lm
+    loads the exported file and continues as its own recompute; the import gives back the
+    same layers and windows."""
+    from mlx_lm.generate import generate_step
+
+    policy = CodecPolicy.from_options(codec, recent_tokens=256) if codec else None
+    for cut in CUTS:
+        cache = _hf_capture(gemma, cut)
+        path = tmp_path / f"{cut}.safetensors"
+        E.export_prompt_cache(cache, path, policy=policy)
+        layers = mlx_cache.load_prompt_cache(str(path))
+        assert [type(c).__name__ for c in layers][:5] == ["RotatingKVCache"] * 5
+        tokens = [int(t) for t, _ in generate_step(mx.array(IDS[cut:]), gemma["lm"].model,
+                                                   max_tokens=6, prompt_cache=layers)]
+        assert tokens == gemma["mlx_base"]
+        back = E.import_prompt_cache(path)
+        assert back.layer_info == cache.layer_info and back.num_tokens == cache.num_tokens
+        for a, b in zip(back.keys + back.values, cache.keys + cache.values, strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_import_refuses_a_ring_that_holds_too_few_of_its_window(gemma, tmp_path):
+    path = tmp_path / "c.safetensors"
+    E.export_prompt_cache(_hf_capture(gemma, 50), path)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays["0.0"] = arrays["0.0"][:, :, :4]  # 4 of the window's 15 keys
+    arrays["0.1"] = arrays["0.1"][:, :, :4]
+    os.unlink(path)
+    mx.save_safetensors(str(path), arrays, meta)
+    with pytest.raises(FormatError, match="layer 0: a sliding-window layer with ring index"):
+        E.import_prompt_cache(path)
+
+
+# -- kvtool serve --engine mlx --store ------------------------------------------------------
+POLICY = CodecPolicy.from_options("turbo3")
+MODEL = ("/models/gemma", None, None)
+
+
+def _identity(windows):
+    return {"fingerprint": "fp", "dtype": "float32", "path": MODEL[0], "num_layers": 6,
+            "windows": windows}
+
+
+def _served(gemma, ids):
+    cache = make_kvtool_cache(gemma["lm"].model, POLICY, block_size=4)
+    gemma["lm"].model(mx.array([ids]), cache=cache)
+    return cache
+
+
+def _craft(path, edit):
+    """``path`` written again with its arrays edited and a checksum that matches them (a
+    hostile file, not a damaged one)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    edit(arrays, meta)
+    classes = [meta[f"1.{i}"] for i in range(6)]
+    meta[f"0.{SUM_KEY}"] = arrays_sum(arrays, classes)
+    os.unlink(path)
+    mx.save_safetensors(str(path), arrays, meta)
+
+
+def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, tmp_path):
+    from kvtool.engines.mlx_serve import model_windows
+
+    windows = model_windows(str(gemma["path"]))  # what the server checks stored layers against
+    assert windows == [WINDOW] * 5 + [None]
+    store = tmp_path / "store"
+    server = prompt_cache_class(POLICY, _identity(windows), str(store))()
+    entries = {n: _served(gemma, IDS[:n]) for n in (50, 40, 30, 20, 10)}
+    for n, layers in entries.items():
+        server.insert_cache(MODEL, IDS[:n], layers)
+    files = {json.loads(mx.load(str(f), return_metadata=True)[1][f"0.{STORE_KEY}"])["tokens"]
+             .__len__(): f for f in store.glob("*.safetensors")}
+    assert sorted(files) == [10, 20, 30, 40, 50]
+    again = prompt_cache_class(POLICY, _identity(windows), str(store))()
+    assert len(again) == 5
+    layers, rest = again.fetch_nearest_cache(MODEL, IDS[:50] + [7])
+    assert rest == [7]
+    for a, b in zip(layers[:5], entries[50][:5], strict=True):
+        assert a.max_size == WINDOW and a.offset == 50
+        assert all(np.array_equal(np.array(x), np.array(y))
+                   for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
+
+    def window(arrays, meta):
+        arrays["0.4"] = mx.array(WINDOW * 2)
+
+    def ring_index(arrays, meta):
+        arrays["1.5"] = mx.array(999)
+
+    def few_keys(arrays, meta):
+        arrays["2.0"], arrays["2.1"] = arrays["2.0"][:, :, :3], arrays["2.1"][:, :, :3]
+
+    def string_scalar(arrays, meta):
+        meta["2.1.1"] = "string"
+
+    for n, edit in zip((50, 40, 30, 20), (window, ring_index, few_keys, string_scalar),
+                       strict=True):
+        _craft(files[n], edit)
+    assert len(prompt_cache_class(POLICY, _identity(windows), str(store))()) == 1
+    assert sorted(p.name for p in (store / QUARANTINE).iterdir()) == sorted(
+        files[n].name for n in (50, 40, 30, 20))
+    # a model whose layer 0 is global: the stored ring is not its layer
+    os.replace(store / QUARANTINE / files[50].name, files[50])
+    full = prompt_cache_class(POLICY, _identity([None] + windows[1:]), str(store))()
+    assert len(full) == 0
+
+
+def test_generate_with_a_runtime_codec_on_the_command_line(gemma):
+    """``kvtool generate --engine mlx --runtime-codec``: the report counts only the
+    compressed layers' codes (the rings hold none)."""
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    result = CliRunner().invoke(cli, [
+        "generate", "--engine", "mlx", "--model", str(gemma["path"]), "--dtype", "fp32",
+        "--prompt", " ".join(f"word{i}" for i in range(80)), "--runtime-codec", "turbo4",
+        "--max-new-tokens", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["runtime_codec"]["tokens"] > WINDOW
+    assert report["runtime_codec"]["encoded_tokens"] > 0
