@@ -61,12 +61,11 @@ def _dtype_name(dtype: Any) -> str:
 
 def layer_types(model: Any) -> list[dict[str, Any]] | None:
     """``layer_info`` for the model's cache: ``{"sliding_window": W}`` or ``{}`` per layer;
-    ``None`` when every layer is full attention."""
-    from transformers import DynamicCache
+    ``None`` when every layer is full attention (:func:`hf_runtime.attention_windows`)."""
+    from kvtool.engines.hf_runtime import attention_windows
 
-    probe = DynamicCache(config=model.config)
-    info = [{"sliding_window": int(layer.sliding_window)} if getattr(layer, "is_sliding", False)
-            else {} for layer in probe.layers]
+    info = [{"sliding_window": int(w)} if w is not None else {}
+            for w in attention_windows(model.config)]
     return info if any(info) else None
 
 
