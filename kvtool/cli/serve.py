@@ -17,31 +17,6 @@ from kvtool.cli._common import (
 )
 
 
-def _check_listen(host: str, port: int, bind: bool) -> None:
-    """Refuse a ``--host`` this machine cannot listen on, and (``bind``: not a dry run) a port
-    taken already, before an engine spends its start-up loading the model to fail on it."""
-    import socket
-
-    from kvtool.errors import KvtoolError
-
-    if not host.strip():
-        raise KvtoolError("--host is empty: give an address to listen on (127.0.0.1, 0.0.0.0)")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError) as e:
-        raise KvtoolError(f"--host {host}: not an address to listen on ({e})") from None
-    if not bind:
-        return
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise KvtoolError(f"--host {host} --port {port}: cannot listen there "
-                              f"({e.strerror or e}); is a server running on it?") from None
-
-
 def _store_line(store: str | None) -> str:
     if not store:
         return "none (give --store DIR to keep prefixes across restarts and servers)"
@@ -94,7 +69,9 @@ def serve_command(model: str, engine: str, host: str, port: int, store: str | No
     ``kvtool serve --store ~/kvstore -- --max-num-seqs 8``.
     """
     codec_opts = connector_options(codec_opts)
-    _check_listen(host, port, bind=not dry_run)
+    from kvtool.engines.vllm.serve import check_listen
+
+    check_listen(host, port, bind=not dry_run)
     if engine == "mlx":
         from kvtool.engines import mlx_serve
 

@@ -50,12 +50,13 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     """The server's command line and summary (nothing is started)."""
     from kvtool.codecs.params import is_digits
     from kvtool.engines.vllm.common import given_options, policy_from_extra
-    from kvtool.engines.vllm.serve import ServePlan, engine_value, refuse_own
+    from kvtool.engines.vllm.serve import ServePlan, check_listen, engine_value, refuse_own
     from kvtool.engines.vllm.store_backend import URL_SCHEME
     from kvtool.identity import model_fingerprint
     from kvtool.models import resolve_model
 
     refuse_own(engine_args, _OWN_ARGS, "mlx_lm.server")
+    check_listen(host, port, bind=False)
     for arg in engine_args:  # argparse abbreviations included (--kv-b)
         name = arg.split("=", 1)[0].replace("_", "-")
         if len(name) > len("--kv-") and "--kv-bits".startswith(name):

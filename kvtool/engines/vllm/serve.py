@@ -281,6 +281,29 @@ def refuse_own(engine_args: tuple[str, ...], own: dict[str, str | None] = _OWN_A
 SHUTDOWN_TIMEOUT_S = 30
 
 
+def check_listen(host: str, port: int, bind: bool) -> None:
+    """Refuse a ``--host`` this machine cannot listen on, and (``bind``: not a dry run) a port
+    taken already, before an engine spends its start-up loading the model to fail on it."""
+    import socket
+
+    if not host.strip():
+        raise KvtoolError("--host is empty: give an address to listen on (127.0.0.1, 0.0.0.0)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise KvtoolError(f"--host {host}: not an address to listen on ({e})") from None
+    if not bind:
+        return
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise KvtoolError(f"--host {host} --port {port}: cannot listen there "
+                              f"({e.strerror or e}); is a server running on it?") from None
+
+
 def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
          store: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
          policy_options: dict[str, Any] | None = None, max_store_bytes: str | None = None,
@@ -302,8 +325,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
                               "of the model loads them); leave out --store and --pin")
     if store is not None and not store.strip():
         raise KvtoolError("--store is empty: give a directory or an s3:// URL, or leave it out")
-    if not host.strip():
-        raise KvtoolError("--host is empty: give an address to listen on (127.0.0.1, 0.0.0.0)")
+    check_listen(host, port, bind=False)
     name, location = resolve_model(model)
     if location.suffix.lower() == ".gguf":
         raise KvtoolError(f"vLLM serves Hugging Face model directories, not GGUF files "
