@@ -48,6 +48,11 @@ def test_command_line(runner, tmp_path):
     assert "kvtool.engines.mlx_serve" in text and "metrics:" not in text  # no /metrics in mlx
     out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--pin", "x.kvz"])
     assert out.exit_code == 2 and "vLLM-only" in out.output
+    from kvtool.engines import mlx_serve
+    from kvtool.errors import KvtoolError
+
+    with pytest.raises(KvtoolError, match="--host is empty"):  # the Python API, as the CLI
+        mlx_serve.plan(host=" ")
 
     # engine arguments that would replace the launcher's own (argparse keeps the last value,
     # abbreviations included) are refused, each with one line
