@@ -137,16 +137,55 @@ def test_an_mlx_lm_prompt_cache_file_carries_the_rings_both_ways(gemma, tmp_path
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_an_import_refuses_a_ring_that_holds_too_few_of_its_window(gemma, tmp_path):
-    path = tmp_path / "c.safetensors"
-    E.export_prompt_cache(_hf_capture(gemma, 50), path)
+def _stock_file(path, layers):
+    """``layers`` saved as stock mlx-lm saves a prompt cache (no kvtool metadata)."""
+    mx.eval([c.state for c in layers])
+    mlx_cache.save_prompt_cache(str(path), layers, {"model": "some/model"})
+    return path
+
+
+def _rewritten(path, edit):
     arrays, meta = mx.load(str(path), return_metadata=True)
-    arrays["0.0"] = arrays["0.0"][:, :, :4]  # 4 of the window's 15 keys
-    arrays["0.1"] = arrays["0.1"][:, :, :4]
+    edit(arrays, meta)
     os.unlink(path)
     mx.save_safetensors(str(path), arrays, meta)
-    with pytest.raises(FormatError, match="layer 0: a sliding-window layer with ring index"):
-        E.import_prompt_cache(path)
+
+
+def test_an_import_refuses_rings_mlx_lm_never_writes(gemma, tmp_path):
+    """Each would continue from other tokens than the file's (or fail at its next step)."""
+    def prefilled():  # one forward of 50 tokens: every ring holds them all, in order
+        layers = mlx_cache.make_prompt_cache(gemma["lm"].model)
+        gemma["lm"].model(mx.array([IDS[:50]]), cache=layers)
+        return layers
+
+    def rotated(arrays, meta):
+        for j in (0, 1):
+            x = arrays[f"0.{j}"]
+            arrays[f"0.{j}"] = mx.concatenate([x[:, :, 10:], x[:, :, :10]], axis=2)
+        arrays["0.5"] = mx.array(40)
+
+    def few(arrays, meta):
+        for j in (0, 1):
+            arrays[f"0.{j}"] = arrays[f"0.{j}"][:, :, :4]
+
+    def float_offset(arrays, meta):
+        arrays["1.2"] = mx.array(50.0)
+
+    for edit, message in ((rotated, "layer 0: a sliding-window layer with ring index 40 of 50"),
+                          (few, "layer 0: a sliding-window layer with ring index 50 of 4"),
+                          (float_offset, "not one count")):
+        path = _stock_file(tmp_path / "c.safetensors", prefilled())
+        assert E.import_prompt_cache(path).num_tokens == 50  # as mlx-lm wrote it
+        _rewritten(path, edit)
+        with pytest.raises(FormatError, match=message):
+            E.import_prompt_cache(path)
+    # every layer a ring past its window and no token ids: where its tokens sit is lost
+    rings = [mlx_cache.RotatingKVCache(max_size=WINDOW) for _ in range(2)]
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 1, 40, 32)).astype(np.float32))
+    for ring in rings:
+        ring.update_and_fetch(x, x)
+    with pytest.raises(FormatError, match="slid past its window and no token ids"):
+        E.import_prompt_cache(_stock_file(tmp_path / "all.safetensors", rings))
 
 
 # -- kvtool serve --engine mlx --store ------------------------------------------------------
@@ -154,14 +193,18 @@ POLICY = CodecPolicy.from_options("turbo3")
 MODEL = ("/models/gemma", None, None)
 
 
-def _identity(windows):
-    return {"fingerprint": "fp", "dtype": "float32", "path": MODEL[0], "num_layers": 6,
-            "windows": windows}
+def _identity(layout):
+    return {"fingerprint": "fp", "dtype": "float32", "path": MODEL[0], "num_layers": 6, **layout}
 
 
-def _served(gemma, ids):
+def _served(gemma, ids, prefill=None):
+    """A served cache of ``ids``: one prefill forward (a ring past its window holds them all,
+    in order), or ``prefill`` tokens then one token a step (a ring wrapped in place)."""
     cache = make_kvtool_cache(gemma["lm"].model, POLICY, block_size=4)
-    gemma["lm"].model(mx.array([ids]), cache=cache)
+    prefill = prefill or len(ids)
+    gemma["lm"].model(mx.array([ids[:prefill]]), cache=cache)
+    for token in ids[prefill:]:
+        gemma["lm"].model(mx.array([[token]]), cache=cache)
     return cache
 
 
@@ -176,49 +219,64 @@ def _craft(path, edit):
     mx.save_safetensors(str(path), arrays, meta)
 
 
-def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, tmp_path):
-    from kvtool.engines.mlx_serve import model_windows
+def _ring_edit(layer, keys=None, index=None):
+    """An edit of layer ``layer``'s ring: ``keys(a)`` applied to its keys and values, its ring
+    index set to ``index``."""
+    def edit(arrays, meta):
+        if keys is not None:
+            for j in (0, 1):
+                arrays[f"{layer}.{j}"] = keys(arrays[f"{layer}.{j}"])
+        if index is not None:
+            arrays[f"{layer}.5"] = mx.array(index)
+    return edit
 
-    windows = model_windows(str(gemma["path"]))  # what the server checks stored layers against
-    assert windows == [WINDOW] * 5 + [None]
+
+CRAFTED = {  # tokens of the entry: (edit, why mlx-lm could never have saved it)
+    48: (lambda a, m: a.update({"0.4": mx.array(WINDOW * 2)}), "another window"),
+    40: (_ring_edit(1, index=999), "a ring index past its slots"),
+    30: (_ring_edit(2, keys=lambda x: x[:, :, :3]), "3 of the window's 15 tokens"),
+    35: (_ring_edit(2, keys=lambda x: x[:, :, -(WINDOW - 1):], index=WINDOW - 1),
+         "15 slots at offset 35: the next step fails"),
+    45: (_ring_edit(3, keys=lambda x: mx.concatenate([x[:, :, 10:], x[:, :, :10]], axis=2),
+                    index=35), "a prefill's ring rotated: attends to other tokens"),
+    25: (_ring_edit(4, keys=lambda x: mx.concatenate([x, x], axis=1)), "2 KV heads, not 1"),
+    22: (_ring_edit(4, keys=lambda x: x.astype(mx.float16)), "float16 in a float32 model"),
+    20: (lambda a, m: m.update({"2.1.1": "string"}), "a ring integer relabelled a string"),
+}
+
+
+def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, tmp_path):
+    from kvtool.engines.mlx_serve import cache_layout
+
+    layout = cache_layout(str(gemma["path"]))  # what the server checks stored layers against
+    assert layout == {"windows": [WINDOW] * 5 + [None], "kv_shape": (1, 32)}
     store = tmp_path / "store"
-    server = prompt_cache_class(POLICY, _identity(windows), str(store))()
-    entries = {n: _served(gemma, IDS[:n]) for n in (50, 40, 30, 20, 10)}
+    server = prompt_cache_class(POLICY, _identity(layout), str(store))()
+    entries = {50: _served(gemma, IDS[:50]), 33: _served(gemma, IDS[:33], prefill=30)}
+    entries |= {n: _served(gemma, IDS[:n]) for n in CRAFTED}  # 10: LRUPromptCache's default
     for n, layers in entries.items():
         server.insert_cache(MODEL, IDS[:n], layers)
-    files = {json.loads(mx.load(str(f), return_metadata=True)[1][f"0.{STORE_KEY}"])["tokens"]
-             .__len__(): f for f in store.glob("*.safetensors")}
-    assert sorted(files) == [10, 20, 30, 40, 50]
-    again = prompt_cache_class(POLICY, _identity(windows), str(store))()
-    assert len(again) == 5
-    layers, rest = again.fetch_nearest_cache(MODEL, IDS[:50] + [7])
-    assert rest == [7]
-    for a, b in zip(layers[:5], entries[50][:5], strict=True):
-        assert a.max_size == WINDOW and a.offset == 50
-        assert all(np.array_equal(np.array(x), np.array(y))
-                   for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
+    files = {len(json.loads(mx.load(str(f), return_metadata=True)[1][f"0.{STORE_KEY}"])[
+        "tokens"]): f for f in store.glob("*.safetensors")}
+    assert sorted(files) == sorted(entries)
+    again = prompt_cache_class(POLICY, _identity(layout), str(store))()
+    assert len(again) == len(entries)
+    for n in (50, 33):  # a prefill's ring and one wrapped in place come back as they were
+        layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])
+        assert rest == [7]
+        for a, b in zip(layers[:5], entries[n][:5], strict=True):
+            assert (a.max_size, a.offset, a._idx) == (WINDOW, n, b._idx)
+            assert all(np.array_equal(np.array(x), np.array(y))
+                       for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
 
-    def window(arrays, meta):
-        arrays["0.4"] = mx.array(WINDOW * 2)
-
-    def ring_index(arrays, meta):
-        arrays["1.5"] = mx.array(999)
-
-    def few_keys(arrays, meta):
-        arrays["2.0"], arrays["2.1"] = arrays["2.0"][:, :, :3], arrays["2.1"][:, :, :3]
-
-    def string_scalar(arrays, meta):
-        meta["2.1.1"] = "string"
-
-    for n, edit in zip((50, 40, 30, 20), (window, ring_index, few_keys, string_scalar),
-                       strict=True):
+    for n, (edit, _) in CRAFTED.items():
         _craft(files[n], edit)
-    assert len(prompt_cache_class(POLICY, _identity(windows), str(store))()) == 1
+    assert len(prompt_cache_class(POLICY, _identity(layout), str(store))()) == 2
     assert sorted(p.name for p in (store / QUARANTINE).iterdir()) == sorted(
-        files[n].name for n in (50, 40, 30, 20))
-    # a model whose layer 0 is global: the stored ring is not its layer
-    os.replace(store / QUARANTINE / files[50].name, files[50])
-    full = prompt_cache_class(POLICY, _identity([None] + windows[1:]), str(store))()
+        files[n].name for n in CRAFTED)
+    # a model whose layer 0 is global: the stored rings are not its layers
+    full = prompt_cache_class(POLICY, _identity({**layout, "windows": [None] + [WINDOW] * 4
+                                                 + [None]}), str(store))()
     assert len(full) == 0
 
 

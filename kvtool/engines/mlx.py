@@ -43,6 +43,7 @@ from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
     KvtoolMLXCache,
     fill_ring,
+    kv_shape,
     make_kvtool_cache,
     ring_tokens,
     sliding_windows,
@@ -176,13 +177,6 @@ def _attention(window: int | None) -> str:
 
 
 # -- restore ----------------------------------------------------------------------------------
-def _kv_shape(model: Any) -> tuple[int, int] | None:
-    """(KV heads, head_dim) of the model's attention, where its modules expose them."""
-    attn = getattr(model.layers[0], "self_attn", None) if len(model.layers) else None
-    heads, dim = getattr(attn, "n_kv_heads", None), getattr(attn, "head_dim", None)
-    return (int(heads), int(dim)) if heads and dim else None
-
-
 def _to_mx(a: Any, dtype: Any = None) -> mx.array:
     """A KVCache array (numpy or torch) as mx ``[1, heads, tokens, dim]`` (in ``dtype``)."""
     from kvtool.kernels import to_mlx as any_to_mlx
@@ -204,7 +198,7 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
     n = len(windows)
     if cache.num_layers != n:
         raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has {n}")
-    want, dtype = _kv_shape(model), model_dtype(model)
+    want, dtype = kv_shape(model), model_dtype(model)
     total = len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
     layers = (make_kvtool_cache(model, policy, block_size=block_size, mirror=mirror)
               if policy is not None else mlx_cache.make_prompt_cache(model))

@@ -324,6 +324,13 @@ def sliding_windows(model: Any) -> list[int | None]:
     return windows
 
 
+def kv_shape(model: Any) -> tuple[int, int] | None:
+    """(KV heads, head_dim) of the model's attention, where its modules expose them."""
+    attn = getattr(model.layers[0], "self_attn", None) if len(model.layers) else None
+    heads, dim = getattr(attn, "n_kv_heads", None), getattr(attn, "head_dim", None)
+    return (int(heads), int(dim)) if heads and dim else None
+
+
 def ring_tokens(layer: Any) -> tuple[mx.array, mx.array]:
     """A ``RotatingKVCache``'s keys and values ``[B, heads, tokens, dim]`` in position order:
     the last ``max_size - 1`` tokens (all the next token attends to, as transformers keeps
@@ -355,25 +362,41 @@ def fill_ring(layer: Any, keys: mx.array, values: mx.array, total: int) -> None:
                    total, 0, window, window - 1)
 
 
-def ring_problem(layer: Any, window: int | None, tokens: int) -> str | None:
-    """Why ``layer`` (a ``RotatingKVCache`` read from a file) is not a ring the model's
-    sliding-window layer of ``window`` (None: not known) could hold after ``tokens`` tokens,
-    or None: one that holds too few of the window's tokens, or another window, would attend
-    to the wrong ones."""
+def ring_problem(layer: Any, window: int | None, tokens: int,
+                 kv: tuple[int, int, str] | None = None) -> str | None:
+    """Why ``layer`` (a ``RotatingKVCache`` read from a file) is not a ring that mlx-lm leaves
+    in a sliding-window layer of ``window`` (None: not known) after ``tokens`` tokens, or None.
+    ``kv``: the model's (KV heads, head_dim, dtype name), where known. A ring past its window
+    is either ``max_size`` slots, the oldest at the ring index (an in-place step's), or more,
+    in order (a prefill's); another layout, a ring holding too few of its window's tokens, or
+    another window, would attend to the wrong tokens (or fail at the next step)."""
     keys, values = layer.keys, layer.values
     if not (isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4
-            and values.shape[:3] == keys.shape[:3]):
-        return "its keys and values are not [batch, heads, tokens, dim] of one length"
-    size, offset, idx, window_held = int(keys.shape[2]), layer.offset, layer._idx, layer.max_size
-    if layer.keep != 0 or window_held < 2 or window not in (None, window_held):
-        return f"a window of {window_held} (keep {layer.keep}); the model's is {window}"
+            and values.ndim == 4 and values.shape[:3] == keys.shape[:3]
+            and keys.dtype == values.dtype and keys.shape[0] == 1):
+        return "keys and values that are not [1, heads, tokens, dim] of one length and dtype"
+    dtype = str(keys.dtype).rsplit(".", 1)[-1]
+    if kv is not None and (keys.shape[1], keys.shape[3], values.shape[3], dtype) != (
+            kv[0], kv[1], kv[1], kv[2]):
+        return (f"{keys.shape[1]} KV heads × head_dim {keys.shape[3]} ({dtype}), the "
+                f"model's are {kv[0]} × {kv[1]} ({kv[2]})")
+    numbers = (layer.offset, layer.keep, layer.max_size, layer._idx)
+    if any(type(n) is not int for n in numbers):
+        return f"offset, keep, window and ring index {numbers} that are not all integers"
+    size, (offset, keep, window_held, idx) = int(keys.shape[2]), numbers
+    if keep != 0:
+        return f"keep {keep} (mlx-lm's sliding-window layers keep 0)"
+    if window_held < 2 or window not in (None, window_held):
+        return f"a window of {window_held}" + ("" if window is None else
+                                                f"; the model's is {window}")
     if offset != tokens:
         return f"offset {offset} for {tokens} tokens"
-    if offset < window_held and not idx == offset <= size <= window_held:
-        return f"ring index {idx} of {size} slots for {offset} tokens"
-    if offset >= window_held and not (window_held - 1 <= size <= offset and 0 <= idx <= size):
-        return f"ring index {idx} of {size} slots for {offset} tokens"
-    return None
+    if offset < window_held:
+        sound = idx == offset <= size <= window_held
+    else:
+        sound = (size == window_held and 0 <= idx <= size) or (
+            window_held < size <= offset and idx == size)
+    return None if sound else f"ring index {idx} of {size} slots for {offset} tokens"
 
 
 def make_kvtool_cache(model: Any, policy: CodecPolicy, *, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -395,5 +418,6 @@ def make_kvtool_cache(model: Any, policy: CodecPolicy, *, block_size: int = DEFA
 
 mlx_cache.KvtoolMLXCache = KvtoolMLXCache  # load_prompt_cache resolves classes by name there
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "fill_ring", "make_kvtool_cache", "ring_problem",
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "fill_ring", "kv_shape", "make_kvtool_cache",
+           "ring_problem",
            "ring_tokens", "sliding_windows", "to_mlx", "to_numpy"]

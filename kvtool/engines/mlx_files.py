@@ -82,9 +82,10 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
         raise FormatError(f"{path}: damaged mlx-lm prompt cache ({type(e).__name__}: "
                           f"{e})") from None
     keys, values, windows = [], [], []
-    offsets = {int(getattr(layer, "offset", -1)) for layer in layers}
-    if len(offsets) != 1:
-        raise FormatError(f"{path}: its layers hold {sorted(offsets)[:4]} tokens, not one count")
+    offsets = [getattr(layer, "offset", None) for layer in layers]
+    if any(type(o) is not int for o in offsets) or len(set(offsets)) != 1:
+        raise FormatError(f"{path}: its layers hold {sorted(set(map(str, offsets)))[:4]} tokens,"
+                          " not one count")
     for i, layer in enumerate(layers):
         k, v = _layer_tokens(path, i, layer)
         if k.shape[0] != 1:
@@ -122,6 +123,11 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
                                    None if ids is None else len(ids), cache.layer_info)
     if problem:
         raise FormatError(f"{path}: {problem}")
+    if (len(ids) if ids is not None else cache.num_tokens) != offsets[0]:
+        raise FormatError(f"{path}: its layers hold {offsets[0]} tokens, but "
+                          + (f"it names {len(ids)} token ids" if ids is not None else
+                             "every layer's ring slid past its window and no token ids say "
+                             "how many came before"))
     return cache
 
 

@@ -123,17 +123,19 @@ def _config(location: Path) -> Any:
     return AutoConfig.from_pretrained(location, local_files_only=True)
 
 
-def model_windows(model_path: str) -> list[int | None]:
-    """Per layer, the sliding window of the mlx-lm model at ``model_path`` (None: full
-    attention), from its lazily loaded modules (no weights read): the store checks each
-    stored layer against it before a restart serves it."""
+def cache_layout(model_path: str) -> dict[str, Any]:
+    """The cache layout of the mlx-lm model at ``model_path``, from its lazily loaded modules
+    (no weights read): ``windows`` per layer (None: full attention) and ``kv_shape`` (KV
+    heads, head_dim; None where its modules do not say). The store checks each stored ring
+    against them before a restart serves it, and a model whose cache kvtool cannot hold is
+    refused at the start, not at the first request."""
     from mlx_lm.utils import load_model
 
     from kvtool.engines.mlx import rope_config
-    from kvtool.engines.mlx_cache import sliding_windows
+    from kvtool.engines.mlx_cache import kv_shape, sliding_windows
 
     model, _ = load_model(Path(model_path), lazy=True, model_config=rope_config(model_path))
-    return sliding_windows(model)
+    return {"windows": sliding_windows(model), "kv_shape": kv_shape(model)}
 
 
 # -- the patches --------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     identity = dict(model_identity(config, dtype=dtype,
                                    weights=weights_fingerprint(model_path)),
-                    path=model_path, dtype=dtype, windows=model_windows(model_path))
+                    path=model_path, dtype=dtype, **cache_layout(model_path))
     original_load, original_init = server.load, server.ModelProvider.__init__
     original_load_model = server.ModelProvider._load
 

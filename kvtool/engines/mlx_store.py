@@ -344,10 +344,12 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
         def _check_windows(self, layers: list[Any], main: int, tokens: int) -> None:
             """Each of the model's ``main`` layers a ring exactly where the model's window is
-            (``identity["windows"]``); every ring, a draft model's too, a sound one."""
+            (``identity["windows"]``), of its KV heads, head_dim and dtype; every ring, a
+            draft model's too, a sound one."""
             from kvtool.engines.mlx_cache import ring_problem
 
-            windows = identity.get("windows")
+            windows, shape = identity.get("windows"), identity.get("kv_shape")
+            kv = (*shape, identity["dtype"]) if shape else None
             for i, layer in enumerate(layers):
                 ring = type(layer).__name__ == RING_CLASS
                 window = windows[i] if windows is not None and i < main else None
@@ -355,8 +357,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     raise Damaged(f"layer {i}: {'a sliding-window' if ring else 'a full'} "
                                   f"attention layer where the model's has "
                                   f"{'full attention' if ring else 'a sliding window'}")
-                problem = ring and ring_problem(layer, window,
-                                                tokens if i < main else int(layer.offset))
+                problem = ring and (ring_problem(layer, window, tokens, kv) if i < main
+                                    else ring_problem(layer, None, layer.offset))
                 if problem:
                     raise Damaged(f"layer {i}: a sliding-window layer with {problem}")
 
