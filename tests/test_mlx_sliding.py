@@ -242,7 +242,20 @@ CRAFTED = {  # tokens of the entry: (edit, why mlx-lm could never have saved it)
     25: (_ring_edit(4, keys=lambda x: mx.concatenate([x, x], axis=1)), "2 KV heads, not 1"),
     22: (_ring_edit(4, keys=lambda x: x.astype(mx.float16)), "float16 in a float32 model"),
     20: (lambda a, m: m.update({"2.1.1": "string"}), "a ring integer relabelled a string"),
+    18: (lambda a, m: _two_heads(a, 5), "the global layer's codes of 2 KV heads, not 1"),
 }
+
+
+def _two_heads(arrays, layer):
+    """Layer ``layer`` (a KvtoolMLXCache) as a sound state of twice the model's KV heads."""
+    name = f"{layer}.kvtool"
+    config = json.loads(np.array(arrays[name]).astype(np.uint8).tobytes())
+    for stream in config["streams"]:
+        for chunk in stream["chunks"]:
+            chunk["shape"][2] *= 2  # [keys and values, batch, heads, blocks, block, dim]
+    arrays[name] = mx.array(np.frombuffer(json.dumps(config, sort_keys=True).encode(), np.uint8))
+    for key in [k for k in arrays if k.startswith(f"{layer}.s0.")]:
+        arrays[key] = mx.concatenate([arrays[key], arrays[key]], axis=2)
 
 
 def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, tmp_path):
@@ -251,15 +264,15 @@ def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, 
     layout = cache_layout(str(gemma["path"]))  # what the server checks stored layers against
     assert layout == {"windows": [WINDOW] * 5 + [None], "kv_shape": (1, 32)}
     store = tmp_path / "store"
-    server = prompt_cache_class(POLICY, _identity(layout), str(store))()
+    server = prompt_cache_class(POLICY, _identity(layout), str(store))(max_size=20)
     entries = {50: _served(gemma, IDS[:50]), 33: _served(gemma, IDS[:33], prefill=30)}
-    entries |= {n: _served(gemma, IDS[:n]) for n in CRAFTED}  # 10: LRUPromptCache's default
+    entries |= {n: _served(gemma, IDS[:n]) for n in CRAFTED}
     for n, layers in entries.items():
         server.insert_cache(MODEL, IDS[:n], layers)
     files = {len(json.loads(mx.load(str(f), return_metadata=True)[1][f"0.{STORE_KEY}"])[
         "tokens"]): f for f in store.glob("*.safetensors")}
     assert sorted(files) == sorted(entries)
-    again = prompt_cache_class(POLICY, _identity(layout), str(store))()
+    again = prompt_cache_class(POLICY, _identity(layout), str(store))(max_size=20)
     assert len(again) == len(entries)
     for n in (50, 33):  # a prefill's ring and one wrapped in place come back as they were
         layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])
@@ -271,7 +284,7 @@ def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, 
 
     for n, (edit, _) in CRAFTED.items():
         _craft(files[n], edit)
-    assert len(prompt_cache_class(POLICY, _identity(layout), str(store))()) == 2
+    assert len(prompt_cache_class(POLICY, _identity(layout), str(store))(max_size=20)) == 2
     assert sorted(p.name for p in (store / QUARANTINE).iterdir()) == sorted(
         files[n].name for n in CRAFTED)
     # a model whose layer 0 is global: the stored rings are not its layers

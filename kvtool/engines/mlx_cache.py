@@ -184,6 +184,26 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
             return (None, None) if self._decoded.empty() else self._decoded.keys_and_values()
         return self._held()
 
+    def layout_problem(self, kv: tuple[int, int, str]) -> str | None:
+        """Why this layer's tokens are not batch 1 of the model's (KV heads, head_dim, dtype
+        name) ``kv``, or None (a crafted state of other heads would attend silently wrong)."""
+        want = {((1, kv[0]), kv[1], kv[2])}
+        if self._plain is not None:
+            if self._plain.empty():
+                return None
+            k, v = self._plain.keys_and_values()
+            got = {(tuple(a.shape[:2]), int(a.shape[3]), str(a.dtype).rsplit(".", 1)[-1])
+                   for a in (k, v)}
+        else:
+            got = set().union(*(s.layout() for s in self.streams))
+            if self.joint:
+                got = {(lead[1:] if lead[:1] == (2,) else lead, d, t) for lead, d, t in got}
+        if got - want:
+            (lead, dim, dtype), *_ = sorted(got - want)
+            return (f"tokens of batch × heads {list(lead)} × head_dim {dim} ({dtype}), the "
+                    f"model's are [1, {kv[0]}] × {kv[1]} ({kv[2]})")
+        return None
+
     make_mask = mlx_cache.KVCache.make_mask  # the same mask rules as a plain KVCache
 
     def size(self) -> int:

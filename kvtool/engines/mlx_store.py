@@ -332,7 +332,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                         len(layers) < want or (len(layers) > want and not drafts))):
                     raise Damaged(f"{len(layers)} layers holding {sorted(offsets)[:3]} tokens, "
                                   f"for {len(data['tokens'])} token ids")
-                self._check_windows(layers, len(main), len(data["tokens"]))
+                self._check_layers(layers, len(main), len(data["tokens"]))
                 # evaluated here: a lazy array of this thread's stream cannot be evaluated in
                 # the server's generation thread
                 mx.eval([c.state for c in layers])
@@ -342,11 +342,11 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                 raise Damaged(f"unreadable: {type(e).__name__}: {str(e)[:120]}") from None
             return layers, data
 
-        def _check_windows(self, layers: list[Any], main: int, tokens: int) -> None:
+        def _check_layers(self, layers: list[Any], main: int, tokens: int) -> None:
             """Each of the model's ``main`` layers a ring exactly where the model's window is
-            (``identity["windows"]``), of its KV heads, head_dim and dtype; every ring, a
-            draft model's too, a sound one."""
-            from kvtool.engines.mlx_cache import ring_problem
+            (``identity["windows"]``), else a KvtoolMLXCache, of its KV heads, head_dim and
+            dtype (``identity["kv_shape"]``); every ring, a draft model's too, a sound one."""
+            from kvtool.engines.mlx_cache import KvtoolMLXCache, ring_problem
 
             windows, shape = identity.get("windows"), identity.get("kv_shape")
             kv = (*shape, identity["dtype"]) if shape else None
@@ -361,6 +361,13 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                                     else ring_problem(layer, None, layer.offset))
                 if problem:
                     raise Damaged(f"layer {i}: a sliding-window layer with {problem}")
+                if ring or i >= main or windows is None:
+                    continue
+                if not isinstance(layer, KvtoolMLXCache):  # all this server writes there
+                    raise Damaged(f"layer {i}: a {type(layer).__name__}, not a KvtoolMLXCache")
+                problem = kv is not None and layer.layout_problem(kv)
+                if problem:
+                    raise Damaged(f"layer {i}: {problem}")
 
         def _quarantine(self, path: Path, why: str) -> None:
             folder = os.path.join(store, QUARANTINE)

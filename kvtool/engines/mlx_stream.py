@@ -94,6 +94,13 @@ class Stream:
         exact = sum(p.nbytes for p in (self.sink, self.tail) if p is not None)
         return exact + sum(c.nbytes for c in self.chunks)
 
+    def layout(self) -> set[tuple[tuple[int, ...], int, str]]:
+        """Each held part's (``lead``, dim, dtype name): one entry for a sound stream."""
+        exact = {(tuple(p.shape[:-2]), int(p.shape[-1]), str(p.dtype).rsplit(".", 1)[-1])
+                 for p in (self.sink, self.tail) if p is not None}
+        return exact | {(tuple(int(n) for n in c.shape[:-3]), int(c.shape[-1]), str(c.dtype))
+                        for c in self.chunks}
+
     def decode(self, enc: Encoded) -> mx.array:
         """``enc`` as ``[*lead, tokens, dim]`` (its original dtype)."""
         x = self.codec.decode(enc)
