@@ -237,8 +237,8 @@ CRAFTED = {  # tokens of the entry: (edit, why mlx-lm could never have saved it)
     30: (_ring_edit(2, keys=lambda x: x[:, :, :3]), "3 of the window's 15 tokens"),
     35: (_ring_edit(2, keys=lambda x: x[:, :, -(WINDOW - 1):], index=WINDOW - 1),
          "15 slots at offset 35: the next step fails"),
-    45: (_ring_edit(3, keys=lambda x: mx.concatenate([x[:, :, 10:], x[:, :, :10]], axis=2),
-                    index=35), "a prefill's ring rotated: attends to other tokens"),
+    45: (_ring_edit(3, keys=lambda x: mx.concatenate([x, x[:, :, :4]], axis=2), index=10),
+         "a ring longer than its window, its index not at its end: other tokens"),
     25: (_ring_edit(4, keys=lambda x: mx.concatenate([x, x], axis=1)), "2 KV heads, not 1"),
     22: (_ring_edit(4, keys=lambda x: x.astype(mx.float16)), "float16 in a float32 model"),
     20: (lambda a, m: m.update({"2.1.1": "string"}), "a ring integer relabelled a string"),
@@ -274,13 +274,22 @@ def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, 
     assert sorted(files) == sorted(entries)
     again = prompt_cache_class(POLICY, _identity(layout), str(store))(max_size=20)
     assert len(again) == len(entries)
-    for n in (50, 33):  # a prefill's ring and one wrapped in place come back as they were
-        layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])
+    from mlx_lm.generate import generate_step
+
+    assert entries[50][0].keys.shape[2] == 50  # the live ring holds the whole prefill
+    for n in (50, 33):  # a prefill's ring and one wrapped in place: stored as what the next
+        layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])  # step attends to
         assert rest == [7]
         for a, b in zip(layers[:5], entries[n][:5], strict=True):
-            assert (a.max_size, a.offset, a._idx) == (WINDOW, n, b._idx)
+            assert (a.max_size, a.offset, a.keys.shape[2]) == (WINDOW, n, WINDOW)
             assert all(np.array_equal(np.array(x), np.array(y))
                        for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
+
+        def continued(cache):
+            return [int(t) for t, _ in generate_step(mx.array([7, 8, 9]), gemma["lm"].model,
+                                                     max_tokens=4, prompt_cache=cache)]
+
+        assert continued(layers) == continued(entries[n])
 
     for n, (edit, _) in CRAFTED.items():
         _craft(files[n], edit)
