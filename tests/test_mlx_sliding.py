@@ -276,12 +276,12 @@ def test_the_store_keeps_rings_across_a_restart_and_refuses_crafted_ones(gemma, 
     assert len(again) == len(entries)
     from mlx_lm.generate import generate_step
 
-    assert entries[50][0].keys.shape[2] == 50  # the live ring holds the whole prefill
-    for n in (50, 33):  # a prefill's ring and one wrapped in place: stored as what the next
-        layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])  # step attends to
+    for n in (50, 33):  # a prefill's ring (all 50 tokens) and one wrapped in place (16 slots)
+        layers, rest = again.fetch_nearest_cache(MODEL, IDS[:n] + [7])
         assert rest == [7]
         for a, b in zip(layers[:5], entries[n][:5], strict=True):
-            assert (a.max_size, a.offset, a.keys.shape[2]) == (WINDOW, n, WINDOW)
+            assert (a.max_size, a.offset, a._idx, a.keys.shape[2]) == (
+                WINDOW, n, b._idx, 50 if n == 50 else WINDOW)
             assert all(np.array_equal(np.array(x), np.array(y))
                        for x, y in zip(ring_tokens(a), ring_tokens(b), strict=True))
 

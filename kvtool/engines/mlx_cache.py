@@ -382,18 +382,6 @@ def fill_ring(layer: Any, keys: mx.array, values: mx.array, total: int) -> None:
                    total, 0, window, window - 1)
 
 
-def compact_ring(layer: Any) -> Any:
-    """A copy of a ``RotatingKVCache`` holding only what its next step attends to, as
-    :func:`fill_ring` lays it out: a prefill leaves the ring holding the whole prompt (up to
-    a prefill step past the window) until its next step trims it; mlx-lm continues the copy
-    exactly as the original."""
-    out = mlx_cache.RotatingKVCache(max_size=layer.max_size)
-    if layer.keys is not None:
-        keys, values = ring_tokens(layer)
-        fill_ring(out, keys, values, int(layer.offset))
-    return out
-
-
 def ring_problem(layer: Any, window: int | None, tokens: int,
                  kv: tuple[int, int, str] | None = None) -> str | None:
     """Why ``layer`` (a ``RotatingKVCache`` read from a file) is not a ring that mlx-lm leaves
@@ -450,6 +438,6 @@ def make_kvtool_cache(model: Any, policy: CodecPolicy, *, block_size: int = DEFA
 
 mlx_cache.KvtoolMLXCache = KvtoolMLXCache  # load_prompt_cache resolves classes by name there
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "compact_ring", "fill_ring", "kv_shape",
-           "make_kvtool_cache", "ring_problem", "ring_tokens", "sliding_windows", "to_mlx",
-           "to_numpy"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "fill_ring", "kv_shape", "make_kvtool_cache",
+           "ring_problem",
+           "ring_tokens", "sliding_windows", "to_mlx", "to_numpy"]

@@ -246,7 +246,6 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                   cache_type: str) -> None:
             from mlx_lm.models.cache import save_prompt_cache
 
-            from kvtool.engines.mlx_cache import compact_ring
             from kvtool.fileio import atomic_write
 
             if tuple(model)[:1] != (identity["path"],):
@@ -263,8 +262,6 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
                 return  # stored already: the same tokens' K/V, not rewritten on every request
             try:
-                layers = [compact_ring(c) if type(c).__name__ == RING_CLASS else c
-                          for c in layers]  # a prefill's ring holds the whole prompt
                 arrays = state_arrays(layers)
                 meta = {STORE_KEY: json.dumps(data, sort_keys=True),
                         SUM_KEY: arrays_sum(arrays, [type(c).__name__ for c in layers])}
