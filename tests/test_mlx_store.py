@@ -264,6 +264,24 @@ def test_an_entry_of_a_lora_adapter_trained_again_is_not_served(tmp_path):
     assert not list(store.glob("*.safetensors"))  # removed: it never fits again
 
 
+def test_an_entry_whose_adapter_is_not_here_is_left_alone(tmp_path, monkeypatch):
+    """mlx-lm keys a prompt by the adapter path as given: a relative one, from a server
+    started in another directory, is not there; its entries were deleted as stale."""
+    (tmp_path / "a" / "adapter").mkdir(parents=True)
+    (tmp_path / "a" / "adapter" / "adapters.safetensors").write_bytes(b"weights")
+    (tmp_path / "b").mkdir()
+    store = tmp_path / "store"
+    key = ("/models/served", "adapter", None)
+    monkeypatch.chdir(tmp_path / "a")
+    prompt_cache_class(POLICY, IDENTITY, str(store))().insert_cache(key, [1, 2, 3, 4, 5, 6],
+                                                                     _layers(0))
+    monkeypatch.chdir(tmp_path / "b")
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert len(list(store.glob("*.safetensors"))) == 1 and not (store / QUARANTINE).exists()
+    monkeypatch.chdir(tmp_path / "a")  # where its adapter is: served again
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
+
+
 def test_a_relabelled_layer_class_is_quarantined_not_a_crash_at_every_start(tmp_path):
     """mlx-lm rebuilds each layer by the class name in the file's metadata: ``KVCache`` in
     place of ``KvtoolMLXCache`` loaded, then crashed the start with a traceback."""

@@ -288,8 +288,8 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
         def _read(self, path: Path) -> tuple[list[Any], dict[str, Any]] | None:
             """The layers and entry of a stored file of this server's model, dtype and policy;
-            None for another's; :class:`Damaged` for one no server wrote, :class:`Stale` for
-            one whose LoRA adapter changed."""
+            None for another's (or one whose LoRA adapter is not here); :class:`Damaged` for
+            one no server wrote, :class:`Stale` for one whose LoRA adapter changed."""
             import mlx.core as mx
             from mlx.utils import tree_unflatten
             from mlx_lm.models import cache as mlx_cache
@@ -309,8 +309,12 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
                     data.get("dtype"), data.get("policy")) != ours:
                 return None  # another model (or checkpoint), dtype or policy: not ours
             key = data["model_key"]
+            adapter = tuple(key)[1] if len(tuple(key)) > 1 else None
+            if adapter is not None and not os.path.exists(str(adapter)):
+                return None  # its adapter is not here (a server started in another working
+                # directory, a relative path; or gone): another's, never deleted for it
             if data.get("adapter") != adapter_stamp(key):
-                raise Stale("its LoRA adapter changed or is gone")
+                raise Stale("its LoRA adapter changed")
             stored_sum = flat.get(f"0.{SUM_KEY}")
             if data.get("sum") and stored_sum is None:
                 raise Damaged("its checksum is missing")
