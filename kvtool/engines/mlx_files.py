@@ -135,7 +135,7 @@ def _layer_tokens(path: str, i: int, layer: Any) -> tuple[Any, Any]:
     """A layer's keys and values ``[B, heads, tokens, dim]`` in position order (a ring's:
     the last tokens of its window); a FormatError for one that holds none or not its offset's."""
     if type(layer) is mlx_cache.RotatingKVCache:
-        problem = ring_problem(layer, None, int(layer.offset))
+        problem = ring_problem(layer, None, layer.offset)
         if problem:
             raise FormatError(f"{path}: layer {i}: a sliding-window layer with {problem}")
         k, v = ring_tokens(layer)
