@@ -65,8 +65,8 @@ from kvtool.codecs import Codec, get_codec
 from kvtool.codecs.params import is_digits
 from kvtool.engines.mlx_stream import Stream, cat_tokens
 from kvtool.errors import FormatError, KvtoolError
+from kvtool.kernels.mlx_ops import dtype_name, to_numpy
 from kvtool.kernels.mlx_ops import from_numpy as to_mlx
-from kvtool.kernels.mlx_ops import to_numpy
 from kvtool.policy import CodecPolicy
 
 DEFAULT_BLOCK_SIZE = 64
@@ -192,7 +192,7 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
             if self._plain.empty():
                 return None
             k, v = self._plain.keys_and_values()
-            got = {(tuple(a.shape[:2]), int(a.shape[3]), str(a.dtype).rsplit(".", 1)[-1])
+            got = {(tuple(a.shape[:2]), int(a.shape[3]), dtype_name(a))
                    for a in (k, v)}
         else:
             got = set().union(*(s.layout() for s in self.streams))
@@ -395,7 +395,7 @@ def ring_problem(layer: Any, window: int | None, tokens: int,
             and values.ndim == 4 and values.shape[:3] == keys.shape[:3]
             and keys.dtype == values.dtype and keys.shape[0] == 1):
         return "keys and values that are not [1, heads, tokens, dim] of one length and dtype"
-    dtype = str(keys.dtype).rsplit(".", 1)[-1]
+    dtype = dtype_name(keys)
     if kv is not None and (keys.shape[1], keys.shape[3], values.shape[3], dtype) != (
             kv[0], kv[1], kv[1], kv[2]):
         return (f"{keys.shape[1]} KV heads × head_dim {keys.shape[3]} ({dtype}), the "
@@ -439,5 +439,4 @@ def make_kvtool_cache(model: Any, policy: CodecPolicy, *, block_size: int = DEFA
 mlx_cache.KvtoolMLXCache = KvtoolMLXCache  # load_prompt_cache resolves classes by name there
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "KvtoolMLXCache", "fill_ring", "kv_shape", "make_kvtool_cache",
-           "ring_problem",
-           "ring_tokens", "sliding_windows", "to_mlx", "to_numpy"]
+           "ring_problem", "ring_tokens", "sliding_windows", "to_mlx", "to_numpy"]

@@ -11,8 +11,8 @@ import numpy as np
 
 from kvtool.codecs import Codec, Encoded
 from kvtool.errors import FormatError, KvtoolError
+from kvtool.kernels.mlx_ops import dtype_name, to_numpy
 from kvtool.kernels.mlx_ops import from_numpy as to_mlx
-from kvtool.kernels.mlx_ops import to_numpy
 
 _VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -96,7 +96,7 @@ class Stream:
 
     def layout(self) -> set[tuple[tuple[int, ...], int, str]]:
         """Each held part's (``lead``, dim, dtype name): one entry for a sound stream."""
-        exact = {(tuple(p.shape[:-2]), int(p.shape[-1]), str(p.dtype).rsplit(".", 1)[-1])
+        exact = {(tuple(p.shape[:-2]), int(p.shape[-1]), dtype_name(p))
                  for p in (self.sink, self.tail) if p is not None}
         return exact | {(tuple(int(n) for n in c.shape[:-3]), int(c.shape[-1]), str(c.dtype))
                         for c in self.chunks}
