@@ -34,6 +34,17 @@ def has_sliding_layers(layer_info: Sequence[Any] | None) -> bool:
                for info in layer_info or ())
 
 
+def layer_windows(layer_info: Sequence[Any] | None, num_layers: int) -> list[int | None]:
+    """Per layer, the sliding window ``layer_info`` names (None: full attention)."""
+    return [(info or {}).get("sliding_window") for info in layer_info or [None] * num_layers]
+
+
+def windows_layer_info(windows: Sequence[int | None]) -> list[dict[str, Any]] | None:
+    """``layer_info`` naming ``windows`` per layer; None where every layer is full attention."""
+    info = [{"sliding_window": int(w)} if w is not None else {} for w in windows]
+    return info if any(info) else None
+
+
 def every_layer_slides(layer_info: Sequence[Any] | None, num_layers: int) -> bool:
     """Whether ``layer_info`` names a sliding window (an integer ≥ 1) for each of
     ``num_layers`` layers (Mistral-7B-v0.1, Phi-3-mini-4k): then no layer holds every token,

@@ -62,11 +62,10 @@ def _dtype_name(dtype: Any) -> str:
 def layer_types(model: Any) -> list[dict[str, Any]] | None:
     """``layer_info`` for the model's cache: ``{"sliding_window": W}`` or ``{}`` per layer;
     ``None`` when every layer is full attention (:func:`hf_runtime.attention_windows`)."""
+    from kvtool.cache import windows_layer_info
     from kvtool.engines.hf_runtime import attention_windows
 
-    info = [{"sliding_window": int(w)} if w is not None else {}
-            for w in attention_windows(model.config)]
-    return info if any(info) else None
+    return windows_layer_info(attention_windows(model.config))
 
 
 def check_capturable(config: Any) -> None:

@@ -237,6 +237,7 @@ class CompressedCache(Cache):
         Usable as ``past_factory`` of :func:`kvtool.engines.hf.continue_generation` via
         ``lambda c, m: CompressedCache.from_kvcache(c, policy, m)``.
         """
+        from kvtool.cache import layer_windows
         from kvtool.engines.hf import _total_tokens, check_layer, check_window, kv_shape
         from kvtool.kernels import to_torch
 
@@ -247,9 +248,8 @@ class CompressedCache(Cache):
             dtype, device = model.dtype, next(model.parameters()).device
             want = kv_shape(model)
         else:
-            windows = [(i or {}).get("sliding_window")
-                       for i in cache.layer_info or [{}] * cache.num_layers]
-            out = cls(policy, num_layers=cache.num_layers, sliding_windows=windows, **kwargs)
+            out = cls(policy, num_layers=cache.num_layers,
+                      sliding_windows=layer_windows(cache.layer_info, cache.num_layers), **kwargs)
             dtype = device = None
         if len(out.layers) != cache.num_layers:
             raise ModelMismatchError(f"cache has {cache.num_layers} layers, model has "

@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache
+from kvtool.cache import KVCache, layer_windows, windows_layer_info
 from kvtool.engines.common import check_window
 from kvtool.engines.mlx_cache import (
     DEFAULT_BLOCK_SIZE,
@@ -159,8 +159,7 @@ def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None)
     keys, values = zip(*(_held(c) for c in layers), strict=True)
     return KVCache(list(keys), list(values), token_ids=np.asarray(ids, dtype=np.int64),
                    model=dict(loaded.info), tokenizer_fingerprint=loaded.fingerprints["tokenizer"],
-                   layer_info=[{"sliding_window": w} if w else {} for w in windows]
-                   if any(windows) else None)
+                   layer_info=windows_layer_info(windows))
 
 
 # -- sliding-window layers (mlx-lm's RotatingKVCache) ----------------------------------------
@@ -202,13 +201,13 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
     total = len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
     layers = (make_kvtool_cache(model, policy, block_size=block_size, mirror=mirror)
               if policy is not None else mlx_cache.make_prompt_cache(model))
-    infos = cache.layer_info or [None] * n
-    for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
+    stored_windows = layer_windows(cache.layer_info, n)
+    for i, (layer, window, stored) in enumerate(zip(layers, windows, stored_windows,
+                                                    strict=True)):
         k, v = (_to_mx(a, dtype) for a in cache.layer(i))
         if want is not None and (k.shape[1], k.shape[3]) != want:
             raise ModelMismatchError(f"layer {i}: cache has {k.shape[1]} KV heads × head_dim "
                                      f"{k.shape[3]}, model has {want[0]} × {want[1]}")
-        stored = (infos[i] or {}).get("sliding_window")
         if stored != window:
             raise ModelMismatchError(f"layer {i}: the cache has {_attention(stored)}, the "
                                      f"model {_attention(window)}")

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from kvtool.cache import KVCache, merge_sources
+from kvtool.cache import KVCache, layer_windows, merge_sources, windows_layer_info
 from kvtool.codecs.params import is_digits
 from kvtool.engines.common import check_window
 from kvtool.engines.mlx_cache import (
@@ -97,7 +97,7 @@ def import_prompt_cache(path: str | os.PathLike) -> KVCache:
     _check_arrays(path, keys, values)
     extra = _kvtool_metadata(path, user or {}, meta)
     if any(windows):
-        extra["layer_info"] = [{"sliding_window": w} if w else {} for w in windows]
+        extra["layer_info"] = windows_layer_info(windows)
     if any(isinstance(layer, KvtoolMLXCache) for layer in layers):  # decoded codes: lossy
         extra["lossy_sources"] = merge_sources(extra.get("lossy_sources", []), [
             c for c in prompt_cache_codecs(path) if c != "raw"])
@@ -274,7 +274,7 @@ def export_prompt_cache(cache: KVCache, path: str | os.PathLike, *,
     loads_from = mlx_model(cache, model)
     n = cache.num_layers
     total = len(cache.token_ids) if cache.token_ids is not None else cache.num_tokens
-    windows = [(info or {}).get("sliding_window") for info in cache.layer_info or [None] * n]
+    windows = layer_windows(cache.layer_info, n)
     layers: list[Any] = [
         mlx_cache.RotatingKVCache(max_size=w) if w is not None  # as the model's make_cache
         else KvtoolMLXCache.for_layer(policy, i, n, block_size=block_size) if policy is not None
