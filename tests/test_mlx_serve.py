@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _complete(url: str, model: str = "default") -> dict:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+def _complete(url: str, model: str = "default", prompt: str = PROMPT) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     req = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
@@ -142,18 +143,26 @@ def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path, monkeypat
         again = _complete(plan["url"], model=plan["model"])  # kvtool's name for the model
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        # requests that come together are batched (kvtool.engines.mlx_batch), each answered
+        kept = log.read_text().count("in KvtoolMLXCache layers")
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda p: _complete(plan["url"], prompt=p), [
+                PROMPT, "Water boils at a temperature of", "One, two, three,"]))
+        assert together[0]["choices"][0]["text"] == first["choices"][0]["text"]
+        assert all(r["usage"]["completion_tokens"] == 4 for r in together)
     finally:
         server.stop()
     text = log.read_text()
+    assert text.count("in KvtoolMLXCache layers") >= kept + 3  # each went back compressed
     assert "prompt caches are KvtoolMLXCache (turbo3, float32)" in text
     assert "in KvtoolMLXCache layers" in text  # what the LRU prompt cache kept
     files = list(store.glob("*.safetensors"))
-    assert len(files) == 1  # the longer conversation replaced its prefix's entry
+    assert len(files) == 3  # the longer conversation replaced its prefix's entry; two others
 
     server = Server(plan["argv"], log)  # a restart serves the stored prefix
     try:
         server.wait(plan["url"])
-        assert "1 cached prompts loaded" in log.read_text()
+        assert "3 cached prompts loaded" in log.read_text()
         after = _complete(plan["url"])
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert after["choices"][0]["text"].strip().startswith("Paris")

@@ -7,6 +7,7 @@ restart and refuses a ring crafted to attend to the wrong tokens."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -20,11 +21,12 @@ pytest.importorskip("mlx_lm")
 
 import numpy as np  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
+from mlx_util import alone, batched  # noqa: E402
 
 import kvtool  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
 from kvtool.engines import mlx as E  # noqa: E402
-from kvtool.engines.mlx_cache import make_kvtool_cache, ring_tokens  # noqa: E402
+from kvtool.engines.mlx_cache import make_kvtool_cache, ring_problem, ring_tokens  # noqa: E402
 from kvtool.engines.mlx_store import (  # noqa: E402
     QUARANTINE,
     STORE_KEY,
@@ -149,6 +151,31 @@ def _rewritten(path, edit):
     edit(arrays, meta)
     os.unlink(path)
     mx.save_safetensors(str(path), arrays, meta)
+
+
+def test_batched_requests_slide_as_each_would_alone(gemma):
+    """``kvtool serve --engine mlx`` batches concurrent requests: on Gemma 3 the rings batch as
+    mlx-lm's own and the global layer as kvtool's compressed rows. Prompts past the window and
+    not, one continuing a cache that slid: each request's greedy tokens are its own alone, and
+    its cache comes back as rings plus codes."""
+    lm = gemma["lm"]
+    policy = CodecPolicy.from_options("turbo3", recent_tokens=8)
+
+    def make(model):
+        return make_kvtool_cache(model, policy, block_size=4)
+
+    slid = make(lm.model)
+    lm.model(mx.array([IDS[:40]]), cache=slid)
+    requests = [(IDS[:50], None, 6), (IDS[:10], None, 9), (IDS[40:45], slid, 7)]
+    want = [alone(lm.model, p, copy.deepcopy(c) if c is not None else make(lm.model), n)
+            for p, c, n in requests]
+    got, caches = batched(lm.model, [requests], make)
+    assert got == want
+    for cache, (prompt, given, n) in zip(caches, requests, strict=True):
+        assert [type(c).__name__ for c in cache] == ["RotatingKVCache"] * 5 + ["KvtoolMLXCache"]
+        total = len(prompt) + n + (40 if given is not None else 0)
+        assert cache[5].offset == total
+        assert all(ring_problem(c, WINDOW, total) is None for c in cache[:5])
 
 
 def test_an_import_refuses_rings_mlx_lm_never_writes(gemma, tmp_path):

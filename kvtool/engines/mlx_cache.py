@@ -89,7 +89,8 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
     ``key_codec``/``value_codec`` None means lossless (both None: a plain ``KVCache`` inside).
     Build a whole prompt cache with :func:`make_kvtool_cache`; pass it as ``prompt_cache=`` to
     ``mlx_lm.generate``/``stream_generate``. ``mirror=True`` keeps a decoded copy for speed.
-    Batch merging (``BatchGenerator``) and ``to_quantized`` are not supported.
+    Batched generation (``BatchGenerator``) merges layers into a
+    :class:`~kvtool.engines.mlx_batch.KvtoolBatchCache`; ``to_quantized`` is not supported.
     """
 
     def __init__(self, key_codec: Codec | None = None, value_codec: Codec | None = None,
@@ -235,7 +236,11 @@ class KvtoolMLXCache(mlx_cache._BaseCache):
 
     @classmethod
     def merge(cls, caches: Any) -> Any:
-        raise KvtoolError("KvtoolMLXCache does not support batched generation (merge)")
+        """mlx-lm's batched generation: one batch cache of these layers
+        (:class:`~kvtool.engines.mlx_batch.KvtoolBatchCache`)."""
+        from kvtool.engines.mlx_batch import KvtoolBatchCache
+
+        return KvtoolBatchCache.merge(caches)
 
     # -- state: arrays only, the config as a uint8 JSON array ----------------------------------
     @property

@@ -7,8 +7,9 @@ module patches ``mlx_lm.server`` and hands over to its ``main``:
   :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` layers under the chosen
   :class:`~kvtool.policy.CodecPolicy`, so the prompts that mlx-lm's LRU prompt cache keeps
   between requests stay compressed in memory;
-* requests are served one at a time (mlx-lm's batched path merges caches, which
-  ``KvtoolMLXCache`` does not support);
+* concurrent requests are batched as mlx-lm batches them: each request's cached prefix is
+  decoded into the batch and its row goes back to the LRU as a ``KvtoolMLXCache`` with the
+  prefix's codes kept (:mod:`kvtool.engines.mlx_batch`);
 * models load as ``kvtool.engines.mlx.load_mlx`` does (the RoPE settings of transformers-5
   configs, the chosen dtype), and the names ``default`` / the served model name map to it;
 * with ``--store DIR`` the LRU prompt cache persists (:mod:`kvtool.engines.mlx_store`): every
@@ -24,6 +25,7 @@ The vLLM launcher (:mod:`kvtool.engines.vllm.serve`) returns the same
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -155,8 +157,8 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     identity = dict(model_identity(config, dtype=dtype,
                                    weights=weights_fingerprint(model_path)),
                     path=model_path, dtype=dtype, **cache_layout(model_path))
+    mlx_generate = importlib.import_module("mlx_lm.generate")  # mlx_lm.generate: a function
     original_load, original_init = server.load, server.ModelProvider.__init__
-    original_load_model = server.ModelProvider._load
 
     def load(path: str, *args: Any, **kwargs: Any) -> Any:
         kwargs["model_config"] = {**rope_config(path), **(kwargs.get("model_config") or {})}
@@ -175,10 +177,6 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
         for name in names:  # requests may name the model as kvtool does
             self._model_map.setdefault(name, cli_args.model)
 
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_load_model(self, *args, **kwargs)
-        self.is_batchable = False  # batching merges caches; KvtoolMLXCache serves one at a time
-
     def scan_cache_dir(*args: Any, **kwargs: Any) -> Any:
         """``GET /v1/models`` lists the Hub cache's models: none, not a 200 with an empty body
         and a traceback, when that cache does not exist (kvtool's models live elsewhere)."""
@@ -193,8 +191,8 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
     server.scan_cache_dir = scan_cache_dir
     server.load = load
     server.make_prompt_cache = make_prompt_cache
+    mlx_generate.make_prompt_cache = make_prompt_cache  # BatchGenerator's caches for new prompts
     server.ModelProvider.__init__ = provider_init
-    server.ModelProvider._load = load_model
     server.LRUPromptCache = prompt_cache_class(policy, identity, store)
     # printed: mlx_lm.server configures logging (--log-level) only once it starts
     print(f"kvtool: mlx-lm prompt caches are KvtoolMLXCache ({policy.describe()}, {dtype})",
