@@ -168,3 +168,23 @@ def test_the_batch_layout_is_mlx_lms(seed):
                 assert got.offset == want.offset
                 for x, y in zip(want.state[:2], got.materialize(), strict=True):
                     assert np.array_equal(np.array(x), np.array(y))
+
+
+def test_a_row_dropped_mid_prefill_leaves_the_others_aligned():
+    """mlx-lm filters only between prefills; a filter between two steps of a padded prefill
+    keeps the remaining rows' padding and tokens in step all the same."""
+    rng = np.random.default_rng(0)
+    _, ours = _stock_and_ours([3, 0, 5], rng)
+    lengths = [6, 2, 4]
+    ours.prepare(lengths=lengths, right_padding=[0, 4, 2])
+    for step, keep in ((4, [0, 2]), (2, None)):
+        batch = len(ours.rows)
+        k, v = (mx.array(rng.standard_normal((batch, 2, step, 8)).astype(np.float32))
+                for _ in range(2))
+        ours.update_and_fetch(k, v)
+        if keep:
+            ours.filter(keep)
+    ours.finalize()
+    assert [r.offset for r in ours.rows] == [3 + 6, 5 + 4]
+    assert ours.offset.tolist() == [r.offset for r in ours.rows]
+    assert (ours.left_padding + ours.offset).tolist() == [ours.size()] * 2

@@ -106,6 +106,9 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         keep = [int(i) for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist")
                                  else batch_indices)]
         self.rows = [self.rows[i] for i in keep]
+        if self._pending is not None:  # mid-prefill (mlx-lm filters between prefills only)
+            self._pending = [self._pending[i] for i in keep]
+            self._right_padding = [self._right_padding[i] for i in keep]
         self.left_padding = self.left_padding[mx.array(keep, dtype=mx.int32)] if keep else \
             mx.array([], dtype=mx.int32)
         self.offset = self.offset[mx.array(keep, dtype=mx.int32)] if keep else \
