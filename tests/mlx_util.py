@@ -16,10 +16,14 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def alone(model: Any, prompt: list[int], cache: list[Any], max_tokens: int) -> list[int]:
-    """Greedy tokens of ``prompt`` after what ``cache`` holds (mlx-lm's ``generate_step``)."""
+def alone(model: Any, prompt: list[int], cache: list[Any], max_tokens: int, *,
+          prefill_step: int = 8) -> list[int]:
+    """Greedy tokens of ``prompt`` after what ``cache`` holds (mlx-lm's ``generate_step``).
+    ``prefill_step`` as :func:`batched`'s: under a lossy codec, a prompt's tokens attend to
+    those of their own forward exactly and to earlier forwards' decoded."""
     return [int(t) for t, _ in mlx_generate.generate_step(
-        mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens, sampler=greedy)]
+        mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens, sampler=greedy,
+        prefill_step_size=prefill_step)]
 
 
 def batched(model: Any, groups: list[list[tuple[list[int], list[Any] | None, int]]],
