@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import socket
 import subprocess
 import time
@@ -85,8 +86,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _complete(url: str, model: str = "default", prompt: str = PROMPT) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+def _complete(url: str, model: str = "default", prompt: str = PROMPT,
+              max_tokens: int = 4) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     req = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
@@ -129,7 +131,7 @@ def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub-cache"))  # kvtool's models only
     store = tmp_path / "store"
     plan = _plan(runner, "--codec", "turbo3", "--store", str(store), "--port",
-                 str(_free_port()), "--", "--kvtool-block-size", "4")
+                 str(_free_port()), "--", "--kvtool-block-size", "4", "--log-level", "DEBUG")
     log = tmp_path / "server.log"
     server = Server(plan["argv"], log)
     try:
@@ -145,11 +147,12 @@ def test_server_answers_on_kvtool_cache_and_persists(runner, tmp_path, monkeypat
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         # requests that come together are batched (kvtool.engines.mlx_batch), each answered
         kept = log.read_text().count("in KvtoolMLXCache layers")
-        with ThreadPoolExecutor(3) as pool:
-            together = list(pool.map(lambda p: _complete(plan["url"], prompt=p), [
+        with ThreadPoolExecutor(3) as pool:  # 24 tokens each: they overlap
+            together = list(pool.map(lambda p: _complete(plan["url"], prompt=p, max_tokens=24), [
                 PROMPT, "Water boils at a temperature of", "One, two, three,"]))
-        assert together[0]["choices"][0]["text"] == first["choices"][0]["text"]
-        assert all(r["usage"]["completion_tokens"] == 4 for r in together)
+        assert together[0]["choices"][0]["text"].startswith(first["choices"][0]["text"])
+        assert all(0 < r["usage"]["completion_tokens"] <= 24 for r in together)
+        assert re.search(r"kvtool: \d requests (batched|join a batch)", log.read_text())
     finally:
         server.stop()
     text = log.read_text()

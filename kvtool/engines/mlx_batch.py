@@ -22,10 +22,13 @@ layers stay mlx-lm's own ``RotatingKVCache`` and batch as they do in mlx-lm.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
+
+log = logging.getLogger("kvtool.mlx_batch")
 
 
 class KvtoolBatchCache(mlx_cache._BaseCache):
@@ -44,6 +47,8 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
     @classmethod
     def merge(cls, caches: list[Any]) -> KvtoolBatchCache:
         """A batch of ``caches`` (``KvtoolMLXCache`` layers, now its rows), right-aligned."""
+        if len(caches) > 1:
+            log.debug("kvtool: %d requests batched (one layer)", len(caches))
         longest = max((c.offset for c in caches), default=0)
         return cls(caches, [longest - c.offset for c in caches])
 
@@ -123,6 +128,9 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         if not isinstance(other, KvtoolBatchCache):
             raise TypeError(f"a kvtool batch cache extends with another, not "
                             f"{type(other).__name__}")
+        if self.rows and other.rows:
+            log.debug("kvtool: %d requests join a batch of %d (one layer)", len(other.rows),
+                      len(self.rows))
         columns = max(self._idx, other._idx)
         self.left_padding = mx.concatenate([self.left_padding + (columns - self._idx),
                                             other.left_padding + (columns - other._idx)])
