@@ -10,7 +10,8 @@ alone (``update_and_fetch`` of a single cache), and the batch's resident memory 
 codes, not an exact ``[batch, heads, tokens, dim]`` buffer.
 
 The batch layout is mlx-lm's ``BatchKVCache``'s (its ``left_padding``, ``offset`` and column
-count ``_idx``, and its mask), rebuilt at each forward from the rows::
+count ``_idx``, and its mask), kept as host integers and rebuilt at each forward from the
+rows::
 
     row i:  [ left padding (zeros) | its tokens, decoded | right padding (zeros) | this forward ]
 
@@ -37,12 +38,20 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
 
     def __init__(self, rows: list[Any], left_padding: list[int]):
         self.rows = list(rows)
-        self.left_padding = mx.array(left_padding)
-        self._idx = max((lp + r.offset for lp, r in zip(left_padding, self.rows, strict=True)),
+        self._pad = [int(p) for p in left_padding]
+        self._idx = max((p + r.offset for p, r in zip(self._pad, self.rows, strict=True)),
                         default=0)
-        self.offset = mx.array([self._idx - lp for lp in left_padding])
         self._pending: list[int] | None = None  # real tokens still to come in a padded prefill
         self._right_padding: list[int] | None = None
+
+    @property
+    def left_padding(self) -> mx.array:
+        return mx.array(self._pad, dtype=mx.int32)
+
+    @property
+    def offset(self) -> mx.array:
+        """Per row, the columns after its left padding (the positions RoPE starts from)."""
+        return mx.array([self._idx - p for p in self._pad], dtype=mx.int32)
 
     @classmethod
     def merge(cls, caches: list[Any]) -> KvtoolBatchCache:
@@ -59,8 +68,9 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         own ``update_and_fetch`` returns them, padded to mlx-lm's layout."""
         new = keys.shape[2]
         out_k, out_v = [], []
-        for i, (row, pad) in enumerate(zip(self.rows, self.left_padding.tolist(), strict=True)):
+        for i, (row, pad) in enumerate(zip(self.rows, self._pad, strict=True)):
             skip = min(max(0, pad - self._idx), new)  # left padding in this forward's columns
+            shown = min(pad, self._idx)  # left padding in earlier forwards' columns
             real = new - skip
             if self._pending is not None:
                 real = min(real, self._pending[i])
@@ -72,11 +82,10 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
                 k, v = k[..., :held, :], v[..., :held, :]  # this forward's go in exact, below
             else:
                 k, v = row.materialize()
-            gap = self._idx - min(pad, self._idx) - held  # right padding of earlier forwards
-            out_k.append(_row(k, min(pad, self._idx), gap, keys[i:i + 1]))
-            out_v.append(_row(v, min(pad, self._idx), gap, values[i:i + 1]))
+            gap = self._idx - shown - held  # right padding of earlier forwards
+            out_k.append(_row(k, shown, gap, keys[i:i + 1]))
+            out_v.append(_row(v, shown, gap, values[i:i + 1]))
         self._idx += new
-        self.offset = self.offset + new
         return mx.concatenate(out_k), mx.concatenate(out_v)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
@@ -90,8 +99,7 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         if left_padding is not None:
             if self._idx:
                 raise ValueError("left padding can only be added to an empty batch cache")
-            self.left_padding = self.left_padding + mx.array(left_padding)
-            self.offset = self.offset - mx.array(left_padding)
+            self._pad = [p + int(x) for p, x in zip(self._pad, left_padding, strict=True)]
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = list(right_padding)
             self._pending = list(lengths) if lengths is not None else [
@@ -100,9 +108,7 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
     def finalize(self) -> None:
         """After a padded prefill: the right padding becomes left padding (rows hold none)."""
         if self._right_padding is not None:
-            padding = mx.array(self._right_padding)
-            self.left_padding = self.left_padding + padding
-            self.offset = self.offset - padding
+            self._pad = [p + r for p, r in zip(self._pad, self._right_padding, strict=True)]
             self._right_padding = self._pending = None
 
     # -- the batch's rows ------------------------------------------------------------------------
@@ -114,14 +120,9 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         if self._pending is not None:  # mid-prefill (mlx-lm filters between prefills only)
             self._pending = [self._pending[i] for i in keep]
             self._right_padding = [self._right_padding[i] for i in keep]
-        self.left_padding = self.left_padding[mx.array(keep, dtype=mx.int32)] if keep else \
-            mx.array([], dtype=mx.int32)
-        self.offset = self.offset[mx.array(keep, dtype=mx.int32)] if keep else \
-            mx.array([], dtype=mx.int32)
-        shift = min(self.left_padding.tolist(), default=0)
-        if shift > 0:
-            self._idx -= shift
-            self.left_padding = self.left_padding - shift
+        shift = min((self._pad[i] for i in keep), default=0)
+        self._pad = [self._pad[i] - shift for i in keep]
+        self._idx -= shift
 
     def extend(self, other: KvtoolBatchCache) -> None:
         """Append ``other``'s rows, both right-aligned to the longer one's columns."""
@@ -132,9 +133,8 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
             log.debug("kvtool: %d requests join a batch of %d (one layer)", len(other.rows),
                       len(self.rows))
         columns = max(self._idx, other._idx)
-        self.left_padding = mx.concatenate([self.left_padding + (columns - self._idx),
-                                            other.left_padding + (columns - other._idx)])
-        self.offset = mx.concatenate([self.offset, other.offset])
+        self._pad = [p + columns - self._idx for p in self._pad] + [
+            p + columns - other._idx for p in other._pad]
         self.rows.extend(other.rows)
         self._idx = columns
 
@@ -146,8 +146,8 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
     # -- the cache protocol ------------------------------------------------------------------
     @property
     def state(self) -> list[Any]:
-        """What ``mx.eval`` forces after a prefill step: the offsets and the rows' arrays."""
-        return [self.offset, self.left_padding, *(row.state for row in self.rows)]
+        """What ``mx.eval`` forces after a prefill step: the rows' arrays."""
+        return [row.state for row in self.rows]
 
     def is_trimmable(self) -> bool:
         return True
@@ -158,7 +158,6 @@ class KvtoolBatchCache(mlx_cache._BaseCache):
         for row in self.rows:
             row.trim(n)
         self._idx -= n
-        self.offset = self.offset - n
         return n
 
     def size(self) -> int:

@@ -7,9 +7,9 @@ module patches ``mlx_lm.server`` and hands over to its ``main``:
   :class:`~kvtool.engines.mlx_cache.KvtoolMLXCache` layers under the chosen
   :class:`~kvtool.policy.CodecPolicy`, so the prompts that mlx-lm's LRU prompt cache keeps
   between requests stay compressed in memory;
-* concurrent requests are batched as mlx-lm batches them: each request's cached prefix is
-  decoded into the batch and its row goes back to the LRU as a ``KvtoolMLXCache`` with the
-  prefix's codes kept (:mod:`kvtool.engines.mlx_batch`);
+* concurrent requests are batched as mlx-lm batches them, each row of the batch the
+  request's own ``KvtoolMLXCache`` (codes, decoded per forward), which goes back to the LRU
+  with its prefix's codes kept (:mod:`kvtool.engines.mlx_batch`);
 * models load as ``kvtool.engines.mlx.load_mlx`` does (the RoPE settings of transformers-5
   configs, the chosen dtype), and the names ``default`` / the served model name map to it;
 * with ``--store DIR`` the LRU prompt cache persists (:mod:`kvtool.engines.mlx_store`): every
