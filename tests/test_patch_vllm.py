@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtool.cli.main import cli
-from kvtool.engines.vllm import hook
+from kvtool.engines.vllm import hook, patch_source
 from kvtool.engines.vllm import patch as patcher
 from kvtool.errors import PatchError
 
@@ -206,7 +206,7 @@ def test_missing_anchor_refuses_and_modifies_nothing(tree):
     target = tree / BACKENDS / ("flash_attn.py" if (tree / BACKENDS / "flash_attn.py").exists()
                                 else "cpu_attn.py")
     text = target.read_text()
-    for name in patcher.ANCHOR_CALLS:
+    for name in patch_source.ANCHOR_CALLS:
         text = text.replace(f"{name}(", f"renamed_{name}(")
     target.write_text(text)
     before = _snapshot(tree)
@@ -282,7 +282,8 @@ def test_compile_failure_rolls_back_every_file(tree, monkeypatch):
 def test_a_patch_that_does_not_compile_is_refused_up_front(tmp_path, monkeypatch):
     root = make_fake_vllm(tmp_path)
     before = _snapshot(root)
-    monkeypatch.setattr(patcher, "SITE_BLOCK", patcher.SITE_BLOCK.replace("if ", "if if "))
+    monkeypatch.setattr(patch_source, "SITE_BLOCK",
+                        patch_source.SITE_BLOCK.replace("if ", "if if "))
     with pytest.raises(PatchError, match="does not compile"):
         patcher.patch(root)
     assert _snapshot(root) == before

@@ -37,7 +37,8 @@ from kvtool.engines import hf  # noqa: E402
 from kvtool.engines.vllm import connector as C  # noqa: E402
 from kvtool.engines.vllm import engine as E  # noqa: E402
 from kvtool.engines.vllm.common import DEFAULT_ZSTD, policy_from_extra  # noqa: E402
-from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store_backend import QUARANTINE_DIR  # noqa: E402
 from kvtool.errors import ModelMismatchError  # noqa: E402
 from kvtool.fileio import TEMP_SUFFIX  # noqa: E402
 from kvtool.formats import save  # noqa: E402

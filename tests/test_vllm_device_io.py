@@ -30,7 +30,8 @@ from kvtool.engines.vllm.common import flush, policy_from_extra, stats  # noqa: 
 from kvtool.engines.vllm.fp8_cache import Fp8Cache  # noqa: E402
 from kvtool.engines.vllm.layout import LAYOUTS, detect_layout  # noqa: E402
 from kvtool.engines.vllm.layout_probe import cpu_layout  # noqa: E402
-from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store_backend import QUARANTINE_DIR  # noqa: E402
 from kvtool.errors import FormatError, KvtoolError  # noqa: E402
 from kvtool.formats import load  # noqa: E402
 

@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.engines.vllm.common import policy_from_extra, stats  # noqa: E402
-from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store_backend import QUARANTINE_DIR  # noqa: E402
 from kvtool.formats import save  # noqa: E402
 
 MODEL = {"fingerprint": "f" * 64, "name": "tiny"}

@@ -25,7 +25,8 @@ from kvtool.engines.vllm.common import (  # noqa: E402
     stats,
 )
 from kvtool.engines.vllm.safeio import UnsafeFileError  # noqa: E402
-from kvtool.engines.vllm.store import QUARANTINE_DIR, PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
+from kvtool.engines.vllm.store_backend import QUARANTINE_DIR  # noqa: E402
 from kvtool.errors import FormatError, NewerVersionError  # noqa: E402
 from kvtool.fileio import TEMP_SUFFIX, temp_prefix  # noqa: E402
 from kvtool.formats import constants as KC  # noqa: E402
