@@ -223,23 +223,87 @@ def test_writes_are_one_conditional_put_and_keep_existing_chunks(s3, url):
 
 
 def test_a_lossless_writer_replaces_a_lossy_chunk_it_judged_and_nothing_newer(s3, url):
-    """On S3 too: a lossless server's write replaces a lossy chunk, by a delete conditional on
-    the ETag it judged; an object rewritten since (another lossless writer's) is left alone."""
+    """On S3 too: a lossless server's write replaces a lossy chunk by one PUT conditional on
+    the ETag it judged (never a delete: the chunk never goes missing); an object rewritten since
+    (another lossless writer's) is neither written over nor removed."""
     (chunk,) = fill(make(url, codec="turbo3"), 1)
     lossless = make(url)
     assert lossless.lookup(IDS) == []  # judged: stored lossy
-    assert lossless.write(chunk, *kv(seed=2), IDS) > 0
-    assert [c.key for c in make(url).lookup(IDS)] == [chunk.key]
     name = name_of(lossless, chunk)
+    client = lossless.backend.client
+    etag = objects(s3, url)[name]
+    calls = []
+    real_put, real_delete = client.put_object, client.delete_object
+
+    def spy(**kw):
+        calls.append(("put", kw.get("IfMatch"), kw.get("IfNoneMatch")))
+        return real_put(**kw)
+
+    def spy_delete(**kw):
+        calls.append(("delete", kw["Key"]))
+        return real_delete(**kw)
+
+    client.put_object, client.delete_object = spy, spy_delete
+    try:
+        assert lossless.write(chunk, *kv(seed=2), IDS) > 0
+    finally:
+        del client.put_object, client.delete_object
+    assert calls == [("put", etag, None)]
+    assert [c.key for c in make(url).lookup(IDS)] == [chunk.key]
     with lossless.pin(chunk) as (_, judged):
         pass
     put(s3, url, name, b"rewritten since")  # another writer's object, a new ETag
+
+    def encode(path):
+        with open(path, "wb") as f:
+            return f.write(b"mine")
+
+    assert lossless.backend.write_new(name, encode, replace=judged) == 0
     assert lossless.backend.remove(name, judged) is None
     assert body(s3, url, name) == b"rewritten since"
     with lossless.pin(chunk) as (_, now):
         pass
-    assert lossless.backend.remove(name, now) == len(b"rewritten since")
+    assert lossless.backend.write_new(name, encode, replace=now) == 4
+    assert body(s3, url, name) == b"mine"
+    with lossless.pin(chunk) as (_, now):
+        pass
+    assert lossless.backend.remove(name, now) == 4
     assert name not in objects(s3, url)
+
+
+def test_a_server_without_conditional_overwrites_checks_the_etag_first(s3, url):
+    """An S3-compatible server that refuses ``If-Match`` on a PUT: the replacement checks the
+    ETag by a HEAD, then overwrites; an object rewritten since is still left alone."""
+    from botocore.exceptions import ClientError
+
+    (chunk,) = fill(make(url, codec="turbo3"), 1)
+    lossless = make(url)
+    name = name_of(lossless, chunk)
+    client = lossless.backend.client
+    real_put = client.put_object
+
+    def no_if_match(**kw):
+        if "IfMatch" in kw:
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "If-Match"}},
+                              "PutObject")
+        return real_put(**kw)
+
+    def encode(path):
+        with open(path, "wb") as f:
+            return f.write(b"mine")
+
+    client.put_object = no_if_match
+    try:
+        assert lossless.lookup(IDS) == []  # judged: stored lossy
+        assert lossless.write(chunk, *kv(seed=2), IDS) > 0 and lossless.replaced == 1
+        assert [c.key for c in make(url).lookup(IDS)] == [chunk.key]
+        with lossless.pin(chunk) as (_, judged):
+            pass
+        put(s3, url, name, b"rewritten since")
+        assert lossless.backend.write_new(name, encode, replace=judged) == 0
+        assert body(s3, url, name) == b"rewritten since"
+    finally:
+        del client.put_object
 
 
 # -- the store rules --------------------------------------------------------------------------

@@ -447,31 +447,71 @@ def test_a_lossless_write_that_meets_a_damaged_chunk_quarantines_it_and_writes(t
     assert make(root).is_valid(c1, IDS)
 
 
-def test_a_lossy_chunk_that_cannot_be_removed_is_kept_and_later_saves_go_on(tmp_path, caplog,
-                                                                         monkeypatch):
-    """A store that lets a server write but not delete (an S3 policy without DeleteObject,
-    a directory it does not own) keeps the lossy chunk: the write is skipped as before, with
-    one warning, not failed (a failed write stops the rest of a prompt's saves)."""
+def test_a_lossy_chunk_that_cannot_be_replaced_is_kept_and_later_saves_go_on(tmp_path, caplog,
+                                                                          monkeypatch):
+    """A store that lets a server write new files but not replace one (another user's file in
+    a sticky directory; an S3 policy that refuses the overwrite) keeps the lossy chunk: the
+    write is skipped, with one warning, not failed (a failed write stops the rest of a
+    prompt's saves)."""
+    from kvtool.engines.vllm import store_backend
+
     root = tmp_path / "s"
-    lossy_chunks = fill(make(root, codec="turbo3"), 1)
+    (lossy,) = fill(make(root, codec="turbo3"), 1)
+    before = open(lossy.path, "rb").read()
     lossless = make(root)
     lossless.lookup(IDS)
 
-    def denied(name, stamp=None):
-        raise PermissionError(13, "Permission denied")
+    def denied(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(lossless.backend, "remove", denied)
+    monkeypatch.setattr(store_backend.os, "replace", denied)
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
         for _ in range(2):
-            assert lossless.write(lossy_chunks[0], *kv(), IDS) == 0
+            assert lossless.write(lossy, *kv(), IDS) == 0
     assert caplog.text.count("cannot replace the lossy chunk") == 1
+    assert open(lossy.path, "rb").read() == before
+    assert not [n for n in os.listdir(os.path.dirname(lossy.path)) if n.endswith(TEMP_SUFFIX)]
     second = lossless.chunks(IDS)[1]
     assert lossless.write(second, *kv(seed=1), IDS) > 0
 
 
-def test_a_chunk_rewritten_since_it_was_judged_is_not_removed(tmp_path):
-    """Two lossless servers that judged the same lossy chunk: the second must not remove the
-    exact chunk the first wrote in its place (its stamp is no longer the one judged)."""
+def test_a_failed_replacement_keeps_the_lossy_chunk(tmp_path, monkeypatch):
+    """The exact chunk is encoded before the lossy file goes: a replacement that fails (a full
+    disk) raises as any failed write and leaves the lossy chunk in place, for lossy servers to
+    load, and no temp file. The next write replaces it."""
+    import errno
+
+    import kvtool.formats
+
+    root = tmp_path / "s"
+    (lossy,) = fill(make(root, codec="turbo3"), 1)
+    before = open(lossy.path, "rb").read()
+    lossless = make(root)
+    assert lossless.lookup(IDS) == []
+    save = kvtool.formats.save
+
+    def disk_full(cache, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kvtool.formats, "save", disk_full)
+    with pytest.raises(OSError, match="No space left") as err:
+        lossless.write(lossy, *kv(), IDS)
+    assert err.value.filename == lossy.path
+    assert open(lossy.path, "rb").read() == before
+    assert not [n for n in os.listdir(os.path.dirname(lossy.path)) if n != os.path.basename(
+        lossy.path)]
+    assert [c.key for c in make(root, codec="turbo3").lookup(IDS)] == [lossy.key]
+    monkeypatch.setattr(kvtool.formats, "save", save)
+    assert lossless.write(lossy, *kv(), IDS) > 0 and lossless.replaced == 1
+    assert [c.key for c in make(root).lookup(IDS)] == [lossy.key]
+
+
+def test_a_chunk_rewritten_since_it_was_judged_is_neither_removed_nor_written_over(tmp_path):
+    """Two lossless servers that judged the same lossy chunk: the second must not remove, nor
+    write over, the exact chunk the first wrote in its place (its stamp is no longer the one
+    judged)."""
     root = tmp_path / "s"
     (chunk,) = fill(make(root, codec="turbo3"), 1)
     store = make(root)
@@ -481,7 +521,17 @@ def test_a_chunk_rewritten_since_it_was_judged_is_not_removed(tmp_path):
     time.sleep(0.01)
     os.remove(chunk.path)
     assert make(root).write(chunk, *kv(seed=4), IDS) > 0  # another writer's, since
-    assert store.backend.remove(name, judged) is None and os.path.exists(chunk.path)
+    theirs = open(chunk.path, "rb").read()
+
+    def encode(path):
+        with open(path, "wb") as f:
+            return f.write(b"mine")
+
+    assert store.backend.write_new(name, encode, replace=judged) == 0
+    assert store.backend.remove(name, judged) is None and open(chunk.path, "rb").read() == theirs
+    with store.pin(chunk) as (_, now):
+        assert store.backend.write_new(name, encode, replace=now) == 4
+    assert open(chunk.path, "rb").read() == b"mine"
     with store.pin(chunk) as (_, now):
         assert store.backend.remove(name, now) > 0 and not os.path.exists(chunk.path)
 

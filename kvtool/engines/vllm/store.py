@@ -302,9 +302,13 @@ class PrefixStore(ChunkJudge):
         read."""
         name = self._name(chunk)
         size = self.backend.write_new(name, encode)
-        if size or not self._free_place(chunk, token_ids, lossy_sources):
+        if size:
             return size
-        size = self.backend.write_new(name, encode)
+        free, judged = self._free_place(chunk, token_ids, lossy_sources)
+        if not free:
+            return 0
+        size = (self.backend.write_new(name, encode) if judged is None
+                else self._replace_lossy(chunk, judged, encode))
         self.replaced += size > 0
         return size
 

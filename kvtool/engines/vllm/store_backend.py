@@ -13,7 +13,8 @@ A backend offers what :class:`~kvtool.engines.vllm.store.PrefixStore` and
 :mod:`~kvtool.engines.vllm.store_admin` need: pin an object for reading (a local path that
 reads exactly what was checked, and a :data:`Stamp` that changes when the object is rewritten),
 write a new object atomically (never replacing an existing chunk: of writers racing on one
-chunk, exactly one publishes it and counts its bytes, the others get 0), move an object to the
+chunk, exactly one publishes it and counts its bytes, the others get 0; or replacing, in one
+step, exactly the object judged: a lossy chunk a lossless writer supersedes), move an object to the
 quarantine only if it is still the one judged, mark a hit, walk the store, remove (None when
 the object is already gone; an ``OSError`` naming it when it is there but cannot be removed),
 read or write a small object, and collect the garbage of dead writers.
@@ -79,7 +80,8 @@ class Backend(Protocol):
     def pin(self, name: str) -> contextlib.AbstractContextManager[tuple[str, Stamp]]: ...
     def peek(self, name: str) -> Stamp | None: ...
     def exists(self, name: str) -> bool: ...
-    def write_new(self, name: str, encode: Callable[[str], int]) -> int: ...
+    def write_new(self, name: str, encode: Callable[[str], int],
+                  replace: Stamp | None = None) -> int: ...
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool: ...
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None: ...
     def walk(self, model: str | None = None) -> Iterator[Entry]: ...
@@ -171,27 +173,31 @@ class LocalBackend:
         except OSError:
             return False
 
-    def write_new(self, name: str, encode: Callable[[str], int]) -> int:
+    def write_new(self, name: str, encode: Callable[[str], int],
+                  replace: Stamp | None = None) -> int:
         """``encode(path)`` writes the object at a temp path of its own (unique per call) in
         the pinned directory; it is then published under ``name`` by a hard link that never
         replaces a file another writer published first (:func:`~.safeio.publish_new`; a
         symlink there is replaced, never written through). The object's size, or 0 if a
-        regular file was there already or another writer won: one writer counts it. An
-        ``OSError`` names the chunk's path in the store."""
+        regular file was there already or another writer won: one writer counts it.
+
+        ``replace``: the stamp of the file in ``name``'s place that this object supersedes.
+        Once encoded, it is renamed over that file if it is still the one judged (the chunk
+        never goes missing, and a failed encoding leaves it in place); 0 if a different file
+        is there now. An ``OSError`` names the chunk's path in the store."""
         parts = name.split("/")
         dir_fd = None
         try:
             dir_fd = open_dir(self.location, parts[:-1], create=True)
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISREG(os.stat(parts[-1], dir_fd=dir_fd,
-                                        follow_symlinks=False).st_mode):
-                    return 0
+            if replace is None and _regular_at(dir_fd, parts[-1]):
+                return 0
             remove_stale_temps(fd_path(dir_fd))  # crash leftovers of this directory
             partial = _reserve_temp(dir_fd, parts[-1])
             try:
                 # save() goes through atomic_write, which writes a temp name in place
                 size = encode(os.path.join(fd_path(dir_fd), partial))
-                won = publish_new(dir_fd, partial, parts[-1])
+                won = (publish_new(dir_fd, partial, parts[-1]) if replace is None
+                       else _replace_judged(dir_fd, partial, parts[-1], replace))
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(partial, dir_fd=dir_fd)
@@ -354,6 +360,29 @@ def _files(path: str, prefix: str) -> Iterator[Entry]:
                             max(st.st_atime, st.st_mtime))
             else:
                 yield Entry(prefix + e.name, 0, st.st_mtime, st.st_mtime, regular=False)
+
+
+def _regular_at(dir_fd: int, name: str) -> bool:
+    """Whether a regular file (not a symlink) has ``name`` in ``dir_fd``."""
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _replace_judged(dir_fd: int, tmp: str, name: str, judged: Stamp) -> bool:
+    """Rename ``tmp`` over ``name`` if ``name`` is still the regular file stamped ``judged``;
+    published anew (:func:`~.safeio.publish_new`) if it is gone. False if another file is
+    there: another writer's, left alone. (Between the check and the rename another lossless
+    writer may publish the same chunk exactly: replacing it then loses nothing.)"""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return publish_new(dir_fd, tmp, name)
+    if not stat.S_ISREG(st.st_mode) or stamp_of(st) != judged:
+        return False
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return True
 
 
 def _reserve_temp(dir_fd: int, name: str) -> str:

@@ -10,8 +10,9 @@ Why boto3 (the ``s3`` extra) rather than fsspec/s3fs or obstore:
   worker loads, a saver thread) without s3fs's event-loop thread or async code;
 * **atomic writes**: one ``PutObject`` of the whole chunk (never multipart), so readers see
   the old state or the whole object, never a partial one; ``If-None-Match: *`` makes "never
-  replace an existing chunk" atomic too, and ``If-Match`` makes a quarantine delete only the
-  object that was judged;
+  replace an existing chunk" atomic too, and ``If-Match`` makes a quarantine delete, or a
+  lossless writer's overwrite of a lossy chunk, touch only the object that was judged
+  (:mod:`~kvtool.engines.vllm.store_s3_conditional`);
 * **listing cost**: ``ListObjectsV2`` returns sizes and times with the keys (1000 per request),
   so ``kvtool store ls/stats/prune`` need no request per object, and nothing is cached between
   calls (s3fs caches listings, which a shared, changing store would have to defeat);
@@ -90,6 +91,7 @@ from kvtool.engines.vllm.store_s3_common import (  # noqa: F401  (re-exported)
     request_error,
     worst_case_seconds,
 )
+from kvtool.engines.vllm.store_s3_conditional import ConditionalRequests
 from kvtool.errors import KvtoolError
 from kvtool.fileio import host_name
 
@@ -100,7 +102,7 @@ BUCKET_NAME = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
 BUCKET_CHECK_INTERVAL = 60.0  # seconds between two checks that a HEAD's 404 is not the bucket's
 
 
-class S3Backend:
+class S3Backend(ConditionalRequests):
     """A prefix store under ``s3://bucket/prefix``; see the module docstring.
     ``storage_options``: keyword arguments of ``boto3.client("s3", ...)`` (``endpoint_url``,
     ``region_name``, ``aws_access_key_id``, ...), over the standard environment, and
@@ -284,11 +286,21 @@ class S3Backend:
         return data
 
     # -- writing -------------------------------------------------------------------------------
-    def write_new(self, name: str, encode: Callable[[str], int]) -> int:
+    def write_new(self, name: str, encode: Callable[[str], int],
+                  replace: Stamp | None = None) -> int:
         """Encode into a local temp dir (named for this process, see
         :func:`collect_local_temps`), then one ``PutObject`` with ``If-None-Match: *``;
-        0 if the object exists already (checked first, to skip the encoding)."""
-        if self.exists(name):
+        0 if the object exists already (checked first, to skip the encoding). ``replace``:
+        the stamp of the object this one supersedes, overwritten by a ``PutObject`` with
+        ``If-Match`` its ETag (the chunk never goes missing); 0 if the object changed since."""
+        etag = None
+        if replace is not None:
+            with self._lock:
+                known = self._etags.get(name)
+            if known is None or known[0] != replace:
+                return 0  # not the object this process judged
+            etag = known[1]
+        elif self.exists(name):
             return 0
         tmp = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{host_name()}.{os.getpid()}.")
         try:
@@ -298,31 +310,17 @@ class S3Backend:
                 data = f.read()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return len(data) if self._put(name, data, create=True) else 0
+        if etag is None:
+            return len(data) if self._put(name, data, create=True) else 0
+        if not self._put_over(name, data, etag):
+            return 0
+        with self._lock:
+            self._etags.pop(name, None)
+        self._bodies.drop(name)
+        return len(data)
 
     def write_small(self, name: str, data: bytes) -> None:
         self._put(name, data)
-
-    def _put(self, name: str, data: bytes, *, create: bool = False) -> bool:
-        """One PUT of the whole object; False if ``create`` and it exists already."""
-        from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
-
-        args = {"Bucket": self.bucket, "Key": self._key(name), "Body": data}
-        try:
-            self.client.put_object(**args, **({"IfNoneMatch": "*"} if create else {}))
-        except (ClientError, ParamValidationError) as e:
-            code = error_code(e)
-            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
-            if not create or (isinstance(e, ClientError) and code not in UNSUPPORTED_CODES):
-                raise self._error(e, name, "write") from None
-            try:  # a server without conditional writes: the exists() check above stands
-                self.client.put_object(**args)
-            except (BotoCoreError, ClientError) as e2:
-                raise self._error(e2, name, "write") from None
-        except BotoCoreError as e:
-            raise self._error(e, name, "write") from None
-        return True
 
     def quarantine(self, name: str, dest: str, stamp: Stamp | None) -> bool:
         """Copy to ``quarantine/dest`` (if the ETag still matches), then delete the original
@@ -346,27 +344,6 @@ class S3Backend:
         with self._lock:
             self._etags.pop(name, None)
         self._bodies.drop(name)
-        return True
-
-    def _delete_if_match(self, name: str, etag: str, action: str = "remove") -> bool:
-        """Delete the object if its ETag is still ``etag``; False if it was rewritten or
-        removed meanwhile. A server (or botocore) without conditional deletes deletes it."""
-        from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
-
-        try:
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(name), IfMatch=etag)
-        except (ClientError, ParamValidationError) as e:
-            code = error_code(e)
-            if code in ("PreconditionFailed", "NoSuchKey"):
-                return False
-            if code not in UNSUPPORTED_CODES and isinstance(e, ClientError):
-                raise self._error(e, name, action) from None
-            try:
-                self.client.delete_object(Bucket=self.bucket, Key=self._key(name))
-            except (BotoCoreError, ClientError) as e2:
-                raise self._error(e2, name, action) from None
-        except BotoCoreError as e:
-            raise self._error(e, name, action) from None
         return True
 
     def mark_hit(self, name: str, path: str, stamp: Stamp) -> None:

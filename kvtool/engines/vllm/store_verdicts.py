@@ -10,8 +10,9 @@ file stored lossy is replaced by a lossless store's exact write (:meth:`ChunkJud
 
 from __future__ import annotations
 
+import errno
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtool.engines.vllm.chunk_checks import check_header, refusal_reason
@@ -42,39 +43,47 @@ class ChunkJudge:
         return verdict is not None and self._usable(chunk, *verdict)
 
     def _free_place(self, chunk: Chunk, token_ids: Sequence[int],
-                    lossy_sources: Sequence[str] = ()) -> bool:
-        """For a write that found a file in the chunk's place: whether the place is free now.
+                    lossy_sources: Sequence[str] = ()) -> tuple[bool, Stamp | None]:
+        """For a write that found a file in the chunk's place: (may it write?, the stamp of
+        the file it writes over, or None: the place is free now).
 
         A damaged file that was kept (its quarantine failed: a read-only or symlinked
         quarantine folder) is quarantined again, so that it is replaced once that works.
         For an exact write (a lossless store's, with nothing lossy before it): a file stored
-        lossy (a lossy server's or pin's), which this store never loads, is removed, and a
-        damaged one is quarantined by the judging. Else the first writer would win and a
-        lossless server would compute that prefix forever. Exact chunks, in any dtype, and
-        sound chunks for a lossy write, are never replaced."""
+        lossy (a lossy server's or pin's), which this store never loads, is written over (in
+        one step, once the exact chunk is encoded), and a damaged one is quarantined by the
+        judging. Else the first writer would win and a lossless server would compute that
+        prefix forever. Exact chunks, in any dtype, and sound chunks for a lossy write, are
+        never replaced."""
         self._check_writable()
         judged = _VERDICTS.get(chunk.path)
         if judged is not None and not judged[1] and judged[2] == DAMAGED:
-            return bool(self._quarantine(chunk, judged[0])) or not self.exists(chunk)
+            return bool(self._quarantine(chunk, judged[0])) or not self.exists(chunk), None
         if self.exact_dtype is None or self.lossy_sources or lossy_sources:
-            return False
+            return False, None
         verdict = self._verdict(chunk, token_ids)
         if verdict is None:  # damaged (then quarantined), unreadable (kept) or gone
-            return not self.exists(chunk)
+            return not self.exists(chunk), None
         judged = _VERDICTS.get(chunk.path)
         if not verdict[0] or verdict[1] is not None or judged is None:
-            return False
-        try:  # only the file judged lossy: another lossless writer's exact chunk is kept
-            removed = self.backend.remove(self._name(chunk), judged[0])
+            return False, None
+        return True, judged[0]  # only the file judged lossy: another's exact chunk is kept
+
+    def _replace_lossy(self, chunk: Chunk, judged: Stamp, encode: Callable[[str], int]) -> int:
+        """Write the exact chunk over the lossy file stamped ``judged``; its size, or 0 where
+        the file changed since or cannot be replaced (said once: its prefix is computed)."""
+        try:
+            size = self.backend.write_new(self._name(chunk), encode, replace=judged)
         except OSError as e:
-            if is_down(e):
-                raise  # the store, not this file: the caller's guard takes it out of service
+            if is_down(e) or e.errno not in (errno.EACCES, errno.EPERM):
+                raise  # the store's (the caller's guard), or a failed write, as any write's
             self._warn_once(chunk, f"kvtool store: cannot replace the lossy chunk {chunk.path} "
                             f"({e}); kept, and its prefix computed by this lossless server",
                             counter=None)
-            return False
-        _VERDICTS.pop(chunk.path, None)
-        return removed is not None
+            return 0
+        if size:
+            _VERDICTS.pop(chunk.path, None)
+        return size
 
     def _verdict(self, chunk: Chunk, token_ids: Sequence[int]) -> tuple[bool, str | None] | None:
         """(sound?, the dtype its K/V are exact in or None) of the chunk's file; None where it
