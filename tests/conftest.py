@@ -32,7 +32,7 @@ ALONE_MODULES = {"test_soak.py"}
 FIRST = ("test_triton_turbomix.py", "test_triton_attention.py", "test_gpu_benchmark.py",
          "test_serve_restart.py", "test_serve.py", "test_quality_benchmark.py",
          "test_patch_vllm.py", "test_readme_commands.py", "test_store_s3.py", "test_gemma.py",
-         "test_triton_compile.py", "test_cross_engine.py")
+         "test_triton_compile.py", "test_cross_engine.py", "test_vllm_sliding.py")
 _MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["'](?:module|class|package)["']""")
 
 

@@ -561,8 +561,8 @@ def test_request_paths_confined(tmp_path, caplog):
     os.symlink(other / "x.kvz", allowed / "escape.kvz")
     os.mkfifo(allowed / "fifo.kvz")
     dirs, fp = [os.path.realpath(allowed)], MODEL
-    path, ids = request_kvz(str(good), dirs, [], fp)
-    assert path == os.path.realpath(good) and list(ids) == IDS[:CHUNK]
+    path, ids, whole = request_kvz(str(good), dirs, [], fp)
+    assert path == os.path.realpath(good) and list(ids) == IDS[:CHUNK] and not whole
     before = stats()["refused_files"]
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):

@@ -41,15 +41,16 @@ def check_header(path: str, model: dict[str, Any], chunk: Chunk, token_ids: Sequ
         return exact_dtype(f)
 
 
-def check_file(f: Any, model: dict[str, Any], tokens: int) -> None:
+def check_file(f: Any, model: dict[str, Any], tokens: int, sliding_ok: bool = False) -> None:
     """Raise ValueError unless an open .kvz file (:class:`~kvtool.formats.KvzFile`) can serve
     its first ``tokens`` to ``model``: what ``load(tokens=...)`` and then
-    :func:`~kvtool.engines.vllm.common.check_cache` refuse, without decoding anything."""
+    :func:`~kvtool.engines.vllm.common.check_cache` refuse, without decoding anything
+    (``sliding_ok``: a served file's sliding-window layers holding every token)."""
     if not 0 <= tokens <= f.num_tokens:
         raise ValueError(f"prefix of {tokens} tokens from a file of {f.num_tokens}")
     check_cache(SimpleNamespace(model=f.model, num_layers=f.num_layers, num_tokens=tokens,
                                 token_ids=f.token_ids, layer_info=f.layer_info,
-                                header=f.header), model, tokens)
+                                header=f.header), model, tokens, sliding_ok)
 
 
 def exact_dtype(f: Any) -> str | None:

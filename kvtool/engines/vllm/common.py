@@ -20,12 +20,13 @@ import threading
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from kvtool.cache import has_sliding_layers
 from kvtool.engines.vllm.safeio import UnsafeFileError, confine, pin_file
+from kvtool.engines.vllm.windows import partial_windows, window_problem
 
 if TYPE_CHECKING:
     from kvtool.engines.vllm.store import Chunk
@@ -263,14 +264,15 @@ def common_prefix(a: np.ndarray, b: list[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def unservable(f: Any) -> str | None:
+def unservable(f: Any, sliding_ok: bool = False) -> str | None:
     """Why an open .kvz (:class:`~kvtool.formats.reader.KvzFile`) or a loaded
     :class:`~kvtool.cache.KVCache` cannot be served as a prefix (None: it can): a prompt is
-    matched against its token ids, and paged blocks hold no sliding-window layer's partial
-    window."""
+    matched against its token ids, and a store chunk holds no sliding-window layer
+    (``sliding_ok``: a served file may; :func:`partial_windows` says when it serves only a
+    prompt that continues all of it)."""
     if f.token_ids is None:
         return "it stores no token ids"
-    if has_sliding_layers(f.layer_info):
+    if not sliding_ok and has_sliding_layers(f.layer_info):
         return "it has sliding-window layers"
     return None
 
@@ -293,18 +295,30 @@ def shape_problem(f: Any, model: dict[str, Any]) -> str | None:
     return None
 
 
-def refuse_unservable(f: Any) -> None:
+def refuse_unservable(f: Any, sliding_ok: bool = False) -> None:
     """ValueError where :func:`unservable` says why ``f`` cannot be served as a prefix."""
-    why = unservable(f)
+    why = unservable(f, sliding_ok)
     if why is not None:
         raise ValueError(f"it cannot be served as a prefix: {why}")
 
 
-def read_kvz_ids(path: str, model: dict[str, Any]) -> tuple[str, np.ndarray]:
+class ServedFile(NamedTuple):
+    """A .kvz file served as a prefix (``kvz_files``, a request's ``kvtool_kvz``): its token
+    ids (empty when it cannot be served) and whether it serves only a prompt that continues
+    all of them (:func:`partial_windows`)."""
+
+    path: str
+    ids: np.ndarray
+    whole: bool = False
+
+
+def read_kvz_ids(path: str, model: dict[str, Any], prefix_caching: bool = True) -> ServedFile:
     """A served .kvz file's token ids (empty, with a warning, when it cannot be served). The
     file must be a regular file, not a symlink (see :mod:`~kvtool.engines.vllm.safeio`).
     ``model`` is the engine model's identity; a file of another dtype of the same model is
-    served, cast (:func:`check_cache` notes it), one of other weights is not."""
+    served, cast (:func:`check_cache` notes it), one of other weights is not. A file with
+    :func:`partial_windows` is not served where vLLM's ``prefix_caching`` is on: the blocks
+    it fills would be shared with prompts that need the tokens its windows dropped."""
     from kvtool.errors import KvtoolError
     from kvtool.formats import open_kvz
     from kvtool.identity import other_weights, same_model
@@ -313,12 +327,21 @@ def read_kvz_ids(path: str, model: dict[str, Any]) -> tuple[str, np.ndarray]:
         with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
             if not same_model(f.model, model):
                 raise ValueError(f"it belongs to another model{other_weights(f.model, model)}")
-            refuse_unservable(f)
-            return path, f.token_ids
+            refuse_unservable(f, sliding_ok=True)
+            whole = partial_windows(f)
+            wrong = window_problem(f, model) if whole else None
+            if wrong:
+                raise ValueError(wrong)
+            if whole and prefix_caching:
+                raise ValueError("its sliding-window layers keep only their last tokens, and "
+                                 "vLLM's prefix caching would share the blocks it fills with "
+                                 "prompts that need the tokens they dropped; serve it with "
+                                 "prefix caching off (--no-enable-prefix-caching)")
+            return ServedFile(path, f.token_ids, whole)
     except (KvtoolError, OSError, ValueError) as e:
         log.warning("kvtool: not serving %s: %s", path, e)
         count("invalid_files")
-        return path, np.zeros(0, dtype=np.int64)
+        return ServedFile(path, np.zeros(0, dtype=np.int64))
 
 
 _ALLOWED_KVZ: set[str] = set()
@@ -342,7 +365,7 @@ def request_switch(params: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
-                model: dict[str, Any]) -> tuple[str, np.ndarray]:
+                model: dict[str, Any], prefix_caching: bool = True) -> ServedFile:
     """:func:`read_kvz_ids` of a request's ``kvtool_kvz`` if it resolves to a regular file under
     ``dirs`` or in ``files`` (real paths); otherwise refused, unopened, with a warning."""
     try:
@@ -353,20 +376,24 @@ def request_kvz(path: Any, dirs: Sequence[str], files: Collection[str],
         log.warning("kvtool: refusing the request's kvtool_kvz %r: %s", path,
                     getattr(e, "strerror", None) or e)
         count("refused_files")
-        return str(path), np.zeros(0, dtype=np.int64)
-    return read_kvz_ids(real, model)
+        return ServedFile(str(path), np.zeros(0, dtype=np.int64))
+    return read_kvz_ids(real, model, prefix_caching)
 
 
-def check_cache(cache: Any, model: dict[str, Any], tokens: int) -> None:
+def check_cache(cache: Any, model: dict[str, Any], tokens: int, sliding_ok: bool = False
+                ) -> None:
     """Raise ValueError unless a loaded cache is this model's (up to dtype: another dtype is
     cast, logged once per process), holds ``tokens`` tokens and can be served as a prefix
-    (:func:`unservable`: a sliding-window layer's partial window would land in the wrong
-    slots)."""
+    (:func:`unservable`; ``sliding_ok``: a served file's sliding-window layers, placed at
+    their positions by :func:`~kvtool.engines.vllm.paged_io.load_source`)."""
     from kvtool.identity import identity_dtype, log_cast, other_weights, same_model
 
     if not same_model(cache.model, model):
         raise ValueError(f"the file belongs to another model{other_weights(cache.model, model)}")
-    refuse_unservable(cache)
+    refuse_unservable(cache, sliding_ok)
+    wrong = window_problem(cache, model) if sliding_ok else None
+    if wrong:
+        raise ValueError(wrong)
     log_cast(cache.model, identity_dtype(model) or "", log)
     wrong = shape_problem(cache, model)
     if wrong:
@@ -416,11 +443,12 @@ class ReqState:
     load: bool = True
     save: bool = True
     capture: bool = False
-    files: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    files: list[ServedFile] = field(default_factory=list)
     logged: bool = False  # its hit or miss has been logged
     match: tuple[int, list[Source]] | None = None  # its lookup's (tokens, sources), once
     stored: int = 0  # leading chunks the lookup found in the store (never saved again)
     from_file: int = 0  # leading tokens a .kvz file serves: its values, not computed ones
+    partial_windows: bool = False  # that file's sliding-window layers kept only their last tokens
     planned: int = 0  # tokens computed once the last step planned for it has run
     load_failed: bool = False  # a block it holds failed to load (see load_failures)
     tainted: bool = False  # it reads K/V computed from a failed load: nothing more is saved

@@ -205,7 +205,10 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         self._kvz_dirs = [os.path.realpath(d) for d in extra.get("kvz_dirs") or []]
         self._kvz_files = list(dict.fromkeys(os.path.realpath(p)
                                              for p in extra.get("kvz_files") or []))
-        self._files = [read_kvz_ids(p, self.model_info)
+        # unknown: taken as on (a file with partial windows is then not served)
+        self._prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching",
+                                            True))
+        self._files = [read_kvz_ids(p, self.model_info, self._prefix_caching)
                        for p in self._kvz_files] if role == KVConnectorRole.SCHEDULER \
             else []
         # worker side
@@ -237,8 +240,8 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
             load=request_switch(params, "kvtool_load", True) and self.load_enabled and keyed,
             save=request_switch(params, "kvtool_save", True) and keyed,
             capture=request_switch(params, "kvtool_capture", self.capture_all) and keyed,
-            files=[request_kvz(own, self._kvz_dirs, self._kvz_files, self.model_info)]
-            if own else [])
+            files=[request_kvz(own, self._kvz_dirs, self._kvz_files, self.model_info,
+                               self._prefix_caching)] if own else [])
 
     def _state(self, request: Request) -> ReqState:
         if request.request_id not in self._reqs:
@@ -262,11 +265,20 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
             if chunks:
                 best = chunks[-1].stop
                 sources = [Source(c.path, c.start, c.stop, c) for c in chunks]
-        for path, ids in self._files + req.files:
+        for path, ids, whole in self._files + req.files:
             n = min(common_prefix(ids, req.prompt), limit)
+            if whole and 0 < n < len(ids):
+                log.info("kvtool: %s serves only a prompt that continues all of its %d tokens "
+                         "(its sliding-window layers keep only their last ones); this one "
+                         "shares %d", path, len(ids), n)
+                n = 0
             if n > best:
                 best, sources = n, [Source(path, 0, n)]
-                req.from_file = n
+                req.from_file, req.partial_windows = n, whole
+        if req.partial_windows and req.capture:
+            log.warning("kvtool: no capture of this prompt: its prefix comes from a file whose "
+                        "sliding-window layers keep only their last tokens")
+            req.capture = False
         return best, sources
 
     def get_num_new_matched_tokens(self, request: Request,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtool.cache import KVCache, has_sliding_layers
+from kvtool.cache import KVCache
 from kvtool.engines.hf import GenerationResult, encode_text, recompute_ids
 from kvtool.errors import KvtoolError
 
@@ -192,6 +192,9 @@ def continue_generation(vm: VllmModel, cache_path: str | os.PathLike, prompt: st
     header_cache = read_header(cache_path)
     hf.check_compatible(header_cache, vm, force=force)
     full = hf.full_ids_for(header_cache, vm.tokenizer, prompt, input_ids)
+    if len(full) <= len(header_cache.token_ids) and _partial_windows(cache_path):
+        raise KvtoolError("this cache's sliding-window layers keep only their last tokens, so "
+                          "vLLM continues it only after at least one new token: give --prompt")
     connector.allow_kvz(cache_path)  # this process chose the file; server requests cannot
     before = connector.stats()
     out, total = run(vm, full, max_new_tokens, kvtool_kvz=os.fspath(cache_path),
@@ -245,12 +248,18 @@ def generate_report(vm: VllmModel, cache_path: str | None, prompt: str, max_new_
     return report
 
 
+def _partial_windows(cache_path: str | os.PathLike) -> bool:
+    from kvtool.engines.vllm.common import partial_windows
+    from kvtool.formats import open_kvz
+
+    with open_kvz(cache_path) as f:
+        return partial_windows(f)
+
+
 def read_header(cache_path: str | os.PathLike) -> KVCache:
     """A layer-less :class:`KVCache` with a .kvz file's token ids and identity (no tensors)."""
     from kvtool.formats import open_kvz
 
     with open_kvz(cache_path) as f:
-        if has_sliding_layers(f.layer_info):
-            raise KvtoolError("vLLM restore does not support sliding-window caches yet")
         return KVCache([], [], token_ids=f.token_ids, model=dict(f.model),
                        tokenizer_fingerprint=f.tokenizer_fingerprint)

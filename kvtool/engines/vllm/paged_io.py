@@ -32,6 +32,7 @@ from kvtool.engines.vllm.fp8_cache import layer_fp8
 from kvtool.engines.vllm.layout import PagedLayout, detect_layout, kernel_block_ids
 from kvtool.engines.vllm.layout_probe import Writer, cpu_layout
 from kvtool.engines.vllm.safeio import pin_file
+from kvtool.engines.vllm.windows import partial_windows
 
 #: per layer: (paged cache, its layout, kernel blocks per scheduler block)
 Layers = Sequence[tuple[torch.Tensor, PagedLayout, int]]
@@ -101,13 +102,27 @@ def load_source(layers: Layers, block_ids: list[int], src: Source, a: int, b: in
     failure (the caller recomputes from ``a`` on). Returns what made them inexact
     (:meth:`~kvtool.formats.KvzFile.lossy_sources`)."""
     if on_device:
-        return _load_on_device(layers, block_ids, src, a, b, store, guard, model_info)
-    cache = read_source(src, b - src.start, store, guard, model_info)
+        found = _load_on_device(layers, block_ids, src, a, b, store, guard, model_info)
+        if found is not None:
+            return found
+    tokens = b - src.start
+    cache = read_source(src, tokens, store, guard, model_info)
     for i, (kv, layout, ratio) in enumerate(layers):
-        k, v = cache.layer(i)
+        k, v = (_at_positions(x, tokens) for x in cache.layer(i))
         layout.scatter(kv, kernel_block_ids(block_ids, ratio), a,
                        k[:, a - src.start:], v[:, a - src.start:])
     return cache.lossy_sources
+
+
+def _at_positions(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A layer's K or V ``[heads, held, dim]`` at positions ``[0, tokens)``: a sliding-window
+    layer that kept only its last ``held`` tokens gets zeros before them, which no query past
+    the file's end attends (:func:`~kvtool.engines.vllm.common.partial_windows`)."""
+    held = int(x.shape[1])
+    if held == tokens:
+        return x
+    pad = torch.zeros((x.shape[0], tokens - held, x.shape[2]), dtype=x.dtype, device=x.device)
+    return torch.cat([pad, x], dim=1)
 
 
 def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: dict) -> Any:
@@ -119,16 +134,17 @@ def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: di
         fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
         return store.read(src.chunk, tokens, fetched)
     with pin_file(src.path) as (path, _):
-        cache = load(path, tokens=tokens, backend="torch")
-    check_cache(cache, model_info, tokens)
+        cache = load(path, tokens=tokens, backend="torch")  # refuses to cut a window it dropped
+    check_cache(cache, model_info, tokens, sliding_ok=True)
     return cache
 
 
 def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b: int,
-                    store: Any, guard: Any, model_info: dict) -> list[str]:
+                    store: Any, guard: Any, model_info: dict) -> list[str] | None:
     """:func:`load_source` on the device: the codes read on the host, decoded on the caches'
     device (:func:`~kvtool.engines.vllm.device_io.load_file`); a store chunk's failure is
-    handled by :meth:`PrefixStore.read_into` as :func:`read_source`'s."""
+    handled by :meth:`PrefixStore.read_into` as :func:`read_source`'s. None for a file whose
+    sliding-window layers kept only their last tokens: the host path places them."""
     from kvtool.formats import open_kvz
 
     targets = [(kv, layout, kernel_block_ids(block_ids, ratio)) for kv, layout, ratio in layers]
@@ -145,6 +161,8 @@ def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b
         store.read_into(src.chunk, tokens, fetched, into_cache)
         return found
     with pin_file(src.path) as (path, _), open_kvz(path) as f:
-        check_file(f, model_info, tokens)
+        if partial_windows(f):
+            return None
+        check_file(f, model_info, tokens, sliding_ok=True)
         into_cache(f)
     return found

@@ -1,0 +1,59 @@
+"""Sliding-window files in vLLM's paged blocks (Gemma 3; Mistral-7B-v0.1, whose every layer
+slides). HF and mlx-lm keep a local layer's last ``window - 1`` tokens; under a KV connector vLLM
+runs without its hybrid KV cache manager, so every layer's blocks hold every position. Such a
+file serves only a prompt that continues all of it: its kept tokens go to their own positions
+and zeros before them (:func:`~kvtool.engines.vllm.paged_io.load_source`), which no query past
+its end attends. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtool.cache import has_sliding_layers
+
+
+def partial_windows(f: Any) -> bool:
+    """Whether a sliding-window layer of an open .kvz or a loaded :class:`~kvtool.cache.KVCache`
+    keeps only its last tokens (HF and mlx-lm captures keep ``window - 1``). Such a
+    file serves only a prompt that continues all of it: a query past its end attends only the
+    tokens that layer kept, where one inside it would need tokens that are gone. Paged blocks
+    hold every position, so the positions before a layer's window are written as zeros (no
+    query past the end attends them), and vLLM's own prefix cache must not share those
+    blocks with a shorter prompt."""
+    if not has_sliding_layers(f.layer_info):
+        return False
+    return any(t < f.num_tokens for t in layer_tokens(f))
+
+
+def window_problem(f: Any, model: dict[str, Any]) -> str | None:
+    """Why a file's layers that keep fewer than all its tokens do not fit the served
+    ``model``'s sliding windows (its identity's ``layout``, not the file's own
+    ``layer_info``, which could claim a window for a full-attention layer or a smaller one),
+    or None: each such layer must slide in the model and keep the last ``window - 1`` tokens,
+    all a query past the file's end attends."""
+    layout = model.get("layout") or {}
+    window, types = layout.get("sliding_window"), layout.get("layer_types")
+    held = layer_tokens(f)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * len(held)
+    total = int(f.num_tokens)
+    for i, n in enumerate(held):
+        if n >= total:
+            continue
+        w = window if i < len(types) and types[i] == "sliding_attention" else None
+        if not isinstance(w, int) or w < 1:
+            return f"layer {i} holds {n} of {total} tokens, but is full attention in this model"
+        if n < min(total, w - 1):
+            return (f"layer {i} holds {n} of {total} tokens, fewer than the last {w - 1} its "
+                    f"sliding window of {w} attends to")
+    return None
+
+
+def layer_tokens(f: Any) -> list[int]:
+    """Tokens each layer holds, of an open .kvz or a loaded :class:`~kvtool.cache.KVCache`."""
+    from kvtool.formats import constants as C
+
+    if hasattr(f, "keys"):
+        return [int(k.shape[1]) for k in f.keys]
+    return [int(layer["key"]["shape"][1]) for layer in f.header[C.H_LAYERS]]
