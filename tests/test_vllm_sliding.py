@@ -168,3 +168,27 @@ def test_windows_are_the_served_models_not_the_files(gemma, tmp_path, caplog):
             assert len(read_kvz_ids(path, info, prefix_caching=False).ids) == 0
         assert why in caplog.text
         assert X.restore_run("vllm", gemma["vm"], path, IDS, NEW).cached == 0
+
+
+def test_kvtool_serve_pins_such_a_file_only_with_prefix_caching_off(gemma, tmp_path):
+    """``kvtool serve --pin``: refused up front (one line naming the flag) while vLLM's prefix
+    cache is on, its default; planned as a served file with ``-- --no-enable-prefix-caching``.
+    A pin within the window serves either way."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+
+    path, short = _hf_file(gemma, tmp_path), _hf_file(gemma, tmp_path, cut=10)
+    base = ["serve", "--dry-run", "--json", "--model", str(gemma["path"]), "--dtype", "fp32"]
+    runner = CliRunner()
+    out = runner.invoke(cli, [*base, "--pin", path])
+    assert out.exit_code != 0 and "Traceback" not in out.output
+    assert len(out.output.strip().splitlines()) == 1
+    assert "-- --no-enable-prefix-caching" in out.output, out.output
+    out = runner.invoke(cli, [*base, "--pin", path, "--", "--no-enable-prefix-caching"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["connector"]["kvz_files"] == [str(Path(path).resolve())]
+    out = runner.invoke(cli, [*base, "--pin", short])
+    assert out.exit_code == 0, out.output

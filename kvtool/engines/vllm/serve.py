@@ -49,14 +49,18 @@ def _cuda() -> bool:
 
 
 def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
-              tokenizer: tuple[str, int] | None = None) -> tuple[str, str | None, bool]:
+              tokenizer: tuple[str, int] | None = None, prefix_caching: bool = True
+              ) -> tuple[str, str | None, bool]:
     """The pin's real path, after checking that it is an intact .kvz of this model (any dtype)
     and ``tokenizer`` (its fingerprint and vocabulary size) that the connector serves
-    (:func:`~kvtool.engines.vllm.common.unservable`), a note when its K/V will be cast to
-    the server's ``dtype`` or it is longer than a prompt can be, and whether it is stored
-    lossy (answers that reuse it are then not exact, whatever the store's policy)."""
+    (:func:`~kvtool.engines.vllm.common.unservable`; a sliding-window file that kept only its
+    windows, :func:`~kvtool.engines.vllm.windows.partial_windows`, only with vLLM's
+    ``prefix_caching`` off), a note when its K/V will be cast to the server's ``dtype`` or it
+    is longer than a prompt can be, and whether it is stored lossy (answers that reuse it are
+    then not exact, whatever the store's policy)."""
     from kvtool.engines.vllm.chunk_checks import exact_dtype
     from kvtool.engines.vllm.common import shape_problem, unservable
+    from kvtool.engines.vllm.windows import partial_windows, window_problem
     from kvtool.formats import open_kvz
     from kvtool.formats.info import verify_file
     from kvtool.identity import cast_note, other_weights, same_model
@@ -70,9 +74,18 @@ def check_pin(path: str, model: dict[str, Any], dtype: str, max_model_len: int,
         if not same_model(f.model, model):
             raise ModelMismatchError(f"--pin {path}: it belongs to another model"
                                      f"{other_weights(f.model, model)}")
-        why = unservable(f)
+        why = unservable(f, sliding_ok=True)
         if why:
             raise KvtoolError(f"--pin {path}: {why}, so the server cannot serve it")
+        if partial_windows(f):
+            why = window_problem(f, model)
+            if why:
+                raise ModelMismatchError(f"--pin {path}: {why}")
+            if prefix_caching:
+                raise KvtoolError(f"--pin {path}: its sliding-window layers keep only their "
+                                  "last tokens, and vLLM's prefix caching would share the "
+                                  "blocks it fills with prompts that need the ones they "
+                                  "dropped; serve it with -- --no-enable-prefix-caching")
         wrong = shape_problem(f, model)
         if wrong:
             raise ModelMismatchError(f"--pin {path}: {wrong}")
@@ -151,6 +164,18 @@ def _short_or_long(engine_args: tuple[str, ...], option: str, shortest: int,
 def _quantization(engine_args: tuple[str, ...]) -> str | None:
     """vLLM's ``--quantization`` (or ``-q``) among the engine's arguments, or None."""
     return _short_or_long(engine_args, "--quantization", 7, "-q") or None
+
+
+def prefix_caching(engine_args: tuple[str, ...]) -> bool:
+    """Whether vLLM will run its prefix cache (its default), as far as exact flags say (an
+    abbreviation reads as on: the connector checks the real config again)."""
+    on = True
+    for arg in engine_args:
+        if arg == "--enable-prefix-caching":
+            on = True
+        elif arg == "--no-enable-prefix-caching":
+            on = False
+    return on
 
 
 def refuse_parallel_engine(engine_args: tuple[str, ...]) -> None:
@@ -386,8 +411,10 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         tok = AutoTokenizer.from_pretrained(location, local_files_only=True)
         tokenizer = (tokenizer_fingerprint(tok), len(tok))
     checked = {}  # by real path: a pin given twice (or through a link) is served once
+    caching = prefix_caching(engine_args)
     for p in pins:
-        real, note, lossy_pin = check_pin(p, info, ident_dtype, max_model_len, tokenizer)
+        real, note, lossy_pin = check_pin(p, info, ident_dtype, max_model_len, tokenizer,
+                                          caching)
         checked.setdefault(real, (p, note, lossy_pin))
     real_pins = list(checked)
     if real_pins:
