@@ -45,8 +45,9 @@ TOLERANCE = 1e-3  # float32 log-probs (tests/test_cross_engine.py)
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """The tiny Gemma 3 in vLLM (the connector, no store, prefix caching off) and in HF:
-    layers 0-4 slide (window 16), layer 5 is global."""
+    """The tiny Gemma 3 in vLLM (the connector with a raw store of 128-token chunks, prefix
+    caching off) and in HF: layers 0-4 slide (window 16), layer 5 is global. Only
+    :func:`test_the_store_serves_a_sliding_window_model` saves to the store, another prompt."""
     from kvtool.models import ensure_default_converted, load_model
 
     path = tmp_path_factory.mktemp("gemma") / "gemma"
@@ -60,7 +61,9 @@ def gemma(tmp_path_factory):
     transformers.Gemma3ForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
         shutil.copy(ensure_default_converted() / name, path)
-    vm = E.load_vllm(str(path), "float32", max_model_len=256)
+    store = tmp_path_factory.mktemp("store")
+    vm = E.load_vllm(str(path), "float32", max_model_len=256, store_path=str(store),
+                     codec="raw", chunk_tokens=128)
     yield {"path": path, "vm": vm, "hf": load_model(str(path), dtype="float32"),
            "base": X.vllm_run(vm, IDS, NEW)}
     vm.close()
@@ -192,3 +195,45 @@ def test_kvtool_serve_pins_such_a_file_only_with_prefix_caching_off(gemma, tmp_p
     assert json.loads(out.output)["connector"]["kvz_files"] == [str(Path(path).resolve())]
     out = runner.invoke(cli, [*base, "--pin", short])
     assert out.exit_code == 0, out.output
+
+
+def test_a_vllm_capture_names_the_windows_and_continues_in_hf_and_mlx(gemma, tmp_path):
+    """vLLM's capture holds every position of every layer and names the model's windows, as HF
+    and mlx-lm do; HF and mlx-lm continue it as they recompute. One written before captures
+    named them (``layer_info`` none) restores in mlx-lm too."""
+    import dataclasses
+
+    cache = E.capture(gemma["vm"], token_ids=IDS[:CUT])
+    assert cache.layer_info == [{"sliding_window": WINDOW}] * 5 + [{}]
+    assert {int(k.shape[1]) for k in cache.keys} == {CUT}
+    loaded = gemma["hf"]
+    want = hf.recompute_generation(loaded, input_ids=IDS, max_new_tokens=NEW).new_token_ids
+    assert hf.continue_generation(loaded, cache, input_ids=IDS,
+                                  max_new_tokens=NEW).new_token_ids == want
+    pytest.importorskip("mlx_lm")
+    from kvtool.engines import mlx
+
+    lm = mlx.load_mlx(str(gemma["path"]), dtype="float32")
+    want = mlx.recompute_generation(lm, input_ids=IDS, max_new_tokens=NEW).new_token_ids
+    for stored in (cache, dataclasses.replace(cache, layer_info=None)):
+        assert mlx.continue_generation(lm, kvtool.load(_saved(stored, tmp_path)), input_ids=IDS,
+                                       max_new_tokens=NEW).new_token_ids == want
+
+
+def _saved(cache, tmp_path) -> str:
+    path = str(tmp_path / f"c{id(cache)}.kvz")
+    kvtool.save(cache, path, codec="raw")
+    return path
+
+
+def test_the_store_serves_a_sliding_window_model(gemma):
+    """The prefix store on Gemma 3: chunks hold every position of every layer (vLLM computed
+    them all), so a later prompt loads them and continues as vLLM recomputing."""
+    other = list(range(400, 600))  # one chunk: vLLM's CPU blocks are 128 tokens
+    want = X.vllm_run(gemma["vm"], other, NEW)
+    before = C.stats()
+    E.run(gemma["vm"], other, NEW)  # computed, and its whole chunk saved
+    assert C.flush(timeout=120) and C.stats()["chunks_saved"] - before["chunks_saved"] == 1
+    out, _ = E.run(gemma["vm"], other, NEW)
+    assert C.stats()["tokens_loaded"] - before["tokens_loaded"] == 128
+    assert list(out.outputs[0].token_ids) == want.tokens

@@ -139,19 +139,23 @@ def _evicted(files: int, freed: int) -> None:
 def write_capture(path: str, gather: Any, token_ids: list[int], model: dict,
                   lossy_sources: list[str], tokenizer_fingerprint: str | None) -> None:
     """A request's whole prompt K/V (``gather()``: keys, values), lossless, at ``path``
-    (``capture_dir``), with what they went through (an fp8 cache's rounding); a failure is
-    logged and counted, never raised."""
+    (``capture_dir``), with what they went through (an fp8 cache's rounding) and the model's
+    sliding windows (every layer holds every token); a failure is logged and counted, never
+    raised."""
     import os
 
     import numpy as np
 
-    from kvtool.cache import KVCache
+    from kvtool.cache import KVCache, windows_layer_info
+    from kvtool.engines.vllm.windows import model_windows
     from kvtool.formats import save
 
     try:
         keys, values = gather()
         cache = KVCache(keys, values, token_ids=np.asarray(token_ids), model=model,
-                        tokenizer_fingerprint=tokenizer_fingerprint, lossy_sources=lossy_sources)
+                        tokenizer_fingerprint=tokenizer_fingerprint, lossy_sources=lossy_sources,
+                        # every position of every layer, its windows named as HF and mlx-lm do
+                        layer_info=windows_layer_info(model_windows(model, len(keys))))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save(cache, path, codec="raw")  # lossless; callers re-encode
         count("captures")

@@ -29,13 +29,16 @@ def pin_file(root: str | os.PathLike, path: str, *, chunk_tokens: int = 256,
     from kvtool.engines.vllm.chunk_checks import exact_dtype
     from kvtool.engines.vllm.common import policy_from_extra, unservable
     from kvtool.engines.vllm.store import PrefixStore
+    from kvtool.engines.vllm.windows import partial_windows
     from kvtool.formats import load, open_kvz
     from kvtool.formats.transcode import refuse_requantizing
 
     read_pins(root)  # a damaged pins file is refused before anything is written
     refuse_foreign(root)  # as is a directory that is not a store
     cache = load(path)
-    why = unservable(cache)
+    why = unservable(cache, sliding_ok=True) or (
+        "its sliding-window layers keep only their last tokens" if partial_windows(cache)
+        else None)  # chunks hold every position of every layer
     if why:
         raise KvtoolError(f"{path}: {why}, so the server cannot serve its chunks")
     if not cache.model.get("fingerprint"):

@@ -26,23 +26,30 @@ def partial_windows(f: Any) -> bool:
     return any(t < f.num_tokens for t in layer_tokens(f))
 
 
-def window_problem(f: Any, model: dict[str, Any]) -> str | None:
-    """Why a file's layers that keep fewer than all its tokens do not fit the served
-    ``model``'s sliding windows (its identity's ``layout``, not the file's own
-    ``layer_info``, which could claim a window for a full-attention layer or a smaller one),
-    or None: each such layer must slide in the model and keep the last ``window - 1`` tokens,
-    all a query past the file's end attends."""
+def model_windows(model: dict[str, Any], num_layers: int) -> list[int | None]:
+    """Per layer, the sliding window of the model whose identity is ``model`` (its
+    ``layout``: ``sliding_window`` and ``layer_types``), None for full attention."""
     layout = model.get("layout") or {}
     window, types = layout.get("sliding_window"), layout.get("layer_types")
-    held = layer_tokens(f)
     if types is None:
-        types = ["sliding_attention" if window else "full_attention"] * len(held)
+        types = ["sliding_attention" if window else "full_attention"] * num_layers
+    ok = isinstance(window, int) and not isinstance(window, bool) and window >= 1
+    return [window if ok and i < len(types) and types[i] == "sliding_attention" else None
+            for i in range(num_layers)]
+
+
+def window_problem(f: Any, model: dict[str, Any]) -> str | None:
+    """Why a file's layers that keep fewer than all its tokens do not fit the served
+    ``model``'s sliding windows (:func:`model_windows`, not the file's own ``layer_info``,
+    which could claim a window for a full-attention layer or a smaller one), or None: each
+    such layer must slide in the model and keep the last ``window - 1`` tokens, all a query
+    past the file's end attends."""
+    held = layer_tokens(f)
     total = int(f.num_tokens)
-    for i, n in enumerate(held):
+    for i, (n, w) in enumerate(zip(held, model_windows(model, len(held)), strict=True)):
         if n >= total:
             continue
-        w = window if i < len(types) and types[i] == "sliding_attention" else None
-        if not isinstance(w, int) or w < 1:
+        if w is None:
             return f"layer {i} holds {n} of {total} tokens, but is full attention in this model"
         if n < min(total, w - 1):
             return (f"layer {i} holds {n} of {total} tokens, fewer than the last {w - 1} its "
