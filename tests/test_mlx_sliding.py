@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 
 import pytest
 
@@ -20,6 +19,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 import numpy as np  # noqa: E402
+from gemma_util import write_tiny_gemma  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 from mlx_util import alone, batched  # noqa: E402
 
@@ -47,19 +47,9 @@ def gemma(tmp_path_factory):
     """The tiny Gemma 3 loaded by mlx-lm and by transformers, and both engines' greedy tokens
     for ``IDS``. mlx-lm's gemma3_text puts a global layer every ``sliding_window_pattern``
     (6) layers: layers 0-4 slide, layer 5 is global."""
-    from kvtool.models import ensure_default_converted, load_model
+    from kvtool.models import load_model
 
-    path = tmp_path_factory.mktemp("gemma") / "gemma"
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=False, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, head_dim=32, sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"])
-    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
-        shutil.copy(ensure_default_converted() / name, path)
+    path = write_tiny_gemma(tmp_path_factory.mktemp("gemma") / "gemma", WINDOW)
     lm, loaded = E.load_mlx(str(path), dtype="float32"), load_model(str(path), dtype="float32")
     return {"path": path, "lm": lm, "hf": loaded,
             "mlx_base": E.recompute_generation(lm, input_ids=IDS, max_new_tokens=6)

