@@ -116,8 +116,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with a module-scoped fixture's module as a group. (xdist's own
     loadgroup reads ``xdist_group`` marks from a suffix it writes into each test's nodeid,
-    which pytest 9.2 no longer lets it write: there, every test would be its own group.)"""
-    if config.getvalue("dist") != "loadgroup":
+    which pytest 9.2 no longer lets it write: there, every test would be its own group.) A plain
+    ``-n N`` (xdist's ``load``) gets the same: split over two workers, a module's server fixture
+    would start twice and its tests would count each other's requests on neither."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from xdist.scheduler import LoadGroupScheduling
 

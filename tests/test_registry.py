@@ -80,6 +80,74 @@ def test_bad_options_and_future_versions():
         get_codec("{not json")
 
 
+def _scaled_codec(version: int, *, keeps_old: bool):
+    """A plugin codec storing x / scale in fp16: version 1 divides by 2, version 2 by 4.
+    ``keeps_old``: version 2 still decodes version 1's files (it takes ``codec_version``)."""
+    from kvtool.codecs.abc import ArraySpec
+
+    class Scaled(Codec):
+        codec_id = "test-scaled"
+        codec_version = version
+
+        def _scale(self):
+            return 2.0 if self.codec_version == 1 else 4.0
+
+        def bits_per_element(self, head_dim):
+            return 16.0
+
+        def _encode(self, xp, x):
+            return {"half": xp.astype(xp.astype(x, "float32") / self._scale(), "float16")}
+
+        def _decode(self, xp, enc):
+            return xp.astype(enc.arrays["half"], "float32") * self._scale()
+
+        def expected_arrays(self, shape, dtype):
+            return {"half": ArraySpec(tuple(shape), "float16")}
+
+    if keeps_old:
+        def __init__(self, codec_version: int = version):
+            self.codec_version = codec_version
+        Scaled.__init__ = __init__
+    return Scaled
+
+
+def test_an_older_codec_version_decodes_by_its_rules_or_not_at_all(tmp_path):
+    """format.md §7: a file of codec version 1 read where version 2 is installed decodes by
+    version 1's rules (a codec that takes ``codec_version``), or is refused as a codec that is
+    not installed; never decoded by version 2's rules (here: twice the values)."""
+    from kvz_util import synthetic_cache
+
+    from kvtool.codecs import register_codec
+    from kvtool.errors import MissingCodecError
+    from kvtool.formats import load, save
+
+    cache = synthetic_cache(layers=1, tokens=8, dim=16)
+    register_codec(_scaled_codec(1, keeps_old=False))
+    try:
+        save(cache, tmp_path / "v1.kvz", codec="test-scaled")
+        want = load(tmp_path / "v1.kvz")
+    finally:
+        reset_registry()
+    k0 = np.asarray(want.keys[0])
+    np.testing.assert_allclose(k0, np.asarray(cache.keys[0]), rtol=1e-3, atol=1e-3)
+
+    register_codec(_scaled_codec(2, keeps_old=False))
+    try:
+        with pytest.raises(MissingCodecError, match="'test-scaled' version 1 is not installed"):
+            load(tmp_path / "v1.kvz")
+    finally:
+        reset_registry()
+    register_codec(_scaled_codec(2, keeps_old=True))
+    try:
+        got = load(tmp_path / "v1.kvz")
+        np.testing.assert_array_equal(np.asarray(got.keys[0]), k0)
+        old = get_codec({"id": "test-scaled", "codec_version": 1})
+        assert old.get_config()["codec_version"] == 1  # written back as what it decodes
+        assert get_codec("test-scaled").get_config()["codec_version"] == 2
+    finally:
+        reset_registry()
+
+
 PLUGIN_MODULE = textwrap.dedent('''
     from kvtool.codecs import Codec
 

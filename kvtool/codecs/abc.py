@@ -84,6 +84,11 @@ class Codec(ABC):
     Subclasses set ``codec_id`` (the on-disk identity) and ``codec_version`` (raised when the
     encoded bytes change meaning) and implement ``_encode``/``_decode`` in terms of the array ops
     namespace ``xp`` handed to them, so one implementation serves numpy and torch alike.
+
+    A codec that still decodes files of an older version takes a ``codec_version`` keyword in
+    ``__init__``, keeps it as ``self.codec_version`` and follows that version's rules;
+    :func:`~kvtool.codecs.get_codec` refuses an older version for a codec that takes none, as it
+    refuses a codec that is not installed.
     """
 
     codec_id: ClassVar[str]

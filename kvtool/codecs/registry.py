@@ -151,6 +151,13 @@ def get_codec(spec: str | dict[str, Any] | Codec, **params: Any) -> Codec:
         raise CodecVersionError(f"codec {codec_id!r} version {version} is newer than this "
                                 f"kvtool supports ({cls.codec_version}); upgrade kvtool")
     _check_option_names(cls, codec_id, config)
+    if version < cls.codec_version:  # by that version's rules, or not at all (format.md §7)
+        if "codec_version" not in codec_options(cls):
+            raise UnknownCodecError(  # as a missing codec: the file is fine, others read it
+                f"codec {codec_id!r} version {version} is not installed: the installed codec "
+                f"implements version {cls.codec_version} only; read it with the kvtool or "
+                f"plugin release that wrote it")
+        config["codec_version"] = version
     try:
         return cls(**config)
     except TypeError as e:
