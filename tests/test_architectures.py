@@ -1,8 +1,8 @@
 """Architectures beyond Llama and Gemma 3, on tiny random-init models (no weights): a lossless
 capture, saved and loaded, continues each exactly; every layer sliding (Mistral-7B-v0.1) holds
-only its window of a longer prompt; hybrid and latent-attention (MLA) models are refused by
-name; config fields that change the keys without changing the weights (NoPE layers) are part
-of the fingerprint."""
+only its window of a longer prompt; hybrid (Mamba, gated delta), chunked-attention (Llama 4)
+and latent-attention (MLA) models are refused by name; config fields that change the keys
+without changing the weights (NoPE layers) are part of the fingerprint."""
 
 from __future__ import annotations
 
@@ -131,6 +131,40 @@ def test_hybrid_models_are_refused_by_name(ids):
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, name="lfm2")
     with pytest.raises(KvtoolError, match=message):
         run_baseline(loaded, "text", chunk=16)
+
+
+OTHER_LAYERS = {  # config class, its options beyond BASE, the layer kind refused
+    "falcon_h1": ("FalconH1Config", {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4,
+                                     "mamba_d_head": 16, "mamba_n_groups": 1,
+                                     "mamba_d_state": 16, "mamba_chunk_size": 16}, "hybrid"),
+    "jamba": ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1,
+                              "expert_layer_period": 2, "num_experts": 2, "mamba_d_state": 8,
+                              "mamba_dt_rank": 8}, "linear_attention"),
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 16, "num_experts": 2,
+                                       "layer_types": ["linear_attention", "full_attention"],
+                                       "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+                                       "linear_num_value_heads": 2, "linear_num_key_heads": 2,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+                   "linear_attention"),
+    "llama4_chunked": ("Llama4TextConfig", {"head_dim": 16, "attention_chunk_size": 16,
+                                            "num_local_experts": 2, "num_experts_per_tok": 1,
+                                            "intermediate_size_mlp": 128},
+                       "chunked_attention"),
+}
+
+
+@pytest.mark.parametrize("arch", OTHER_LAYERS)
+def test_state_space_linear_and_chunked_layers_are_refused_by_name(arch, ids):
+    """Mamba and gated-delta layers keep a state, not K/V; Llama 4's chunked layers attend
+    within fixed chunks, which no ``layer_info`` says: captured as full attention, a file would
+    continue them wrongly. Capture and the runtime cache refuse each, naming the layer kind."""
+    config_class, options, kind = OTHER_LAYERS[arch]
+    model = tiny(config_class, **options)
+    message = rf"full and sliding-window attention layers; .* also has \['{kind}'\] layers"
+    with pytest.raises(KvtoolError, match=message):
+        hf.capture(model, None, token_ids=ids)
+    with pytest.raises(KvtoolError, match=message):
+        CompressedCache(CodecPolicy.from_options("turbo3"), config=model.config)
 
 
 def test_latent_attention_capture_is_refused_by_name(ids):
