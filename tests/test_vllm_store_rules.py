@@ -24,7 +24,7 @@ from kvtool.engines.vllm.common import (  # noqa: E402
     request_switch,
     stats,
 )
-from kvtool.engines.vllm.safeio import UnsafeFileError  # noqa: E402
+from kvtool.engines.vllm.safeio import UnsafeFileError, stamp_of  # noqa: E402
 from kvtool.engines.vllm.store import PrefixStore  # noqa: E402
 from kvtool.engines.vllm.store_backend import QUARANTINE_DIR  # noqa: E402
 from kvtool.errors import FormatError, NewerVersionError  # noqa: E402
@@ -461,14 +461,28 @@ def test_a_lossy_chunk_that_cannot_be_replaced_is_kept_and_later_saves_go_on(tmp
     lossless = make(root)
     lossless.lookup(IDS)
 
-    def denied(*args, **kwargs):
-        raise PermissionError(1, "Operation not permitted")
+    real_replace, encodes = os.replace, []
 
+    def denied(src, dst, **kwargs):  # the rename over the judged file, not a temp file's
+        if "dst_dir_fd" in kwargs:
+            raise PermissionError(1, "Operation not permitted")
+        return real_replace(src, dst, **kwargs)
+
+    def counted(name, encode, **kwargs):
+        def counting(path):
+            encodes.append(name)
+            return encode(path)
+        return write_new(name, counting, **kwargs)
+
+    write_new = lossless.backend.write_new
     monkeypatch.setattr(store_backend.os, "replace", denied)
+    monkeypatch.setattr(lossless.backend, "write_new", counted)
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):
-        for _ in range(2):
+        for _ in range(3):
             assert lossless.write(lossy, *kv(), IDS) == 0
     assert caplog.text.count("cannot replace the lossy chunk") == 1
+    assert len(encodes) == 1  # refused once: the same file is not encoded over again
+    assert f"not permitted: '{lossy.path}')" in caplog.text  # the chunk, not "... -> None"
     assert open(lossy.path, "rb").read() == before
     assert not [n for n in os.listdir(os.path.dirname(lossy.path)) if n.endswith(TEMP_SUFFIX)]
     second = lossless.chunks(IDS)[1]
@@ -561,8 +575,9 @@ def test_request_paths_confined(tmp_path, caplog):
     os.symlink(other / "x.kvz", allowed / "escape.kvz")
     os.mkfifo(allowed / "fifo.kvz")
     dirs, fp = [os.path.realpath(allowed)], MODEL
-    path, ids, whole = request_kvz(str(good), dirs, [], fp)
+    path, ids, whole, stamp = request_kvz(str(good), dirs, [], fp)
     assert path == os.path.realpath(good) and list(ids) == IDS[:CHUNK] and not whole
+    assert stamp == stamp_of(os.stat(good))  # what the worker checks before it loads
     before = stats()["refused_files"]
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="kvtool.vllm"):

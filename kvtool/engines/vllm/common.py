@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from kvtool.cache import has_sliding_layers
-from kvtool.engines.vllm.safeio import UnsafeFileError, confine, pin_file
+from kvtool.engines.vllm.safeio import Stamp, UnsafeFileError, confine, pin_file, stamp_of
 from kvtool.engines.vllm.windows import partial_windows, window_problem
 
 if TYPE_CHECKING:
@@ -304,12 +304,28 @@ def refuse_unservable(f: Any, sliding_ok: bool = False) -> None:
 
 class ServedFile(NamedTuple):
     """A .kvz file served as a prefix (``kvz_files``, a request's ``kvtool_kvz``): its token
-    ids (empty when it cannot be served) and whether it serves only a prompt that continues
-    all of them (:func:`partial_windows`)."""
+    ids (empty when it cannot be served), whether it serves only a prompt that continues
+    all of them (:func:`partial_windows`), and the stamp of the file they were read from
+    (the worker loads it only while the file still has it)."""
 
     path: str
     ids: np.ndarray
     whole: bool = False
+    stamp: Stamp | None = None
+
+
+def refreshed(served: ServedFile, model: dict[str, Any], prefix_caching: bool) -> ServedFile:
+    """``served`` read again where its file changed since (a ``kvz_files`` entry rewritten
+    while the server runs: its old ids would match prompts of another text); as it is
+    otherwise. One ``stat`` a call."""
+    try:
+        now = stamp_of(os.stat(served.path))
+    except OSError:
+        now = None
+    if now == served.stamp:
+        return served
+    log.info("kvtool: %s changed since it was read; reading it again", served.path)
+    return read_kvz_ids(served.path, model, prefix_caching)
 
 
 def read_kvz_ids(path: str, model: dict[str, Any], prefix_caching: bool = True) -> ServedFile:
@@ -324,7 +340,7 @@ def read_kvz_ids(path: str, model: dict[str, Any], prefix_caching: bool = True) 
     from kvtool.identity import other_weights, same_model
 
     try:
-        with pin_file(path) as (pinned_path, _), open_kvz(pinned_path) as f:
+        with pin_file(path) as (pinned_path, stamp), open_kvz(pinned_path) as f:
             if not same_model(f.model, model):
                 raise ValueError(f"it belongs to another model{other_weights(f.model, model)}")
             refuse_unservable(f, sliding_ok=True)
@@ -337,7 +353,7 @@ def read_kvz_ids(path: str, model: dict[str, Any], prefix_caching: bool = True) 
                                  "vLLM's prefix caching would share the blocks it fills with "
                                  "prompts that need the tokens they dropped; serve it with "
                                  "prefix caching off (--no-enable-prefix-caching)")
-            return ServedFile(path, f.token_ids, whole)
+            return ServedFile(path, f.token_ids, whole, stamp)
     except (KvtoolError, OSError, ValueError) as e:
         log.warning("kvtool: not serving %s: %s", path, e)
         count("invalid_files")
@@ -411,6 +427,7 @@ class Source:
     start: int
     stop: int
     chunk: Chunk | None = None  # set for store chunks (see PrefixStore.reject)
+    stamp: Stamp | None = None  # a served file's, as its ids were read (ServedFile.stamp)
 
 
 @dataclass

@@ -111,6 +111,7 @@ from kvtool.engines.vllm.common import (  # noqa: F401  (stats etc. re-exported)
     log,
     policy_from_extra,
     read_kvz_ids,
+    refreshed,
     request_kvz,
     request_switch,
     reset_stats,
@@ -125,7 +126,7 @@ from kvtool.engines.vllm.layout import PagedLayout
 from kvtool.engines.vllm.load_failures import PoisonedBlocks, WithheldSaves
 from kvtool.engines.vllm.metrics import MetricsMixin
 from kvtool.engines.vllm.options import check_extra
-from kvtool.engines.vllm.served_model import model_info, refuse_parallel
+from kvtool.engines.vllm.served_model import model_info, refuse_dropped_blocks, refuse_parallel
 from kvtool.engines.vllm.stats_files import stats_writer
 from kvtool.engines.vllm.store import open_store
 
@@ -155,6 +156,8 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = check_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         refuse_parallel(vllm_config)
+        if kv_cache_config is not None:
+            refuse_dropped_blocks(kv_cache_config, int(vllm_config.model_config.max_model_len))
         self.block_size = int(vllm_config.cache_config.block_size)
         chunk = int(extra.get("chunk_tokens") or MIN_CHUNK_TOKENS)
         self.chunk_tokens = -(-chunk // self.block_size) * self.block_size
@@ -265,7 +268,9 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
             if chunks:
                 best = chunks[-1].stop
                 sources = [Source(c.path, c.start, c.stop, c) for c in chunks]
-        for path, ids, whole in self._files + req.files:
+        self._files = [refreshed(f, self.model_info, self._prefix_caching)
+                       for f in self._files]
+        for path, ids, whole, stamp in self._files + req.files:
             n = min(common_prefix(ids, req.prompt), limit)
             if whole and 0 < n < len(ids):
                 log.info("kvtool: %s serves only a prompt that continues all of its %d tokens "
@@ -273,7 +278,7 @@ class KvtoolConnector(MetricsMixin, WorkerHalf, KVConnectorBase_V1):
                          "shares %d", path, len(ids), n)
                 n = 0
             if n > best:
-                best, sources = n, [Source(path, 0, n)]
+                best, sources = n, [Source(path, 0, n, stamp=stamp)]
                 req.from_file, req.partial_windows = n, whole
         if req.partial_windows and req.capture:
             log.warning("kvtool: no capture of this prompt: its prefix comes from a file whose "

@@ -48,7 +48,18 @@ class VllmModel:
     load_seconds: float = 0.0
 
     def close(self) -> None:
+        """Shut the engine down, its KV connector included: vLLM keeps a process's worker
+        connector in a global, which a later engine of this process would otherwise reuse (the
+        first model's identity and caches). Safe to call twice."""
         shutil.rmtree(self.capture_dir, ignore_errors=True)
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+            from vllm.distributed.kv_transfer.kv_transfer_state import (
+                ensure_kv_transfer_shutdown,
+            )
+
+            ensure_kv_transfer_shutdown()
 
 
 # what _quiet_env may set in this process's environment, for an in-process engine only
@@ -100,9 +111,10 @@ def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int
     info = model_identity(config, name=name, dtype=dtype,
                           weights=weights_fingerprint(location))
     fps = {"model": info["fingerprint"], "tokenizer": tokenizer_fingerprint(tokenizer)}
-    if max_model_len is None:
-        max_model_len = int(getattr(config.get_text_config(), "max_position_embeddings", 0)
-                            or 4096)
+    from kvtool.engines.vllm.windows import context_for_windows
+
+    max_model_len = context_for_windows(info, max_model_len, int(
+        getattr(config.get_text_config(), "max_position_embeddings", 0) or 4096))
     if kv_cache_memory_bytes is None:
         per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] \
             * DTYPE_BYTES.get(dtype, 4)

@@ -125,6 +125,16 @@ def _at_positions(x: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cat([pad, x], dim=1)
 
 
+def check_unchanged(src: Source, stamp: tuple[int, int, int]) -> None:
+    """A :class:`FormatError` where a served file is not the one whose ids the scheduler
+    matched (rewritten since: another text's K/V, or windows the scheduler's rules did not
+    judge); the load fails and vLLM recomputes the prefix."""
+    from kvtool.errors import FormatError
+
+    if src.stamp is not None and stamp != src.stamp:
+        raise FormatError(f"{src.path} changed after its token ids were matched to the request")
+
+
 def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: dict) -> Any:
     """The source's first ``tokens`` tokens (a store chunk's failure is handled by
     :meth:`PrefixStore.read`: quarantined or skipped, never deleted)."""
@@ -133,7 +143,8 @@ def read_source(src: Source, tokens: int, store: Any, guard: Any, model_info: di
     if src.chunk is not None and store is not None and guard is not None:
         fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
         return store.read(src.chunk, tokens, fetched)
-    with pin_file(src.path) as (path, _):
+    with pin_file(src.path) as (path, stamp):
+        check_unchanged(src, stamp)
         cache = load(path, tokens=tokens, backend="torch")  # refuses to cut a window it dropped
     check_cache(cache, model_info, tokens, sliding_ok=True)
     return cache
@@ -160,7 +171,8 @@ def _load_on_device(layers: Layers, block_ids: list[int], src: Source, a: int, b
         fetched = guard.call("load", store.fetch, src.chunk)  # I/O: a deadline
         store.read_into(src.chunk, tokens, fetched, into_cache)
         return found
-    with pin_file(src.path) as (path, _), open_kvz(path) as f:
+    with pin_file(src.path) as (path, stamp), open_kvz(path) as f:
+        check_unchanged(src, stamp)
         if partial_windows(f):
             return None
         check_file(f, model_info, tokens, sliding_ok=True)

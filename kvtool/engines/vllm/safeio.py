@@ -183,7 +183,10 @@ def with_path(error: BaseException, path: str, hidden: str | None = None) -> Bas
     if isinstance(error, OSError):
         if error.errno is None:
             return error if path in str(error) else OSError(f"{path}: {error}")
-        error.filename, error.filename2 = path, None
+        if error.filename2 is None:
+            error.filename = path
+        else:  # a rename's: its text would say "'path' -> None" with filename2 cleared
+            return type(error)(error.errno, error.strerror, path)
     elif isinstance(error, KvtoolError) and hidden and hidden in str(error):
         return type(error)(re.sub(re.escape(hidden) + r"/[^\s:'\"]*", path, str(error)))
     return error

@@ -171,9 +171,10 @@ def prefix_caching(engine_args: tuple[str, ...]) -> bool:
     abbreviation reads as on: the connector checks the real config again)."""
     on = True
     for arg in engine_args:
-        if arg == "--enable-prefix-caching":
+        flag = "--" + arg[2:].replace("_", "-") if arg.startswith("--") else arg  # as vLLM
+        if flag == "--enable-prefix-caching":
             on = True
-        elif arg == "--no-enable-prefix-caching":
+        elif flag == "--no-enable-prefix-caching":
             on = False
     return on
 
@@ -375,6 +376,7 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
     longest = None if any(a.startswith(_CONTEXT_ARGS) for a in engine_args) or os.environ.get(
         "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true") \
         else _positions(config)
+    given_len = max_model_len
     if max_model_len is None:
         max_model_len = min(4096, positions if isinstance(positions, int) and positions > 0
                             else 4096)
@@ -382,6 +384,16 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         raise KvtoolError(f"--max-model-len {max_model_len}: the model has {longest} positions "
                           "(vLLM refuses a longer context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
                           "is set, and past them RoPE models produce NaNs)")
+    window_note = None
+    if store or pins:  # what the connector refuses as it starts (refuse_dropped_blocks)
+        from kvtool.engines.vllm.windows import context_for_windows
+
+        capped = context_for_windows(info, given_len, max_model_len)
+        if capped != max_model_len:
+            window_note = (f"context {capped} tokens, not {max_model_len}: every layer has a "
+                           f"sliding window of {capped}, past which vLLM frees the blocks "
+                           "kvtool's store reads")
+        max_model_len = capped
     options = given_options(policy_options)
     connector: dict[str, Any] = {"model_name": name, **options}
     if store:
@@ -457,6 +469,8 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
         raise KvtoolError(f"--kv-cache-dtype {kv_cache_dtype}: {FP8_LOSSLESS}")
     lossy = policy.is_lossy(ident_dtype)
     notes = [f"--pin {p}: {note}" for p, note, _ in checked.values() if note]
+    if window_note:
+        notes.append(window_note)
     lossy_pins = [p for p, _, lossy_pin in checked.values() if lossy_pin]
     if not lossy:  # the store's policy keeps K/V exact, but a lossy pin's are decoded codes
         notes += [f"--pin {p}: stored lossy; answers that reuse it may differ slightly from "

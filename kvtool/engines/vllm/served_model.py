@@ -29,6 +29,46 @@ def refuse_parallel(vllm_config: Any) -> None:
                          + " (run one engine per GPU, e.g. vLLM's --data-parallel-size)")
 
 
+def refuse_dropped_blocks(kv_cache_config: Any, max_model_len: int) -> None:
+    """ValueError where vLLM's KV cache manager lets go of a request's blocks before its end:
+    a model whose every layer slides (Mistral-7B-v0.1, Phi-3-mini-4k) or attends in chunks
+    keeps its own window spec even without the hybrid manager (only a mix of full and local
+    layers is promoted to full attention). Its blocks outside the window are freed, and a
+    prefix-cache hit hands a request the null block for them: chunks saved or captured from
+    them would hold another request's K/V or zeros. Within a ``max_model_len`` no longer than
+    the window, no block is let go."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
+        RSWASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) \
+            else (spec,)
+        for one in specs:
+            if isinstance(one, SlidingWindowSpec) and one.sliding_window < max_model_len:
+                span = f"a sliding window of {one.sliding_window}"
+                fit = one.sliding_window
+            elif isinstance(one, ChunkedLocalAttentionSpec) \
+                    and one.attention_chunk_size < max_model_len:
+                span = f"attention chunks of {one.attention_chunk_size}"
+                fit = one.attention_chunk_size
+            elif isinstance(one, RSWASpec | CircularBufferSpec):
+                raise ValueError(f"KvtoolConnector needs every position in the paged blocks; "
+                                 f"vLLM's {type(one).__name__} layers evict some")
+            else:
+                continue
+            raise ValueError(
+                f"KvtoolConnector needs every position in the paged blocks, but every layer of "
+                f"this model has {span}, and vLLM frees a request's blocks outside it (a "
+                f"saved chunk would hold freed blocks); serve it with --max-model-len {fit} "
+                f"or less, where none is freed")
+
+
 def model_info(vllm_config: Any, name: str | None = None) -> dict[str, Any]:
     """The model identity kvtool's HF engine would write for the model vLLM runs."""
     from pathlib import Path

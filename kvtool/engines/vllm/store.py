@@ -128,6 +128,7 @@ class PrefixStore(ChunkJudge):
         self.dir = self.backend.path(self.model_dir)
         self.writable = writable  # False for kv_consumer: this process never changes the store
         self._warned: set[str] = set()
+        self._unreplaceable: set[tuple[str, Any]] = set()  # (lossy file, stamp) refused to us
         self._warned_newer = False
         self._warned_inexact = False
         #: what this server's K/V went through before the store (an fp8 paged cache's

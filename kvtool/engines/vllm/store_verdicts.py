@@ -65,7 +65,8 @@ class ChunkJudge:
         if verdict is None:  # damaged (then quarantined), unreadable (kept) or gone
             return not self.exists(chunk), None
         judged = _VERDICTS.get(chunk.path)
-        if not verdict[0] or verdict[1] is not None or judged is None:
+        if not verdict[0] or verdict[1] is not None or judged is None \
+                or (chunk.path, judged[0]) in self._unreplaceable:
             return False, None
         return True, judged[0]  # only the file judged lossy: another's exact chunk is kept
 
@@ -80,6 +81,7 @@ class ChunkJudge:
             self._warn_once(chunk, f"kvtool store: cannot replace the lossy chunk {chunk.path} "
                             f"({e}); kept, and its prefix computed by this lossless server",
                             counter=None)
+            self._unreplaceable.add((chunk.path, judged))  # not encoded again for this file
             return 0
         if size:
             _VERDICTS.pop(chunk.path, None)

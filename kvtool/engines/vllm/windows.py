@@ -1,6 +1,9 @@
-"""Sliding-window files in vLLM's paged blocks (Gemma 3; Mistral-7B-v0.1, whose every layer
-slides). HF and mlx-lm keep a local layer's last ``window - 1`` tokens; under a KV connector vLLM
-runs without its hybrid KV cache manager, so every layer's blocks hold every position. Such a
+"""Sliding-window files in vLLM's paged blocks (Gemma 3). HF and mlx-lm keep a local layer's
+last ``window - 1`` tokens; under a KV connector vLLM runs without its hybrid KV cache manager,
+which promotes a mix of local and global layers to full attention, so every layer's blocks hold
+every position. (A model whose every layer slides, Mistral-7B-v0.1, keeps vLLM's window manager,
+which frees blocks outside the window: kvtool runs it within a context of the window,
+:func:`context_for_windows`.) Such a
 file serves only a prompt that continues all of it: its kept tokens go to their own positions
 and zeros before them (:func:`~kvtool.engines.vllm.paged_io.load_source`), which no query past
 its end attends. Nothing here imports vLLM.
@@ -36,6 +39,37 @@ def model_windows(model: dict[str, Any], num_layers: int) -> list[int | None]:
     ok = isinstance(window, int) and not isinstance(window, bool) and window >= 1
     return [window if ok and i < len(types) and types[i] == "sliding_attention" else None
             for i in range(num_layers)]
+
+
+def every_layer_window(model: dict[str, Any]) -> int | None:
+    """The smallest window of a model whose every layer slides (Mistral-7B-v0.1,
+    Phi-3-mini-4k), else None. vLLM keeps such a model's window spec under a KV connector and
+    frees blocks outside the window, which the connector refuses past a context of that many
+    tokens (:func:`~kvtool.engines.vllm.served_model.refuse_dropped_blocks`)."""
+    layers = model.get("num_layers")
+    if not isinstance(layers, int) or layers < 1:
+        return None
+    windows = model_windows(model, layers)
+    return None if None in windows else min(windows)
+
+
+def context_for_windows(model: dict[str, Any], max_model_len: int | None,
+                        default: int) -> int:
+    """The context vLLM runs with kvtool's connector: ``max_model_len`` as given (a
+    :class:`KvtoolError` past a model's every-layer window), else ``default`` capped at it."""
+    from kvtool.errors import KvtoolError
+
+    window = every_layer_window(model)
+    if window is None:
+        return default if max_model_len is None else max_model_len
+    if max_model_len is None:
+        return min(default, window)
+    if max_model_len > window:
+        raise KvtoolError(
+            f"--max-model-len {max_model_len}: every layer of this model has a sliding window "
+            f"of {window}, and past it vLLM frees a request's blocks that kvtool's store and "
+            f"captures read; give --max-model-len {window} or less")
+    return max_model_len
 
 
 def window_problem(f: Any, model: dict[str, Any]) -> str | None:
