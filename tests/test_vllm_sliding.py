@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def test_every_layer_sliding_runs_within_its_window_and_refuses_more(tmp_path):
     assert out.exit_code != 0 and len(out.output.strip().splitlines()) == 1, out.output
     plan = json.loads(CliRunner().invoke(cli, base).output)
     assert plan["argv"][plan["argv"].index("--max-model-len") + 1] == str(window)
+    # the connector itself, as a plain ``vllm serve --kv-transfer-config`` starts it
+    # (kvtool's own cap bypassed), in a process of its own
+    bypass = ("import kvtool.engines.vllm.windows as W, sys\n"
+              "W.context_for_windows = lambda info, given, default: given\n"
+              "from kvtool.engines.vllm import engine as E\n"
+              f"E.load_vllm({str(path)!r}, 'float32', max_model_len=1024, "
+              f"store_path={str(tmp_path / 's3')!r})\n")
+    started = subprocess.run([sys.executable, "-c", bypass], capture_output=True, text=True,
+                             timeout=300)
+    assert started.returncode != 0
+    assert f"every layer of this model has a sliding window of {window}" in started.stderr
     spec = dict(block_size=128, num_kv_heads=1, head_size=32, dtype=torch.float32)
     for one, longest, refused in ((SlidingWindowSpec(**spec, sliding_window=window), 1024, True),
                                   (SlidingWindowSpec(**spec, sliding_window=window), window,
