@@ -248,3 +248,39 @@ def test_mlx_lm_kv_quantization_is_refused(runner):
         out = runner.invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--", arg, "4"])
         assert out.exit_code != 0 and "codec options" in out.output, out.output
         assert len(out.output.strip().splitlines()) == 1
+
+
+def test_requests_naming_the_model_as_kvtool_does_keep_the_cli_adapter(tmp_path):
+    """``-- --adapter-path``: mlx-lm gives it to requests for "default_model" only, and finds a
+    request's adapter by the model name it gives. Requests for "default" or the served name
+    (what kvtool prints) got the base model, silently. A patched server's provider, its loads
+    stubbed, in a process of its own (the patch is process-wide)."""
+    script = """
+import argparse, sys
+from mlx_lm import server
+from kvtool.engines import mlx_serve
+from kvtool.models import ensure_default_converted
+from kvtool.policy import CodecPolicy
+path = str(ensure_default_converted())
+mlx_serve.install(CodecPolicy.from_options("turbo3"), model_path=path, dtype="float32",
+                  names=["default", "served-name"])
+for adapter in ("/adapters/lora", None):
+    args = argparse.Namespace(model=path, adapter_path=adapter, draft_model=None,
+                              pipeline=False, trust_remote_code=False, chat_template=None)
+    provider = server.ModelProvider(args)
+    provider._load = lambda *key: setattr(provider, "model_key", key)
+    for name in ("default_model", "default", "served-name"):
+        provider.load(name, "/adapters/own", "default_model")
+        print(adapter, name, provider.model_key[1])
+"""
+    out = subprocess.run([__import__("sys").executable, "-c", script], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()[-6:]
+    # the CLI's adapter for every name of the served model; without one, a request's own
+    # adapter (mlx-lm's "default_model" takes the CLI's None, as stock mlx-lm does)
+    assert lines == ["/adapters/lora default_model /adapters/lora",
+                     "/adapters/lora default /adapters/lora",
+                     "/adapters/lora served-name /adapters/lora",
+                     "None default_model None", "None default /adapters/own",
+                     "None served-name /adapters/own"]

@@ -3,7 +3,9 @@ no weights): mlx-lm keeps the local layers in a ``RotatingKVCache``. A file capt
 mlx-lm, past the window and not, continues in the other as that engine's own recompute; the
 compressed mlx cache keeps those layers exact and compresses the global ones; mlx-lm prompt-cache
 files carry the rings both ways; ``kvtool serve --engine mlx --store`` keeps them across a
-restart and refuses a ring crafted to attend to the wrong tokens."""
+restart and refuses a ring crafted to attend to the wrong tokens. mlx-lm ignores the window of
+Mistral-7B-v0.1's layout (every layer attends to every token): kvtool's mlx engine runs such a
+model only within its window, where that is the same."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 import numpy as np  # noqa: E402
-from gemma_util import write_tiny_gemma  # noqa: E402
+from gemma_util import write_tiny_gemma, write_tiny_mistral  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 from mlx_util import alone, batched  # noqa: E402
 
@@ -334,3 +336,42 @@ def test_generate_with_a_runtime_codec_on_the_command_line(gemma):
     report = json.loads(result.output)
     assert report["runtime_codec"]["tokens"] > WINDOW
     assert report["runtime_codec"]["encoded_tokens"] > 0
+
+
+def test_a_window_mlx_lm_ignores_bounds_the_mlx_engine(tmp_path):
+    """mlx-lm's mistral attends to every token where the model slides: past the window its K/V
+    and tokens are not the model's, and an mlx capture (naming no window) continued in HF as
+    if they were. Within the window they are: an HF file that names the window continues in
+    mlx-lm as HF recomputes (it was refused: "the model full attention"); past it capture and
+    generation are refused in one line, and ``kvtool serve --engine mlx`` says so."""
+    from click.testing import CliRunner
+
+    from kvtool.cli.main import cli
+    from kvtool.errors import KvtoolError
+    from kvtool.models import load_model
+
+    window = 32
+    path = write_tiny_mistral(tmp_path / "mistral", window, positions=256)
+    lm, loaded = E.load_mlx(str(path), dtype="float32"), load_model(str(path), dtype="float32")
+    ids = list(range(1000, 1000 + window + 8))
+    with pytest.raises(KvtoolError, match=f"the prompt: {window + 8} tokens, past the sliding "
+                                          f"window of {window} tokens"):
+        E.capture(lm, token_ids=ids)
+    with pytest.raises(KvtoolError, match="mlx-lm ignores"):
+        E.recompute_generation(lm, input_ids=ids[:20], max_new_tokens=window)
+    assert E.capture(lm, token_ids=ids[:window]).num_tokens == window
+    prompt = ids[:20]
+    cache = hf.capture(loaded.model, loaded.tokenizer, token_ids=prompt, model_info=loaded.info)
+    assert cache.layer_info == [{"sliding_window": window}] * 2
+    kvtool.save(cache, tmp_path / "hf.kvz", codec="raw")
+    more = prompt + [5, 6]
+    want = hf.recompute_generation(loaded, input_ids=more, max_new_tokens=6).new_token_ids
+    got = E.continue_generation(lm, kvtool.load(tmp_path / "hf.kvz"), input_ids=more,
+                                max_new_tokens=6).new_token_ids
+    assert got == want == E.recompute_generation(lm, input_ids=more,
+                                                 max_new_tokens=6).new_token_ids
+    with pytest.raises(KvtoolError, match="past the sliding window"):
+        E.continue_generation(lm, kvtool.load(tmp_path / "hf.kvz"), input_ids=more,
+                              max_new_tokens=window)
+    out = CliRunner().invoke(cli, ["serve", "--engine", "mlx", "--dry-run", "--model", str(path)])
+    assert out.exit_code == 0 and f"ignores this model's sliding window of {window}" in out.output

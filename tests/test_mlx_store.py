@@ -93,7 +93,7 @@ def test_a_flipped_byte_or_token_id_is_quarantined_not_served(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["dangling link", "fifo", "null entry", "no tokens",
-                                  "not ours", "directory"])
+                                  "not ours", "directory", "cache type", "model key"])
 def test_a_bad_entry_is_skipped_and_the_store_still_loads(tmp_path, kind):
     store = tmp_path / "store"
     good, victim = _store(store, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
@@ -106,9 +106,12 @@ def test_a_bad_entry_is_skipped_and_the_store_still_loads(tmp_path, kind):
         bad.mkdir()
     else:
         edit = {"null entry": lambda e: e.clear(), "no tokens": lambda e: e.pop("tokens"),
-                "not ours": lambda e: e.update(fingerprint="other")}[kind]
+                "not ours": lambda e: e.update(fingerprint="other"),
+                # each failed the server's start (a KeyError, an unhashable list)
+                "cache type": lambda e: e.update(cache_type="tool"),
+                "model key": lambda e: e.update(model_key=["/models/served", None, ["x"]])}[kind]
         _rewrite(victim, edit_entry=edit)
-        if kind == "not ours":  # another server's file: named after its entry
+        if kind in ("not ours", "cache type", "model key"):  # named after its entry
             entry = json.loads(mx.load(str(victim), return_metadata=True)[1][
                 f"0.{STORE_KEY}"])
             victim = victim.rename(store / entry_name(entry))
@@ -121,6 +124,8 @@ def test_a_bad_entry_is_skipped_and_the_store_still_loads(tmp_path, kind):
     assert len(again) == (2 if kind in ("dangling link", "fifo", "directory") else 1)
     if kind == "not ours":  # another model's entry is left alone, not quarantined
         assert victim.exists() and not (store / QUARANTINE).exists()
+    if kind in ("cache type", "model key"):
+        assert [p.name for p in (store / QUARANTINE).iterdir()] == [victim.name]
 
 
 def test_a_save_replaces_a_link_in_its_place_and_never_writes_through(tmp_path):
@@ -217,9 +222,13 @@ def test_a_file_without_the_checksum_its_entry_requires_is_quarantined(tmp_path)
 
 def test_a_draft_models_layers_after_the_models_own_load(tmp_path):
     """mlx-lm appends a draft model's cache layers (``--draft-model``): more layers than the
-    model has, which the layer count check must not take for damage."""
-    store = tmp_path / "store"
-    key = ("/models/served", None, "/models/draft")
+    model has, which the layer count check must not take for damage. The entry names the
+    draft model's files (as an adapter's): one stored before the draft model was replaced is
+    removed, not served to fail every request that reuses it."""
+    store, draft = tmp_path / "store", tmp_path / "draft"
+    draft.mkdir()
+    (draft / "model.safetensors").write_bytes(b"x" * 10)
+    key = ("/models/served", None, str(draft))
     cache = prompt_cache_class(POLICY, IDENTITY, str(store))()
     cache.insert_cache(key, [1, 2, 3, 4, 5, 6], _layers(0) + _layers(1))
     again = prompt_cache_class(POLICY, IDENTITY, str(store))()
@@ -227,6 +236,23 @@ def test_a_draft_models_layers_after_the_models_own_load(tmp_path):
     cache.insert_cache(MODEL, [7, 8, 9, 10, 11, 12], _layers(0) + _layers(1))  # no draft
     assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 1
     assert len(list((store / QUARANTINE).iterdir())) == 1
+    (draft / "model.safetensors").write_bytes(b"y" * 12)  # another draft model
+    assert len(prompt_cache_class(POLICY, IDENTITY, str(store))()) == 0
+    assert not list(store.glob("*.safetensors"))
+
+
+def test_entries_whose_layers_do_not_hold_their_ids_are_not_stored(tmp_path):
+    """An image's patches (mlx-lm keys them as negative ids) and a speculative answer's last
+    token (mlx-lm never feeds it to the model: its layers hold one token fewer) were stored,
+    then quarantined as damaged at the next start."""
+    store = tmp_path / "store"
+    cache = prompt_cache_class(POLICY, IDENTITY, str(store))()
+    cache.insert_cache(MODEL, [1, 2, -3, -3, 5, 6], _layers(0))
+    cache.insert_cache(MODEL, [1, 2, 3, 4, 5, 6, 7], _layers(1))  # layers hold 6
+    assert len(cache) == 2 and not list(store.glob("*.safetensors"))
+    assert store.stat().st_mode & 0o077 == 0  # the conversations' ids: its owner's only
+    cache.insert_cache(MODEL, [1, 2, 3, 4, 5, 6], _layers(2))
+    assert len(list(store.glob("*.safetensors"))) == 1
 
 
 def test_a_store_path_that_cannot_be_one_is_refused_before_the_start(tmp_path):

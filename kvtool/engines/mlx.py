@@ -150,6 +150,7 @@ def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None)
     ids = encode_text(loaded.tokenizer, text) if text is not None else [int(t) for t in token_ids]
     if not ids:
         raise KvtoolError("nothing to capture: the prompt has no tokens")
+    check_within_window(loaded, len(ids), "the prompt")
     windows = sliding_windows(loaded.model)
     layers = mlx_cache.make_prompt_cache(loaded.model)
     for i in range(0, len(ids), PREFILL_STEP):
@@ -160,6 +161,22 @@ def capture(loaded: MLXModel, text: str | None = None, *, token_ids: Any = None)
     return KVCache(list(keys), list(values), token_ids=np.asarray(ids, dtype=np.int64),
                    model=dict(loaded.info), tokenizer_fingerprint=loaded.fingerprints["tokenizer"],
                    layer_info=windows_layer_info(windows))
+
+
+def check_within_window(loaded: MLXModel, tokens: int, what: str) -> None:
+    """A :class:`KvtoolError` where ``tokens`` go past a sliding window of the model that
+    mlx-lm ignores (:func:`~kvtool.engines.mlx_cache.ignored_window`)."""
+    from kvtool.engines.mlx_cache import ignored_window
+    from kvtool.engines.vllm.windows import model_windows
+
+    ours = sliding_windows(loaded.model)
+    window = ignored_window(model_windows(loaded.info, len(ours)), ours)
+    if window is not None and tokens > window:
+        raise KvtoolError(
+            f"{what}: {tokens} tokens, past the sliding window of {window} tokens of "
+            f"{loaded.name}'s layers, which mlx-lm ignores (it attends to every token there): "
+            f"past it mlx-lm's K/V are not the model's; use --engine hf or vllm, or stay "
+            f"within {window} tokens")
 
 
 # -- sliding-window layers (mlx-lm's RotatingKVCache) ----------------------------------------
@@ -185,13 +202,16 @@ def _to_mx(a: Any, dtype: Any = None) -> mx.array:
 
 
 def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = None, *,
-                    block_size: int = DEFAULT_BLOCK_SIZE, mirror: bool = False) -> list[Any]:
+                    block_size: int = DEFAULT_BLOCK_SIZE, mirror: bool = False,
+                    config_windows: list[int | None] | None = None) -> list[Any]:
     """An mlx-lm prompt cache holding ``cache`` (batch 1) for ``model``.
 
     Without ``policy``: the model's own layers; with one: :func:`make_kvtool_cache`'s
     (``KvtoolMLXCache`` full-attention layers that encode the restored tokens now, exact
     sliding-window rings). Raises :class:`ModelMismatchError` when the cache cannot
-    fit the model's layers.
+    fit the model's layers. ``config_windows``: the model's windows by its config, where
+    mlx-lm may compute a sliding layer with full attention (the caller keeps to the window):
+    such a layer takes a file's layer of that window that holds every token.
     """
     windows = sliding_windows(model)
     n = len(windows)
@@ -208,8 +228,11 @@ def to_prompt_cache(cache: KVCache, model: Any, policy: CodecPolicy | None = Non
         if want is not None and (k.shape[1], k.shape[3]) != want:
             raise ModelMismatchError(f"layer {i}: cache has {k.shape[1]} KV heads × head_dim "
                                      f"{k.shape[3]}, model has {want[0]} × {want[1]}")
-        # a layer stored whole fills a ring (earlier vLLM captures named no windows)
-        if stored != window and not (stored is None and int(k.shape[2]) == total):
+        # a layer stored whole fills a ring (earlier vLLM captures named no windows), and a
+        # layer mlx-lm computes with full attention though it slides takes one stored whole
+        whole = int(k.shape[2]) == total
+        ignored = window is None and config_windows is not None and config_windows[i] == stored
+        if stored != window and not (whole and (stored is None or ignored)):
             raise ModelMismatchError(f"layer {i}: the cache has {_attention(stored)}, the "
                                      f"model {_attention(window)}")
         if window is not None:
@@ -265,13 +288,18 @@ def continue_generation(loaded: MLXModel, cache: KVCache, prompt: str | None = N
 
     check_compatible(cache, loaded, force=force)
     full = full_ids_for(cache, loaded.tokenizer, prompt, input_ids)
+    check_within_window(loaded, len(full) + max_new_tokens,
+                        "the cached tokens, the prompt and the tokens to generate")
     if len(full) == len(cache.token_ids):  # generation needs one uncached token
         if not holds_every_token(cache):
             raise KvtoolError("the prompt adds no tokens to a sliding-window cache; "
                               "give a prompt to continue from")
         cache = cache.prefix(len(full) - 1)
     start = time.perf_counter()
-    layers = to_prompt_cache(cache, loaded.model, policy, block_size=block_size, mirror=mirror)
+    from kvtool.engines.vllm.windows import model_windows
+
+    layers = to_prompt_cache(cache, loaded.model, policy, block_size=block_size, mirror=mirror,
+                             config_windows=model_windows(loaded.info, cache.num_layers))
     restore = time.perf_counter() - start
     cached = len(cache.token_ids)
     new, ttft, total, first = _greedy(loaded, full[cached:], layers, max_new_tokens, start)
@@ -286,6 +314,8 @@ def recompute_generation(loaded: MLXModel, input_ids: Any = None, max_new_tokens
     from kvtool.engines.common import GenerationResult, recompute_ids
 
     ids = recompute_ids(loaded.tokenizer, input_ids, prompt)
+    check_within_window(loaded, len(ids) + max_new_tokens,
+                        "the prompt and the tokens to generate")
     start = time.perf_counter()
     layers = prompt_cache if prompt_cache is not None else mlx_cache.make_prompt_cache(
         loaded.model)

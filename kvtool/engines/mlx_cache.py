@@ -349,6 +349,16 @@ def sliding_windows(model: Any) -> list[int | None]:
     return windows
 
 
+def ignored_window(model_windows: list[int | None], windows: list[int | None]) -> int | None:
+    """The smallest of the model's sliding windows (``model_windows``, from its config) in a
+    layer that mlx-lm computes with full attention (``windows``: :func:`sliding_windows`;
+    mlx-lm's llama, mistral and phi3 ignore ``sliding_window``), else None. Up to that many
+    tokens full attention is the window's; past it mlx-lm's K/V are not the model's."""
+    ignored = [w for w, o in zip(model_windows, windows, strict=True)
+               if w is not None and o is None]
+    return min(ignored) if ignored else None
+
+
 def kv_shape(model: Any) -> tuple[int, int] | None:
     """(KV heads, head_dim) of the model's attention, where its modules expose them."""
     attn = getattr(model.layers[0], "self_attn", None) if len(model.layers) else None

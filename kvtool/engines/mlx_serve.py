@@ -101,6 +101,16 @@ def plan(model: str = "default", *, host: str = "127.0.0.1", port: int = 8000,
                     policy=policy.describe(), pins=[], connector=launcher)
     # reused prompts attend to decoded K/V unless both codecs are lossless
     out.lossy = policy.is_lossy(dtype)
+    from kvtool.engines.mlx_cache import ignored_window
+    from kvtool.engines.vllm.windows import model_windows
+    from kvtool.identity import kv_layout
+
+    windows = cache_layout(str(location))["windows"]
+    window = ignored_window(model_windows({"layout": kv_layout(config)}, len(windows)), windows)
+    if window is not None:  # as mlx_lm.server itself
+        out.notes.append(f"mlx-lm ignores this model's sliding window of {window} tokens (it "
+                         "attends to every token): past it, answers are not the model's; "
+                         "--engine vllm serves it as the model")
     return out
 
 
@@ -174,8 +184,10 @@ def install(policy: Any, *, model_path: str, dtype: str, names: list[str],
 
     def provider_init(self: Any, cli_args: Any) -> None:
         original_init(self, cli_args)
-        for name in names:  # requests may name the model as kvtool does
+        for name in names:  # requests may name the model as kvtool does, with its adapter
             self._model_map.setdefault(name, cli_args.model)
+            if cli_args.adapter_path is not None:  # (as "default_model" has: mlx-lm finds a
+                self._adapter_map.setdefault(name, cli_args.adapter_path)  # request's by name)
 
     def scan_cache_dir(*args: Any, **kwargs: Any) -> Any:
         """``GET /v1/models`` lists the Hub cache's models: none, not a 200 with an empty body

@@ -38,6 +38,7 @@ from kvtool.errors import KvtoolError
 STORE_KEY = "kvtool_serve"  # the user-metadata entry of a stored prompt cache
 SUM_KEY = "kvtool_serve_sum"  # sha256 of its arrays
 STORE_VERSION = 1
+STORE_DIR_MODE = 0o700  # a new store: its files hold every cached conversation's token ids
 QUARANTINE = "quarantine"
 LOCK_FILE = ".lock"
 SUFFIX = ".safetensors"
@@ -65,7 +66,7 @@ def lock_store(store: str) -> Any:
     import fcntl
 
     try:
-        os.makedirs(store, exist_ok=True)
+        os.makedirs(store, STORE_DIR_MODE, exist_ok=True)
         fd = os.open(os.path.join(store, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK
                      | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
@@ -179,16 +180,21 @@ class Stale(Exception):
     """A stored file of this server's model whose K/V no longer fit it: removed."""
 
 
-def _checked_entry(data: Any, path: Path) -> dict[str, Any]:
-    """``data`` (the parsed ``kvtool_serve`` entry) as a server writes it, else :class:`Damaged`."""
+def _checked_entry(data: Any, path: Path, cache_types: Any) -> dict[str, Any]:
+    """``data`` (the parsed ``kvtool_serve`` entry) as a server writes it, else :class:`Damaged`:
+    token ids, a model key of paths (model, adapter, draft model; None where absent) and one of
+    the LRU's ``cache_types`` (anything else failed the server's start, never quarantined)."""
     if not isinstance(data, dict):
         raise Damaged("its entry is not a JSON object")
     tokens, key = data.get("tokens"), data.get("model_key")
     if not (isinstance(tokens, list) and tokens and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
         raise Damaged("its token ids are not a list of token ids")
-    if not (isinstance(key, list) and key) or not isinstance(data.get("cache_type"), str):
-        raise Damaged("its model key or cache type is missing")
+    if not (isinstance(key, list) and 1 <= len(key) <= 3 and isinstance(key[0], str)
+            and all(k is None or isinstance(k, str) for k in key)):
+        raise Damaged("its model key is not a model path, adapter and draft model")
+    if data.get("cache_type") not in cache_types:
+        raise Damaged(f"its cache type is not one of {', '.join(cache_types)}")
     if entry_name(data) != path.name:
         raise Damaged("its name does not match its entry (a changed token id, model or policy)")
     return data
@@ -200,12 +206,12 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
     ours = (STORE_VERSION, identity["fingerprint"], identity.get("weights"), identity["dtype"],
             policy.to_json())
-    stamps: dict[Any, str | None] = {}  # adapter path -> files_stamp, once per server
+    stamps: dict[Any, str | None] = {}  # adapter or draft path -> files_stamp, once
 
-    def adapter_stamp(model_key: Any) -> str | None:
-        """The stamp of a model key's LoRA adapter (its second item), taken the first time
-        this server sees it: mlx-lm loads an adapter once, and every request saves."""
-        location = tuple(model_key)[1] if len(tuple(model_key)) > 1 else None
+    def key_stamp(model_key: Any, item: int) -> str | None:
+        """The stamp of a model key's LoRA adapter (``item`` 1) or draft model (2), taken the
+        first time this server sees it: mlx-lm loads each once, and every request saves."""
+        location = tuple(model_key)[item] if len(tuple(model_key)) > item else None
         if location not in stamps:
             stamps[location] = files_stamp(location)
         return stamps[location]
@@ -216,7 +222,7 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             self._files: dict[tuple[Any, tuple[int, ...]], str] = {}
             self._file_warnings = 0  # bad files warned of at this start (see _warn_file)
             if store:
-                os.makedirs(store, exist_ok=True)
+                os.makedirs(store, STORE_DIR_MODE, exist_ok=True)
                 self._load_store()
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any],
@@ -250,14 +256,22 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
 
             if tuple(model)[:1] != (identity["path"],):
                 return  # another model a request named: the file would carry our identity
+            main = layers[:identity.get("num_layers") or len(layers)]
+            if min(tokens, default=0) < 0 or {int(getattr(c, "offset", -1)) for c in main} \
+                    != {len(tokens)}:  # an image's patches (mlx-lm keys them as negative
+                # ids), or a draft model's last token that mlx-lm never fed to the main model
+                log.debug("kvtool: not storing a prompt cache whose layers do not hold its "
+                          "%d token ids", len(tokens))
+                return
             data = {"version": STORE_VERSION, "fingerprint": identity["fingerprint"],
                     "weights": identity.get("weights"), "dtype": identity["dtype"],
                     "policy": policy.to_json(),
                     "model_key": list(model), "tokens": [int(t) for t in tokens],
                     "cache_type": cache_type, "sum": 1}  # "sum": its checksum is required
-            adapter = adapter_stamp(model)
-            if adapter is not None:
-                data["adapter"] = adapter
+            for item, field in ((1, "adapter"), (2, "draft")):
+                stamp = key_stamp(model, item)
+                if stamp is not None:
+                    data[field] = stamp
             path = os.path.join(store, entry_name(data))
             if self._files.get((model, tuple(tokens))) == path and os.path.isfile(path):
                 return  # stored already: the same tokens' K/V, not rewritten on every request
@@ -302,19 +316,20 @@ def prompt_cache_class(policy: Any, identity: dict[str, Any], store: str | None)
             if entry is None:
                 raise Damaged("not a stored prompt cache")
             try:
-                data = _checked_entry(json.loads(entry), path)
+                data = _checked_entry(json.loads(entry), path, self._lru._ordering)
             except ValueError:
                 raise Damaged("its entry is not JSON") from None
             if (data.get("version"), data.get("fingerprint"), data.get("weights"),
                     data.get("dtype"), data.get("policy")) != ours:
                 return None  # another model (or checkpoint), dtype or policy: not ours
             key = data["model_key"]
-            adapter = tuple(key)[1] if len(tuple(key)) > 1 else None
-            if adapter is not None and not os.path.exists(str(adapter)):
-                return None  # its adapter is not here (a server started in another working
-                # directory, a relative path; or gone): another's, never deleted for it
-            if data.get("adapter") != adapter_stamp(key):
-                raise Stale("its LoRA adapter changed")
+            for item, field, what in ((1, "adapter", "LoRA adapter"), (2, "draft", "draft model")):
+                location = key[item] if len(key) > item else None
+                if location is not None and not os.path.exists(location):
+                    return None  # its adapter (or draft) is not here (a server started in
+                    # another working directory, a relative path; or gone): never deleted
+                if data.get(field) != key_stamp(key, item):
+                    raise Stale(f"its {what} changed")
             stored_sum = flat.get(f"0.{SUM_KEY}")
             if data.get("sum") and stored_sum is None:
                 raise Damaged("its checksum is missing")
