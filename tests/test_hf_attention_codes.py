@@ -467,3 +467,49 @@ def test_warm_up_compiles_the_kernels_a_real_model_calls(loaded, monkeypatch):
     assert sorted(calls) == sorted(warmed)
     for name, types in calls.items():
         assert types <= warmed[name], (name, types - warmed[name])
+
+
+def _tiny(config):
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["falcon", "gemma3n"])
+def test_models_that_bypass_or_reread_the_hook_decode_then_attend(arch):
+    """Falcon calls torch's sdpa itself (its keys came back without their encoded tokens: a
+    shape error), and Gemma 3n's shared-K/V layers attend again to another layer's tagged keys
+    (a tag reads once: an error). Both crashed at the first decode step by default; they now
+    decode, then attend, and generate the same tokens as ``attention_from_codes=False``."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "falcon":
+        config = transformers.FalconConfig(**common, num_kv_heads=2, alibi=False, bias=False,
+                                           new_decoder_architecture=True)
+    else:
+        config = transformers.Gemma3nTextConfig(
+            **{**common, "num_hidden_layers": 4}, vocab_size_per_layer_input=128,
+            hidden_size_per_layer_input=8, intermediate_size=128, num_key_value_heads=2,
+            head_dim=16, sliding_window=16, num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            activation_sparsity_pattern=[0.0] * 4, laurel_rank=4, altup_num_inputs=2,
+            max_position_embeddings=256)
+    model = _tiny(config)
+    prompt = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def run(**options):
+        past = CompressedCache(CodecPolicy.from_options("turbo3", recent_tokens=4),
+                               config=model.config,
+                               block_size=8, **options)
+        with torch.inference_mode():
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 past_key_values=past, max_new_tokens=5, do_sample=False,
+                                 pad_token_id=0)
+        return out[0, 40:].tolist(), past
+
+    tokens, past = run()
+    assert not past.uses_codes()
+    assert tokens == run(attention_from_codes=False)[0]

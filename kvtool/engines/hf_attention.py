@@ -46,6 +46,7 @@ share it).
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -297,11 +298,32 @@ def uninstall() -> None:
 
 
 def routes_through_kvtool(config: Any) -> bool:
-    """Whether a model with this config sends its attention calls to :func:`kvtool_attention`."""
+    """Whether a model with this config sends its attention calls to :func:`kvtool_attention`,
+    once per update: its implementation is kvtool's, its modeling module dispatches through
+    transformers' attention functions (Falcon calls torch's sdpa itself), and no layer
+    attends again to another layer's states (Gemma 3n's shared K/V: a tag reads once)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     impl = getattr(config, "_attn_implementation", None)
-    return isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS.get(impl) is kvtool_attention
+    return (isinstance(impl, str) and ALL_ATTENTION_FUNCTIONS.get(impl) is kvtool_attention
+            and not getattr(config, "num_kv_shared_layers", 0)
+            and _dispatches(getattr(config, "model_type", None)))
+
+
+@functools.cache
+def _dispatches(model_type: str | None) -> bool:
+    """Whether transformers' modeling module of ``model_type`` looks its attention up in
+    ``ALL_ATTENTION_FUNCTIONS`` (one it cannot import, remote code: taken as yes)."""
+    import importlib
+
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return True
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}."
+                                         f"modeling_{model_type}")
+    except ImportError:
+        return True
+    return hasattr(module, "ALL_ATTENTION_FUNCTIONS")
 
 
 def _sdpa() -> Callable[..., Any]:

@@ -47,7 +47,9 @@ the store), which the attention function reads. The decode-then-attend path (eve
 states decoded and returned, any attention) is used instead when:
 ``attention_from_codes=False``; ``KVTOOL_KERNELS=reference``; numba (CPU) or Triton (CUDA) is
 missing; the model's attention implementation is not routed
-through the hook (eager, flash, a model's own override) or the cache has no ``config``; a layer's
+through the hook (eager, flash, a model's own override: Falcon calls torch's sdpa itself), a
+layer attends again to another's states (Gemma 3n's shared K/V), or the cache has no
+``config``; a layer's
 codecs are not read from codes (:func:`~kvtool.engines.hf_attention.codes_codec`; on CUDA
 :func:`~kvtool.engines.hf_attention.device_codes`); head_dim is not a power of two ≥ 8 (CUDA:
 16..256); tensors are neither on the CPU nor on CUDA; or ``update`` is called directly, outside a
