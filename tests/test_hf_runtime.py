@@ -301,6 +301,29 @@ def test_device_checks_of_encoded_blocks_are_read_back_a_step_later(monkeypatch)
         CompressedCache.from_kvcache(kv, CodecPolicy.from_options("turbo3"), block_size=4)
 
 
+def test_decodes_of_the_caches_own_blocks_skip_the_value_checks(monkeypatch):
+    """Every decode of a store's own encodes (the decoded store, a crop into it) runs inside
+    ``own_arrays``: on CUDA the checks a decode makes of foreign arrays read a value back."""
+    from kvtool.kernels import device_checks
+
+    past = CompressedCache(CodecPolicy.from_label("balanced"), num_layers=1, block_size=4)
+    x = torch.randn(1, 2, 24, 64, generator=torch.Generator().manual_seed(3))
+    past.update(x, x, 0)
+    seen = []
+    for stream in past.layers[0].streams:
+        codec = stream.codec
+        real = codec.decode
+
+        def decode(enc, *a, _real=real, **k):
+            seen.append(device_checks.check_values())
+            return _real(enc, *a, **k)
+
+        monkeypatch.setattr(codec, "decode", decode)
+    past.layers[0].materialize()
+    past.crop(-6)
+    assert seen and not any(seen)
+
+
 def test_needs_config_or_num_layers():
     with pytest.raises(KvtoolError):
         CompressedCache(CodecPolicy.from_options("turbo3"))

@@ -217,3 +217,47 @@ def test_direct_launches_use_the_chosen_configs_grid(monkeypatch):
     launcher(grid, (x, 100), {"D": 64})
     assert firsts == [(4,), (2,)] and launcher.fast == 2
     assert runs[-1][:3] == (2, 1, 1) and runs[-1][-1] == 64
+
+
+def test_a_launch_runs_on_its_tensors_device(monkeypatch):
+    """A tensor on another GPU than the current one (a model spread over devices) launches
+    under that device, so Triton uses its stream; a tensor on the current one, or on the CPU,
+    launches as is."""
+    import contextlib
+
+    class OnGpu(torch.Tensor):  # what Launcher reads of a CUDA tensor, on a CPU build
+        device_index = 1
+
+        @property
+        def is_cuda(self):
+            return True
+
+        def get_device(self):
+            return self.device_index
+
+    active, launched = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        active.append(index)
+        yield
+        active.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class Kernel:
+        arg_names = ["x_ptr", "n"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(list(active))
+
+    launcher = Launcher(Kernel())
+    launcher.direct = False
+    x = torch.zeros(4)
+    on_one = torch.Tensor._make_subclass(OnGpu, x)
+    launcher((1,), (3, on_one, x), {})
+    launcher((1,), (x, on_one), {})  # the first tensor decides: this one is on the CPU
+    OnGpu.device_index = 0
+    launcher((1,), (on_one,), {})
+    assert launched == [[1], [], []] and not active

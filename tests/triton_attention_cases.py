@@ -242,6 +242,9 @@ def test_bad_shapes_are_refused_with_a_clear_error():
         ta.turbo_decode_attention(q[:, :, 0], kr.codes[None], kr.norms[None], vr.codes[None],
                                   vr.norms[None], dim=32, k_bits=3, k_seed=kr.codec.seed,
                                   v_bits=3, v_seed=vr.codec.seed, scale=0.1, split_k=0)
+    many = torch.zeros(1, 2, 129, 32)  # two parts of exact tokens past 65535 split parts
+    with pytest.raises(ValueError, match="pass 65535"):
+        ta.attend(q, *args, many, many, **{**base, "split_k": 65535})
     with pytest.raises(ValueError, match="inconsistent"):
         ta.turbo_decode_attention(q[:, :, 0], kr.codes[None], kr.norms[None], vr.codes[None],
                                   vr.norms[None, :, :5], dim=32, k_bits=3,

@@ -12,7 +12,7 @@ import torch
 
 from kvtool.codecs import Codec, Encoded
 from kvtool.errors import CodecError, KvtoolError
-from kvtool.kernels.device_checks import Checks, deferred
+from kvtool.kernels.device_checks import Checks, deferred, own_arrays
 
 
 def _blocked(shapes: Any, lead: tuple[int, ...]) -> bool:
@@ -92,7 +92,8 @@ class _Stream:
 
     def decoded(self) -> list[torch.Tensor]:
         """The encoded store as full tensors ``[*lead, tokens, dim]`` (transient)."""
-        return [self.codec.decode(enc).flatten(-3, -2) for enc in self.chunks]
+        with own_arrays():  # this stream's encodes: no value checks (on CUDA, host syncs)
+            return [self.codec.decode(enc).flatten(-3, -2) for enc in self.chunks]
 
     def full(self) -> torch.Tensor | None:
         self.settle(wait=True)
@@ -312,7 +313,8 @@ class _Stream:
                     gone = _blocks(last, axis, total - want, total)
                 else:
                     gone = self.chunks.pop()
-                back.insert(0, self.codec.decode(gone).flatten(-3, -2))
+                with own_arrays():
+                    back.insert(0, self.codec.decode(gone).flatten(-3, -2))
                 have += gone.shape[axis] * self.block
                 self.stored -= gone.shape[axis] * self.block
             self.forget_views()

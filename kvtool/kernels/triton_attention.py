@@ -287,6 +287,9 @@ def _plan(q: torch.Tensor, store: Store, ke: torch.Tensor | None, ve: torch.Tens
         raise ValueError(f"split_k must be in 1..{65535 // groups}, got {split_k}")
     exact_parts = cdiv(x, EXACT_SPLIT)
     parts = groups * split_k + exact_parts
+    if parts > 65535:  # the grid's second axis
+        raise ValueError(f"attention from codes: {groups} x split_k {split_k} parts of the "
+                         f"encoded tokens and {exact_parts} of the exact ones pass 65535")
     per_part = n // max(1, groups * split_k)
     kcpg, kbpg = group_shape(store.k_bits)
     vcpg, vbpg = group_shape(store.v_bits)

@@ -85,6 +85,17 @@ def _spec(args: Sequence[Any], constants: dict[str, Any], tuned: Hashable) -> Ha
     return tuned, tuple(constants.values()), types, dtypes, ints, flags
 
 
+def _other_device(args: Sequence[Any]) -> int | None:
+    """The CUDA device of the first tensor argument when it is not the current one (a model
+    spread over GPUs): the launch must run there, on that device's stream. None otherwise."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_cuda and (at := a.get_device()) != torch.cuda.current_device():
+                return at
+            return None
+    return None
+
+
 def _hooks_set() -> bool:
     """Whether a launch hook is installed (newer Tritons hold them in chains, empty by
     default; older ones in attributes that are None when unset)."""
@@ -120,6 +131,15 @@ class Launcher:
 
     def __call__(self, grid: Grid, args: Sequence[Any], constants: dict[str, Any],
                  tuned: Hashable = (), fixed: Hashable = None) -> None:
+        other = _other_device(args)
+        if other is None:
+            self._launch(grid, args, constants, tuned, fixed)
+            return
+        with torch.cuda.device(other):  # Triton launches on the current device's stream
+            self._launch(grid, args, constants, tuned, fixed)
+
+    def _launch(self, grid: Grid, args: Sequence[Any], constants: dict[str, Any],
+                tuned: Hashable, fixed: Hashable) -> None:
         if not self.direct or _hooks_set():
             self._through_triton(grid, args, constants)
             return

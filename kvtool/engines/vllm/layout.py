@@ -212,9 +212,7 @@ class PagedLayout:
         the first); the ids were checked by :func:`slots`."""
         n = self.block_size(kv)
         first, skip = divmod(start, n)
-        held = torch.as_tensor(list(block_ids[first:-(-(start + tokens) // n)]),
-                               dtype=torch.long, device=kv.device)
-        return held, skip
+        return ids_on(block_ids[first:-(-(start + tokens) // n)], kv.device), skip
 
     # -- gather / scatter -----------------------------------------------------------------------
     def gather(self, kv: torch.Tensor, block_ids: Sequence[int], start: int,
@@ -324,9 +322,17 @@ def slots(block_ids: Sequence[int], block_size: int, start: int, stop: int,
     if num_blocks is not None and used and not 0 <= min(used) <= max(used) < num_blocks:
         raise ValueError(f"block ids {min(used)}..{max(used)} for tokens [{start}, {stop}): "
                          f"the paged cache has blocks 0..{num_blocks - 1}")
-    pos = torch.arange(start, stop)
-    table = torch.as_tensor(list(block_ids), dtype=torch.long)
-    return table[pos // block_size].to(device), (pos % block_size).to(device)
+    pos = torch.arange(start, stop, device=device)
+    return ids_on(used, device)[pos // block_size - start // block_size], pos % block_size
+
+
+def ids_on(ids: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``ids`` as a long tensor on ``device``; to a GPU through pinned memory, without
+    waiting (a pageable copy blocks the host until the stream drains, at every layer)."""
+    table = torch.as_tensor(list(ids), dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def kernel_block_ids(block_ids: Sequence[int], ratio: int) -> list[int]:
