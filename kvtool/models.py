@@ -10,6 +10,7 @@ read that directory. Nothing here downloads anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,29 +254,51 @@ def _load_hf(location: Path, dtype: str, device: str = "cpu") -> tuple[Any, Any]
     """Model and tokenizer from a model directory or a .gguf file, offline."""
     _offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     src = location
     if location.suffix.lower() == ".gguf":
         src, kwargs["gguf_file"] = location.parent, location.name
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=_torch_dtype(dtype), **kwargs)
+        with transformers_quiet():
+            tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=_torch_dtype(dtype),
+                                                         **kwargs)
     except KvtoolError:
         raise
     except Exception as e:  # missing files, and transformers' errors of a damaged model
         said = " ".join(line.strip() for line in str(e).splitlines())  # some span lines
         raise ModelNotFoundError(f"cannot load model from {location}: {type(e).__name__}: "
                                  f"{said[:300] or 'no detail'}") from e
+    return model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers' logs at errors only and its progress bars off; its GGUF loader's own bar
+    only where kvtool shows bars (not under ``-q`` or off a terminal). Restored after."""
+    from transformers.utils import logging as hf_logging
+
+    from kvtool.progress import progress_enabled
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    except ImportError:  # pragma: no cover - a transformers without the GGUF loader
+        gguf_loader = None
+    real_bar = getattr(gguf_loader, "tqdm", None)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if real_bar is not None:
+        gguf_loader.tqdm = functools.partial(real_bar, disable=not progress_enabled())
+    try:
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    return model.to(device).eval(), tokenizer
+        if real_bar is not None:
+            gguf_loader.tqdm = real_bar
 
 
 def native_dtype(location: Path) -> str:
@@ -397,9 +421,10 @@ def convert_gguf(gguf: Path, target: Path, dtype: str = "bfloat16") -> float:
     config.dtype = dtype
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
-        steps.update(1)
-        tokenizer.save_pretrained(tmp)
+        with transformers_quiet():  # its "Writing model shards" bar
+            model.save_pretrained(tmp)
+            steps.update(1)
+            tokenizer.save_pretrained(tmp)
         source = {"source": gguf.name, "source_bytes": gguf.stat().st_size,
                   "converter_version": CONVERTER_VERSION, "dtype": dtype}
         (tmp / "kvtool-conversion.json").write_text(json.dumps(source, indent=2) + "\n")

@@ -157,6 +157,8 @@ def test_calibrate_default_model_tiny_menu(loaded, tmp_path, monkeypatch, runner
                                   "--sink-tokens", "34"])  # sinks cover the whole prefix:
     assert covered.exit_code != 0 and "fewer --sink-tokens" in covered.output  # every KL was 0
     assert not (tmp_path / "no.json").exists()
+    lossless = runner.invoke(cli, ["calibrate", "--bits", "16", "-o", str(tmp_path / "no.json")])
+    assert lossless.exit_code == 2 and "0<x<16" in lossless.output  # refused before measuring
     unknown = runner.invoke(cli, ["calibrate", "--bits", "3", "-o", str(out), "--menu", "9b"])
     assert unknown.exit_code != 0 and "unknown option '9b'" in unknown.output
     # calibrate → capture with --policy → inspect → generate from the file, all from the CLI

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import ml_dtypes
 import numpy as np
@@ -192,6 +193,20 @@ def test_partial_groups_round_trip():
         x = gaussian(shape)
         codec = get_codec("kivi4")
         assert codec.decode(codec.encode(x)).shape == shape
+
+    # a group longer than the tokens is one group of the tokens, not padded to its size (a
+    # file's group_size of 2**20 made a 1-token decode allocate gigabytes): the same bytes
+    x = gaussian((2, 5, 64))
+    huge, exact = get_codec("kivi2:group_size=1048576"), get_codec("kivi2:group_size=5")
+    a, b = huge.encode(x), exact.encode(x)
+    for name in a.arrays:
+        assert np.array_equal(a.arrays[name], b.arrays[name]), name
+    assert np.array_equal(huge.decode(a), exact.decode(b))
+    tracemalloc.start()
+    huge.decode(huge.encode(x))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20
 
 
 @pytest.mark.parametrize("dim", [3, 10, 64])

@@ -3,6 +3,8 @@ options; files whose arrays break the declaration are refused before anything is
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from kvz_util import NP_DTYPES, available_codecs, rewrite_header, synthetic_cache
@@ -12,10 +14,15 @@ from kvtool.codecs.abc import ArraySpec
 from kvtool.errors import CodecError, FormatError
 from kvtool.formats import load, open_kvz, save
 from kvtool.kernels import available_backends, to_mlx, to_numpy, to_torch
+from kvtool.policy import CodecPolicy
 
 SPECS = available_codecs() + ["turbo3:center=true", "kivi4:axis=token", "int4:group_size=24",
                               "kivi2:group_size=5", "raw:dtype=\"bfloat16\"",
                               "prism:z_bits=2,r_bits=5,theta_bits=7"]
+#: the codecs of the presets users run (norm_bits=8 failed on no tokens)
+PRESET_CODECS = sorted({json.dumps(c.get_config(), sort_keys=True)
+                        for p in ("balanced", "quality", "small")
+                        for c in CodecPolicy.from_label(p).codecs()})
 SHAPES = [(2, 7, 64), (3, 1, 48), (5, 20), (33,), (1, 2, 3, 10)]
 
 
@@ -45,7 +52,8 @@ def test_encode_writes_exactly_the_declared_arrays(spec, backend):
 
 
 @pytest.mark.parametrize("backend", available_backends())
-@pytest.mark.parametrize("spec", SPECS + ["turbomix:outliers=8,center=true,candidates=2"])
+@pytest.mark.parametrize("spec", SPECS + ["turbomix:outliers=8,center=true,candidates=2",
+                                  "turbomix:norm_bits=8", "turbomix:vq=2", *PRESET_CODECS])
 def test_empty_input_encodes_to_its_declared_finite_arrays(spec, backend):
     """No tokens or no heads: the declared (empty or per-group) arrays, all finite (a mean of
     no tokens was NaN), and an empty decode (turbomix's reference path failed to reshape)."""

@@ -59,6 +59,8 @@ def test_a_lossy_file_decoded_to_raw_says_so_through_every_rewrite(tmp_path, raw
         with pytest.raises(KvtoolError, match=r"already lossy \(turbo3\)"):
             refuse_requantizing(path, CodecPolicy.from_options(codec="turbo4"), "compressing")
     refuse_requantizing(dec, CodecPolicy.from_options(codec="raw"), "compressing")  # lossless
+    for cast in ("raw:dtype=float32", "raw:dtype=float16"):  # a cast quantizes nothing
+        refuse_requantizing(dec, CodecPolicy.from_options(codec=cast), "compressing")
 
 
 def test_exact_sinks_rewritten_wider_from_a_lossy_file_are_not_exact(tmp_path, raw32):

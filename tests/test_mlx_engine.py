@@ -327,6 +327,14 @@ def test_import_refuses_identities_and_layers_no_writer_makes(doc_cache, tmp_pat
     E.export_prompt_cache(bad, path)
     with pytest.raises(FormatError, match="model.weights is not a sha256"):
         E.import_prompt_cache(path)
+    bad = dataclasses.replace(doc_cache, model={**doc_cache.model, "dtype": "fp32"})
+    E.export_prompt_cache(bad, path)
+    with pytest.raises(FormatError, match="model.dtype is .fp32., not null"):
+        E.import_prompt_cache(path)  # was a ValueError of the .kvz writer, after the import
+    bad = dataclasses.replace(doc_cache, tokenizer_fingerprint=123)
+    E.export_prompt_cache(bad, path)
+    with pytest.raises(FormatError, match="tokenizer_fingerprint must be a string, not int"):
+        E.import_prompt_cache(path)
     path = _stock_file(doc_cache, tmp_path / "off.safetensors")
     real_load = mlx_cache.load_prompt_cache
 

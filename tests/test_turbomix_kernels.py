@@ -257,6 +257,14 @@ def test_ties_go_to_the_lowest_candidate_and_the_reference_path():
         assert rotation[0] == 0  # zeros: every candidate's error is 0
         if "center=true" in spec:
             assert rotation[1] == 0  # constant rows, centered to zeros
+    # subnormal rows: their squared errors underflow fp32 on every backend but were summed
+    # in float64 by the fused kernel, which then chose another rotation
+    tiny = (np.round(np.random.default_rng(1).standard_normal((2, 3, 64)) * 3)
+            * 2.0**-149).astype(np.float32)
+    for spec in ("turbomix:candidates=4", "turbomix:candidates=4,bits=2,trellis=true"):
+        fused, ref = get_codec(spec).encode(tiny), reference(spec).encode(tiny)
+        assert np.array_equal(np.asarray(fused.arrays["rotation"]), ref.arrays["rotation"])
+        agree(fused, ref)
 
 
 def test_nan_and_huge_inputs_are_refused_by_the_fused_path():

@@ -50,8 +50,10 @@ MIN_SCORED = 16  # scored tokens below which calibrate warns
 @click.command("calibrate")
 @click.option("--model", "model_name", default="default", show_default=True,
               help="'default' (SmolLM2-135M), a local HF model directory or a .gguf file.")
-@click.option("--bits", default=None, type=FiniteFloatRange(min=0, min_open=True),
-              help="Budget: mean bits/element over every layer's keys and values.")
+@click.option("--bits", default=None,
+              type=FiniteFloatRange(min=0, min_open=True, max=16, max_open=True),
+              help="Budget: mean bits/element over every layer's keys and values (below 16: "
+                   "at 16 a cache stays lossless).")
 @click.option("--preset", "presets", default=None,
               help="Instead of --bits: fit these presets (comma-separated, or 'all') to the "
                    "model: measure each preset's menu within its budget and keep the least "

@@ -61,6 +61,7 @@ def quantize_groups(xp: Any, x: Any, bits: int, group: int, axis: int, who: str)
     ``axis`` replaced by the number of groups.
     """
     n = x.shape[axis]
+    group = n if 0 < n < group else group  # one group either way: not padded to a huge size
     pad = (-n) % group
     xg = xp.pad_axis(x, axis, pad)
     ngroups = (n + pad) // group
@@ -79,6 +80,7 @@ def dequantize_groups(xp: Any, codes: Any, scale: Any, mn: Any, group: int, axis
     """Inverse of :func:`quantize_groups`: float32 shaped like ``codes``."""
     n = codes.shape[axis]
     ngroups = scale.shape[axis]
+    group = n if ngroups == 1 and 0 < n < group else group
     c = xp.astype(xp.pad_axis(codes, axis, ngroups * group - n), "float32")
     s, m = xp.astype(scale, "float32"), xp.astype(mn, "float32")
     if axis == -1:

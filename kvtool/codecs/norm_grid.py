@@ -18,8 +18,8 @@ def norm_codes(norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``ln(max/min) / 508`` (0.9% for a 100x range), far below the codebooks' error."""
     n = norms.astype(np.float64)
     positive = n > 0
-    lo = np.where(positive, n, np.inf).min(axis=1)
-    hi = n.max(axis=1)
+    lo = np.where(positive, n, np.inf).min(axis=1, initial=np.inf)  # (groups of no tokens)
+    hi = n.max(axis=1, initial=0.0)
     lo = np.where(np.isfinite(lo), lo, 0.0).astype(np.float16)
     hi = hi.astype(np.float16)
     log_lo, span = _log_range(lo, hi)

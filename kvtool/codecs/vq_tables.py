@@ -176,7 +176,7 @@ def pair_codes(unit: np.ndarray, bits: int) -> np.ndarray:
 
 def pair_values(codes: np.ndarray, bits: int) -> np.ndarray:
     """The unit-vector coordinates [..., dim] of pair codes [..., dim]."""
-    index = codes.reshape(*codes.shape[:-1], -1, 2).astype(np.int64)
+    index = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2).astype(np.int64)
     points = _pair_points(bits, codes.shape[-1])
     return points[(index[..., 0] << bits) + index[..., 1]].reshape(codes.shape)
 

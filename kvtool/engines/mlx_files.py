@@ -201,6 +201,14 @@ def _kvtool_metadata(path: str, user: dict[str, Any], meta: dict[str, str]) -> d
                "tokenizer_fingerprint": data.get("tokenizer_fingerprint")}
     except (TypeError, ValueError, KeyError) as e:
         raise FormatError(f"{path}: unreadable kvtool metadata ({e})") from None
+    from kvtool.identity import dtype_problem
+
+    problem = dtype_problem(out["model"])  # what a writer of .kvz files would refuse later
+    fingerprint = out["tokenizer_fingerprint"]
+    if problem or not isinstance(fingerprint, str | None):
+        raise FormatError(f"{path}: kvtool metadata: " + (
+            f"model info: {problem}" if problem else
+            f"tokenizer_fingerprint must be a string, not {type(fingerprint).__name__}"))
     if H_LOSSY_SOURCES in data:  # as in a .kvz header
         check_lossy_sources(data[H_LOSSY_SOURCES], f"{path}: kvtool metadata")
         out["lossy_sources"] = data[H_LOSSY_SOURCES]

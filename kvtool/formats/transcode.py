@@ -45,7 +45,7 @@ def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str,
     quantization's error adds to the first, unseen (the commands that do it take ``--force``).
     ``doing`` names what would, as in "compressing it again"; ``sources``: ``src``'s lossy
     sources (:meth:`~kvtool.formats.KvzFile.lossy_sources`), where it is not a .kvz file.
-    A narrowing cast alone (float32 to bfloat16) is no quantization."""
+    A cast alone (``raw`` of any dtype, in ``src`` or in ``policy``) is no quantization."""
     from kvtool.cache import is_cast
     from kvtool.errors import KvtoolError
 
@@ -53,7 +53,7 @@ def refuse_requantizing(src: str | os.PathLike, policy: CodecPolicy, doing: str,
         with open_kvz(src, verify=False) as f:
             sources = f.lossy_sources()
     lossy = sorted(c for c in sources if not is_cast(c))
-    if lossy and policy.is_lossy():
+    if lossy and any(c.codec_id != "raw" for c in policy.codecs()):
         raise KvtoolError(f"{src} is already lossy ({', '.join(lossy)}): {doing} quantizes "
                           "decoded values a second time; use the raw capture instead, or "
                           "pass --force")

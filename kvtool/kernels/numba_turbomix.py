@@ -212,7 +212,7 @@ def part_encode_kernel(x, tokens, channels, mean, signs, dense, fwht, quantizer,
                     for j in range(n):
                         for v in range(TILE):
                             diff = ub[j, v] - n16[b, v] * yhatb[j, v]
-                            e[v] += np.float64(diff) * np.float64(diff)
+                            e[v] += np.float64(diff * diff)  # squared in fp32, as every backend
                     err[c, r0:r0 + w] = e[:w]
                     if codes.shape[2]:  # none kept by select=scalar's probe
                         pack_tile(q[b], w, bits, packed, codes[c], r0)
