@@ -24,6 +24,12 @@ def set_verbosity(level: int) -> None:
     logging.getLogger("kvtool").setLevel(
         logging.DEBUG if level >= VERBOSE else logging.ERROR if level <= QUIET
         else logging.WARNING)
+    if level <= QUIET:  # results and errors only: other packages' notices too
+        import os
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch is imported
     if level >= VERBOSE:
         root = logging.getLogger("kvtool")
         if not root.handlers:

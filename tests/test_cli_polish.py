@@ -180,6 +180,17 @@ def test_quiet_verbose_and_progress(runner, monkeypatch):
     for _ in progress.bar(range(3), desc="work"):
         pass
     assert "work" in sys.stderr.getvalue()  # a bar on a terminal
+    # transformers' GGUF loader has a tqdm of its own: quiet (or off a terminal) hides it too
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+
+    from kvtool.models import transformers_quiet
+
+    real = gguf_loader.tqdm
+    for level, shown in ((progress.QUIET, False), (progress.NORMAL, True)):
+        progress.set_verbosity(level)
+        with transformers_quiet():
+            assert gguf_loader.tqdm(range(2)).disable is not shown
+        assert gguf_loader.tqdm is real
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert not progress.progress_enabled()  # not a terminal: no bar
     assert progress.bar(range(3)).disable

@@ -27,6 +27,7 @@ from typing import Any
 from kvtool.cache import KVCache
 from kvtool.engines.hf import GenerationResult, encode_text, recompute_ids
 from kvtool.errors import KvtoolError
+from kvtool.progress import progress_enabled
 
 CONNECTOR = "KvtoolConnector"
 CONNECTOR_MODULE = "kvtool.engines.vllm.connector"
@@ -135,7 +136,7 @@ def load_vllm(model: str = "default", dtype: str = "auto", *, max_model_len: int
         llm = LLM(model=str(location), dtype=dtype, max_model_len=max_model_len,
                   kv_cache_memory_bytes=kv_cache_memory_bytes, enforce_eager=True,
                   distributed_executor_backend="uni", enable_prefix_caching=prefix_caching,
-                  disable_log_stats=False,
+                  disable_log_stats=False, use_tqdm_on_load=progress_enabled(),
                   kv_transfer_config=KVTransferConfig(
                       kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
                       kv_role="kv_both", kv_load_failure_policy="recompute",
